@@ -1,0 +1,91 @@
+"""The ``ElasticTrainError`` hierarchy: the only home of elastictrain's exception types.
+
+Every error a user can cause or meet (bad input, an unreachable etcd, a corrupt
+checkpoint) is one of these, so the CLI can print a single line for it instead
+of a traceback. Rendezvous errors also subclass torch's ``RendezvousError``
+family, so torch's elastic agent handles them unchanged.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousStateError,
+)
+
+__all__ = [
+    "ElasticTrainError",
+    "ConfigError",
+    "DependencyError",
+    "EtcdError",
+    "EtcdUnavailableError",
+    "EtcdAuthError",
+    "EtcdServerError",
+    "RendezvousBackendError",
+    "CorruptRendezvousStateError",
+    "RunIdInUseError",
+    "CheckpointError",
+    "CorruptCheckpointError",
+    "NoCheckpointError",
+    "CheckpointMismatchError",
+]
+
+
+class ElasticTrainError(Exception):
+    """Base of every error elastictrain raises on purpose.
+
+    ``str(error)`` is a complete one-line explanation meant for the user.
+    """
+
+
+class ConfigError(ElasticTrainError, ValueError):
+    """A flag, environment variable or API argument has a value we refuse."""
+
+
+class DependencyError(ElasticTrainError, ImportError):
+    """A dependency is missing or cannot be imported (e.g. etcd3 under protobuf 4)."""
+
+
+class EtcdError(ElasticTrainError):
+    """Talking to etcd failed."""
+
+
+class EtcdUnavailableError(EtcdError, RendezvousConnectionError):
+    """No etcd endpoint answered within the retry deadline."""
+
+
+class EtcdAuthError(EtcdError, RendezvousConnectionError):
+    """etcd refused our credentials or TLS setup; retrying would not help."""
+
+
+class EtcdServerError(ElasticTrainError):
+    """The embedded etcd server could not be found, started or stopped."""
+
+
+class RendezvousBackendError(ElasticTrainError, RendezvousError):
+    """Base for rendezvous failures that are ours rather than etcd's."""
+
+
+class CorruptRendezvousStateError(RendezvousBackendError, RendezvousStateError):
+    """The rendezvous key holds bytes that elastictrain did not write."""
+
+
+class RunIdInUseError(ElasticTrainError):
+    """A run id is already live on this etcd and the caller did not ask to join it."""
+
+
+class CheckpointError(ElasticTrainError):
+    """Saving or restoring a checkpoint failed."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint's manifest or checksums do not verify."""
+
+
+class NoCheckpointError(CheckpointError):
+    """No committed checkpoint exists where one was required."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint does not fit the model/optimizer it is loaded into."""
