@@ -1,0 +1,3 @@
+from elastictrain.cli import main
+
+raise SystemExit(main())

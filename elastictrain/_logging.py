@@ -1,0 +1,25 @@
+"""Handler set-up for elastictrain's own processes (agent, launcher, etcd).
+
+Only :mod:`elastictrain.cli` calls :func:`setup`; library modules just use
+``logging.getLogger(__name__)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+__all__ = ["setup"]
+
+
+def setup(*, debug: bool = False, node: str | None = None) -> None:
+    """Send elastictrain's logs to stderr with a ``[elastictrain node=...]`` prefix."""
+    level = logging.DEBUG if debug else getattr(logging, os.environ.get("ELASTICTRAIN_LOG_LEVEL", "INFO").upper(), logging.INFO)
+    prefix = f"[elastictrain{' ' + node if node else ''}]"
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"{prefix} %(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+    root = logging.getLogger("elastictrain")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False

@@ -1,0 +1,260 @@
+"""``elastictrain`` command line: parse flags into a :class:`RunConfig` and launch.
+
+Subcommands:
+
+- ``run``: launch this node's agent (or ``--local-nodes N`` agents) for a script;
+  with no ``--etcd`` a private etcd server is started and stopped with the job.
+- ``etcd``: run an etcd server in the foreground, for multi-node trials on one
+  machine or a quick shared rendezvous point.
+
+Every flag falls back to ``ELASTICTRAIN_<FLAG>`` (``--min-nodes`` ->
+``ELASTICTRAIN_MIN_NODES``); a flag beats the variable, the variable beats the
+default. Errors are one line and a non-zero exit; ``--debug`` shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from elastictrain import _logging
+from elastictrain.config import RendezvousConfig, RunConfig, parse_duration
+from elastictrain.errors import ConfigError, ElasticTrainError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["build_parser", "main"]
+
+_EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of printing usage and exiting, so errors stay one line."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(message)
+
+
+def _env(dest: str, default: Any) -> Any:
+    return os.environ.get(f"ELASTICTRAIN_{dest.upper()}", default)
+
+
+def _add(parser: argparse.ArgumentParser, flag: str, *, default: Any, help: str, **kwargs: Any) -> None:
+    dest = flag.lstrip("-").replace("-", "_")
+    value = _env(dest, default)
+    shown = "none" if default is None else default
+    parser.add_argument(flag, dest=dest, default=value, help=f"{help} (default: {shown}; env ELASTICTRAIN_{dest.upper()})", **kwargs)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+def _kv_pairs(text: str) -> dict[str, str]:
+    pairs: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise argparse.ArgumentTypeError(f"expected key=value[,key=value...], got {item!r}")
+        pairs[key.strip()] = value.strip()
+    return pairs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = RendezvousConfig()
+    parser = _Parser(prog="elastictrain", description="Fault-tolerant elastic training for PyTorch.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    run = sub.add_parser(
+        "run",
+        help="launch an elastic training job",
+        description="Launch this node's elastic agent (or several local ones) for SCRIPT.",
+    )
+    run.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    _add(run, "--min-nodes", default=1, type=_positive_int, help="fewest nodes the job trains with")
+    _add(run, "--max-nodes", default=None, type=_positive_int, help="most nodes admitted; none means --min-nodes")
+    _add(run, "--nproc-per-node", default=1, type=_positive_int, help="workers (ranks) started on each node")
+    _add(run, "--etcd", default=None, help="etcd endpoints host:port[,host:port...]; none starts a private etcd on this machine")
+    run.add_argument("--standalone", action="store_true", help="force a private etcd even if ELASTICTRAIN_ETCD is set")
+    _add(run, "--run-id", default=None, help="job name shared by all its nodes; namespaces its etcd keys (required with --etcd)")
+    _add(run, "--max-restarts", default=3, type=_non_negative_int, help="worker-group restarts after failures before the job fails")
+    _add(run, "--local-nodes", default=None, type=_positive_int, help="start this many node agents on this machine (a multi-node job without several hosts)")
+    _add(run, "--local-addr", default=None, help="address other nodes reach this node at (default: this host's FQDN, 127.0.0.1 with a private etcd)")
+    _add(run, "--monitor-interval", default=0.1, type=float, help="seconds between the agent's checks of its workers")
+    _add(run, "--join-timeout", default=defaults.join_timeout.total_seconds(), type=float, help="seconds to wait for --min-nodes to gather")
+    _add(run, "--last-call-timeout", default=defaults.last_call_timeout.total_seconds(), type=float, help="extra seconds to wait for more nodes once --min-nodes are there")
+    _add(run, "--keep-alive-interval", default=defaults.keep_alive_interval.total_seconds(), type=float, help="seconds between node heartbeats; a node missing 3 is dead")
+    _add(run, "--rdzv-conf", default="", type=_kv_pairs, help="more rendezvous/etcd settings as key=value,... (e.g. ca_cert=...,request_timeout=5)")
+    _add(run, "--log-dir", default=None, help="directory for per-worker logs and error files")
+    run.add_argument("--node-name", default=None, help=argparse.SUPPRESS)
+    run.add_argument("script", help="training script (.py) each worker runs")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+    etcd = sub.add_parser("etcd", help="run an etcd server in the foreground", description="Run an etcd server until Ctrl-C.")
+    _add(etcd, "--host", default="127.0.0.1", help="address to listen on")
+    _add(etcd, "--port", default=2379, type=_positive_int, help="client port")
+    _add(etcd, "--data-dir", default=None, help="data directory (default: a temporary one, removed on exit)")
+    return parser
+
+
+def _run_config(args: argparse.Namespace, *, etcd: str, run_id: str, local_addr: str | None) -> RunConfig:
+    if isinstance(args.rdzv_conf, str):  # came from the environment, not through type=
+        args.rdzv_conf = _kv_pairs(args.rdzv_conf)
+    rdzv_keys = set(RendezvousConfig._KEYS)  # noqa: SLF001
+    rdzv_conf = {k: v for k, v in args.rdzv_conf.items() if k in rdzv_keys}
+    etcd_options = {k: v for k, v in args.rdzv_conf.items() if k not in rdzv_keys}
+    rdzv_conf.setdefault("join_timeout", args.join_timeout)
+    rdzv_conf.setdefault("last_call_timeout", args.last_call_timeout)
+    rdzv_conf.setdefault("keep_alive_interval", args.keep_alive_interval)
+    return RunConfig(
+        script=args.script,
+        script_args=tuple(args.script_args),
+        min_nodes=int(args.min_nodes),
+        max_nodes=int(args.max_nodes or args.min_nodes),
+        nproc_per_node=int(args.nproc_per_node),
+        run_id=run_id,
+        etcd=etcd,
+        max_restarts=int(args.max_restarts),
+        monitor_interval=parse_duration("--monitor-interval", args.monitor_interval, minimum=0.01),
+        local_addr=local_addr,
+        rendezvous=RendezvousConfig.from_mapping(rdzv_conf),
+        etcd_options=etcd_options,
+        log_dir=args.log_dir,
+    )
+
+
+def _node_args(args: argparse.Namespace, endpoint: str, run_id: str, local_addr: str | None) -> list[str]:
+    """Flags for each ``--local-nodes`` child: the parent's, with etcd and run id fixed."""
+    out = [
+        "--etcd", endpoint, "--run-id", run_id,
+        "--min-nodes", str(args.min_nodes), "--max-nodes", str(args.max_nodes or args.min_nodes),
+        "--nproc-per-node", str(args.nproc_per_node), "--max-restarts", str(args.max_restarts),
+        "--monitor-interval", str(args.monitor_interval), "--join-timeout", str(args.join_timeout),
+        "--last-call-timeout", str(args.last_call_timeout),
+        "--keep-alive-interval", str(args.keep_alive_interval),
+    ]
+    if args.rdzv_conf:
+        conf = args.rdzv_conf if isinstance(args.rdzv_conf, dict) else _kv_pairs(args.rdzv_conf)
+        out += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items())]
+    if local_addr:
+        out += ["--local-addr", local_addr]
+    if args.log_dir:
+        out += ["--log-dir", args.log_dir]
+    if args.debug:
+        out.append("--debug")
+    return [*out, args.script, *args.script_args]
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from elastictrain.etcd.server import EtcdServer
+
+    embedded = args.standalone or not args.etcd
+    etcd = None if embedded else args.etcd
+    if not embedded and not args.run_id:
+        raise ConfigError("--run-id is required with --etcd: every node of one job must pass the same one")
+    run_id = args.run_id or "local"
+    nodes_here = args.local_nodes or 1
+    if embedded and nodes_here < args.min_nodes:
+        raise ConfigError(
+            f"a private etcd serves only this machine, so --min-nodes {args.min_nodes} can never gather: "
+            f"pass --local-nodes {args.min_nodes}, or start `elastictrain etcd --host 0.0.0.0` and give "
+            "every node --etcd HOST:PORT"
+        )
+    local_addr = args.local_addr or ("127.0.0.1" if embedded else None)
+    # Validate everything before starting any process; a private etcd's address comes later.
+    config = _run_config(args, etcd=etcd or "127.0.0.1", run_id=run_id, local_addr=local_addr)
+
+    server: EtcdServer | None = None
+    try:
+        if embedded:
+            server = EtcdServer().start()
+            logger.info("private etcd at %s (stopped when the job ends)", server.endpoint)
+            endpoint = server.endpoint
+        else:
+            endpoint = etcd  # type: ignore[assignment]
+        if args.local_nodes:
+            from elastictrain.local_cluster import run_local_nodes
+
+            return run_local_nodes(args.local_nodes, _node_args(args, endpoint, run_id, local_addr))
+        from elastictrain.agent import launch
+
+        started = time.monotonic()
+        outcome = launch(config, endpoint)
+        level = logging.INFO if outcome.exit_code == 0 else logging.ERROR
+        logger.log(level, "%s (%.1fs)", outcome.summary, time.monotonic() - started)
+        return outcome.exit_code
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def _cmd_etcd(args: argparse.Namespace) -> int:
+    from elastictrain.etcd.server import EtcdServer, EtcdServerOptions
+
+    server = EtcdServer(EtcdServerOptions(host=args.host, client_port=int(args.port), data_dir=args.data_dir))
+    server.start()
+    print(f"etcd serving at {server.endpoint} (pid {server.pid}); Ctrl-C stops it", flush=True)
+    print(f"  nodes join with: elastictrain run --etcd {server.endpoint} --run-id NAME ...", flush=True)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    try:
+        while not stop and server.is_running():
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``elastictrain`` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = bool(os.environ.get("ELASTICTRAIN_DEBUG"))
+    try:
+        args = build_parser().parse_args(argv)
+        debug = debug or args.debug
+        _logging.setup(debug=debug, node=getattr(args, "node_name", None))
+        if args.command == "run":
+            return _cmd_run(args)
+        if args.command == "etcd":
+            return _cmd_etcd(args)
+        build_parser().print_help()
+        return _EXIT_USAGE
+    except ConfigError as exc:
+        if debug:
+            raise
+        print(f"elastictrain: error: {exc}", file=sys.stderr)
+        return _EXIT_USAGE
+    except ElasticTrainError as exc:
+        if debug:
+            raise
+        print(f"elastictrain: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("elastictrain: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
+

@@ -1,0 +1,219 @@
+"""Frozen configuration of a run, with validation and the defaults we chose.
+
+Durations are ``timedelta``. Every value is checked once, here; bad input raises
+:class:`~elastictrain.errors.ConfigError` naming the value.
+
+Rendezvous defaults differ from torch's on purpose (see README, "Defaults"):
+torch waits 30 s of ``last_call`` whenever fewer than ``max_nodes`` join and
+notices a dead node after 5 s x 3 missed heartbeats; we use 1 s and 1 s x 3, so
+a failed node costs seconds, not minutes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from elastictrain.errors import ConfigError
+from elastictrain.etcd.client import Endpoint, EtcdSettings, parse_endpoints
+from elastictrain.etcd.keys import validate_run_id
+
+__all__ = ["RendezvousConfig", "RunConfig", "etcd_settings_from", "parse_duration"]
+
+
+def parse_duration(name: str, value: Any, *, minimum: float = 0.0) -> timedelta:
+    """Read a duration in seconds (``int``/``float``/``str``/``timedelta``).
+
+    Raises:
+        ConfigError: Not a number, or below ``minimum`` seconds.
+    """
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    else:
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name} must be a number of seconds, got {value!r}") from None
+    if not seconds >= minimum:  # also rejects NaN
+        raise ConfigError(f"{name} must be at least {minimum:g} s, got {value!r}")
+    return timedelta(seconds=seconds)
+
+
+def _positive_int(name: str, value: Any) -> int:
+    try:
+        number = value if isinstance(value, int) else int(str(value).strip())
+    except ValueError:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}") from None
+    if number < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    return number
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RendezvousConfig:
+    """Timing of the dynamic rendezvous (torch's ``DynamicRendezvousHandler``)."""
+
+    join_timeout: timedelta = timedelta(seconds=600)
+    """How long a node waits for ``min_nodes`` to gather before giving up."""
+
+    last_call_timeout: timedelta = timedelta(seconds=1)
+    """Extra wait for latecomers once ``min_nodes`` are there (torch: 30 s)."""
+
+    close_timeout: timedelta = timedelta(seconds=10)
+    """How long closing the rendezvous may take."""
+
+    heartbeat_timeout: timedelta = timedelta(seconds=5)
+    """Deadline of one keep-alive write."""
+
+    keep_alive_interval: timedelta = timedelta(seconds=1)
+    """Period of each node's heartbeat (torch: 5 s)."""
+
+    keep_alive_max_attempt: int = 3
+    """Missed heartbeats after which a node counts as dead (dead after 3 s by default)."""
+
+    state_ttl: timedelta = timedelta(hours=2)
+    """Lifetime of the run's etcd keys once no node refreshes them."""
+
+    def __post_init__(self) -> None:
+        for name in ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
+                     "keep_alive_interval", "state_ttl"):
+            value = getattr(self, name)
+            if not isinstance(value, timedelta):
+                raise ConfigError(f"{name} must be a timedelta, got {value!r}")
+        if self.keep_alive_interval.total_seconds() <= 0:
+            raise ConfigError("keep_alive_interval must be positive")
+        if self.keep_alive_max_attempt < 2:
+            # With one attempt a single slow etcd write makes a live node declare
+            # itself (or a peer) dead: the flapping torch users hit with max_attempt=2 or less.
+            raise ConfigError(
+                f"keep_alive_max_attempt must be at least 2, got {self.keep_alive_max_attempt}"
+            )
+        if self.state_ttl.total_seconds() < 10:
+            raise ConfigError(f"state_ttl must be at least 10 s, got {self.state_ttl.total_seconds():g} s")
+
+    _KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
+             "keep_alive_interval", "keep_alive_max_attempt", "state_ttl")
+
+    @classmethod
+    def from_mapping(cls, conf: dict[str, Any]) -> RendezvousConfig:
+        """Build from ``--rdzv-conf``-style keys (values in seconds, strings allowed)."""
+        kwargs: dict[str, Any] = {}
+        for key in cls._KEYS:
+            if key in conf and conf[key] is not None:
+                if key == "keep_alive_max_attempt":
+                    kwargs[key] = _positive_int(key, conf[key])
+                else:
+                    kwargs[key] = parse_duration(key, conf[key])
+        return cls(**kwargs)
+
+    def as_mapping(self) -> dict[str, Any]:
+        """The inverse of :meth:`from_mapping` (seconds as floats)."""
+        out: dict[str, Any] = {}
+        for key in self._KEYS:
+            value = getattr(self, key)
+            out[key] = value.total_seconds() if isinstance(value, timedelta) else value
+        return out
+
+
+def etcd_settings_from(conf: dict[str, Any], endpoints: str) -> EtcdSettings:
+    """Build :class:`EtcdSettings` from an endpoint list and ``--rdzv-conf``-style keys.
+
+    TLS and auth come from the keys ``ca_cert``, ``cert``/``client_cert``,
+    ``key``/``client_key``, ``user``, ``password``, each falling back to
+    ``ELASTICTRAIN_ETCD_<KEY>``; a password should come from the environment,
+    not a command line that ``ps`` shows.
+    """
+
+    def pick(*keys: str) -> str | None:
+        for key in keys:
+            if conf.get(key):
+                return str(conf[key])
+        for key in keys:
+            env = os.environ.get(f"ELASTICTRAIN_ETCD_{key.upper()}")
+            if env:
+                return env
+        return None
+
+    try:
+        parsed: tuple[Endpoint, ...] = tuple(parse_endpoints(endpoints))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    kwargs: dict[str, Any] = {}
+    if conf.get("request_timeout") is not None:
+        kwargs["request_timeout"] = parse_duration("request_timeout", conf["request_timeout"], minimum=0.01)
+    if conf.get("retry_deadline") is not None:
+        kwargs["retry_deadline"] = parse_duration("retry_deadline", conf["retry_deadline"])
+    return EtcdSettings(
+        endpoints=parsed,
+        ca_cert=pick("ca_cert"),
+        cert_cert=pick("client_cert", "cert"),
+        cert_key=pick("client_key", "key"),
+        user=pick("user"),
+        password=pick("password"),
+        **kwargs,
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    """Everything ``elastictrain run`` needs to launch one node's agent."""
+
+    script: str
+    """Path of the training script each worker runs."""
+
+    script_args: tuple[str, ...] = ()
+    """Arguments passed to the script."""
+
+    min_nodes: int = 1
+    """Fewest nodes the job trains with."""
+
+    max_nodes: int = 1
+    """Most nodes admitted to the job."""
+
+    nproc_per_node: int = 1
+    """Workers (ranks) per node."""
+
+    run_id: str = "elastictrain"
+    """Names the job; namespaces its etcd keys."""
+
+    etcd: str | None = None
+    """``host:port[,host:port]`` of an etcd cluster; ``None`` starts a private one."""
+
+    max_restarts: int = 3
+    """Worker-group restarts allowed after failures (joins do not count)."""
+
+    monitor_interval: timedelta = timedelta(seconds=0.1)
+    """How often the agent polls its workers."""
+
+    local_addr: str | None = None
+    """Address other nodes reach this node at; ``None``: this host's FQDN."""
+
+    rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
+    """Rendezvous timing."""
+
+    etcd_options: dict[str, Any] = field(default_factory=dict)
+    """TLS/auth/timeouts for the etcd client (see :func:`etcd_settings_from`)."""
+
+    log_dir: str | None = None
+    """Where worker logs go; ``None``: inherit the terminal."""
+
+    def __post_init__(self) -> None:
+        for name in ("min_nodes", "max_nodes", "nproc_per_node"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.min_nodes > self.max_nodes:
+            raise ConfigError(
+                f"--min-nodes ({self.min_nodes}) must not exceed --max-nodes ({self.max_nodes})"
+            )
+        if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be a non-negative integer, got {self.max_restarts!r}")
+        validate_run_id(self.run_id)
+        if not os.path.isfile(self.script):
+            raise ConfigError(f"training script {self.script!r} does not exist")
+        if not self.script.endswith(".py"):
+            raise ConfigError(f"training script {self.script!r} is not a Python file (.py)")
+        if self.etcd is not None:
+            etcd_settings_from(self.etcd_options, self.etcd)  # validates the endpoint list

@@ -1,0 +1,355 @@
+"""The one place elastictrain talks to etcd: import, endpoints, failover and retries.
+
+``etcd3`` 0.12 (the newest release) ships protobuf stubs generated for protobuf 3;
+under protobuf 4+ importing it fails deep inside generated code. That import is
+done here and nowhere else, so the failure becomes one sentence saying how to
+fix it instead of a traceback.
+
+:class:`EtcdClient` wraps one ``etcd3`` client per endpoint. Every call goes
+through :meth:`EtcdClient.call`, which retries only transient gRPC failures
+(unavailable, deadline exceeded) with exponential back-off and jitter, moving to
+the next endpoint on each failure, until a total deadline; then it raises
+:class:`~elastictrain.errors.EtcdUnavailableError` naming every endpoint and
+the last error. Authentication and TLS failures are not retried.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import tenacity
+
+from elastictrain.errors import DependencyError, EtcdAuthError, EtcdUnavailableError
+
+if TYPE_CHECKING:
+    import etcd3 as etcd3_module
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Endpoint",
+    "EtcdClient",
+    "EtcdSettings",
+    "connect",
+    "import_etcd3",
+    "parse_endpoints",
+]
+
+_T = TypeVar("_T")
+
+DEFAULT_ETCD_PORT = 2379
+
+# gRPC's own reconnect back-off grows to 120 s by default: after an etcd restart a
+# client could sit out two minutes before even trying again. Keep it short; our
+# retry loop already paces the attempts.
+_GRPC_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.enable_retries", 0),
+]
+
+_etcd3: Any = None
+
+
+def import_etcd3() -> Any:
+    """Import and return the ``etcd3`` module, explaining any failure in one line.
+
+    Raises:
+        DependencyError: etcd3 is missing or cannot be imported.
+    """
+    global _etcd3
+    if _etcd3 is not None:
+        return _etcd3
+    try:
+        with warnings.catch_warnings():
+            # Its generated stubs use descriptor APIs protobuf 3.20 marks deprecated.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            import etcd3
+    except ModuleNotFoundError as exc:
+        raise DependencyError(
+            f"the python etcd client is not installed ({exc}); "
+            "run: pip install 'etcd3==0.12.0' 'protobuf<4'"
+        ) from exc
+    except TypeError as exc:
+        # protobuf >= 4 rejects the descriptors etcd3 0.12 generated for protobuf 3.
+        import google.protobuf
+
+        raise DependencyError(
+            f"etcd3 0.12 cannot run on protobuf {google.protobuf.__version__}; "
+            "run: pip install 'protobuf<4' (or set "
+            "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python, which is slower)"
+        ) from exc
+    _etcd3 = etcd3
+    return etcd3
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One etcd client URL, reduced to host and port."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def parse_endpoints(text: str) -> list[Endpoint]:
+    """Parse ``host:port[,host:port...]`` (``http(s)://`` prefixes allowed).
+
+    Args:
+        text: Comma-separated endpoints. A missing port means 2379.
+
+    Returns:
+        The endpoints, in the order given (that is the failover order).
+
+    Raises:
+        ValueError: An endpoint is empty or its port is not a number in 1..65535.
+    """
+    endpoints = []
+    for raw in text.split(","):
+        item = raw.strip()
+        for scheme in ("http://", "https://"):
+            if item.startswith(scheme):
+                item = item[len(scheme):]
+        item = item.rstrip("/")
+        if not item:
+            raise ValueError(f"malformed etcd endpoint list {text!r}: empty endpoint")
+        if item.startswith("["):  # [ipv6]:port
+            host, _, rest = item[1:].partition("]")
+            port_text = rest[1:] if rest.startswith(":") else ""
+        elif item.count(":") == 1:
+            host, port_text = item.split(":")
+        elif ":" in item:  # bare IPv6 address, no port
+            host, port_text = item, ""
+        else:
+            host, port_text = item, ""
+        if not host:
+            raise ValueError(f"malformed etcd endpoint {raw.strip()!r}: no host")
+        if port_text == "":
+            port = DEFAULT_ETCD_PORT
+        elif port_text.isdigit() and 0 < int(port_text) < 65536:
+            port = int(port_text)
+        else:
+            raise ValueError(
+                f"malformed etcd endpoint {raw.strip()!r}: port must be a number in 1..65535"
+            )
+        endpoints.append(Endpoint(host, port))
+    return endpoints
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EtcdSettings:
+    """How to reach etcd and how hard to try."""
+
+    endpoints: tuple[Endpoint, ...]
+    """Members to try, in failover order."""
+
+    request_timeout: timedelta = timedelta(seconds=5)
+    """Deadline of a single gRPC request."""
+
+    retry_deadline: timedelta = timedelta(seconds=30)
+    """Total time one operation may spend retrying transient failures."""
+
+    ca_cert: str | None = None
+    """CA bundle that signed the etcd server certificates; enables TLS."""
+
+    cert_cert: str | None = None
+    """Client certificate for mutual TLS."""
+
+    cert_key: str | None = None
+    """Private key of ``cert_cert``."""
+
+    user: str | None = None
+    """etcd user for password authentication."""
+
+    password: str | None = field(default=None, repr=False)
+    """Password of ``user``; never logged (``repr=False``)."""
+
+    def describe(self) -> str:
+        return ",".join(str(e) for e in self.endpoints)
+
+
+def _grpc_code_name(exc: BaseException) -> str | None:
+    code = getattr(exc, "code", None)
+    if callable(code):
+        try:
+            return code().name
+        except Exception:  # noqa: BLE001 - a broken error object tells us nothing
+            return None
+    return None
+
+
+class EtcdClient:
+    """A fail-over, retrying front to one ``etcd3`` client per endpoint.
+
+    Thread-safe: the heartbeat thread of a rendezvous handler and the agent's
+    main thread share one instance.
+    """
+
+    def __init__(self, settings: EtcdSettings) -> None:
+        if not settings.endpoints:
+            raise ValueError("at least one etcd endpoint is required")
+        self._settings = settings
+        self._etcd3 = import_etcd3()
+        self._lock = threading.Lock()
+        self._clients: dict[int, Any] = {}
+        self._current = 0
+
+    @property
+    def settings(self) -> EtcdSettings:
+        return self._settings
+
+    @property
+    def current_endpoint(self) -> Endpoint:
+        return self._settings.endpoints[self._current]
+
+    @property
+    def transactions(self) -> Any:
+        """The ``etcd3`` transaction builders (compare and operation constructors)."""
+        return self._etcd3.client.Transactions()
+
+    def _client_for(self, index: int) -> Any:
+        with self._lock:
+            client = self._clients.get(index)
+            if client is None:
+                endpoint = self._settings.endpoints[index]
+                client = self._etcd3.client(
+                    host=endpoint.host,
+                    port=endpoint.port,
+                    ca_cert=self._settings.ca_cert,
+                    cert_key=self._settings.cert_key,
+                    cert_cert=self._settings.cert_cert,
+                    timeout=self._settings.request_timeout.total_seconds(),
+                    user=self._settings.user,
+                    password=self._settings.password,
+                    grpc_options=_GRPC_OPTIONS,
+                )
+                self._clients[index] = client
+            return client
+
+    def _fail_over(self, index: int, exc: BaseException) -> None:
+        with self._lock:
+            if self._current == index:
+                nxt = (index + 1) % len(self._settings.endpoints)
+                if nxt != index:
+                    logger.warning(
+                        "etcd endpoint %s failed (%s); failing over to %s",
+                        self._settings.endpoints[index],
+                        _describe(exc),
+                        self._settings.endpoints[nxt],
+                    )
+                self._current = nxt
+
+    def _is_transient(self, exc: BaseException) -> bool:
+        errors = self._etcd3.exceptions
+        if isinstance(exc, (errors.ConnectionFailedError, errors.ConnectionTimeoutError)):
+            return True
+        return _grpc_code_name(exc) in {"UNAVAILABLE", "DEADLINE_EXCEEDED"}
+
+    def _is_auth_failure(self, exc: BaseException) -> bool:
+        return _grpc_code_name(exc) in {"UNAUTHENTICATED", "PERMISSION_DENIED"}
+
+    def call(self, operation: Callable[[Any], _T], what: str = "etcd request") -> _T:
+        """Run ``operation(etcd3_client)`` with failover and bounded retries.
+
+        Args:
+            operation: Receives the ``etcd3`` client of the current endpoint.
+            what: Names the operation in errors and logs.
+
+        Returns:
+            Whatever ``operation`` returns.
+
+        Raises:
+            EtcdUnavailableError: No endpoint answered within ``retry_deadline``.
+            EtcdAuthError: etcd refused our credentials or TLS setup.
+        """
+        last: list[tuple[Endpoint, BaseException]] = []
+
+        def attempt() -> _T:
+            index = self._current
+            try:
+                return operation(self._client_for(index))
+            except Exception as exc:
+                last.append((self._settings.endpoints[index], exc))
+                if self._is_transient(exc):
+                    self._fail_over(index, exc)
+                    with self._lock:  # a channel in a bad state is rebuilt next time
+                        stale = self._clients.pop(index, None)
+                    if stale is not None:
+                        _close_quietly(stale)
+                raise
+
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(self._is_transient),
+            wait=tenacity.wait_random_exponential(multiplier=0.05, max=2.0),
+            stop=tenacity.stop_before_delay(self._settings.retry_deadline.total_seconds()),
+            reraise=True,
+        )
+        try:
+            return retrying(attempt)
+        except Exception as exc:
+            if self._is_auth_failure(exc):
+                raise EtcdAuthError(
+                    f"etcd at {self.current_endpoint} refused {what}: {_describe(exc)} "
+                    "(check --etcd-user/--etcd-password and certificates)"
+                ) from exc
+            if self._is_transient(exc):
+                tried = ", ".join(sorted({f"{ep} ({_describe(e)})" for ep, e in last}))
+                raise EtcdUnavailableError(
+                    f"etcd unreachable for {what} after "
+                    f"{self._settings.retry_deadline.total_seconds():g}s: {tried}"
+                ) from exc
+            if isinstance(exc, self._etcd3.exceptions.Etcd3Exception) or _grpc_code_name(exc):
+                raise EtcdUnavailableError(
+                    f"etcd at {self.current_endpoint} failed {what}: {_describe(exc)}"
+                ) from exc
+            raise
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            _close_quietly(client)
+
+
+def _close_quietly(client: Any) -> None:
+    try:
+        client.close()
+    except Exception:  # noqa: BLE001 - closing a dead channel must not mask the real error
+        logger.debug("closing an etcd channel failed", exc_info=True)
+
+
+def _describe(exc: BaseException) -> str:
+    """A short human description of an etcd/gRPC failure."""
+    details = getattr(exc, "details", None)
+    if callable(details):
+        try:
+            text = details()
+        except Exception:  # noqa: BLE001
+            text = None
+        name = _grpc_code_name(exc)
+        if text:
+            return f"{name}: {text}" if name else str(text)
+    text = str(exc).strip()
+    return text or type(exc).__name__
+
+
+def connect(settings: EtcdSettings) -> EtcdClient:
+    """Build an :class:`EtcdClient` and check that some endpoint answers.
+
+    Raises:
+        EtcdUnavailableError: No endpoint answered within the retry deadline.
+        EtcdAuthError: etcd refused our credentials or TLS setup.
+    """
+    client = EtcdClient(settings)
+    client.call(lambda c: c.status(), what="a status check")
+    return client
+

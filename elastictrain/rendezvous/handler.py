@@ -1,0 +1,110 @@
+"""Build torch's ``DynamicRendezvousHandler`` on the etcd v3 backend and store.
+
+This is the function torch's handler registry calls for ``--rdzv-backend etcd3``
+(from ``elastictrain run`` and from stock ``torchrun`` alike).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+
+from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousParameters
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousTimeout,
+)
+
+from elastictrain.config import RendezvousConfig, etcd_settings_from
+from elastictrain.errors import ConfigError
+from elastictrain.etcd.client import EtcdClient
+from elastictrain.etcd.keys import validate_run_id
+from elastictrain.etcd.lease import RunLease
+from elastictrain.rendezvous.etcd3_backend import Etcd3RendezvousBackend
+from elastictrain.rendezvous.etcd3_store import Etcd3Store
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Etcd3RendezvousHandler", "create_handler"]
+
+_NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+@contextlib.contextmanager
+def _unshared_tcp_store() -> Iterator[None]:
+    # torch 2.13 reads this variable inside next_rendezvous() to decide whether
+    # rank 0's *agent* hosts the workers' TCPStore for the whole job. That store
+    # dies with that agent and keeps dead workers' keys across restarts
+    # (pytorch/pytorch#135712). Unshared, each round's global rank-0 worker hosts a
+    # fresh store on a fresh port, announced through etcd.
+    previous = os.environ.get(_NO_SHARED_STORE)
+    os.environ[_NO_SHARED_STORE] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(_NO_SHARED_STORE, None)
+        else:
+            os.environ[_NO_SHARED_STORE] = previous
+
+
+class Etcd3RendezvousHandler(DynamicRendezvousHandler):
+    """torch's dynamic rendezvous, with each round bootstrapped from etcd alone."""
+
+    @property
+    def use_agent_store(self) -> bool:
+        """See base class. Always ``False``: no agent hosts a store that outlives a round."""
+        return False
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """See base class."""
+        with _unshared_tcp_store():
+            return super().next_rendezvous()
+
+    @property
+    def round(self) -> int:
+        """The rendezvous round this node last saw."""
+        return self._state_holder.state.round
+
+
+def create_handler(params: RendezvousParameters) -> Etcd3RendezvousHandler:
+    """Create the ``etcd3`` rendezvous handler from torch's rendezvous parameters.
+
+    ``params.endpoint`` is ``host:port[,host:port...]``. Keys of ``params.config``
+    (``--rdzv-conf`` in torchrun) are those of :class:`RendezvousConfig` (seconds)
+    and of :func:`elastictrain.config.etcd_settings_from` (TLS, auth, timeouts).
+
+    Raises:
+        ConfigError: A parameter is invalid.
+        EtcdUnavailableError: No etcd endpoint answered.
+    """
+    if not params.endpoint:
+        raise ConfigError("the etcd3 rendezvous backend needs an endpoint (--rdzv-endpoint HOST:PORT)")
+    validate_run_id(params.run_id)
+    rdzv = RendezvousConfig.from_mapping(params.config)
+    client = EtcdClient(etcd_settings_from(params.config, params.endpoint))
+    # Fail here, with the endpoint named, rather than deep inside the first join.
+    client.call(lambda c: c.status(), what="connecting")
+    lease = RunLease(client, rdzv.state_ttl)
+    backend = Etcd3RendezvousBackend(client, params.run_id, lease=lease)
+    store = Etcd3Store(client, params.run_id, lease, timeout=rdzv.join_timeout)
+    timeout = RendezvousTimeout(
+        join=rdzv.join_timeout,
+        last_call=rdzv.last_call_timeout,
+        close=rdzv.close_timeout,
+        heartbeat=rdzv.heartbeat_timeout,
+    )
+    return Etcd3RendezvousHandler.from_backend(
+        params.run_id,
+        store,
+        backend,
+        params.min_nodes,
+        params.max_nodes,
+        params.local_addr,
+        timeout,
+        # torch types these as int but only builds timedeltas from them: fractions work.
+        keep_alive_interval=rdzv.keep_alive_interval.total_seconds(),  # type: ignore[arg-type]
+        keep_alive_max_attempt=rdzv.keep_alive_max_attempt,
+    )

@@ -1,0 +1,98 @@
+"""End-to-end launches: real agents, real workers on gloo, a real etcd."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import REPO_ROOT, subprocess_env
+
+SCRIPT = str(REPO_ROOT / "tests" / "scripts" / "ddp_steps.py")
+
+
+def elastictrain(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "elastictrain", *args],
+        capture_output=True, text=True, timeout=timeout, env=subprocess_env(**env), cwd=REPO_ROOT,
+    )
+
+
+def read_ranks(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))]
+
+
+def test_two_local_nodes_train_ddp_steps_and_exit_zero(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = elastictrain("run", "--local-nodes", "2", "--min-nodes", "2", "--max-nodes", "2", SCRIPT, str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = read_ranks(out)
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert {r["world_size"] for r in ranks} == {2}
+    assert sorted(r["group_rank"] for r in ranks) == [0, 1]
+    assert ranks[0]["params"] == ranks[1]["params"]  # DDP kept replicas in sync
+    assert "run 'local' finished" in result.stderr
+
+
+def test_stock_torchrun_with_etcd3_backend_trains(etcd_server: Any, run_id: str, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "etcd3",
+              "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id, "--local-addr", "127.0.0.1",
+              "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=1", SCRIPT, str(out)]
+    procs = [subprocess.Popen([*torchrun, *common], env=subprocess_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    ranks = read_ranks(out)
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    assert ranks[0]["run_id"] == run_id
+
+
+def test_failing_worker_exhausts_restarts_and_job_exits_with_its_code(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = elastictrain("run", "--max-restarts", "1", SCRIPT, str(out), "--fail-rank", "0", "--fail-exit-code", "7")
+    assert result.returncode == 7
+    last = result.stderr.strip().splitlines()[-1]
+    assert "worker rank 0" in last and "exited with code 7" in last and "1 restart" in last
+    assert sorted(p.name for p in out.glob("pid-0-*")) == ["pid-0-0", "pid-0-1"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purpose (it no longer runs).
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_worker_dies_when_its_agent_is_killed(etcd_server: Any, run_id: str, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "elastictrain", "run", "--etcd", etcd_server.endpoint, "--run-id", run_id,
+         SCRIPT, str(out), "--sleep", "60"],
+        env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    pid_file = out / "pid-0-0"
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    worker = int(pid_file.read_text())
+    assert _alive(worker)
+    agent.send_signal(signal.SIGKILL)
+    agent.wait()
+    deadline = time.monotonic() + 10
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(worker), "the worker outlived its SIGKILLed agent"
