@@ -176,16 +176,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if not embedded and not args.run_id:
         raise ConfigError("--run-id is required with --etcd: every node of one job must pass the same one")
     run_id = args.run_id or "local"
-    nodes_here = args.local_nodes or 1
-    if embedded and nodes_here < args.min_nodes:
-        raise ConfigError(
-            f"a private etcd serves only this machine, so --min-nodes {args.min_nodes} can never gather: "
-            f"pass --local-nodes {args.min_nodes}, or start `elastictrain etcd --host 0.0.0.0` and give "
-            "every node --etcd HOST:PORT"
-        )
     local_addr = args.local_addr or ("127.0.0.1" if embedded else None)
     # Validate everything before starting any process; a private etcd's address comes later.
     config = _run_config(args, etcd=etcd or "127.0.0.1", run_id=run_id, local_addr=local_addr)
+    nodes_here = args.local_nodes or 1
+    if embedded and nodes_here < config.min_nodes:
+        raise ConfigError(
+            f"a private etcd serves only this machine, so --min-nodes {config.min_nodes} can never gather: "
+            f"pass --local-nodes {config.min_nodes}, or start `elastictrain etcd --host 0.0.0.0` and give "
+            "every node --etcd HOST:PORT"
+        )
 
     server: EtcdServer | None = None
     try:

@@ -329,6 +329,10 @@ def _close_quietly(client: Any) -> None:
 
 def _describe(exc: BaseException) -> str:
     """A short human description of an etcd/gRPC failure."""
+    # etcd3 re-raises gRPC errors as its own bare types; the gRPC one says why.
+    inner = exc.__cause__ or exc.__context__
+    if inner is not None and callable(getattr(inner, "details", None)):
+        exc = inner
     details = getattr(exc, "details", None)
     if callable(details):
         try:

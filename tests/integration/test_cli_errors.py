@@ -1,0 +1,76 @@
+"""Bad input: one line on stderr, a non-zero exit, no traceback, nothing started."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastictrain.cli import main
+from tests.conftest import REPO_ROOT, subprocess_env
+
+SCRIPT = str(REPO_ROOT / "examples" / "mlp.py")
+
+CASES = [
+    (["run", "--min-nodes", "3", "--max-nodes", "2", SCRIPT], 2, "--min-nodes (3) must not exceed --max-nodes (2)"),
+    (["run", "--min-nodes", "0", SCRIPT], 2, "--min-nodes: expected a positive integer, got '0'"),
+    (["run", "--nproc-per-node", "-1", SCRIPT], 2, "--nproc-per-node: expected a positive integer"),
+    (["run", "--max-restarts", "x", SCRIPT], 2, "--max-restarts: expected a non-negative integer"),
+    (["run", "missing_script.py"], 2, "training script 'missing_script.py' does not exist"),
+    (["run", str(REPO_ROOT / "pyproject.toml")], 2, "is not a Python file"),
+    (["run", "--etcd", "host:notaport", "--run-id", "x", SCRIPT], 2, "malformed etcd endpoint 'host:notaport'"),
+    (["run", "--etcd", "a:1,,b:2", "--run-id", "x", SCRIPT], 2, "empty endpoint"),
+    (["run", "--etcd", "127.0.0.1:2379", SCRIPT], 2, "--run-id is required with --etcd"),
+    (["run", "--run-id", "a/b", SCRIPT], 2, "run id 'a/b' may hold only"),
+    (["run", "--min-nodes", "2", SCRIPT], 2, "pass --local-nodes 2"),
+    (["run", "--rdzv-conf", "last_call_timeout=abc", SCRIPT], 2, "last_call_timeout must be a number of seconds"),
+    (["run", "--rdzv-conf", "keep_alive_max_attempt=1", SCRIPT], 2, "keep_alive_max_attempt must be at least 2"),
+    (["frobnicate"], 2, "invalid choice: 'frobnicate'"),
+]
+
+
+@pytest.mark.parametrize(("argv", "code", "message"), CASES, ids=[" ".join(c[0][:3]) for c in CASES])
+def test_bad_input_prints_one_line_and_exits_non_zero(
+    argv: list[str], code: int, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("elastictrain: error: ")
+    assert message in err[0]
+
+
+def test_unreachable_etcd_names_the_endpoint_and_exits_one(capsys: pytest.CaptureFixture[str]) -> None:
+    from elastictrain.etcd.server import free_port
+
+    port = free_port()
+    argv = ["run", "--etcd", f"127.0.0.1:{port}", "--run-id", "x", "--rdzv-conf", "retry_deadline=1", SCRIPT]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert f"etcd unreachable for connecting after 1s: 127.0.0.1:{port}" in err[0]
+    assert "Connection refused" in err[0]
+
+
+def test_bad_input_in_a_real_process_shows_no_traceback(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "elastictrain", "run", "--min-nodes", "3", "--max-nodes", "2", SCRIPT],
+        capture_output=True, text=True, timeout=60, env=subprocess_env(),
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "elastictrain: error: --min-nodes (3) must not exceed --max-nodes (2)"
+    ]
+
+
+def test_flags_fall_back_to_environment_variables(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("ELASTICTRAIN_MIN_NODES", "3")
+    monkeypatch.setenv("ELASTICTRAIN_MAX_NODES", "2")
+    assert main(["run", SCRIPT]) == 2
+    assert "--min-nodes (3) must not exceed --max-nodes (2)" in capsys.readouterr().err
+    # A flag beats the variable.
+    assert main(["run", "--max-nodes", "4", "--min-nodes", "5", SCRIPT]) == 2
+    assert "--min-nodes (5) must not exceed --max-nodes (4)" in capsys.readouterr().err
