@@ -109,7 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add(run, "--keep-alive-interval", default=defaults.keep_alive_interval.total_seconds(), type=float, help="seconds between node heartbeats; a node missing 3 is dead")
     _add(run, "--rdzv-conf", default="", type=_kv_pairs, help="more rendezvous/etcd settings as key=value,... (e.g. ca_cert=...,request_timeout=5)")
     _add(run, "--log-dir", default=None, help="directory for per-worker logs and error files")
+    _add(run, "--etcd-ca-cert", default=None, help="CA certificate that signed etcd's server certificate; enables TLS")
+    _add(run, "--etcd-cert", default=None, help="client certificate for etcd mutual TLS")
+    _add(run, "--etcd-key", default=None, help="private key of --etcd-cert")
+    _add(run, "--etcd-user", default=None, help="etcd user; its password comes from ELASTICTRAIN_ETCD_PASSWORD only")
     run.add_argument("--node-name", default=None, help=argparse.SUPPRESS)
+    run.set_defaults(run_parser=run)
     run.add_argument("script", help="training script (.py) each worker runs")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -121,11 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_config(args: argparse.Namespace, *, etcd: str, run_id: str, local_addr: str | None) -> RunConfig:
-    if isinstance(args.rdzv_conf, str):  # came from the environment, not through type=
-        args.rdzv_conf = _kv_pairs(args.rdzv_conf)
     rdzv_keys = set(RendezvousConfig._KEYS)  # noqa: SLF001
     rdzv_conf = {k: v for k, v in args.rdzv_conf.items() if k in rdzv_keys}
     etcd_options = {k: v for k, v in args.rdzv_conf.items() if k not in rdzv_keys}
+    for key, value in (("ca_cert", args.etcd_ca_cert), ("client_cert", args.etcd_cert),
+                       ("client_key", args.etcd_key), ("user", args.etcd_user)):
+        if value:
+            etcd_options[key] = value
     rdzv_conf.setdefault("join_timeout", args.join_timeout)
     rdzv_conf.setdefault("last_call_timeout", args.last_call_timeout)
     rdzv_conf.setdefault("keep_alive_interval", args.keep_alive_interval)
@@ -146,25 +153,31 @@ def _run_config(args: argparse.Namespace, *, etcd: str, run_id: str, local_addr:
     )
 
 
-def _node_args(args: argparse.Namespace, endpoint: str, run_id: str, local_addr: str | None) -> list[str]:
-    """Flags for each ``--local-nodes`` child: the parent's, with etcd and run id fixed."""
-    out = [
-        "--etcd", endpoint, "--run-id", run_id,
-        "--min-nodes", str(args.min_nodes), "--max-nodes", str(args.max_nodes or args.min_nodes),
-        "--nproc-per-node", str(args.nproc_per_node), "--max-restarts", str(args.max_restarts),
-        "--monitor-interval", str(args.monitor_interval), "--join-timeout", str(args.join_timeout),
-        "--last-call-timeout", str(args.last_call_timeout),
-        "--keep-alive-interval", str(args.keep_alive_interval),
-    ]
-    if args.rdzv_conf:
-        conf = args.rdzv_conf if isinstance(args.rdzv_conf, dict) else _kv_pairs(args.rdzv_conf)
-        out += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items())]
+# Flags a --local-nodes child must not inherit: the parent decides them for it.
+_PARENT_ONLY = {"local_nodes", "standalone", "etcd", "run_id", "local_addr", "node_name", "help"}
+
+
+def _node_args(run_parser: argparse.ArgumentParser, args: argparse.Namespace, *,
+               endpoint: str, run_id: str, local_addr: str | None) -> list[str]:
+    """``elastictrain run`` arguments for each ``--local-nodes`` child: the parent's own
+    flags (every one, so a new flag cannot be forgotten here) with etcd, run id and
+    address fixed by the parent."""
+    out = ["--etcd", endpoint, "--run-id", run_id]
     if local_addr:
         out += ["--local-addr", local_addr]
-    if args.log_dir:
-        out += ["--log-dir", args.log_dir]
-    if args.debug:
-        out.append("--debug")
+    for action in run_parser._actions:  # noqa: SLF001 - argparse offers no public list
+        if not action.option_strings or action.dest in _PARENT_ONLY:
+            continue
+        value = getattr(args, action.dest)
+        flag = action.option_strings[-1]
+        if isinstance(action, argparse._StoreTrueAction):  # noqa: SLF001
+            if value:
+                out.append(flag)
+        elif isinstance(value, dict):
+            if value:
+                out.append(f"{flag}={','.join(f'{k}={v}' for k, v in value.items())}")
+        elif value is not None:
+            out.append(f"{flag}={value}")
     return [*out, args.script, *args.script_args]
 
 
@@ -198,7 +211,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if args.local_nodes:
             from elastictrain.local_cluster import run_local_nodes
 
-            return run_local_nodes(args.local_nodes, _node_args(args, endpoint, run_id, local_addr))
+            node_args = _node_args(args.run_parser, args, endpoint=endpoint, run_id=run_id, local_addr=local_addr)
+            return run_local_nodes(args.local_nodes, node_args)
         from elastictrain.agent import launch
 
         started = time.monotonic()

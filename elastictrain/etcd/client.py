@@ -16,6 +16,7 @@ the last error. Authentication and TLS failures are not retried.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import warnings
 from collections.abc import Callable
@@ -67,6 +68,9 @@ def import_etcd3() -> Any:
     global _etcd3
     if _etcd3 is not None:
         return _etcd3
+    # gRPC's C core logs every failed TLS handshake to stderr at INFO; our errors
+    # already say what failed. An explicit GRPC_VERBOSITY still wins.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     try:
         with warnings.catch_warnings():
             # Its generated stubs use descriptor APIs protobuf 3.20 marks deprecated.
@@ -232,6 +236,11 @@ class EtcdClient:
                     password=self._settings.password,
                     grpc_options=_GRPC_OPTIONS,
                 )
+                if not client.uses_secure_channel:
+                    # etcd3 0.12 sends the auth token both as metadata and as gRPC call
+                    # credentials; current gRPC refuses call credentials on a plain-text
+                    # channel, and etcd reads the metadata anyway.
+                    client.call_credentials = None
                 self._clients[index] = client
             return client
 
@@ -249,13 +258,14 @@ class EtcdClient:
                 self._current = nxt
 
     def _is_transient(self, exc: BaseException) -> bool:
+        if _is_expired_token(exc) or _is_expired_token(exc.__cause__ or exc.__context__ or exc):
+            return True  # the channel is rebuilt, which authenticates anew
+        if _is_auth_failure(exc):
+            return False  # retrying a refused certificate or password only floods etcd
         errors = self._etcd3.exceptions
         if isinstance(exc, (errors.ConnectionFailedError, errors.ConnectionTimeoutError)):
             return True
         return _grpc_code_name(exc) in {"UNAVAILABLE", "DEADLINE_EXCEEDED"}
-
-    def _is_auth_failure(self, exc: BaseException) -> bool:
-        return _grpc_code_name(exc) in {"UNAUTHENTICATED", "PERMISSION_DENIED"}
 
     def call(self, operation: Callable[[Any], _T], what: str = "etcd request") -> _T:
         """Run ``operation(etcd3_client)`` with failover and bounded retries.
@@ -296,10 +306,10 @@ class EtcdClient:
         try:
             return retrying(attempt)
         except Exception as exc:
-            if self._is_auth_failure(exc):
+            if _is_auth_failure(exc):
                 raise EtcdAuthError(
                     f"etcd at {self.current_endpoint} refused {what}: {_describe(exc)} "
-                    "(check --etcd-user/--etcd-password and certificates)"
+                    "(check the etcd user and password, and the TLS CA and client certificate)"
                 ) from exc
             if self._is_transient(exc):
                 tried = ", ".join(sorted({f"{ep} ({_describe(e)})" for ep, e in last}))
@@ -318,6 +328,33 @@ class EtcdClient:
             clients, self._clients = list(self._clients.values()), {}
         for client in clients:
             _close_quietly(client)
+
+
+# What gRPC says when TLS itself is misconfigured (wrong CA, refused client
+# certificate). A handshake cut short by a server that is starting or stopping
+# says "Handshake read failed" instead, and stays transient.
+_TLS_FAILURE_MARKERS = ("ssl_error_ssl", "tsi_protocol_failure", "certificate_verify_failed")
+
+
+def _is_expired_token(exc: BaseException) -> bool:
+    """etcd forgot our auth token (its TTL passed, or etcd restarted): log in again."""
+    return "invalid auth token" in _describe(exc).lower()
+
+
+def _is_auth_failure(exc: BaseException) -> bool:
+    """A refused password, token or certificate (also when etcd3 wrapped the gRPC error)."""
+    for err in (exc, exc.__cause__ or exc.__context__):
+        if err is None:
+            continue
+        code = _grpc_code_name(err)
+        text = _describe(err).lower()
+        if code in {"UNAUTHENTICATED", "PERMISSION_DENIED"} and not _is_expired_token(err):
+            return True
+        if code == "INVALID_ARGUMENT" and ("authentication failed" in text or "user name is empty" in text):
+            return True
+        if code == "UNAVAILABLE" and any(marker in text for marker in _TLS_FAILURE_MARKERS):
+            return True
+    return False
 
 
 def _close_quietly(client: Any) -> None:
