@@ -14,7 +14,9 @@ from collections.abc import Iterator
 from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousParameters
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
+    RendezvousSettings,
     RendezvousTimeout,
+    _BackendRendezvousStateHolder,
 )
 
 from elastictrain.config import RendezvousConfig, etcd_settings_from
@@ -23,6 +25,7 @@ from elastictrain.etcd.client import EtcdClient
 from elastictrain.etcd.keys import validate_run_id
 from elastictrain.etcd.lease import RunLease
 from elastictrain.rendezvous.etcd3_backend import Etcd3RendezvousBackend
+from elastictrain.rendezvous import _state_watch
 from elastictrain.rendezvous.etcd3_store import Etcd3Store
 
 logger = logging.getLogger(__name__)
@@ -50,8 +53,25 @@ def _unshared_tcp_store() -> Iterator[None]:
             os.environ[_NO_SHARED_STORE] = previous
 
 
+class _FreshStateHolder(_BackendRendezvousStateHolder):
+    """torch's state holder, minus its one-second cache during rendezvous operations."""
+
+    def sync(self) -> bool | None:
+        if _state_watch.in_rendezvous_operation():
+            self._last_sync_time = -1  # we were woken because the state changed: read it
+        return super().sync()
+
+    @property
+    def token(self) -> int:
+        """The ``mod_revision`` of the state this holder last read or wrote (0: none)."""
+        return self._token or 0
+
+
 class Etcd3RendezvousHandler(DynamicRendezvousHandler):
-    """torch's dynamic rendezvous, with each round bootstrapped from etcd alone."""
+    """torch's dynamic rendezvous, bootstrapped from etcd alone and woken by etcd watches."""
+
+    _state_holder: _FreshStateHolder
+    _watch: _state_watch.StateWatch
 
     @property
     def use_agent_store(self) -> bool:
@@ -60,13 +80,23 @@ class Etcd3RendezvousHandler(DynamicRendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         """See base class."""
-        with _unshared_tcp_store():
+        holder = self._state_holder
+        with _unshared_tcp_store(), _state_watch.waiting_on(
+            lambda seconds: self._watch.wait_newer(holder.token, seconds)
+        ):
             return super().next_rendezvous()
 
     @property
     def round(self) -> int:
         """The rendezvous round this node last saw."""
         return self._state_holder.state.round
+
+    def shutdown(self) -> bool:
+        """See base class."""
+        try:
+            return super().shutdown()
+        finally:
+            self._watch.close()
 
 
 def create_handler(params: RendezvousParameters) -> Etcd3RendezvousHandler:
@@ -96,15 +126,17 @@ def create_handler(params: RendezvousParameters) -> Etcd3RendezvousHandler:
         close=rdzv.close_timeout,
         heartbeat=rdzv.heartbeat_timeout,
     )
-    return Etcd3RendezvousHandler.from_backend(
+    # torch's from_backend(), with our state holder in place of its own.
+    settings = RendezvousSettings(
         params.run_id,
-        store,
-        backend,
         params.min_nodes,
         params.max_nodes,
-        params.local_addr,
         timeout,
-        # torch types these as int but only builds timedeltas from them: fractions work.
-        keep_alive_interval=rdzv.keep_alive_interval.total_seconds(),  # type: ignore[arg-type]
+        keep_alive_interval=rdzv.keep_alive_interval,
         keep_alive_max_attempt=rdzv.keep_alive_max_attempt,
     )
+    node = Etcd3RendezvousHandler._node_desc_generator.generate(params.local_addr)  # noqa: SLF001
+    handler = Etcd3RendezvousHandler(node, settings, backend.name, store, _FreshStateHolder(backend, settings))
+    handler._watch = _state_watch.StateWatch(client, backend.key)  # noqa: SLF001
+    _state_watch.install()
+    return handler
