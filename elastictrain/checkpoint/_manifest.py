@@ -1,0 +1,267 @@
+"""The on-disk format of a checkpoint: directory and file names, the manifest, verification.
+
+Layout under the checkpoint directory::
+
+    step_00000123/                  a committed checkpoint (the name is the commit)
+        MANIFEST.json               written last, inside the staging dir
+        replicated.pt               rank 0: state every rank shares (model, optimizer, ...)
+        rank_00000.pt               each rank: its own part (RNG states)
+        rank_00001.pt
+    step_00000124.tmp-3f9a0c1e/     a save in progress, or left by a crash: never read
+
+A checkpoint directory is trusted only if its manifest parses, names this step and
+format, and every file it lists exists with the recorded size and SHA-256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import torch
+
+from elastictrain.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
+
+from .storage import Storage
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "REPLICATED",
+    "FileEntry",
+    "HashingWriter",
+    "join",
+    "rank_file",
+    "step_dir",
+    "staging_dir",
+    "parse_step_dir",
+    "is_staging_dir",
+    "write_file",
+    "write_manifest",
+    "verify",
+    "find",
+]
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MANIFEST = "MANIFEST.json"
+REPLICATED = "replicated.pt"
+
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_STAGING_RE = re.compile(r"^step_\d+\.tmp-.+$")
+_CHUNK = 8 << 20
+
+
+def join(*parts: str) -> str:
+    """Join storage path parts with ``/``, skipping empty ones."""
+    return "/".join(p.strip("/") for p in parts if p.strip("/"))
+
+
+def rank_file(rank: int) -> str:
+    """Return the name of ``rank``'s rank-local file."""
+    return f"rank_{rank:05d}.pt"
+
+
+def step_dir(step: int) -> str:
+    """Return the name of the committed checkpoint directory of ``step``."""
+    return f"step_{step:08d}"
+
+
+def staging_dir(step: int, nonce: str) -> str:
+    """Return the name of a staging directory for ``step``; ``nonce`` tells attempts apart."""
+    return f"{step_dir(step)}.tmp-{nonce}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """Return the step of a committed checkpoint directory name, or None for any other name."""
+    match = _STEP_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def is_staging_dir(name: str) -> bool:
+    """Return whether ``name`` is a staging directory (in progress, or left by a crash)."""
+    return _STAGING_RE.match(name) is not None
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    """One file of a checkpoint as the manifest records it."""
+
+    name: str
+    size: int
+    sha256: str
+
+
+class HashingWriter:
+    """A write-only file object that hashes and counts what passes through it.
+
+    ``torch.save`` streams into it, so a checksum costs no second read of the file.
+
+    Args:
+        raw: The file to write to.
+        on_write: Called after each write (a test hook to crash mid-file).
+    """
+
+    def __init__(self, raw: BinaryIO, on_write: Callable[[], None] | None = None) -> None:
+        self._raw = raw
+        self._hash = hashlib.sha256()
+        self._size = 0
+        self._on_write = on_write
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        """Write ``data`` and fold it into the checksum."""
+        view = memoryview(data).cast("B")
+        self._hash.update(view)
+        written = self._raw.write(view)
+        self._size += len(view)
+        if self._on_write is not None:
+            self._on_write()
+        return written if written is not None else len(view)
+
+    def flush(self) -> None:
+        """Flush the underlying file."""
+        self._raw.flush()
+
+    def entry(self, name: str) -> FileEntry:
+        """Return the manifest entry of what was written so far, under ``name``."""
+        return FileEntry(name=name, size=self._size, sha256=self._hash.hexdigest())
+
+
+def write_file(
+    storage: Storage, directory: str, name: str, obj: Any, *, on_write: Callable[[], None] | None = None
+) -> FileEntry:
+    """``torch.save`` ``obj`` durably into ``directory/name``; return its manifest entry.
+
+    Raises:
+        OSError: Writing failed (the partial file is removed).
+    """
+    with storage.open_write(join(directory, name)) as raw:
+        writer = HashingWriter(raw, on_write)
+        # A file object, not a path: torch names the archive after a path's file
+        # name, and identical state should give identical bytes.
+        torch.save(obj, writer)
+    return writer.entry(name)
+
+
+def write_manifest(
+    storage: Storage, directory: str, *, step: int, world_size: int, saved_at: float, files: list[FileEntry]
+) -> None:
+    """Write the manifest of a checkpoint into ``directory`` (durably).
+
+    Raises:
+        OSError: Writing failed.
+    """
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "world_size": world_size,
+        "time": saved_at,
+        "torch_version": torch.__version__,
+        "files": {f.name: {"size": f.size, "sha256": f.sha256} for f in sorted(files, key=lambda f: f.name)},
+    }
+    with storage.open_write(join(directory, MANIFEST)) as f:
+        f.write(json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n")
+
+
+def verify(storage: Storage, directory: str, step: int) -> dict[str, Any]:
+    """Check a committed checkpoint against its manifest and return the manifest.
+
+    Reads every file once to recompute its checksum.
+
+    Raises:
+        CorruptCheckpointError: The manifest is missing or malformed, or a file is
+            missing, has the wrong size or the wrong checksum.
+        OSError: The storage failed in a way that is not the checkpoint's fault.
+    """
+    where = storage.location(directory)
+    try:
+        with storage.open_read(join(directory, MANIFEST)) as f:
+            raw = f.read()
+    except FileNotFoundError as exc:
+        raise CorruptCheckpointError(f"checkpoint {where} has no {MANIFEST}") from exc
+    try:
+        manifest = json.loads(raw)
+        version, saved_step, world_size = manifest["format_version"], manifest["step"], manifest["world_size"]
+        files = manifest["files"]
+        entries = [FileEntry(name, int(v["size"]), str(v["sha256"])) for name, v in files.items()]
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CorruptCheckpointError(f"checkpoint {where} has a malformed {MANIFEST}: {exc}") from exc
+    if version != FORMAT_VERSION:
+        raise CorruptCheckpointError(f"checkpoint {where} has format version {version!r}, expected {FORMAT_VERSION}")
+    if saved_step != step:
+        raise CorruptCheckpointError(f"checkpoint {where} is named for step {step} but its manifest says {saved_step}")
+    if type(world_size) is not int or world_size < 1:
+        raise CorruptCheckpointError(f"checkpoint {where} has a malformed {MANIFEST}: world_size={world_size!r}")
+    missing = ({REPLICATED} | {rank_file(r) for r in range(world_size)}) - files.keys()
+    if missing:
+        raise CorruptCheckpointError(f"checkpoint {where}: manifest does not list {sorted(missing)}")
+    for entry in entries:
+        _verify_file(storage, directory, entry, where)
+    return manifest
+
+
+def find(storage: Storage, prefix: str, step: int | None) -> tuple[int, dict[str, Any]] | None:
+    """Return (step, manifest) of the checkpoint to restore: ``step``, or the newest that verifies.
+
+    Checkpoints that do not verify are skipped with a warning naming them.
+
+    Returns:
+        None if ``step`` is None and there are no checkpoints at all.
+
+    Raises:
+        CheckpointError: ``prefix`` exists but cannot be listed.
+        NoCheckpointError: ``step`` has no committed checkpoint.
+        CorruptCheckpointError: ``step`` does not verify, or checkpoints exist and none verifies.
+    """
+    try:
+        names = storage.list_dir(prefix)
+    except FileNotFoundError:
+        names = []
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint directory {storage.location(prefix)}: {exc}") from exc
+    steps = sorted((s for n in names if (s := parse_step_dir(n)) is not None), reverse=True)
+    if step is not None:
+        if step not in steps:
+            raise NoCheckpointError(f"no committed checkpoint of step {step} in {storage.location(prefix)}")
+        return step, _verify_readable(storage, prefix, step)
+    for candidate in steps:
+        try:
+            return candidate, _verify_readable(storage, prefix, candidate)
+        except CorruptCheckpointError as exc:
+            logger.warning("skipping checkpoint of step %d: %s", candidate, exc)
+    if steps:
+        raise CorruptCheckpointError(f"none of the {len(steps)} checkpoints in {storage.location(prefix)} verifies")
+    return None
+
+
+def _verify_readable(storage: Storage, prefix: str, step: int) -> dict[str, Any]:
+    directory = join(prefix, step_dir(step))
+    try:
+        return verify(storage, directory, step)
+    except OSError as exc:
+        # An unreadable checkpoint is as unusable as a corrupt one; the one before may be fine.
+        raise CorruptCheckpointError(f"checkpoint {storage.location(directory)} cannot be read: {exc}") from exc
+
+
+def _verify_file(storage: Storage, directory: str, entry: FileEntry, where: str) -> None:
+    path = join(directory, entry.name)
+    try:
+        size = storage.size(path)
+        if size != entry.size:
+            raise CorruptCheckpointError(
+                f"checkpoint {where}: {entry.name} has {size} bytes, manifest says {entry.size}"
+            )
+        digest = hashlib.sha256()
+        with storage.open_read(path) as f:
+            while chunk := f.read(_CHUNK):
+                digest.update(chunk)
+    except FileNotFoundError as exc:
+        raise CorruptCheckpointError(f"checkpoint {where}: {entry.name} is missing") from exc
+    if digest.hexdigest() != entry.sha256:
+        raise CorruptCheckpointError(f"checkpoint {where}: {entry.name} does not match its sha256 checksum")

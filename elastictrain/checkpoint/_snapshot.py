@@ -1,0 +1,320 @@
+"""Turning live training state into checkpoint payloads, and RNG states into plain data.
+
+Everything here produces objects that ``torch.load(weights_only=True)`` can read
+back: tensors, ``torch.Size``/dtype/device and plain containers of plain Python
+scalars. Checking that at save time turns a confusing failure at restore time
+(possibly days later) into a clear ``ConfigError`` naming the offending entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from elastictrain.errors import CheckpointMismatchError, ConfigError, CorruptCheckpointError
+
+__all__ = [
+    "CopyPool",
+    "check_state",
+    "check_step",
+    "load_into",
+    "snapshot",
+    "validate",
+    "capture_rng",
+    "restore_rng",
+    "seed_rng",
+    "fallback_seed",
+]
+
+logger = logging.getLogger(__name__)
+
+# Exact types only: subclasses (defaultdict, namedtuple, numpy scalars that subclass
+# float) are rejected by the weights_only unpickler. So is bytes, for b"" at least
+# (pickled as a call to the bytes global); store raw bytes as a uint8 tensor.
+_SCALARS: tuple[type, ...] = (type(None), bool, int, float, complex, str, torch.dtype, torch.device)
+_MAPPINGS: tuple[type, ...] = (dict, OrderedDict)
+_SEQUENCES: tuple[type, ...] = (list, tuple, set)
+
+
+class CopyPool:
+    """The CPU storages snapshots copy into, kept from one save to the next.
+
+    A fresh allocation of hundreds of MB page-faults on first touch, which costs
+    more than the copy itself; refilling the previous snapshot's storages makes the
+    training stall of an async save a plain memcpy. The pool holds at most one
+    snapshot's worth of memory. Not thread-safe: the training thread owns it.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[int, bool], list[torch.UntypedStorage]] = {}
+        self._taken: list[tuple[int, bool, torch.UntypedStorage]] = []
+        self._memo: dict[tuple[str, int, int], torch.UntypedStorage] = {}
+
+    def begin(self) -> None:
+        """Start a snapshot: the previous snapshot's storages (no longer read) become reusable."""
+        self._free = {}
+        for nbytes, pinned, storage in self._taken:
+            self._free.setdefault((nbytes, pinned), []).append(storage)
+        self._taken, self._memo = [], {}
+
+    def clear(self) -> None:
+        """Drop every storage."""
+        self._free, self._taken, self._memo = {}, [], {}
+
+    def copy_of(self, tensor: torch.Tensor) -> torch.UntypedStorage:
+        """Return a CPU copy of ``tensor``'s whole storage, made once per snapshot."""
+        storage = tensor.untyped_storage()
+        key = (str(tensor.device), storage.data_ptr(), storage.nbytes())
+        copy = self._memo.get(key)
+        if copy is None:
+            # Pinned memory makes device-to-host copies fast; allocating it is slow,
+            # which the reuse amortizes.
+            nbytes, pinned = storage.nbytes(), tensor.is_cuda
+            free = self._free.get((nbytes, pinned))
+            if free:
+                copy = free.pop()
+            else:
+                copy = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).untyped_storage()
+            copy.copy_(storage)
+            self._taken.append((nbytes, pinned, copy))
+            self._memo[key] = copy
+        return copy
+
+
+def snapshot(obj: Any, *, copy: bool, pool: CopyPool, where: str = "state") -> Any:
+    """Return ``obj`` with every tensor on the CPU, checking it is weights_only-loadable.
+
+    Args:
+        obj: A nested structure of dicts, lists, tuples, sets, scalars and tensors.
+        copy: Copy CPU tensors too, so the caller may mutate the originals as soon
+            as this returns (async save). Tensors sharing a storage keep sharing one
+            copy, with the same offsets and strides, so the bytes ``torch.save``
+            writes are the same with and without ``copy``.
+        pool: Where copies go; call ``pool.begin()`` once per snapshot, before.
+        where: How to name ``obj`` in error messages.
+
+    Returns:
+        A structure of the same shape whose tensors live in CPU memory.
+
+    Raises:
+        ConfigError: ``obj`` holds something ``torch.load(weights_only=True)`` refuses.
+    """
+    return _walk(obj, where, pool, copy)
+
+
+def validate(obj: Any, *, where: str = "state") -> None:
+    """Check ``obj`` like ``snapshot`` does, without copying anything.
+
+    Raises:
+        ConfigError: ``obj`` holds something ``torch.load(weights_only=True)`` refuses.
+    """
+    _walk(obj, where, None, None)
+
+
+def _walk(obj: Any, where: str, pool: CopyPool | None, copy: bool | None) -> Any:
+    # pool=None, copy=None: validate only.
+    kind = type(obj)
+    if kind in _SCALARS:
+        return obj
+    if isinstance(obj, torch.Tensor):
+        if pool is None or copy is None:
+            _check_tensor(obj, where)
+            return None
+        return _to_cpu(obj, where, pool, copy)
+    if kind is torch.Size:
+        return obj
+    if kind in _MAPPINGS:
+        out = kind()
+        for key, value in obj.items():
+            if type(key) not in _SCALARS:
+                raise ConfigError(f"{where}: key {key!r} of type {type(key).__name__} cannot be saved")
+            out[key] = _walk(value, f"{where}[{key!r}]", pool, copy)
+        return out
+    if kind in _SEQUENCES:
+        return kind(_walk(value, f"{where}[{i}]", pool, copy) for i, value in enumerate(obj))
+    raise ConfigError(
+        f"{where}: a value of type {kind.__module__}.{kind.__qualname__} cannot be loaded back with "
+        "torch.load(weights_only=True); store tensors, plain containers and int/float/str/bool/None "
+        "(convert numpy values with .tolist() or torch.from_numpy)"
+    )
+
+
+def _check_tensor(tensor: torch.Tensor, where: str) -> None:
+    # Parameter is fine (detach() makes it a plain tensor); other subclasses such
+    # as DTensor are sharded state this manager does not handle.
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        raise ConfigError(
+            f"{where}: tensor subclass {type(tensor).__name__} is not supported; "
+            "sharded state (FSDP/DTensor) needs torch.distributed.checkpoint"
+        )
+
+
+def _to_cpu(tensor: torch.Tensor, where: str, pool: CopyPool, copy: bool) -> torch.Tensor:
+    _check_tensor(tensor, where)
+    tensor = tensor.detach()
+    if tensor.layout != torch.strided:
+        return tensor.clone().cpu() if copy else tensor.cpu()
+    if not copy and tensor.device.type == "cpu":
+        return tensor
+    # Copy whole storages, once each, and rebuild views onto the copies: two state
+    # dict entries that alias (tied weights) stay aliased, exactly as torch.save
+    # would have written the originals.
+    out = torch.empty((), dtype=tensor.dtype)
+    out.set_(pool.copy_of(tensor), tensor.storage_offset(), tensor.size(), tensor.stride())
+    return out
+
+
+def capture_rng() -> dict[str, Any]:
+    """Return this process's RNG states (torch CPU, CUDA if initialized, numpy, ``random``) as plain data."""
+    np_state = np.random.get_state(legacy=True)
+    version, internal, gauss_next = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "bit_generator": str(np_state[0]),
+            "key": torch.from_numpy(np.asarray(np_state[1], dtype=np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
+        "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
+    }
+    # Querying the CUDA RNG initializes CUDA; a CPU-only job must not pay for that.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(saved: Any, *, where: str) -> None:
+    """Set this process's RNG states from what ``capture_rng`` returned, wrapped as ``{"rng": ...}``.
+
+    Raises:
+        CorruptCheckpointError: ``saved`` holds no valid RNG state.
+    """
+    try:
+        state = saved["rng"]
+        torch.set_rng_state(state["torch"])
+        np_state = state["numpy"]
+        np.random.set_state(
+            (
+                np_state["bit_generator"],
+                np_state["key"].numpy().astype(np.uint32),
+                np_state["pos"],
+                np_state["has_gauss"],
+                np_state["cached_gaussian"],
+            )
+        )
+        py_state = state["python"]
+        random.setstate((py_state["version"], tuple(py_state["internal"]), py_state["gauss_next"]))
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
+        raise CorruptCheckpointError(f"{where} holds no valid RNG state: {exc!r}") from exc
+    cuda_states = state.get("cuda")
+    if cuda_states is not None and torch.cuda.is_available():
+        if len(cuda_states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda_states)
+        else:
+            logger.warning(
+                "checkpoint holds %d CUDA RNG states but %d devices are visible; CUDA RNG not restored",
+                len(cuda_states),
+                torch.cuda.device_count(),
+            )
+
+
+def fallback_seed(checkpoint_digest: str, rank: int) -> int:
+    """Return the seed for a rank that has no saved RNG state of its own.
+
+    The seed depends on the checkpoint (through the digest of its rank-0 RNG file)
+    and the rank, so a restore is reproducible, different runs differ, and no two
+    ranks share a stream.
+    """
+    digest = hashlib.sha256(f"elastictrain-rng:{checkpoint_digest}:{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1  # < 2**63: every RNG accepts it
+
+
+def seed_rng(seed: int) -> None:
+    """Seed torch (CPU and all CUDA devices), numpy's global RNG and ``random`` with ``seed``."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
+def _check_module_shapes(name: str, module: torch.nn.Module, saved: Any) -> None:
+    """Raise if a saved module state dict has a tensor whose shape differs from the module's.
+
+    Missing and unexpected keys are left to ``load_state_dict``; this exists
+    because a shape error is the common case and deserves both shapes by name.
+
+    Raises:
+        CheckpointMismatchError: ``saved`` is not a dict, or a shape differs.
+    """
+    if not isinstance(saved, dict):
+        raise CheckpointMismatchError(f"checkpoint entry {name!r} is a {type(saved).__name__}, not a state dict")
+    for key, current in module.state_dict().items():
+        stored = saved.get(key)
+        if isinstance(stored, torch.Tensor) and isinstance(current, torch.Tensor) and stored.shape != current.shape:
+            raise CheckpointMismatchError(
+                f"checkpoint does not fit {name}: parameter {key!r} has shape {tuple(stored.shape)} "
+                f"in the checkpoint but {tuple(current.shape)} in the {name}"
+            )
+
+
+def check_step(step: object) -> None:
+    """Check a ``step`` argument.
+
+    Raises:
+        ConfigError: ``step`` is not a non-negative int.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ConfigError(f"step must be a non-negative int, got {step!r}")
+
+
+def check_state(state: Mapping[str, Any]) -> None:
+    """Check the ``state`` argument of ``save``/``restore``: names to stateful objects or dicts.
+
+    Raises:
+        ConfigError: ``state`` is not such a mapping.
+    """
+    if not isinstance(state, Mapping):
+        raise ConfigError(f"state must be a mapping of name to object, got {type(state).__name__}")
+    for name, obj in state.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"state names must be non-empty strings, got {name!r}")
+        stateful = callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+        if not isinstance(obj, dict) and not stateful:
+            raise ConfigError(
+                f"state[{name!r}] is a {type(obj).__name__}: it needs state_dict()/load_state_dict(), or be a dict"
+            )
+
+
+def load_into(state: Mapping[str, Any], stateful: dict[str, Any], extras: dict[str, Any], step: int) -> None:
+    """Load a checkpoint's entries into ``state``'s objects; dicts are updated in place.
+
+    Raises:
+        CheckpointMismatchError: An entry is missing or does not fit its object.
+    """
+    # Check everything before changing anything: a mismatch leaves the objects as they were.
+    for name, obj in state.items():
+        saved = extras if isinstance(obj, dict) else stateful
+        if name not in saved:
+            raise CheckpointMismatchError(
+                f"checkpoint of step {step} has no entry {name!r}; "
+                f"it has {sorted(stateful)} and extras {sorted(extras)}"
+            )
+        if isinstance(obj, torch.nn.Module):
+            _check_module_shapes(name, obj, saved[name])
+    for name, obj in state.items():
+        if isinstance(obj, dict):
+            obj.clear()
+            obj.update(extras[name])
+            continue
+        try:
+            obj.load_state_dict(stateful[name])
+        except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointMismatchError(f"checkpoint of step {step} does not fit {name!r}: {exc}") from exc

@@ -1,0 +1,440 @@
+"""Barrier-consistent checkpoints of a data-parallel job: ``CheckpointManager``.
+
+One save, called by every rank with the same step:
+
+1. Snapshot (training thread): ``state_dict()`` of every object; rank 0 keeps the
+   replicated state, every rank its RNG states. Async saves copy tensors to CPU.
+2. Agree on a staging directory ``step_<N>.tmp-<nonce>`` (rank 0's nonce).
+3. Each rank writes and fsyncs its files there (rank 0: ``replicated.pt`` too).
+4. Barrier: every rank reports its files (name, size, sha256) or its failure.
+5. Rank 0 checks the files, writes ``MANIFEST.json``, fsyncs, and commits by renaming
+   the staging directory to ``step_<N>`` (then fsyncs the parent). The rename is
+   the commit point: a crash before it leaves only a staging dir that is never
+   read; a crash after it leaves a complete checkpoint.
+6. Rank 0 broadcasts the outcome (every rank fails or succeeds together), then
+   deletes checkpoints beyond ``keep_last`` and stale staging dirs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import secrets
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from elastictrain.errors import CheckpointError, ConfigError, CorruptCheckpointError
+
+from . import _manifest as fmt
+from . import _snapshot as snap
+from .coordinator import Coordinator, default_coordinator
+from .storage import LocalStorage, Storage
+
+__all__ = ["CheckpointManager", "RestoreInfo", "Stateful"]
+
+logger = logging.getLogger(__name__)
+_events = logging.getLogger("elastictrain.events")
+
+FAULT_STAGES = ("before_write", "during_write", "before_barrier", "before_commit", "after_commit")
+"""Where ``CheckpointManager._fault_hook`` is called during a save (a test seam for crash injection)."""
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything with ``state_dict()``/``load_state_dict()``: modules, optimizers, schedulers, GradScaler, samplers."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the object's state."""
+        ...
+
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> Any:
+        """Replace the object's state."""
+        ...
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RestoreInfo:
+    """What ``CheckpointManager.restore`` loaded."""
+
+    step: int
+    """The step the checkpoint was saved at."""
+    path: str
+    """Where the checkpoint lives (a filesystem path for ``LocalStorage``)."""
+    world_size: int
+    """How many ranks saved it (may differ from the current world size)."""
+    extras: dict[str, dict[str, Any]]
+    """Every plain-dict entry that was saved, by name."""
+
+
+@dataclass(slots=True)
+class _Payload:
+    step: int
+    replicated: dict[str, Any] | None  # rank 0 only: {"stateful": {...}, "extras": {...}}
+    local: dict[str, Any]  # {"rng": {...}}
+
+
+class CheckpointManager:
+    """Saves and restores consistent checkpoints of a (possibly distributed) training job.
+
+    Every rank must construct the manager, and call ``save``, ``restore``,
+    ``latest_step`` and ``close`` in the same order with the same arguments: they
+    are collectives. Call them from one thread (the training loop).
+
+    Args:
+        directory: Where checkpoints live. With ``storage``, a path inside it.
+        keep_last: How many committed checkpoints to keep; older ones are deleted
+            only after a newer one has committed.
+        async_save: Return from ``save`` once the state is copied to CPU memory,
+            writing and committing on a background thread. The copy's memory
+            (one checkpoint's worth, on rank 0) is kept and reused by the next save.
+        storage: Where bytes go; ``None`` uses ``LocalStorage(directory)``. With
+            more than one rank it must be shared by all of them.
+        coordinator: How ranks agree; ``None`` uses a dedicated gloo group when
+            ``torch.distributed`` is initialized (creating it is a collective),
+            else a single process.
+        timeout: Timeout of each collective of the created gloo group; ``None``
+            keeps torch's default. It must cover the slowest rank's file write.
+
+    Raises:
+        ConfigError: ``keep_last`` is not a positive integer.
+        CheckpointError: The directory cannot be created.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        keep_last: int = 3,
+        async_save: bool = False,
+        storage: Storage | None = None,
+        coordinator: Coordinator | None = None,
+        timeout: timedelta | None = None,
+    ) -> None:
+        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+            raise ConfigError(f"keep_last must be a positive integer, got {keep_last!r}")
+        if storage is None:
+            storage, self._prefix = LocalStorage(directory), ""
+        else:
+            self._prefix = fmt.join(os.fspath(directory))
+        self._storage = storage
+        self._keep_last = keep_last
+        self._async = async_save
+        self._coord = coordinator if coordinator is not None else default_coordinator(timeout)
+        self._thread: threading.Thread | None = None
+        self._pool = snap.CopyPool()
+        self._error: tuple[int, Exception] | None = None
+        self._closed = False
+        # Test seam: called with each FAULT_STAGES name during a save, on every rank.
+        self._fault_hook: Callable[[str], None] | None = None
+        if self._coord.rank == 0:
+            try:
+                self._storage.make_dir(self._prefix)
+            except OSError as exc:
+                raise CheckpointError(f"cannot create checkpoint directory {self.location}: {exc}") from exc
+
+    @property
+    def location(self) -> str:
+        """Where the checkpoints live, for humans."""
+        return self._storage.location(self._prefix)
+
+    def save(self, step: int, state: Mapping[str, Stateful | dict[str, Any]]) -> None:
+        """Save ``state`` as the checkpoint of ``step``; a collective.
+
+        Waits for a save still in flight first. Synchronously, returns once the
+        checkpoint is committed on every rank; with ``async_save``, once the state
+        is copied, so the caller may change it right away.
+
+        Args:
+            step: The training step, a non-negative int; every rank passes the same.
+            state: Objects with ``state_dict()`` (their state is replicated: rank 0
+                writes it) and plain dicts of extras (epoch, metrics, ...), by name.
+                Every value must be tensors and plain Python data.
+
+        Raises:
+            ConfigError: ``step`` or ``state`` is invalid.
+            CheckpointError: This save failed (nothing was committed), or a
+                previous async save failed (and this one was not started).
+        """
+        self._ensure_open()
+        snap.check_step(step)
+        snap.check_state(state)
+        self.wait()
+        payload = self._collect(step, state)
+        if not self._async:
+            self._write_and_commit(payload)
+            return
+        self._thread = threading.Thread(
+            target=self._save_in_background, args=(payload,), name=f"elastictrain-checkpoint-{step}"
+        )
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Block until the async save in flight (if any) has committed or failed.
+
+        Raises:
+            CheckpointError: The background save failed; it was not committed.
+                The failure is raised once.
+        """
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        failure, self._error = self._error, None
+        if failure is not None:
+            step, exc = failure
+            raise CheckpointError(f"the background save of step {step} failed and was not committed: {exc}") from exc
+
+    def latest_step(self) -> int | None:
+        """Return the newest step whose checkpoint verifies, agreed by all ranks; a collective.
+
+        Raises:
+            CheckpointError: The directory cannot be read, or a failed async save.
+            CorruptCheckpointError: Checkpoints exist but none verifies.
+        """
+        self._ensure_open()
+        self.wait()
+        found = self._agree(None)
+        return None if found is None else found[0]
+
+    def restore(self, state: Mapping[str, Stateful | dict[str, Any]], step: int | None = None) -> RestoreInfo | None:
+        """Load a checkpoint into ``state``'s objects; a collective.
+
+        Rank 0 picks the newest checkpoint that verifies (skipping, with a warning,
+        any whose manifest or checksums do not) and every rank loads it. Dict
+        entries are updated in place. Rank ``r`` restores its own saved RNG
+        states; a rank the saved job did not have (the world grew) seeds its RNGs
+        with ``fallback_seed`` instead, which is deterministic and distinct per rank.
+
+        Args:
+            state: The objects to load into, by the names they were saved under.
+            step: Load this step instead of the newest.
+
+        Returns:
+            What was loaded, or None if there is no checkpoint yet.
+
+        Raises:
+            CheckpointError: The directory cannot be read.
+            NoCheckpointError: ``step`` was given and has no committed checkpoint.
+            CorruptCheckpointError: ``step`` (or, with ``step=None``, every
+                checkpoint) fails verification, or a file is not plain data.
+            CheckpointMismatchError: The checkpoint does not fit ``state`` (a
+                missing entry, a shape differing; the message names both shapes).
+        """
+        self._ensure_open()
+        snap.check_state(state)
+        if step is not None:
+            snap.check_step(step)
+        self.wait()
+        found = self._agree(step)
+        if found is None:
+            logger.info("no checkpoint in %s; starting from scratch", self.location)
+            return None
+        step, manifest = found
+        directory = fmt.join(self._prefix, fmt.step_dir(step))
+        content = self._load(directory, fmt.REPLICATED)
+        if not isinstance(content, dict) or not {"stateful", "extras"} <= content.keys():
+            raise CorruptCheckpointError(f"{self._storage.location(directory)}: {fmt.REPLICATED} has no state")
+        snap.load_into(state, content["stateful"], content["extras"], step)
+        self._restore_rng(directory, manifest, step)
+        info = RestoreInfo(
+            step=step,
+            path=self._storage.location(directory),
+            world_size=manifest["world_size"],
+            extras=content["extras"],
+        )
+        logger.info(
+            "restored step %d from %s (saved by %d ranks, restored by %d)",
+            step, info.path, info.world_size, self._coord.world_size,
+        )
+        _events.info("checkpoint_restore", extra={"elastictrain_event": {"step": step, "path": info.path}})
+        return info
+
+    def close(self) -> None:
+        """Wait for the save in flight and release the coordinator; a collective. Idempotent.
+
+        Raises:
+            CheckpointError: The background save failed.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            self._pool.clear()
+            self._coord.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"the checkpoint manager of {self.location} is closed")
+
+    def _fault(self, stage: str) -> None:
+        if self._fault_hook is not None:
+            self._fault_hook(stage)
+
+    def _collect(self, step: int, state: Mapping[str, Stateful | dict[str, Any]]) -> _Payload:
+        # Every rank checks the replicated state (cheap, no copies) so that bad
+        # input fails on all ranks before any collective, not on rank 0 alone.
+        rank0 = self._coord.rank == 0
+        content: dict[str, Any] = {"stateful": {}, "extras": {}}
+        self._pool.begin()  # the previous save is done (save() waited): its copies are free
+        for name, obj in state.items():
+            kind, value = ("extras", obj) if isinstance(obj, dict) else ("stateful", obj.state_dict())
+            if rank0:
+                content[kind][name] = snap.snapshot(value, copy=self._async, pool=self._pool, where=f"state[{name!r}]")
+            else:
+                snap.validate(value, where=f"state[{name!r}]")
+        local = snap.snapshot({"rng": snap.capture_rng()}, copy=False, pool=self._pool)  # fresh tensors already
+        return _Payload(step=step, replicated=content if rank0 else None, local=local)
+
+    def _save_in_background(self, payload: _Payload) -> None:
+        try:
+            self._write_and_commit(payload)
+        except Exception as exc:  # reported by wait(): nothing may escape a thread silently
+            logger.error("background save of step %d failed; not committed: %s", payload.step, exc)
+            self._error = (payload.step, exc)
+
+    def _write_and_commit(self, payload: _Payload) -> None:
+        started = time.monotonic()
+        step, rank = payload.step, self._coord.rank
+        proposals = self._coord.all_gather((step, secrets.token_hex(4)))
+        if len({s for s, _ in proposals}) != 1:
+            raise CheckpointError(f"ranks disagree on the step to save: {[s for s, _ in proposals]}")
+        nonce = proposals[0][1]
+        staging = fmt.join(self._prefix, fmt.staging_dir(step, nonce))
+
+        written: list[tuple[str, int, str]] = []
+        error: str | None = None
+        try:
+            self._fault("before_write")
+            self._storage.make_dir(staging)
+            if payload.replicated is not None:
+                written.append(self._write(staging, fmt.REPLICATED, payload.replicated))
+            written.append(self._write(staging, fmt.rank_file(rank), payload.local))
+            self._storage.sync_dir(staging)
+            self._fault("before_barrier")
+        except Exception as exc:  # any failure must reach the barrier, or the others hang
+            logger.error("rank %d could not write its part of step %d: %s", rank, step, exc)
+            error = f"rank {rank}: {exc!r}"
+
+        # The barrier: nobody commits until every rank's files are durable.
+        reports = self._coord.all_gather((written, error))
+        outcome: str | None = None
+        if rank == 0:
+            errors = [e for _, e in reports if e is not None]
+            try:
+                if errors:
+                    raise CheckpointError("; ".join(errors))
+                self._commit(step, staging, nonce, [f for files, _ in reports for f in files])
+            except Exception as exc:
+                outcome = str(exc)
+                self._delete_quietly(staging)
+        outcome = self._coord.broadcast(outcome)
+        if outcome is not None:
+            raise CheckpointError(f"checkpoint of step {step} was not committed: {outcome}")
+        if rank == 0:
+            self._retain(step)
+            elapsed = time.monotonic() - started
+            logger.info("committed step %d to %s in %.2fs", step, self.location, elapsed)
+            _events.info("checkpoint_commit", extra={"elastictrain_event": {"step": step, "seconds": elapsed}})
+
+    def _write(self, directory: str, name: str, obj: Any) -> tuple[str, int, str]:
+        entry = fmt.write_file(self._storage, directory, name, obj, on_write=lambda: self._fault("during_write"))
+        return entry.name, entry.size, entry.sha256  # a tuple: it crosses ranks pickled
+
+    def _commit(self, step: int, staging: str, nonce: str, written: list[tuple[str, int, str]]) -> None:
+        entries = [fmt.FileEntry(name, size, sha) for name, size, sha in written]
+        for entry in entries:
+            path = fmt.join(staging, entry.name)
+            # A rank that wrote to a disk rank 0 cannot see must fail the save,
+            # not produce a checkpoint without its part.
+            size = self._storage.size(path) if self._storage.exists(path) else None
+            if size != entry.size:
+                raise CheckpointError(
+                    f"{self._storage.location(path)} has {size} bytes where {entry.size} were written; "
+                    "is the checkpoint directory on a filesystem shared by all ranks?"
+                )
+        fmt.write_manifest(
+            self._storage, staging, step=step, world_size=self._coord.world_size, saved_at=time.time(), files=entries
+        )
+        self._storage.sync_dir(staging)
+        self._fault("before_commit")
+        final = fmt.join(self._prefix, fmt.step_dir(step))
+        if self._storage.exists(final):
+            # Saving a step again (after restoring to it): park the old one under a
+            # staging name, which retention deletes. A crash between the two
+            # renames leaves the older checkpoints, never a half-written one.
+            logger.warning("replacing the existing checkpoint of step %d", step)
+            self._storage.rename(final, fmt.join(self._prefix, fmt.staging_dir(step, f"{nonce}-replaced")))
+        self._storage.rename(staging, final)
+        self._fault("after_commit")
+
+    def _retain(self, committed: int) -> None:
+        try:
+            names = self._storage.list_dir(self._prefix)
+        except OSError as exc:
+            logger.warning("retention skipped: cannot list %s: %s", self.location, exc)
+            return
+        others = sorted((s for n in names if (s := fmt.parse_step_dir(n)) is not None and s != committed), reverse=True)
+        if others and others[0] > committed:
+            logger.warning("checkpoints of later steps exist (%s); restore prefers the highest step", others[0])
+        # Every staging dir is stale here: at most one save is in flight, and it just committed.
+        doomed = [fmt.step_dir(s) for s in others[self._keep_last - 1 :]] + [n for n in names if fmt.is_staging_dir(n)]
+        for name in doomed:
+            self._delete_quietly(fmt.join(self._prefix, name))
+
+    def _delete_quietly(self, path: str) -> None:
+        try:
+            self._storage.delete(path)
+        except OSError as exc:
+            # A failed deletion costs disk space, not correctness; it must not fail the save.
+            logger.warning("could not delete %s: %s", self._storage.location(path), exc)
+
+    def _agree(self, step: int | None) -> tuple[int, dict[str, Any]] | None:
+        found: tuple[int, dict[str, Any]] | CheckpointError | None = None
+        if self._coord.rank == 0:
+            try:
+                found = fmt.find(self._storage, self._prefix, step)
+            except CheckpointError as exc:
+                found = exc
+        reply = self._coord.broadcast(found)
+        # Every rank raises rank 0's error, so none is left waiting in a collective.
+        if isinstance(found, CheckpointError):
+            raise found
+        if isinstance(reply, CheckpointError):
+            raise reply
+        return reply
+
+    def _load(self, directory: str, name: str) -> Any:
+        path = fmt.join(directory, name)
+        try:
+            with self._storage.open_read(path) as f:
+                # weights_only: a checkpoint file must never be a way to run code.
+                return torch.load(f, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise CorruptCheckpointError(
+                f"refusing to load {self._storage.location(path)}: it holds more than tensors and plain data ({exc})"
+            ) from exc
+        except (OSError, RuntimeError, EOFError) as exc:
+            raise CorruptCheckpointError(f"cannot load {self._storage.location(path)}: {exc}") from exc
+
+    def _restore_rng(self, directory: str, manifest: dict[str, Any], step: int) -> None:
+        rank = self._coord.rank
+        if rank < manifest["world_size"]:
+            snap.restore_rng(self._load(directory, fmt.rank_file(rank)), where=f"step {step} {fmt.rank_file(rank)}")
+            return
+        seed = snap.fallback_seed(manifest["files"][fmt.rank_file(0)]["sha256"], rank)
+        snap.seed_rng(seed)
+        logger.info("rank %d has no saved RNG state in step %d; seeded RNGs with %d", rank, step, seed)
