@@ -10,8 +10,9 @@ of an exception.
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import multiprocessing.forkserver
 import os
-import sys
 import time
 from dataclasses import dataclass
 
@@ -26,7 +27,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from elastictrain._worker_boot import PARENT_PID_ENV
+from elastictrain._worker_boot import AGENT_PID_ENV, run_script
 from elastictrain.config import RunConfig
 from elastictrain.errors import ElasticTrainError
 from elastictrain.rendezvous import BACKEND_NAME
@@ -85,6 +86,20 @@ def _failure_summary(failures: dict[int, ProcessFailure], restarts: int) -> tupl
     )
 
 
+# Imported once by the forkserver, then inherited by every worker it forks.
+_FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "elastictrain._worker_boot"]
+
+
+def _start_forkserver() -> None:
+    """Start the forkserver now, so that its torch import overlaps the rendezvous.
+
+    Every worker of every round is forked from it: a restart costs a fork, not a
+    Python start plus a torch import. It does not touch CUDA, so forking is safe.
+    """
+    multiprocessing.set_forkserver_preload(_FORKSERVER_PRELOAD)
+    multiprocessing.forkserver.ensure_running()
+
+
 def launch(config: RunConfig, endpoint: str) -> JobOutcome:
     """Run this node's agent until the job ends.
 
@@ -108,22 +123,23 @@ def launch(config: RunConfig, endpoint: str) -> JobOutcome:
         **config.rendezvous.as_mapping(),
         **config.etcd_options,
     )
+    # Workers check this pid to catch an agent that died before they could ask to be
+    # killed along with it (see _worker_boot). Set before the forkserver starts.
+    os.environ[AGENT_PID_ENV] = str(os.getpid())
+    _start_forkserver()
     handler = create_handler(params)
-    # Workers compare their parent with this to catch an agent that died before
-    # they could ask to be killed along with it (see _worker_boot).
-    os.environ[PARENT_PID_ENV] = str(os.getpid())
     spec = WorkerSpec(
         role="trainer",
         local_world_size=config.nproc_per_node,
-        entrypoint=sys.executable,
-        args=("-u", "-m", "elastictrain._worker_boot", config.script, *config.script_args),
+        entrypoint=run_script,
+        args=(config.script, tuple(config.script_args)),
         rdzv_handler=handler,
         max_restarts=config.max_restarts,
         monitor_interval=config.monitor_interval.total_seconds(),
         local_addr=config.local_addr,
     )
     logs = DefaultLogsSpecs(log_dir=config.log_dir, redirects=Std.NONE, tee=Std.NONE)
-    agent = ElasticAgent(spec=spec, logs_specs=logs, start_method="spawn")
+    agent = ElasticAgent(spec=spec, logs_specs=logs, start_method="forkserver")
     shutdown_rendezvous = True
     try:
         result: RunResult = agent.run()
