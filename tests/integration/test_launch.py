@@ -96,3 +96,23 @@ def test_worker_dies_when_its_agent_is_killed(etcd_server: Any, run_id: str, tmp
     while _alive(worker) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(worker), "the worker outlived its SIGKILLed agent"
+
+
+def test_etcd_subcommand_serves_until_sigterm(tmp_path: Path) -> None:
+    from elastictrain.etcd.server import free_port
+    from tests.conftest import make_client
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "elastictrain", "etcd", "--port", str(port), "--data-dir", str(tmp_path / "d")],
+        env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    assert proc.stdout is not None
+    lines = [proc.stdout.readline() for _ in range(2)]
+    assert any(f"etcd serving at 127.0.0.1:{port}" in line for line in lines), lines
+    client = make_client(f"127.0.0.1:{port}")
+    client.call(lambda c: c.put("/probe", "1"))
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    with pytest.raises(Exception):
+        make_client(f"127.0.0.1:{port}", retry_deadline=0.5).call(lambda c: c.get("/probe"))
