@@ -23,3 +23,6 @@ def setup(*, debug: bool = False, node: str | None = None) -> None:
     root.handlers[:] = [handler]
     root.setLevel(level)
     root.propagate = False
+    # Events go to the run's JSON-lines file; on the terminal they would drown the
+    # log, so they show there only with --debug.
+    logging.getLogger("elastictrain.events").propagate = debug

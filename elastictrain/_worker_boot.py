@@ -16,15 +16,15 @@ and a torch import (about 2 s here) on every survivor. Each worker then:
 from __future__ import annotations
 
 import atexit
-import ctypes
 import multiprocessing.forkserver
 import os
 import runpy
 import signal
 import sys
 
+from elastictrain._process import die_with_parent
+
 AGENT_PID_ENV = "ELASTICTRAIN_AGENT_PID"
-_PR_SET_PDEATHSIG = 1
 
 
 def _release_forkserver() -> None:
@@ -46,10 +46,7 @@ def _release_forkserver() -> None:
 
 
 def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the agent's shutdown path still applies
+    if not die_with_parent(signal.SIGKILL):  # not Linux: the agent's shutdown path still applies
         return
     # The agent may have died before prctl took effect; then no signal will come.
     agent = os.environ.get(AGENT_PID_ENV)

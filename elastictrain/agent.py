@@ -13,10 +13,13 @@ import logging
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import Std
@@ -29,9 +32,11 @@ from torch.distributed.elastic.rendezvous import (
 
 from elastictrain._worker_boot import AGENT_PID_ENV, run_script
 from elastictrain.config import RunConfig
-from elastictrain.errors import ElasticTrainError
+from elastictrain.errors import ElasticTrainError, RunIdInUseError
+from elastictrain.events import EVENT_LOG_ENV, NODE_ENV, EventLog, route_torch_events
 from elastictrain.rendezvous import BACKEND_NAME
-from elastictrain.rendezvous.handler import create_handler
+from elastictrain.rendezvous.handler import Etcd3RendezvousHandler, create_handler
+from elastictrain.run_state import NodeRecord, RunPublisher, read_status, stop_requested, this_host
 
 logger = logging.getLogger(__name__)
 
@@ -39,21 +44,78 @@ __all__ = ["ElasticAgent", "JobOutcome", "launch"]
 
 
 class ElasticAgent(LocalElasticAgent):
-    """``LocalElasticAgent`` that reports each rendezvous round it completes."""
+    """``LocalElasticAgent`` that reports what happens to its node.
+
+    Each rendezvous, membership change, worker failure and restart becomes an
+    event (see :mod:`elastictrain.events`) and updates this node's record in etcd
+    (read by ``elastictrain status``). A run closed by ``elastictrain stop`` makes
+    it stop its workers and finish successfully.
+    """
+
+    def __init__(self, *, events: EventLog, publisher: RunPublisher, stop_requested: Callable[[], bool],
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._events = events
+        self._publisher = publisher
+        self._stop_requested = stop_requested
+        self._world_size: int | None = None
+        self.stopped_by_request = False
+
+    @property
+    def restarts(self) -> int:
+        """Worker-group restarts after failures so far (membership changes excluded)."""
+        return self._worker_group.spec.max_restarts - self._remaining_restarts
+
+    def _publish(self, **changes: Any) -> None:
+        try:
+            self._publisher.update(**changes)
+        except ElasticTrainError as exc:  # status is informative; etcd trouble shows up elsewhere
+            logger.warning("could not publish this node's status: %s", exc)
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        self._publish(state="rendezvous")
         started = time.monotonic()
         super()._rendezvous(worker_group)
+        duration = time.monotonic() - started
         handler = worker_group.spec.rdzv_handler
+        world_size = worker_group.workers[0].world_size if worker_group.workers else None
+        fields = {"round": getattr(handler, "round", None), "group_rank": worker_group.group_rank,
+                  "nodes": worker_group.group_world_size, "world_size": world_size}
+        self._events.emit("rendezvous", duration_s=round(duration, 3), restarts=self.restarts, **fields)
+        if self._world_size is not None and world_size != self._world_size:
+            self._events.emit("membership_change", old_world_size=self._world_size, new_world_size=world_size)
+        self._world_size = world_size
+        self._publish(state="running", restarts=self.restarts, **fields)
         logger.info(
             "rendezvous round %s complete in %.3fs: node rank %s of %s nodes, world size %s, restart %s",
-            getattr(handler, "round", "?"),
-            time.monotonic() - started,
-            worker_group.group_rank,
-            worker_group.group_world_size,
-            worker_group.workers[0].world_size if worker_group.workers else "?",
-            worker_group.spec.max_restarts - self._remaining_restarts,
+            fields["round"], duration, worker_group.group_rank, worker_group.group_world_size,
+            world_size, self.restarts,
         )
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        if result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
+            self._events.emit("worker_failure", failures={
+                rank: {"exitcode": f.exitcode, "pid": f.pid, "signal": f.signal_name() if f.exitcode < 0 else None}
+                for rank, f in result.failures.items()
+            })
+        elif (result.state == WorkerState.HEALTHY and getattr(worker_group.spec.rdzv_handler, "closed_seen", False)
+              and self._stop_requested()):
+            logger.info("run closed by `elastictrain stop`: stopping workers")
+            self._events.emit("stop_requested")
+            self._stop_workers(worker_group)
+            self.stopped_by_request = True
+            # torch records an event per worker and wants each one's return value.
+            return RunResult(state=WorkerState.SUCCEEDED,
+                             return_values={w.global_rank: None for w in worker_group.workers})
+        return result
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        failed = worker_group.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}
+        reason = "worker_failure" if failed else "membership_change"
+        self._events.emit("restart", reason=reason, restarts=self.restarts)
+        self._publish(state="restarting", restarts=self.restarts)
+        super()._restart_workers(worker_group)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,11 +185,27 @@ def launch(config: RunConfig, endpoint: str) -> JobOutcome:
         **config.rendezvous.as_mapping(),
         **config.etcd_options,
     )
-    # Workers check this pid to catch an agent that died before they could ask to be
-    # killed along with it (see _worker_boot). Set before the forkserver starts.
+    events = EventLog(config.event_log, config.run_id, config.node_name)
+    # Workers inherit these through the forkserver: they must be set before it starts.
+    # The agent pid lets a worker catch an agent that died before the worker could
+    # ask to die along with it (see _worker_boot).
     os.environ[AGENT_PID_ENV] = str(os.getpid())
+    if config.event_log:
+        os.environ[EVENT_LOG_ENV] = os.path.abspath(config.event_log)
+    if config.node_name:
+        os.environ[NODE_ENV] = config.node_name
     _start_forkserver()
     handler = create_handler(params)
+    try:
+        _check_run_id(handler, config)
+    except RunIdInUseError:
+        handler.shutdown_without_closing()
+        raise
+    publisher = RunPublisher(handler.client, config.run_id, handler.lease, NodeRecord(
+        node_id=handler.node_id, host=this_host(), addr=config.local_addr or socket.getfqdn(), pid=os.getpid()))
+    publisher.publish_meta(min_nodes=config.min_nodes, max_nodes=config.max_nodes,
+                           nproc_per_node=config.nproc_per_node)
+    publisher.update(state="starting")
     spec = WorkerSpec(
         role="trainer",
         local_world_size=config.nproc_per_node,
@@ -137,13 +215,48 @@ def launch(config: RunConfig, endpoint: str) -> JobOutcome:
         max_restarts=config.max_restarts,
         monitor_interval=config.monitor_interval.total_seconds(),
         local_addr=config.local_addr,
+        event_log_handler=route_torch_events(events),
     )
     logs = DefaultLogsSpecs(log_dir=config.log_dir, redirects=Std.NONE, tee=Std.NONE)
-    agent = ElasticAgent(spec=spec, logs_specs=logs, start_method="forkserver")
+    agent = ElasticAgent(
+        spec=spec, logs_specs=logs, start_method="forkserver", events=events, publisher=publisher,
+        stop_requested=lambda: stop_requested(handler.client, config.run_id),
+    )
+    outcome = _run_agent(agent, handler, config)
+    events.emit("job_end", exit_code=outcome.exit_code, summary=outcome.summary)
+    agent._publish(state="succeeded" if outcome.exit_code == 0 else "failed")  # noqa: SLF001
+    events.close()
+    return outcome
+
+
+def _check_run_id(handler: Etcd3RendezvousHandler, config: RunConfig) -> None:
+    """Refuse to start a second job under a run id that is in use, unless told to join it."""
+    status = read_status(handler.client, config.run_id)
+    run = f"run id {config.run_id!r}"
+    if status.closed:
+        if stop_requested(handler.client, config.run_id):
+            raise RunIdInUseError(f"{run} was stopped with `elastictrain stop`; choose another --run-id, "
+                                  f"or clear it with `elastictrain stop --run-id {config.run_id} --purge`")
+        raise RunIdInUseError(f"{run} belongs to a job that has ended; choose another --run-id, or clear it "
+                              f"with `elastictrain stop --run-id {config.run_id} --purge`")
+    dead_after = config.rendezvous.keep_alive_interval.total_seconds() * config.rendezvous.keep_alive_max_attempt
+    alive = [p for p in status.participants
+             if p["heartbeat_age_s"] is not None and p["heartbeat_age_s"] < dead_after + 2]
+    if status.complete and alive and not config.join:
+        hosts = ", ".join(sorted({p["addr"] for p in alive}))
+        raise RunIdInUseError(
+            f"{run} is live: round {status.round} trains with {len(alive)} node(s) on {hosts}; "
+            "pass --join to add this node to it, or choose another --run-id"
+        )
+
+
+def _run_agent(agent: ElasticAgent, handler: Etcd3RendezvousHandler, config: RunConfig) -> JobOutcome:
     shutdown_rendezvous = True
     try:
         result: RunResult = agent.run()
     except RendezvousClosedError:
+        if stop_requested(handler.client, config.run_id):
+            return JobOutcome(0, f"run {config.run_id!r} was stopped by `elastictrain stop`")
         return JobOutcome(1, f"run {config.run_id!r} is closed: the job it named has already ended")
     except RendezvousTimeoutError:
         return JobOutcome(
@@ -163,6 +276,7 @@ def launch(config: RunConfig, endpoint: str) -> JobOutcome:
         if shutdown_rendezvous:
             handler.shutdown()
     if result.is_failed():
-        restarts = config.max_restarts - agent._remaining_restarts  # noqa: SLF001
-        return JobOutcome(*_failure_summary(result.failures, restarts))
+        return JobOutcome(*_failure_summary(result.failures, agent.restarts))
+    if agent.stopped_by_request:
+        return JobOutcome(0, f"run {config.run_id!r} was stopped by `elastictrain stop`")
     return JobOutcome(0, f"run {config.run_id!r} finished")

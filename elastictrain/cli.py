@@ -15,6 +15,7 @@ default. Errors are one line and a non-zero exit; ``--debug`` shows tracebacks.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -82,6 +83,33 @@ def _kv_pairs(text: str) -> dict[str, str]:
     return pairs
 
 
+def _add_etcd_security(parser: argparse.ArgumentParser) -> None:
+    _add(parser, "--etcd-ca-cert", default=None, help="CA certificate that signed etcd's server certificate; enables TLS")
+    _add(parser, "--etcd-cert", default=None, help="client certificate for etcd mutual TLS")
+    _add(parser, "--etcd-key", default=None, help="private key of --etcd-cert")
+    _add(parser, "--etcd-user", default=None, help="etcd user; its password comes from ELASTICTRAIN_ETCD_PASSWORD only")
+
+
+def _add_etcd_client(parser: argparse.ArgumentParser) -> None:
+    """Flags of the commands that only talk to an existing etcd (status, stop)."""
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    _add(parser, "--etcd", default=None, help="etcd endpoints host:port[,host:port...] (required)")
+    _add(parser, "--run-id", default=None, help="the run to act on")
+    _add(parser, "--rdzv-conf", default="", type=_kv_pairs, help="etcd client settings as key=value,... (request_timeout, retry_deadline, ...)")
+    _add_etcd_security(parser)
+
+
+def _etcd_options(args: argparse.Namespace) -> dict[str, Any]:
+    """etcd client settings from ``--rdzv-conf`` and the ``--etcd-*`` flags."""
+    rdzv_keys = set(RendezvousConfig._KEYS)  # noqa: SLF001
+    options = {k: v for k, v in args.rdzv_conf.items() if k not in rdzv_keys}
+    for key, value in (("ca_cert", args.etcd_ca_cert), ("client_cert", args.etcd_cert),
+                       ("client_key", args.etcd_key), ("user", args.etcd_user)):
+        if value:
+            options[key] = value
+    return options
+
+
 def build_parser() -> argparse.ArgumentParser:
     defaults = RendezvousConfig()
     parser = _Parser(prog="elastictrain", description="Fault-tolerant elastic training for PyTorch.")
@@ -106,17 +134,28 @@ def build_parser() -> argparse.ArgumentParser:
     _add(run, "--monitor-interval", default=0.1, type=float, help="seconds between the agent's checks of its workers")
     _add(run, "--join-timeout", default=defaults.join_timeout.total_seconds(), type=float, help="seconds to wait for --min-nodes to gather")
     _add(run, "--last-call-timeout", default=defaults.last_call_timeout.total_seconds(), type=float, help="extra seconds to wait for more nodes once --min-nodes are there")
-    _add(run, "--keep-alive-interval", default=defaults.keep_alive_interval.total_seconds(), type=float, help="seconds between node heartbeats; a node missing 3 is dead")
+    _add(run, "--keep-alive-interval", default=defaults.keep_alive_interval.total_seconds(), type=float, help="seconds between node heartbeats; a node silent for 5 of them is dead")
     _add(run, "--rdzv-conf", default="", type=_kv_pairs, help="more rendezvous/etcd settings as key=value,... (e.g. ca_cert=...,request_timeout=5)")
     _add(run, "--log-dir", default=None, help="directory for per-worker logs and error files")
-    _add(run, "--etcd-ca-cert", default=None, help="CA certificate that signed etcd's server certificate; enables TLS")
-    _add(run, "--etcd-cert", default=None, help="client certificate for etcd mutual TLS")
-    _add(run, "--etcd-key", default=None, help="private key of --etcd-cert")
-    _add(run, "--etcd-user", default=None, help="etcd user; its password comes from ELASTICTRAIN_ETCD_PASSWORD only")
+    run.add_argument("--join", action="store_true", help="join a job already training under --run-id (without it, a live run id is refused)")
+    _add(run, "--event-log", default=None, help="JSON-lines event file of this run (default: elastictrain-runs/RUN_ID/events.jsonl)")
+    _add_etcd_security(run)
     run.add_argument("--node-name", default=None, help=argparse.SUPPRESS)
     run.set_defaults(run_parser=run)
     run.add_argument("script", help="training script (.py) each worker runs")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+    status = sub.add_parser("status", help="show a run's rendezvous, nodes and checkpoints",
+                            description="Show what etcd knows about a run (or, with --all, list runs).")
+    _add_etcd_client(status)
+    status.add_argument("--all", action="store_true", help="list every run id on this etcd")
+    _add(status, "--checkpoint-dir", default=None, help="also show the newest committed checkpoint in this directory")
+    status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    stop = sub.add_parser("stop", help="close a run so that every node exits 0",
+                          description="Close a run's rendezvous: its agents stop their workers and exit 0.")
+    _add_etcd_client(stop)
+    stop.add_argument("--purge", action="store_true", help="also delete every etcd key of the run (frees the run id)")
 
     etcd = sub.add_parser("etcd", help="run an etcd server in the foreground", description="Run an etcd server until Ctrl-C.")
     _add(etcd, "--host", default="127.0.0.1", help="address to listen on")
@@ -128,11 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _run_config(args: argparse.Namespace, *, etcd: str, run_id: str, local_addr: str | None) -> RunConfig:
     rdzv_keys = set(RendezvousConfig._KEYS)  # noqa: SLF001
     rdzv_conf = {k: v for k, v in args.rdzv_conf.items() if k in rdzv_keys}
-    etcd_options = {k: v for k, v in args.rdzv_conf.items() if k not in rdzv_keys}
-    for key, value in (("ca_cert", args.etcd_ca_cert), ("client_cert", args.etcd_cert),
-                       ("client_key", args.etcd_key), ("user", args.etcd_user)):
-        if value:
-            etcd_options[key] = value
+    etcd_options = _etcd_options(args)
     rdzv_conf.setdefault("join_timeout", args.join_timeout)
     rdzv_conf.setdefault("last_call_timeout", args.last_call_timeout)
     rdzv_conf.setdefault("keep_alive_interval", args.keep_alive_interval)
@@ -150,6 +185,9 @@ def _run_config(args: argparse.Namespace, *, etcd: str, run_id: str, local_addr:
         rendezvous=RendezvousConfig.from_mapping(rdzv_conf),
         etcd_options=etcd_options,
         log_dir=args.log_dir,
+        join=args.join,
+        event_log=args.event_log or os.path.join("elastictrain-runs", run_id, "events.jsonl"),
+        node_name=args.node_name,
     )
 
 
@@ -225,6 +263,56 @@ def _cmd_run(args: argparse.Namespace) -> int:
             server.stop()
 
 
+def _client_for(args: argparse.Namespace) -> Any:
+    from elastictrain.config import etcd_settings_from
+    from elastictrain.etcd.client import connect
+
+    if not args.etcd:
+        raise ConfigError("--etcd HOST:PORT is required")
+    return connect(etcd_settings_from(_etcd_options(args), args.etcd))
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from elastictrain import status_report
+    from elastictrain.run_state import list_runs, read_status
+
+    client = _client_for(args)
+    if args.all:
+        runs = [read_status(client, run_id) for run_id in list_runs(client)]
+        print(json.dumps([r.to_json() for r in runs], indent=2) if args.json else status_report.runs_table(runs))
+        return 0
+    if not args.run_id:
+        raise ConfigError("--run-id is required (or --all)")
+    status = read_status(client, args.run_id)
+    checkpoint = status_report.newest_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else None
+    if args.json:
+        print(json.dumps({**status.to_json(), "checkpoint": checkpoint}, indent=2))
+    else:
+        print(status_report.run_table(status, checkpoint))
+    return 0 if status.exists else 1
+
+
+def _cmd_stop(args: argparse.Namespace) -> int:
+    from elastictrain.run_state import purge, read_status, request_stop
+
+    if not args.run_id:
+        raise ConfigError("--run-id is required")
+    client = _client_for(args)
+    status = read_status(client, args.run_id)
+    if not status.exists:
+        print(f"elastictrain: run {args.run_id!r} has no keys on {args.etcd}; nothing to stop", file=sys.stderr)
+        return 1
+    if args.purge and status.live:
+        raise ConfigError(f"run {args.run_id!r} is training; stop it first (without --purge), then purge it")
+    if args.purge:
+        deleted = purge(client, args.run_id)
+        print(f"deleted {deleted} key(s) of run {args.run_id!r}; the run id is free again")
+        return 0
+    request_stop(client, args.run_id)
+    print(f"run {args.run_id!r} closed: its agents stop their workers and exit 0")
+    return 0
+
+
 def _cmd_etcd(args: argparse.Namespace) -> int:
     from elastictrain.etcd.server import EtcdServer, EtcdServerOptions
 
@@ -256,6 +344,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_run(args)
         if args.command == "etcd":
             return _cmd_etcd(args)
+        if args.command == "status":
+            return _cmd_status(args)
+        if args.command == "stop":
+            return _cmd_stop(args)
         build_parser().print_help()
         return _EXIT_USAGE
     except ConfigError as exc:

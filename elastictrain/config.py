@@ -5,8 +5,10 @@ Durations are ``timedelta``. Every value is checked once, here; bad input raises
 
 Rendezvous defaults differ from torch's on purpose (see README, "Defaults"):
 torch waits 30 s of ``last_call`` whenever fewer than ``max_nodes`` join and
-notices a dead node after 5 s x 3 missed heartbeats; we use 1 s and 1 s x 3, so
-a failed node costs seconds, not minutes.
+notices a dead node after 5 s x 3 missed heartbeats; we use 1 s and 1 s x 5, so
+a failed node costs seconds, not minutes. (1 s x 3 was measured too tight: on a
+loaded 2-core machine an agent's heartbeats stalled for up to 3.8 s while its
+workers started, and the other nodes dropped it from the rendezvous.)
 """
 
 from __future__ import annotations
@@ -70,8 +72,8 @@ class RendezvousConfig:
     keep_alive_interval: timedelta = timedelta(seconds=1)
     """Period of each node's heartbeat (torch: 5 s)."""
 
-    keep_alive_max_attempt: int = 3
-    """Missed heartbeats after which a node counts as dead (dead after 3 s by default)."""
+    keep_alive_max_attempt: int = 5
+    """Missed heartbeats after which a node counts as dead (dead after 5 s by default)."""
 
     state_ttl: timedelta = timedelta(hours=2)
     """Lifetime of the run's etcd keys once no node refreshes them."""
@@ -198,6 +200,15 @@ class RunConfig:
 
     log_dir: str | None = None
     """Where worker logs go; ``None``: inherit the terminal."""
+
+    join: bool = False
+    """Whether this node may join a job already training under ``run_id``."""
+
+    event_log: str | None = None
+    """JSON-lines file for this run's events; ``None``: Python logging only."""
+
+    node_name: str | None = None
+    """Names this node in logs and events; ``None``: the hostname."""
 
     def __post_init__(self) -> None:
         for name in ("min_nodes", "max_nodes", "nproc_per_node"):

@@ -15,6 +15,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+from elastictrain._process import sigterm_with_parent
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["run_local_nodes"]
@@ -44,7 +46,8 @@ def run_local_nodes(count: int, node_args: Sequence[str], *, grace_seconds: floa
     try:
         for index in range(count):
             cmd = [sys.executable, "-m", "elastictrain", "run", "--node-name", f"node{index}", *node_args]
-            procs.append(subprocess.Popen(cmd))
+            # A node outlives neither this launcher nor, through its own agent, its workers.
+            procs.append(subprocess.Popen(cmd, preexec_fn=sigterm_with_parent))
         logger.info("started %d local nodes: pids %s", count, [p.pid for p in procs])
         first_failure = 0
         pending = list(procs)

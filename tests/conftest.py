@@ -21,7 +21,8 @@ _counter = itertools.count()
 
 def _start_server(tmp: Path) -> EtcdServer:
     try:
-        server = EtcdServer(EtcdServerOptions(data_dir=str(tmp / "etcd-data")))
+        # Test data is thrown away: skip fsync, as a private etcd does.
+        server = EtcdServer(EtcdServerOptions(data_dir=str(tmp / "etcd-data"), durable=False))
     except EtcdServerError as exc:
         pytest.fail(f"{exc} (the test extra installs it: pip install -e '.[test]')", pytrace=False)
     return server.start()

@@ -25,6 +25,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from elastictrain._process import sigterm_with_parent
 from elastictrain.errors import EtcdServerError
 
 logger = logging.getLogger(__name__)
@@ -99,7 +100,13 @@ class EtcdServerOptions:
     """Further etcd flags (TLS, auth, tuning)."""
 
     log_file: str | None = None
-    """Where etcd's own log goes; ``None`` means a file in the data dir."""
+    """Where etcd's own log goes; ``None`` means a file next to the data dir."""
+
+    durable: bool | None = None
+    """fsync every write. ``None``: only when ``data_dir`` was given. A private etcd
+    whose temporary data dir is deleted on exit gains nothing from fsync, and on a
+    busy disk an fsync can take seconds: long enough to delay heartbeats until a
+    live node is declared dead."""
 
 
 class EtcdServer:
@@ -118,6 +125,7 @@ class EtcdServer:
         if self.options.peer_port == 0:
             self.options.peer_port = free_port(self.options.host)
         self._owns_data_dir = self.options.data_dir is None
+        self._durable = self.options.durable if self.options.durable is not None else not self._owns_data_dir
         if self.options.data_dir is None:
             self.options.data_dir = tempfile.mkdtemp(prefix="elastictrain-etcd-")
         self._process: subprocess.Popen[bytes] | None = None
@@ -161,6 +169,7 @@ class EtcdServer:
             # Small heartbeat/election values: loopback clusters elect a leader fast.
             "--heartbeat-interval", "50",
             "--election-timeout", "500",
+            *([] if self._durable else ["--unsafe-no-fsync"]),
             *opts.extra_args,
         ]
 
@@ -183,6 +192,8 @@ class EtcdServer:
             stdin=subprocess.DEVNULL,
             # Its own session: Ctrl-C in the terminal reaches us, and we stop it in order.
             start_new_session=True,
+            # ...and if we are killed outright, it goes too instead of serving forever.
+            preexec_fn=sigterm_with_parent,
         )
         logger.info("started etcd %s (pid %s, data %s)", self.endpoint, self.pid, data_dir)
         if wait:

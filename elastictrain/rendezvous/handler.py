@@ -72,6 +72,10 @@ class Etcd3RendezvousHandler(DynamicRendezvousHandler):
 
     _state_holder: _FreshStateHolder
     _watch: _state_watch.StateWatch
+    client: EtcdClient
+    """The etcd front this handler talks through (shared with its store)."""
+    lease: RunLease
+    """The lease this node's keys are attached to."""
 
     @property
     def use_agent_store(self) -> bool:
@@ -91,12 +95,27 @@ class Etcd3RendezvousHandler(DynamicRendezvousHandler):
         """The rendezvous round this node last saw."""
         return self._state_holder.state.round
 
+    @property
+    def node_id(self) -> str:
+        """This node's id in the rendezvous state (``addr_pid_localid``)."""
+        return repr(self._this_node)
+
+    @property
+    def closed_seen(self) -> bool:
+        """Whether the state this node last synced says the rendezvous is closed (no etcd call)."""
+        return self._state_holder.state.closed
+
     def shutdown(self) -> bool:
         """See base class."""
         try:
             return super().shutdown()
         finally:
             self._watch.close()
+
+    def shutdown_without_closing(self) -> None:
+        """Release this handler without closing the rendezvous (it may belong to another job)."""
+        self._stop_heartbeats()
+        self._watch.close()
 
 
 def create_handler(params: RendezvousParameters) -> Etcd3RendezvousHandler:
@@ -138,5 +157,7 @@ def create_handler(params: RendezvousParameters) -> Etcd3RendezvousHandler:
     node = Etcd3RendezvousHandler._node_desc_generator.generate(params.local_addr)  # noqa: SLF001
     handler = Etcd3RendezvousHandler(node, settings, backend.name, store, _FreshStateHolder(backend, settings))
     handler._watch = _state_watch.StateWatch(client, backend.key)  # noqa: SLF001
+    handler.client = client
+    handler.lease = lease
     _state_watch.install()
     return handler

@@ -1,0 +1,122 @@
+"""Machine-readable events of a run: JSON lines in a file and on ``elastictrain.events``.
+
+Agents and workers of a run append to the same file (``ELASTICTRAIN_EVENT_LOG``,
+set by ``elastictrain run`` for its workers): one JSON object per line with
+``ts`` (unix seconds), ``kind``, ``run_id``, ``node``, ``pid`` and the event's
+own fields. Each line is written with one ``write()`` on a file opened for
+appending, so lines from several processes on one machine never interleave.
+
+Kinds written by elastictrain: ``rendezvous`` (round, world size, duration),
+``membership_change`` (old -> new world size), ``worker_failure``, ``restart``,
+``job_end``, and from the training session ``checkpoint_commit`` and
+``restore``. torch's own agent events arrive as ``torch_agent`` and its
+rendezvous events (heartbeats excepted) as ``torch_rendezvous``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+__all__ = ["EVENT_LOG_ENV", "EventLog", "emit", "event_log", "route_torch_events"]
+
+EVENT_LOG_ENV = "ELASTICTRAIN_EVENT_LOG"
+NODE_ENV = "ELASTICTRAIN_NODE_NAME"
+
+logger = logging.getLogger("elastictrain.events")
+
+
+class EventLog:
+    """Appends events of one run to a JSON-lines file and to ``elastictrain.events``.
+
+    Args:
+        path: The file; ``None`` logs only.
+        run_id: Stamped on every event.
+        node: Names this node (default: the hostname).
+    """
+
+    def __init__(self, path: str | None, run_id: str, node: str | None = None) -> None:
+        self.path = path
+        self.run_id = run_id
+        self.node = node or os.environ.get(NODE_ENV) or socket.gethostname()
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """Record one event; never raises (an event log must not break training)."""
+        event = {"ts": round(time.time(), 6), "kind": kind, "run_id": self.run_id,
+                 "node": self.node, "pid": os.getpid(), **fields}
+        try:
+            line = json.dumps(event, default=str) + "\n"
+            logger.info("%s", line.rstrip())
+            if self._fd is not None:
+                with self._lock:
+                    os.write(self._fd, line.encode())
+        except Exception:  # noqa: BLE001 - a full disk must not stop the job
+            logger.debug("could not write event %s", kind, exc_info=True)
+        return event
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+
+_process_log: EventLog | None = None
+
+
+def event_log() -> EventLog:
+    """This process's event log, from ``ELASTICTRAIN_EVENT_LOG`` (log-only if unset)."""
+    global _process_log
+    if _process_log is None:
+        _process_log = EventLog(os.environ.get(EVENT_LOG_ENV), os.environ.get("TORCHELASTIC_RUN_ID", ""))
+    return _process_log
+
+
+def emit(kind: str, **fields: Any) -> dict[str, Any]:
+    """Record an event in this process's event log (see :func:`event_log`)."""
+    return event_log().emit(kind, **fields)
+
+
+class _TorchEventHandler(logging.Handler):
+    """Receives torch's serialized elastic events and re-emits them as ours."""
+
+    # Sent every keep-alive interval by every node: noise, not events.
+    _SKIPPED = ("keep-alive heartbeat", "successfully synced", "stale state")
+
+    def __init__(self, log: EventLog, kind: str) -> None:
+        super().__init__()
+        self._log = log
+        self._kind = kind
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            payload = json.loads(record.getMessage())
+        except ValueError:
+            return
+        message = str(payload.get("message", ""))
+        if any(skip in message for skip in self._SKIPPED):
+            return
+        self._log.emit(self._kind, torch=payload)
+
+
+def route_torch_events(log: EventLog) -> str:
+    """Send torch elastic's agent and rendezvous events to ``log``.
+
+    Returns:
+        The destination name to pass as ``WorkerSpec.event_log_handler``.
+    """
+    from torch.distributed.elastic.events import handlers
+
+    handlers._log_handlers["elastictrain"] = _TorchEventHandler(log, "torch_agent")  # noqa: SLF001
+    handlers._log_handlers["dynamic_rendezvous"] = _TorchEventHandler(log, "torch_rendezvous")  # noqa: SLF001
+    return "elastictrain"

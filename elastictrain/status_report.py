@@ -1,0 +1,81 @@
+"""Human-readable tables for ``elastictrain status``."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+from typing import Any
+
+from elastictrain.run_state import RunStatus
+
+__all__ = ["newest_checkpoint", "run_table", "runs_table"]
+
+
+def newest_checkpoint(directory: str) -> dict[str, Any] | None:
+    """Step, time, world size and path of the newest checkpoint in ``directory`` that verifies.
+
+    Raises:
+        CheckpointError: The directory cannot be read, or no checkpoint in it verifies.
+    """
+    from elastictrain.checkpoint import _manifest
+    from elastictrain.checkpoint.storage import LocalStorage
+
+    storage = LocalStorage(directory)
+    found = _manifest.find(storage, "", None)
+    if found is None:
+        return None
+    step, manifest = found
+    return {"step": step, "time": manifest["time"], "world_size": manifest["world_size"],
+            "path": storage.location(_manifest.step_dir(step))}
+
+
+def _age(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.1f}s ago"
+
+
+def _clock(ts: float) -> str:
+    return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def run_table(status: RunStatus, checkpoint: dict[str, Any] | None) -> str:
+    if not status.exists:
+        return f"run {status.run_id!r}: no keys on this etcd (never started, or expired)"
+    meta = status.meta
+    state = "closed" if status.closed else ("training" if status.complete else "gathering nodes")
+    world = sum(1 for _ in status.participants) * int(meta.get("nproc_per_node", 1)) if status.complete else 0
+    lines = [
+        f"run {status.run_id!r}: {state}, round {status.round}, "
+        f"{len(status.participants)} node(s) (min {meta.get('min_nodes', '?')}, max {meta.get('max_nodes', '?')}), "
+        f"world size {world or '-'}, waiting to join: {len(status.waiting)}",
+    ]
+    records = {n["node_id"]: n for n in status.nodes}
+    rows = [("RANK", "NODE", "ADDRESS", "PID", "HEARTBEAT", "STATE", "RESTARTS")]
+    for p in status.participants:
+        record = records.get(p["node_id"], {})
+        rows.append((str(p["rank"]), record.get("host", "?"), p["addr"], str(p["pid"]),
+                     _age(p["heartbeat_age_s"]), record.get("state", "?"), str(record.get("restarts", "?"))))
+    participant_ids = {p["node_id"] for p in status.participants}
+    for node_id, record in records.items():
+        if node_id not in participant_ids:
+            rows.append(("-", record.get("host", "?"), record.get("addr", "?"), str(record.get("pid", "?")),
+                         _age(time.time() - record["updated_at"]), record.get("state", "?"),
+                         str(record.get("restarts", "?"))))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    restarts = sum(int(r.get("restarts", 0)) for r in records.values())
+    lines.append(f"restarts so far (all nodes): {restarts}")
+    if checkpoint is not None:
+        lines.append(f"newest checkpoint: step {checkpoint['step']} at {_clock(checkpoint['time'])} "
+                     f"(world size {checkpoint['world_size']}) {checkpoint['path']}")
+    return "\n".join(lines)
+
+
+def runs_table(runs: list[RunStatus]) -> str:
+    if not runs:
+        return "no runs on this etcd"
+    rows = [("RUN ID", "STATE", "ROUND", "NODES")]
+    for run in runs:
+        state = "closed" if run.closed else ("training" if run.live else ("gathering" if run.exists else "-"))
+        rows.append((run.run_id, state, str(run.round if run.round is not None else "-"), str(len(run.participants))))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)

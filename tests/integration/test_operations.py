@@ -1,0 +1,96 @@
+"""Operating a live run: status, a refused duplicate run id, --join, stop, purge, events."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import REPO_ROOT, subprocess_env
+
+MLP = str(REPO_ROOT / "examples" / "mlp.py")
+
+
+def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "elastictrain", *args], capture_output=True, text=True,
+                          timeout=timeout, env=subprocess_env(), cwd=REPO_ROOT)
+
+
+def wait_for_status(endpoint: str, run_id: str, predicate: Any, timeout: float = 90) -> dict[str, Any]:
+    # Polled in-process: a CLI process per poll would load the 2 cores that the
+    # job's agents and workers need.
+    from elastictrain.run_state import read_status
+    from tests.conftest import make_client
+
+    client = make_client(endpoint)
+    deadline = time.monotonic() + timeout
+    status: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        status = read_status(client, run_id).to_json()
+        if predicate(status):
+            return status
+        time.sleep(0.25)
+    raise AssertionError(f"status never matched; last: {status}")
+
+
+def test_status_duplicate_run_id_stop_and_events(etcd_server: Any, run_id: str, tmp_path: Path) -> None:
+    endpoint = etcd_server.endpoint
+    events = tmp_path / "events.jsonl"
+    job = subprocess.Popen(
+        [sys.executable, "-m", "elastictrain", "run", "--etcd", endpoint, "--run-id", run_id, "--local-nodes", "2",
+         "--min-nodes", "2", "--max-nodes", "3", "--local-addr", "127.0.0.1", "--event-log", str(events),
+         MLP, "--steps", "1000000"],
+        env=subprocess_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        status = wait_for_status(endpoint, run_id, lambda s: s["live"] and len(s["participants"]) == 2
+                                 and [n["state"] for n in s["nodes"]] == ["running", "running"])
+        assert sorted(p["rank"] for p in status["participants"]) == [0, 1]
+        assert status["meta"]["min_nodes"] == 2 and status["meta"]["max_nodes"] == 3
+        table = cli("status", "--etcd", endpoint, "--run-id", run_id)
+        assert table.returncode == 0
+        assert f"run '{run_id}': training, round 0, 2 node(s) (min 2, max 3), world size 2" in table.stdout
+        assert "127.0.0.1" in table.stdout and "HEARTBEAT" in table.stdout
+        listing = cli("status", "--etcd", endpoint, "--all")
+        assert run_id in listing.stdout
+
+        nodes_before = {n["node_id"] for n in status["nodes"]}
+        duplicate = cli("run", "--etcd", endpoint, "--run-id", run_id, MLP)
+        assert duplicate.returncode == 1
+        assert duplicate.stderr.strip().splitlines() == [
+            f"elastictrain: error: run id '{run_id}' is live: round 0 trains with 2 node(s) on 127.0.0.1; "
+            "pass --join to add this node to it, or choose another --run-id"
+        ]
+        after = wait_for_status(endpoint, run_id, lambda s: True)
+        # The refused node left no trace: same round, no new node record, not waiting.
+        assert after["round"] == status["round"] and not after["closed"]
+        assert {n["node_id"] for n in after["nodes"]} == nodes_before and after["waiting"] == []
+
+        refused = cli("stop", "--etcd", endpoint, "--run-id", run_id, "--purge")
+        assert refused.returncode == 2 and "is training; stop it first" in refused.stderr
+        stopped = cli("stop", "--etcd", endpoint, "--run-id", run_id)
+        assert stopped.returncode == 0, stopped.stderr
+        output, _ = job.communicate(timeout=90)
+        assert job.returncode == 0, output[-3000:]
+    finally:
+        if job.poll() is None:
+            job.kill()
+    kinds = [json.loads(line) for line in events.read_text().splitlines()]
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for event in kinds:
+        by_kind.setdefault(event["kind"], []).append(event)
+    assert {e["node"] for e in by_kind["rendezvous"]} == {"node0", "node1"}
+    assert all(e["world_size"] == 2 and e["run_id"] == run_id for e in by_kind["rendezvous"])
+    assert [e["exit_code"] for e in by_kind["job_end"]] == [0, 0]
+    assert "torch_agent" in by_kind and "torch_rendezvous" in by_kind
+    assert not any("keep-alive" in json.dumps(e) for e in kinds)
+
+    again = cli("run", "--etcd", endpoint, "--run-id", run_id, MLP)
+    assert again.returncode == 1 and "was stopped with `elastictrain stop`" in again.stderr
+    purged = cli("stop", "--etcd", endpoint, "--run-id", run_id, "--purge")
+    assert purged.returncode == 0 and "the run id is free again" in purged.stdout
+    gone = cli("status", "--etcd", endpoint, "--run-id", run_id, "--json")
+    assert gone.returncode == 1 and json.loads(gone.stdout)["exists"] is False
