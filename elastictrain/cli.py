@@ -53,6 +53,14 @@ def _add(parser: argparse.ArgumentParser, flag: str, *, default: Any, help: str,
     parser.add_argument(flag, dest=dest, default=value, help=f"{help} (default: {shown}; env ELASTICTRAIN_{dest.upper()})", **kwargs)
 
 
+def _add_switch(parser: argparse.ArgumentParser, flag: str, *, help: str) -> None:
+    """An on/off flag that ``ELASTICTRAIN_<FLAG>=1`` (or true/yes) also turns on."""
+    dest = flag.lstrip("-").replace("-", "_")
+    default = _env(dest, "").strip().lower() in {"1", "true", "yes", "on"}
+    parser.add_argument(flag, dest=dest, action="store_true", default=default,
+                        help=f"{help} (env ELASTICTRAIN_{dest.upper()}=1)")
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -92,7 +100,7 @@ def _add_etcd_security(parser: argparse.ArgumentParser) -> None:
 
 def _add_etcd_client(parser: argparse.ArgumentParser) -> None:
     """Flags of the commands that only talk to an existing etcd (status, stop)."""
-    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    _add_switch(parser, "--debug", help="show tracebacks and debug logs")
     _add(parser, "--etcd", default=None, help="etcd endpoints host:port[,host:port...] (required)")
     _add(parser, "--run-id", default=None, help="the run to act on")
     _add(parser, "--rdzv-conf", default="", type=_kv_pairs, help="etcd client settings as key=value,... (request_timeout, retry_deadline, ...)")
@@ -113,7 +121,7 @@ def _etcd_options(args: argparse.Namespace) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     defaults = RendezvousConfig()
     parser = _Parser(prog="elastictrain", description="Fault-tolerant elastic training for PyTorch.")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    _add_switch(parser, "--debug", help="show tracebacks and debug logs")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     run = sub.add_parser(
@@ -121,12 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="launch an elastic training job",
         description="Launch this node's elastic agent (or several local ones) for SCRIPT.",
     )
-    run.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    _add_switch(run, "--debug", help="show tracebacks and debug logs")
     _add(run, "--min-nodes", default=1, type=_positive_int, help="fewest nodes the job trains with")
     _add(run, "--max-nodes", default=None, type=_positive_int, help="most nodes admitted; none means --min-nodes")
     _add(run, "--nproc-per-node", default=1, type=_positive_int, help="workers (ranks) started on each node")
     _add(run, "--etcd", default=None, help="etcd endpoints host:port[,host:port...]; none starts a private etcd on this machine")
-    run.add_argument("--standalone", action="store_true", help="force a private etcd even if ELASTICTRAIN_ETCD is set")
+    _add_switch(run, "--standalone", help="force a private etcd even if ELASTICTRAIN_ETCD is set")
     _add(run, "--run-id", default=None, help="job name shared by all its nodes; namespaces its etcd keys (required with --etcd)")
     _add(run, "--max-restarts", default=3, type=_non_negative_int, help="worker-group restarts after failures before the job fails")
     _add(run, "--local-nodes", default=None, type=_positive_int, help="start this many node agents on this machine (a multi-node job without several hosts)")
@@ -137,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(run, "--keep-alive-interval", default=defaults.keep_alive_interval.total_seconds(), type=float, help="seconds between node heartbeats; a node silent for 5 of them is dead")
     _add(run, "--rdzv-conf", default="", type=_kv_pairs, help="more rendezvous/etcd settings as key=value,... (e.g. ca_cert=...,request_timeout=5)")
     _add(run, "--log-dir", default=None, help="directory for per-worker logs and error files")
-    run.add_argument("--join", action="store_true", help="join a job already training under --run-id (without it, a live run id is refused)")
+    _add_switch(run, "--join", help="join a job already training under --run-id (without it, a live run id is refused)")
     _add(run, "--event-log", default=None, help="JSON-lines event file of this run (default: elastictrain-runs/RUN_ID/events.jsonl)")
     _add_etcd_security(run)
     run.add_argument("--node-name", default=None, help=argparse.SUPPRESS)
@@ -148,14 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="show a run's rendezvous, nodes and checkpoints",
                             description="Show what etcd knows about a run (or, with --all, list runs).")
     _add_etcd_client(status)
-    status.add_argument("--all", action="store_true", help="list every run id on this etcd")
+    _add_switch(status, "--all", help="list every run id on this etcd")
     _add(status, "--checkpoint-dir", default=None, help="also show the newest committed checkpoint in this directory")
-    status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _add_switch(status, "--json", help="print JSON instead of a table")
 
     stop = sub.add_parser("stop", help="close a run so that every node exits 0",
                           description="Close a run's rendezvous: its agents stop their workers and exit 0.")
     _add_etcd_client(stop)
-    stop.add_argument("--purge", action="store_true", help="also delete every etcd key of the run (frees the run id)")
+    _add_switch(stop, "--purge", help="also delete every etcd key of the run (frees the run id)")
 
     etcd = sub.add_parser("etcd", help="run an etcd server in the foreground", description="Run an etcd server until Ctrl-C.")
     _add(etcd, "--host", default="127.0.0.1", help="address to listen on")
@@ -335,7 +343,7 @@ def _cmd_etcd(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``elastictrain`` console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = bool(os.environ.get("ELASTICTRAIN_DEBUG"))
+    debug = os.environ.get("ELASTICTRAIN_DEBUG", "").strip().lower() in {"1", "true", "yes", "on"}
     try:
         args = build_parser().parse_args(argv)
         debug = debug or args.debug

@@ -1,0 +1,41 @@
+"""Freezes the command-line surface: a flag added, renamed or removed must be a decision.
+
+Update EXPECTED (and the README) in the same change that alters a flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from elastictrain.cli import build_parser
+
+ETCD_CLIENT = ["--debug", "--etcd", "--etcd-ca-cert", "--etcd-cert", "--etcd-key", "--etcd-user", "--help",
+               "--rdzv-conf", "--run-id"]
+EXPECTED = {
+    "run": sorted(["--debug", "--etcd", "--etcd-ca-cert", "--etcd-cert", "--etcd-key", "--etcd-user",
+                   "--event-log", "--help", "--join", "--join-timeout", "--keep-alive-interval",
+                   "--last-call-timeout", "--local-addr", "--local-nodes", "--log-dir", "--max-nodes",
+                   "--max-restarts", "--min-nodes", "--monitor-interval", "--node-name", "--nproc-per-node",
+                   "--rdzv-conf", "--run-id", "--standalone"]),
+    "status": sorted([*ETCD_CLIENT, "--all", "--checkpoint-dir", "--json"]),
+    "stop": sorted([*ETCD_CLIENT, "--purge"]),
+    "etcd": ["--data-dir", "--help", "--host", "--port"],
+}
+
+
+def test_cli_flags_are_exactly_the_documented_ones() -> None:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    actual = {name: sorted(o for a in p._actions for o in a.option_strings if o.startswith("--"))
+              for name, p in sub.choices.items()}
+    assert actual == EXPECTED
+
+
+def test_every_visible_flag_has_help_with_a_default_or_env() -> None:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, p in sub.choices.items():
+        for action in p._actions:
+            if not action.option_strings or action.help == argparse.SUPPRESS or action.dest == "help":
+                continue
+            assert "ELASTICTRAIN_" in (action.help or ""), f"{name} {action.option_strings}: help names no env var"
