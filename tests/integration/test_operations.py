@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -9,12 +11,24 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from elastictrain.cli import main
 from tests.conftest import REPO_ROOT, subprocess_env
 
 MLP = str(REPO_ROOT / "examples" / "mlp.py")
 
 
-def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``elastictrain ARGS`` in this process (a process per call would load the 2 cores
+    that the job under test needs); outputs and exit code as from a subprocess."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
+
+
+def cli_process(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "elastictrain", *args], capture_output=True, text=True,
                           timeout=timeout, env=subprocess_env(), cwd=REPO_ROOT)
 
@@ -36,6 +50,7 @@ def wait_for_status(endpoint: str, run_id: str, predicate: Any, timeout: float =
     raise AssertionError(f"status never matched; last: {status}")
 
 
+@pytest.mark.timeout(300)  # a whole job's life with a dozen operations on 2 cores
 def test_status_duplicate_run_id_stop_and_events(etcd_server: Any, run_id: str, tmp_path: Path) -> None:
     endpoint = etcd_server.endpoint
     events = tmp_path / "events.jsonl"
@@ -58,7 +73,7 @@ def test_status_duplicate_run_id_stop_and_events(etcd_server: Any, run_id: str, 
         assert run_id in listing.stdout
 
         nodes_before = {n["node_id"] for n in status["nodes"]}
-        duplicate = cli("run", "--etcd", endpoint, "--run-id", run_id, MLP)
+        duplicate = cli_process("run", "--etcd", endpoint, "--run-id", run_id, MLP)
         assert duplicate.returncode == 1
         assert duplicate.stderr.strip().splitlines() == [
             f"elastictrain: error: run id '{run_id}' is live: round 0 trains with 2 node(s) on 127.0.0.1; "
