@@ -29,6 +29,7 @@ __all__ = [
     "CorruptCheckpointError",
     "NoCheckpointError",
     "CheckpointMismatchError",
+    "SessionError",
 ]
 
 
@@ -89,3 +90,7 @@ class NoCheckpointError(CheckpointError):
 
 class CheckpointMismatchError(CheckpointError):
     """A checkpoint does not fit the model/optimizer it is loaded into."""
+
+
+class SessionError(ElasticTrainError, RuntimeError):
+    """A training session was driven out of order (e.g. a step left with micro-batches untrained)."""

@@ -1,0 +1,275 @@
+"""The worker's default process group: formed from the elastic environment, always torn down.
+
+Each rendezvous round starts fresh worker processes, and each forms its group
+from that round's ``MASTER_ADDR``/``MASTER_PORT`` (a store the round's rank-0
+worker hosts). This module owns that group's life in the process:
+
+- backend by device: NCCL with one GPU per local rank when CUDA is there,
+  gloo otherwise; ``backend=`` or ``ELASTICTRAIN_BACKEND`` overrides;
+- a collective timeout short enough to notice a dead peer (60 s default;
+  ``timeout=`` or ``ELASTICTRAIN_PG_TIMEOUT`` in seconds overrides). Gloo
+  notices a peer whose process died at once (its sockets close); the timeout
+  covers a peer that hangs or a network that drops;
+- on GPU, ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` (unless set), so that NCCL's
+  watchdog aborts a collective that times out instead of hanging forever;
+- ``destroy_process_group`` on every exit path: the context manager's exit
+  (normal or exception) and an ``atexit`` handler, so nothing in this process
+  ever meets a stale group. A process killed by a signal takes its group with it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from elastictrain.errors import ConfigError
+from elastictrain.worker import WorkerContext
+
+__all__ = [
+    "BACKEND_ENV",
+    "DEFAULT_TIMEOUT",
+    "TIMEOUT_ENV",
+    "Placement",
+    "default_backend",
+    "destroy_process_group",
+    "device_for",
+    "init_process_group",
+    "process_group_scope",
+    "resolve_timeout",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = timedelta(seconds=60)
+"""Collective (and store connect) timeout: long enough for a slow checkpoint write, short enough to notice a hang."""
+
+BACKEND_ENV = "ELASTICTRAIN_BACKEND"
+TIMEOUT_ENV = "ELASTICTRAIN_PG_TIMEOUT"
+_NCCL_ASYNC_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+# True while this module's init_process_group created the default group that exists now.
+_owned = False
+_atexit_registered = False
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where this worker computes and how it talks to its peers."""
+
+    device: torch.device
+    """The device the model and batches go to."""
+
+    backend: str | None
+    """Backend of the default group; ``None`` when there is no group (a single process)."""
+
+    timeout: timedelta
+    """Collective timeout of the group."""
+
+    rank: int
+    """Rank in the default group (0 without one)."""
+
+    world_size: int
+    """Size of the default group (1 without one)."""
+
+    owned: bool
+    """True if :func:`init_process_group` created the group (and will destroy it)."""
+
+    @property
+    def distributed(self) -> bool:
+        """True when a process group exists."""
+        return self.backend is not None
+
+
+def default_backend() -> str:
+    """``"nccl"`` when CUDA and NCCL are available, else ``"gloo"``."""
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+def _resolve_backend(backend: str | None) -> str:
+    chosen = backend or os.environ.get(BACKEND_ENV) or default_backend()
+    chosen = chosen.strip().lower()
+    if "nccl" in chosen and not torch.cuda.is_available():
+        raise ConfigError(f"backend {chosen!r} needs CUDA, which is not available; use gloo")
+    return chosen
+
+
+def resolve_timeout(timeout: timedelta | float | None = None) -> timedelta:
+    """The collective timeout: ``timeout``, else ``ELASTICTRAIN_PG_TIMEOUT`` (seconds), else 60 s.
+
+    Raises:
+        ConfigError: Not a positive number of seconds.
+    """
+    source, value = "timeout", timeout
+    if value is None:
+        source, value = TIMEOUT_ENV, os.environ.get(TIMEOUT_ENV)
+        if value is None or str(value).strip() == "":
+            return DEFAULT_TIMEOUT
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    else:
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{source} must be a number of seconds, got {value!r}") from None
+    if not seconds > 0:  # also rejects NaN
+        raise ConfigError(f"{source} must be a positive number of seconds, got {value!r}")
+    return timedelta(seconds=seconds)
+
+
+def device_for(context: WorkerContext, backend: str | None = None) -> torch.device:
+    """The device of this worker: its GPU for a CUDA job, else the CPU.
+
+    One GPU per local rank: ``cuda:<local_rank>``, or ``cuda:0`` when each
+    process sees a single GPU (``CUDA_VISIBLE_DEVICES`` set per worker).
+    ``backend="gloo"`` on a CUDA machine means CPU training: the CPU.
+
+    Raises:
+        ConfigError: More local ranks than visible GPUs.
+    """
+    if not torch.cuda.is_available() or (backend or "").strip().lower() == "gloo":
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if count == 1:
+        return torch.device("cuda", 0)
+    if context.local_rank >= count:
+        raise ConfigError(
+            f"local rank {context.local_rank} has no GPU: {count} visible for {context.local_world_size} "
+            "local workers; start at most one worker per GPU (--nproc-per-node)"
+        )
+    return torch.device("cuda", context.local_rank)
+
+
+def init_process_group(
+    context: WorkerContext | None = None,
+    *,
+    backend: str | None = None,
+    timeout: timedelta | float | None = None,
+    device: torch.device | str | None = None,
+) -> Placement:
+    """Form the default process group from the launcher's environment.
+
+    - If ``torch.distributed`` is already initialized, that group is used as it
+      is and left for its creator to destroy.
+    - If no launcher set ``MASTER_ADDR``/``MASTER_PORT``, no group is formed: a
+      single process trains alone.
+    - Otherwise the group is created at the context's store address with the
+      chosen backend and timeout, the CUDA device is set, and an ``atexit``
+      handler destroys it.
+
+    Args:
+        context: This worker; default :meth:`WorkerContext.from_env`.
+        backend: ``"nccl"``, ``"gloo"`` or torch's ``"cpu:gloo,cuda:nccl"`` form;
+            default ``ELASTICTRAIN_BACKEND``, else by device.
+        timeout: Collective timeout (a ``timedelta`` or seconds); default
+            ``ELASTICTRAIN_PG_TIMEOUT``, else 60 s.
+        device: Overrides the device :func:`device_for` picks.
+
+    Returns:
+        The device, backend and world of this worker.
+
+    Raises:
+        ConfigError: A bad backend, timeout or device.
+        torch.distributed.DistError: The group could not be formed (e.g. a
+            peer never arrived within ``timeout``).
+    """
+    global _owned
+    context = WorkerContext.from_env() if context is None else context
+    resolved_timeout = resolve_timeout(timeout)
+    if dist.is_available() and dist.is_initialized():
+        chosen = dist.get_backend()
+        place = torch.device(device) if device is not None else device_for(context, chosen)
+        return Placement(place, chosen, resolved_timeout, dist.get_rank(), dist.get_world_size(), owned=False)
+    if not context.launched:
+        wanted = backend or os.environ.get(BACKEND_ENV)
+        place = torch.device(device) if device is not None else device_for(context, wanted)
+        return Placement(place, None, resolved_timeout, 0, 1, owned=False)
+
+    chosen = _resolve_backend(backend)
+    # Only a gloo the user asked for means CPU training; gloo chosen for want of
+    # NCCL on a CUDA machine still trains on the GPU.
+    wanted = backend or os.environ.get(BACKEND_ENV)
+    place = torch.device(device) if device is not None else device_for(context, wanted)
+    device_id = None
+    if place.type == "cuda":
+        torch.cuda.set_device(place)
+        if "nccl" in chosen:
+            # Without it a collective that a dead peer never joins hangs past
+            # the timeout; with it NCCL's watchdog aborts the communicator and
+            # the worker fails, so the agent can restart the group.
+            os.environ.setdefault(_NCCL_ASYNC_ENV, "1")
+            device_id = place  # eager NCCL init: errors surface here, not at the first step
+    _register_atexit()
+    host = f"[{context.master_addr}]" if ":" in str(context.master_addr) else context.master_addr
+    dist.init_process_group(
+        backend=chosen,
+        # tcp:// from the context rather than env://, so that an explicit
+        # context is honoured; both share torch's store logic (rank 0 hosts
+        # it, or the agent does under TORCHELASTIC_USE_AGENT_STORE).
+        init_method=f"tcp://{host}:{context.master_port}",
+        rank=context.rank,
+        world_size=context.world_size,
+        timeout=resolved_timeout,
+        device_id=device_id,
+    )
+    _owned = True
+    logger.debug("process group formed: backend %s, rank %d of %d, device %s, timeout %ss",
+                 chosen, context.rank, context.world_size, place, resolved_timeout.total_seconds())
+    return Placement(place, chosen, resolved_timeout, context.rank, context.world_size, owned=True)
+
+
+def destroy_process_group() -> None:
+    """Destroy the default group if :func:`init_process_group` created it. Idempotent; never raises.
+
+    A group someone else created is left alone.
+    """
+    global _owned
+    if not _owned:
+        return
+    _owned = False
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - teardown after a failure must not mask it
+        logger.warning("destroying the process group failed: %s", exc)
+
+
+def _register_atexit() -> None:
+    global _atexit_registered
+    if not _atexit_registered:
+        atexit.register(destroy_process_group)
+        _atexit_registered = True
+
+
+@contextmanager
+def process_group_scope(
+    context: WorkerContext | None = None,
+    *,
+    backend: str | None = None,
+    timeout: timedelta | float | None = None,
+    device: torch.device | str | None = None,
+) -> Iterator[Placement]:
+    """:func:`init_process_group` on entry, :func:`destroy_process_group` on any exit.
+
+    Example::
+
+        with elastictrain.process_group_scope() as place:
+            model = DDP(model.to(place.device))
+            ...
+    """
+    placement = init_process_group(context, backend=backend, timeout=timeout, device=device)
+    try:
+        yield placement
+    finally:
+        if placement.owned:
+            destroy_process_group()

@@ -1,0 +1,40 @@
+"""The examples run under ``elastictrain run`` as their docstrings say."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO_ROOT, subprocess_env
+
+pytestmark = pytest.mark.timeout(150)
+
+
+EXAMPLES = REPO_ROOT / "examples"
+
+
+def elastictrain_run(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    # cwd: the launcher writes its event log under the working directory.
+    return subprocess.run([sys.executable, "-m", "elastictrain", "run", *args], capture_output=True, text=True,
+                          timeout=140, env=subprocess_env(OMP_NUM_THREADS="1"), cwd=cwd)
+
+
+def test_the_readme_mlp_job_trains_on_two_local_nodes_and_cleans_up(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    result = elastictrain_run(tmp_path, "--local-nodes", "2", "--min-nodes", "2", str(EXAMPLES / "mlp.py"),
+                              "--checkpoint-dir", str(ckpt))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[run=local node=0 rank=0/2 restart=0] done: 40 steps at world size 2" in result.stderr
+    assert not ckpt.exists()
+
+
+def test_the_transformer_example_trains_with_accumulation_on_two_workers(tmp_path: Path) -> None:
+    result = elastictrain_run(tmp_path, "--nproc-per-node", "2", str(EXAMPLES / "transformer_lm.py"), "--steps", "4",
+                              "--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                              "--keep-checkpoints")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rank=0/2 restart=0] trained to step 4" in result.stderr
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000002", "step_00000004"]

@@ -1,0 +1,90 @@
+"""Rank-aware logging: the prefix, info on rank 0 only, JSON lines."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Iterator
+
+import pytest
+
+from elastictrain.rank_logging import RankLoggerAdapter, format_prefix, get_logger, setup_logging
+from elastictrain.worker import WorkerContext
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def context(rank: int, run_id: str = "job") -> WorkerContext:
+    return WorkerContext(rank=rank, world_size=4, node_rank=rank // 2, local_rank=rank % 2, local_world_size=2,
+                         restart_count=3, run_id=run_id)
+
+
+@pytest.fixture
+def stream() -> Iterator[io.StringIO]:
+    out = io.StringIO()
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield out
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_the_prefix_names_run_node_rank_world_and_restart() -> None:
+    assert format_prefix(context(3)) == "[run=job node=1 rank=3/4 restart=3]"
+
+
+def test_info_comes_from_rank_0_only_and_warnings_from_every_rank(stream: io.StringIO) -> None:
+    setup_logging(context(0), stream=stream, json_lines=False)
+    for rank in range(2):
+        log = get_logger("test.rank", context(rank))
+        log.info("info from %d", rank)
+        log.warning("warning from %d", rank)
+    get_logger("test.rank", context(1), all_ranks=True).info("all ranks")
+    lines = stream.getvalue().splitlines()
+    assert [line.split(": ", 1)[1] for line in lines] == [
+        "[run=job node=0 rank=0/4 restart=3] info from 0",
+        "[run=job node=0 rank=0/4 restart=3] warning from 0",
+        "[run=job node=0 rank=1/4 restart=3] warning from 1",
+        "[run=job node=0 rank=1/4 restart=3] all ranks",
+    ]
+
+
+def test_records_from_plain_loggers_get_the_prefix_and_the_rank_policy(stream: io.StringIO) -> None:
+    setup_logging(context(2), stream=stream, json_lines=False)
+    logging.getLogger("elastictrain.sampler").info("resharded")  # info on rank 2: dropped
+    logging.getLogger("elastictrain.sampler").warning("odd %s", "thing")
+    assert stream.getvalue().splitlines()[-1].endswith(
+        "elastictrain.sampler: [run=job node=1 rank=2/4 restart=3] odd thing")
+    assert "resharded" not in stream.getvalue()
+
+
+def test_json_lines_carry_the_context_as_fields(stream: io.StringIO) -> None:
+    setup_logging(context(1), stream=stream, json_lines=True)
+    try:
+        raise ValueError("bad")
+    except ValueError:
+        get_logger("test.json", context(1)).exception("step %d failed", 5)
+    record = json.loads(stream.getvalue().splitlines()[-1])
+    assert record["message"] == "step 5 failed"
+    assert {k: record[k] for k in ("level", "logger", "run_id", "node", "rank", "world_size", "restart")} == {
+        "level": "ERROR", "logger": "test.json", "run_id": "job", "node": 0, "rank": 1, "world_size": 4,
+        "restart": 3}
+    assert "ValueError: bad" in record["exception"]
+
+
+def test_a_percent_sign_in_the_run_id_does_not_break_formatting(stream: io.StringIO) -> None:
+    setup_logging(context(0, run_id="a%sb"), stream=stream, json_lines=False)
+    log = RankLoggerAdapter(logging.getLogger("test.pct"), context(0, run_id="a%sb"))
+    log.info("value %d", 7)
+    log.info("no args 100%")
+    assert stream.getvalue().splitlines()[-2].endswith("[run=a%sb node=0 rank=0/4 restart=3] value 7")
+    assert stream.getvalue().splitlines()[-1].endswith("[run=a%sb node=0 rank=0/4 restart=3] no args 100%")
+
+
+def test_the_record_points_at_the_caller_not_the_adapter(stream: io.StringIO) -> None:
+    setup_logging(context(0), stream=stream, json_lines=False)
+    handler = logging.getLogger().handlers[0]
+    handler.setFormatter(logging.Formatter("%(filename)s"))
+    get_logger("test.caller", context(0)).info("here")
+    assert stream.getvalue().strip() == "test_rank_logging.py"
