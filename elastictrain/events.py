@@ -9,7 +9,7 @@ appending, so lines from several processes on one machine never interleave.
 Kinds written by elastictrain: ``rendezvous`` (round, world size, duration),
 ``membership_change`` (old -> new world size), ``worker_failure``, ``restart``,
 ``job_end``, and from the training session ``checkpoint_commit`` and
-``restore``. torch's own agent events arrive as ``torch_agent`` and its
+``restore`` (rank 0; an async save reports ``checkpoint_save`` when copied). torch's own agent events arrive as ``torch_agent`` and its
 rendezvous events (heartbeats excepted) as ``torch_rendezvous``.
 """
 

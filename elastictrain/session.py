@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
+from elastictrain import events
 from elastictrain import process_group as pg
 from elastictrain.accumulation import accumulate
 from elastictrain.checkpoint import CheckpointManager, RestoreInfo, TorchDistributedCoordinator
@@ -572,6 +573,9 @@ class Session:
         self._step = self._saved_step = info.step
         self._progress["world_size"] = self.context.world_size
         self.hooks.dispatch("on_restore", step=info.step, path=info.path)
+        if self.context.rank == 0:
+            events.emit("restore", step=info.step, path=info.path, saved_world_size=info.world_size,
+                        world_size=self.context.world_size)
         if info.world_size != self.context.world_size:
             self.log.info("world size changed %d -> %d; global batch stays %d", info.world_size,
                           self.context.world_size, self.config.global_batch_size)
@@ -735,6 +739,12 @@ class Session:
         self._progress.update(step=self._step, world_size=self.context.world_size)
         self.checkpoints.save(self._step, self._state())
         self._saved_step = self._step
+        seconds = time.perf_counter() - started
+        if self.context.rank == 0:
+            # Synchronous: committed now. Async: copied now, committed in the background
+            # (a failure is raised by the next save).
+            events.emit("checkpoint_save" if self.config.async_save else "checkpoint_commit",
+                        step=self._step, directory=self.checkpoints.location, seconds=round(seconds, 4))
         self.hooks.dispatch("after_save", step=self._step, directory=self.checkpoints.location,
-                            seconds=time.perf_counter() - started)
+                            seconds=seconds)
 
