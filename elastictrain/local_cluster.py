@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from elastictrain._process import sigterm_with_parent
+from elastictrain._process import dying_with_us
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def run_local_nodes(count: int, node_args: Sequence[str], *, grace_seconds: floa
         for index in range(count):
             cmd = [sys.executable, "-m", "elastictrain", "run", "--node-name", f"node{index}", *node_args]
             # A node outlives neither this launcher nor, through its own agent, its workers.
-            procs.append(subprocess.Popen(cmd, preexec_fn=sigterm_with_parent))
+            procs.append(subprocess.Popen(dying_with_us(cmd)))
         logger.info("started %d local nodes: pids %s", count, [p.pid for p in procs])
         first_failure = 0
         pending = list(procs)

@@ -30,6 +30,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from elastictrain.config import parse_duration
 from elastictrain.errors import ConfigError
 from elastictrain.worker import WorkerContext
 
@@ -114,16 +115,7 @@ def resolve_timeout(timeout: timedelta | float | None = None) -> timedelta:
         source, value = TIMEOUT_ENV, os.environ.get(TIMEOUT_ENV)
         if value is None or str(value).strip() == "":
             return DEFAULT_TIMEOUT
-    if isinstance(value, timedelta):
-        seconds = value.total_seconds()
-    else:
-        try:
-            seconds = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{source} must be a number of seconds, got {value!r}") from None
-    if not seconds > 0:  # also rejects NaN
-        raise ConfigError(f"{source} must be a positive number of seconds, got {value!r}")
-    return timedelta(seconds=seconds)
+    return parse_duration(source, value, minimum=0.001)
 
 
 def device_for(context: WorkerContext, backend: str | None = None) -> torch.device:

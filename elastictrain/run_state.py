@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from elastictrain.errors import CorruptRendezvousStateError
 from elastictrain.etcd.client import EtcdClient
 from elastictrain.etcd.keys import KEY_ROOT, run_prefix
 from elastictrain.etcd.lease import RunLease
@@ -94,6 +95,8 @@ class RunStatus:
     waiting: list[str] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
     nodes: list[dict[str, Any]] = field(default_factory=list)
+    problem: str | None = None
+    """Why the rendezvous state could not be read, if it could not."""
 
     @property
     def live(self) -> bool:
@@ -111,12 +114,17 @@ def _node_id(desc: Any) -> str:
 def read_status(client: EtcdClient, run_id: str) -> RunStatus:
     """Read a run's rendezvous state, metadata and node records.
 
+    A state that cannot be decoded is reported in ``RunStatus.problem``.
+
     Raises:
-        RendezvousStateError: The rendezvous key holds bytes elastictrain did not write.
         EtcdError: etcd could not be read.
     """
     backend = Etcd3RendezvousBackend(client, run_id)
-    current = backend.get_state()
+    try:
+        current = backend.get_state()
+        problem = None
+    except CorruptRendezvousStateError as exc:
+        current, problem = None, str(exc)
     prefix = run_prefix(run_id)
     entries = client.call(lambda c: list(c.get_prefix(prefix)), what="reading the run")
     meta: dict[str, Any] = {}
@@ -127,19 +135,24 @@ def read_status(client: EtcdClient, run_id: str) -> RunStatus:
             meta = json.loads(value)
         elif key.startswith(prefix + "nodes/"):
             nodes.append(json.loads(value))
-    status = RunStatus(run_id=run_id, exists=current is not None or bool(nodes), meta=meta,
+    status = RunStatus(run_id=run_id, exists=current is not None or bool(entries), meta=meta, problem=problem,
                        nodes=sorted(nodes, key=lambda n: (n.get("group_rank") is None, n.get("group_rank"), n["node_id"])))
     if current is None:
         return status
     # The state is torch's pickled _RendezvousState. It carries our header, so it
     # was written by an elastictrain node of this run (torch unpickles it too).
-    state = pickle.loads(current[0])  # noqa: S301
+    try:
+        state = pickle.loads(current[0])  # noqa: S301
+        participants, heartbeats = state.participants, state.last_heartbeats
+    except Exception as exc:  # noqa: BLE001 - report it; status must still show the rest
+        status.problem = f"rendezvous state unreadable ({type(exc).__name__}: {exc})"
+        return status
     now = datetime.now(timezone.utc)
     status.round = state.round
     status.complete = state.complete
     status.closed = state.closed
-    for desc, rank in sorted(state.participants.items(), key=lambda item: item[1]):
-        beat = state.last_heartbeats.get(desc)
+    for desc, rank in sorted(participants.items(), key=lambda item: item[1]):
+        beat = heartbeats.get(desc)
         status.participants.append({
             "node_id": _node_id(desc), "addr": desc.addr, "pid": desc.pid, "rank": rank,
             "heartbeat_age_s": None if beat is None else round((now - beat).total_seconds(), 3),

@@ -40,6 +40,8 @@ def _clock(ts: float) -> str:
 def run_table(status: RunStatus, checkpoint: dict[str, Any] | None) -> str:
     if not status.exists:
         return f"run {status.run_id!r}: no keys on this etcd (never started, or expired)"
+    if status.problem:
+        return f"run {status.run_id!r}: {status.problem}"
     meta = status.meta
     state = "closed" if status.closed else ("training" if status.complete else "gathering nodes")
     world = sum(1 for _ in status.participants) * int(meta.get("nproc_per_node", 1)) if status.complete else 0
@@ -75,7 +77,7 @@ def runs_table(runs: list[RunStatus]) -> str:
         return "no runs on this etcd"
     rows = [("RUN ID", "STATE", "ROUND", "NODES")]
     for run in runs:
-        state = "closed" if run.closed else ("training" if run.live else ("gathering" if run.exists else "-"))
+        state = "unreadable" if run.problem else "closed" if run.closed else ("training" if run.live else ("gathering" if run.exists else "-"))
         rows.append((run.run_id, state, str(run.round if run.round is not None else "-"), str(len(run.participants))))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)

@@ -73,3 +73,20 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env
+
+
+@pytest.fixture(autouse=True)
+def _restore_elastictrain_logging() -> Iterator[None]:
+    """Tests that run the CLI in-process let it configure logging the way it does for a
+    real process; undo that, so later tests see the library's default logging."""
+    import logging
+
+    names = ("elastictrain", "elastictrain.events")
+    saved = {n: (list(logging.getLogger(n).handlers), logging.getLogger(n).level, logging.getLogger(n).propagate)
+             for n in names}
+    yield
+    for name, (handlers, level, propagate) in saved.items():
+        logger = logging.getLogger(name)
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
+        logger.propagate = propagate

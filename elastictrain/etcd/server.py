@@ -25,7 +25,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from elastictrain._process import sigterm_with_parent
+from elastictrain._process import dying_with_us
 from elastictrain.errors import EtcdServerError
 
 logger = logging.getLogger(__name__)
@@ -186,14 +186,13 @@ class EtcdServer:
         log_path = self.options.log_file or str(data_dir.parent / f"{data_dir.name}.log")
         self._log = open(log_path, "ab")  # noqa: SIM115 - lives as long as the process
         self._process = subprocess.Popen(
-            self.command(),
+            # If we are killed outright, it goes too instead of serving forever.
+            dying_with_us(self.command()),
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             # Its own session: Ctrl-C in the terminal reaches us, and we stop it in order.
             start_new_session=True,
-            # ...and if we are killed outright, it goes too instead of serving forever.
-            preexec_fn=sigterm_with_parent,
         )
         logger.info("started etcd %s (pid %s, data %s)", self.endpoint, self.pid, data_dir)
         if wait:
