@@ -27,6 +27,7 @@ from typing import Any
 from elastictrain import _logging
 from elastictrain.config import RendezvousConfig, RunConfig, parse_duration
 from elastictrain.errors import ConfigError, ElasticTrainError
+from elastictrain.progress import PROGRESS_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(run, "--keep-alive-interval", default=defaults.keep_alive_interval.total_seconds(), type=float, help="seconds between node heartbeats; a node silent for 5 of them is dead")
     _add(run, "--rdzv-conf", default="", type=_kv_pairs, help="more rendezvous/etcd settings as key=value,... (e.g. ca_cert=...,request_timeout=5)")
     _add(run, "--log-dir", default=None, help="directory for per-worker logs and error files")
+    _add_switch(run, "--no-progress", help="no progress line on rank 0 (it only shows on a terminal anyway)")
     _add_switch(run, "--join", help="join a job already training under --run-id (without it, a live run id is refused)")
     _add(run, "--event-log", default=None, help="JSON-lines event file of this run (default: elastictrain-runs/RUN_ID/events.jsonl)")
     _add_etcd_security(run)
@@ -253,6 +255,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             endpoint = server.endpoint
         else:
             endpoint = etcd  # type: ignore[assignment]
+        if args.no_progress:
+            os.environ[PROGRESS_ENV] = "0"  # read by the session in every worker
         if args.local_nodes:
             from elastictrain.local_cluster import run_local_nodes
 

@@ -47,6 +47,7 @@ from elastictrain.checkpoint import CheckpointManager, RestoreInfo, TorchDistrib
 from elastictrain.errors import ConfigError, SessionError
 from elastictrain.hooks import HookDispatcher
 from elastictrain.precision import PRECISIONS, MixedPrecision
+from elastictrain.progress import ProgressHook, progress_wanted
 from elastictrain.rank_logging import RankLoggerAdapter, get_logger, setup_logging
 from elastictrain.sampler import ElasticBatchSampler, ElasticSampler, MicroBatch, StepPlan
 from elastictrain.worker import WorkerContext
@@ -513,6 +514,12 @@ class Session:
             seed=config.seed, shuffle=config.shuffle, drop_last=config.drop_last,
             rank=self.context.rank, world_size=self.context.world_size,
         )
+        if progress_wanted(self.context.rank):
+            total = config.max_steps or config.epochs * self.sampler.steps_per_epoch
+            progress = ProgressHook(total)
+            progress.on_rendezvous(rank=self.context.rank, world_size=self.context.world_size,
+                                   restart_count=self.context.restart_count)
+            self.hooks.add(progress)
         self._progress["world_size"] = self.context.world_size
         if config.checkpoint_dir is not None:
             coordinator = TorchDistributedCoordinator(self._group) if self._group is not None else None

@@ -15,7 +15,7 @@ EXPECTED = {
     "run": sorted(["--debug", "--etcd", "--etcd-ca-cert", "--etcd-cert", "--etcd-key", "--etcd-user",
                    "--event-log", "--help", "--join", "--join-timeout", "--keep-alive-interval",
                    "--last-call-timeout", "--local-addr", "--local-nodes", "--log-dir", "--max-nodes",
-                   "--max-restarts", "--min-nodes", "--monitor-interval", "--node-name", "--nproc-per-node",
+                   "--max-restarts", "--min-nodes", "--monitor-interval", "--no-progress", "--node-name", "--nproc-per-node",
                    "--rdzv-conf", "--run-id", "--standalone"]),
     "status": sorted([*ETCD_CLIENT, "--all", "--checkpoint-dir", "--json"]),
     "stop": sorted([*ETCD_CLIENT, "--purge"]),

@@ -1,0 +1,33 @@
+"""The rank-0 progress line."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from elastictrain.progress import ProgressHook, progress_wanted
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_shows_only_on_rank_0_of_a_terminal_and_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert progress_wanted(0, _Tty())
+    assert not progress_wanted(1, _Tty())
+    assert not progress_wanted(0, io.StringIO())
+    monkeypatch.setenv("ELASTICTRAIN_PROGRESS", "0")
+    assert not progress_wanted(0, _Tty())
+
+
+def test_progress_line_has_step_loss_throughput_and_world_size() -> None:
+    out = _Tty()
+    hook = ProgressHook(total=40, stream=out)
+    hook.on_rendezvous(rank=0, world_size=3, restart_count=1)
+    hook.on_step_end(step=10, loss=0.5, throughput=1234.0)
+    hook.on_end(step=40)
+    text = out.getvalue()
+    assert text.startswith("\r[#####...............] 10/40  loss 0.5000  1,234 samples/s  world 3")
+    assert text.endswith("\n")
