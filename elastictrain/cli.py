@@ -166,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_etcd_client(stop)
     _add_switch(stop, "--purge", help="also delete every etcd key of the run (frees the run id)")
 
+    # Parsed by elastictrain.chaos itself (see main()); listed here for --help.
+    sub.add_parser("chaos", add_help=False, help="run a job under injected faults and check nothing was lost "
+                   "(elastictrain chaos --help)")
+
     etcd = sub.add_parser("etcd", help="run an etcd server in the foreground", description="Run an etcd server until Ctrl-C.")
     _add(etcd, "--host", default="127.0.0.1", help="address to listen on")
     _add(etcd, "--port", default=2379, type=_positive_int, help="client port")
@@ -346,6 +350,10 @@ def _cmd_etcd(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``elastictrain`` console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["chaos"]:
+        from elastictrain.chaos.__main__ import main as chaos_main
+
+        return chaos_main(argv[1:])
     debug = os.environ.get("ELASTICTRAIN_DEBUG", "").strip().lower() in {"1", "true", "yes", "on"}
     try:
         args = build_parser().parse_args(argv)

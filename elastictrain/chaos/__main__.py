@@ -1,0 +1,145 @@
+"""``python -m elastictrain.chaos``: run a job under injected faults, check the invariants, write a report.
+
+Examples::
+
+    # the built-in demo job, three faults at known steps
+    python -m elastictrain.chaos --schedule kill_worker@4,kill_node@10,join@16
+
+    # a soak: 50 random faults drawn from seed 7
+    python -m elastictrain.chaos --faults 50 --seed 7
+
+    # your own job (instrumented with elastictrain.chaos.Recorder); {run_dir} is substituted
+    python -m elastictrain.chaos --faults 10 --seed 1 -- train.py --ckpt {run_dir}/ckpt
+
+Exit code: 0 when every invariant held, 1 when one was violated, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from elastictrain.chaos.config import DEFAULT_KINDS, ChaosConfig
+from elastictrain.chaos.faults import FaultKind, parse_kinds, parse_schedule
+from elastictrain.chaos.harness import run_chaos
+from elastictrain.errors import ConfigError, ElasticTrainError
+
+DEMO_JOB = str(Path(__file__).resolve().parent / "_demo_job.py")
+_DEMO_STEPS_PER_EPOCH = 24  # the demo's 384 samples at a global batch of 16
+
+
+def _gap(text: str) -> tuple[int, int]:
+    low, _, high = text.partition(":")
+    try:
+        return int(low), int(high or low)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LOW:HIGH steps, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m elastictrain.chaos", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run-dir", default=None, help="where the run's files go (default: elastictrain-runs/chaos-TIME)")
+    p.add_argument("--nodes", type=int, default=3, help="node agents at the start (default 3)")
+    p.add_argument("--min-nodes", type=int, default=2, help="--min-nodes of the job (default 2)")
+    p.add_argument("--max-nodes", type=int, default=3, help="--max-nodes of the job (default 3)")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (default 1)")
+    p.add_argument("--schedule", default="", help="faults as KIND@STEP,... (kinds: "
+                   + ", ".join(k.value for k in FaultKind) + ")")
+    p.add_argument("--faults", type=int, default=0, help="draw this many random faults instead of --schedule")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random faults and targets (default 0)")
+    p.add_argument("--kinds", default=None, help="kinds the random faults are drawn from "
+                   f"(default {','.join(k.value for k in DEFAULT_KINDS)}, +kill_etcd_leader with 3 etcd members)")
+    p.add_argument("--gap", type=_gap, default=(2, 5), help="steps between a recovery and the next random fault, LOW:HIGH (default 2:5)")
+    p.add_argument("--etcd-members", type=int, default=1, choices=(1, 3), help="etcd cluster size (default 1)")
+    p.add_argument("--etcd-down", type=float, default=3.0, help="seconds killed etcd members stay down (default 3)")
+    p.add_argument("--hang", type=float, default=None, help="seconds hang_worker stops a worker (default: pg timeout + 5)")
+    p.add_argument("--hang-then-kill", action="store_true", help="end a hang with SIGKILL instead of SIGCONT")
+    p.add_argument("--rejoin-after", type=float, default=3.0, help="seconds before bounce_node's replacement starts (default 3)")
+    p.add_argument("--pg-timeout", type=float, default=20.0, help="collective timeout of the workers, seconds (default 20)")
+    p.add_argument("--join-timeout", type=float, default=60.0, help="--join-timeout of the nodes, seconds (default 60)")
+    p.add_argument("--max-restarts", type=int, default=1000, help="--max-restarts of the nodes (default 1000)")
+    p.add_argument("--recovery-bound", type=float, default=None, help="seconds a fault may go without training "
+                   "before the run counts as hung (default: 120 + pg timeout + the fault's own duration)")
+    p.add_argument("--deadline", type=float, default=1800.0, help="seconds before the whole run is stopped (default 1800)")
+    p.add_argument("--no-reference", action="store_true", help="skip the reference run (and the final-parameters invariant)")
+    p.add_argument("--atol", type=float, default=1e-5, help="final-parameters absolute tolerance (default 1e-5)")
+    p.add_argument("--rtol", type=float, default=1e-4, help="final-parameters relative tolerance (default 1e-4)")
+    p.add_argument("--run-arg", action="append", default=[], help="extra `elastictrain run` flag (repeatable)")
+    p.add_argument("--step-time", type=float, default=0.0, help="the demo job's sleep per step (default 0: the harness paces it)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log each fault as it happens")
+    p.add_argument("script", nargs="?", default=None, help="training script (default: the built-in demo job)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments; {run_dir} is substituted")
+    return p
+
+
+def _demo_args(args: argparse.Namespace, schedule_steps: int) -> tuple[str, ...]:
+    if args.faults:
+        steps = args.faults * (args.gap[1] + 2) + 12
+    else:
+        steps = schedule_steps + 12
+    epochs = max(2, math.ceil(steps / _DEMO_STEPS_PER_EPOCH))
+    return ("--ckpt", "{run_dir}/ckpt", "--epochs", str(epochs), "--step-time", str(args.step_time))
+
+
+def config_from(args: argparse.Namespace) -> ChaosConfig:
+    schedule = tuple(parse_schedule(args.schedule))
+    if args.kinds:
+        kinds = parse_kinds(args.kinds)
+    else:
+        kinds = DEFAULT_KINDS + ((FaultKind.KILL_ETCD_LEADER,) if args.etcd_members == 3 else ())
+    script_args = list(args.script_args)
+    if script_args[:1] == ["--"]:
+        script_args = script_args[1:]
+    if args.script is None:
+        script, script_args = DEMO_JOB, list(_demo_args(args, max((f.at_step for f in schedule), default=0)))
+    else:
+        script = args.script
+    run_dir = args.run_dir or str(Path("elastictrain-runs") / time.strftime("chaos-%Y%m%d-%H%M%S"))
+    return ChaosConfig(
+        script=script, script_args=tuple(script_args), run_dir=run_dir, nodes=args.nodes,
+        min_nodes=args.min_nodes, max_nodes=args.max_nodes, nproc_per_node=args.nproc_per_node,
+        schedule=schedule, faults=args.faults, seed=args.seed, kinds=kinds, gap=args.gap,
+        etcd_members=args.etcd_members, etcd_down=args.etcd_down, hang=args.hang,
+        hang_then_kill=args.hang_then_kill, rejoin_after=args.rejoin_after, pg_timeout=args.pg_timeout,
+        join_timeout=args.join_timeout, max_restarts=args.max_restarts, recovery_bound=args.recovery_bound,
+        deadline=args.deadline, reference=not args.no_reference, atol=args.atol, rtol=args.rtol,
+        run_args=tuple(args.run_arg),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s: %(message)s")
+    try:
+        result = run_chaos(config_from(args))
+    except ConfigError as exc:
+        print(f"elastictrain chaos: error: {exc}", file=sys.stderr)
+        return 2
+    except ElasticTrainError as exc:
+        print(f"elastictrain chaos: error: {exc}", file=sys.stderr)
+        return 1
+    report = result.report
+    print(f"chaos run {report['run_id']}: {report['faults_injected']} fault(s) in {report['duration_s']:.0f}s, "
+          f"{report['committed_steps']} committed steps, {report['steps_redone']} redone, "
+          f"final world size {report['final_world_size']}")
+    for kind, summary in report["recovery_by_kind"].items():
+        print(f"  {kind:18} x{summary['count']:<3} recovery median {summary['recovery_s_median']}s "
+              f"(min {summary['recovery_s_min']}, max {summary['recovery_s_max']})")
+    for name, outcome in report["invariants"].items():
+        mark = {True: "ok  ", False: "FAIL", None: "n/a "}[outcome["ok"]]
+        print(f"  [{mark}] {name}: {outcome['detail']}")
+    print(f"report: {result.run_dir / 'report.json'}; plot: {report['plot']}")
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""How a chaos run is set up: :class:`ChaosConfig` and its defaults.
+
+Every duration is a ``timedelta`` (seconds are accepted and converted); bad
+values raise :class:`~elastictrain.errors.ConfigError` naming them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from elastictrain.chaos.faults import FaultKind, PlannedFault
+from elastictrain.config import parse_duration
+from elastictrain.errors import ConfigError
+
+__all__ = ["DEFAULT_KINDS", "ChaosConfig"]
+
+DEFAULT_KINDS = (FaultKind.KILL_WORKER, FaultKind.KILL_NODE, FaultKind.BOUNCE_NODE, FaultKind.HANG_WORKER,
+                 FaultKind.JOIN, FaultKind.KILL_ETCD)
+"""Kinds a random run draws from (plus ``kill_etcd_leader`` with a 3-member etcd)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ChaosConfig:
+    """One chaos run. Durations are ``timedelta`` (seconds are accepted)."""
+
+    script: str
+    """The training script every worker runs (it must use a :class:`~elastictrain.chaos.Recorder`)."""
+
+    script_args: tuple[str, ...] = ()
+    """Its arguments; ``{run_dir}`` is replaced by the run's directory (the reference run's for the reference)."""
+
+    run_dir: str
+    """Where everything of the run goes; created, must not hold an earlier run."""
+
+    nodes: int = 3
+    """Node agents started at the beginning."""
+
+    min_nodes: int = 2
+    """``--min-nodes`` of the job."""
+
+    max_nodes: int = 3
+    """``--max-nodes`` of the job."""
+
+    nproc_per_node: int = 1
+    """Workers per node."""
+
+    schedule: tuple[PlannedFault, ...] = ()
+    """Faults to inject, in order. Used when ``faults`` is 0."""
+
+    faults: int = 0
+    """Draw this many faults at random from ``seed`` instead of a schedule."""
+
+    seed: int = 0
+    """Seeds the random faults and the choice of targets (which node, which worker)."""
+
+    kinds: tuple[FaultKind, ...] = DEFAULT_KINDS
+    """Kinds the random faults are drawn from."""
+
+    gap: tuple[int, int] = (2, 5)
+    """Steps of training between a recovery and the next random fault (inclusive range)."""
+
+    etcd_members: int = 1
+    """1, or 3 for a loopback cluster (needed by ``kill_etcd_leader``)."""
+
+    etcd_down: timedelta = timedelta(seconds=3)
+    """How long killed etcd members stay down."""
+
+    hang: timedelta | None = None
+    """How long ``hang_worker`` stops a worker; default: the collective timeout plus 5 s."""
+
+    hang_then_kill: bool = False
+    """End a hang with SIGKILL instead of SIGCONT."""
+
+    rejoin_after: timedelta = timedelta(seconds=3)
+    """How long after ``bounce_node`` kills a node its replacement starts."""
+
+    pg_timeout: timedelta = timedelta(seconds=20)
+    """Collective timeout of the workers (``ELASTICTRAIN_PG_TIMEOUT``): how long a hang goes unnoticed."""
+
+    join_timeout: timedelta = timedelta(seconds=60)
+    """``--join-timeout``: how long survivors below min-nodes wait for nodes to return."""
+
+    max_restarts: int = 1000
+    """``--max-restarts``: every fault that fails workers uses one on each surviving node."""
+
+    recovery_bound: timedelta | None = None
+    """Longest a fault may go without the job training again before the run counts as hung.
+    Default: 120 s plus the collective timeout, the fault's own duration (hang, etcd
+    outage, rejoin delay) and, for a bounce, the join timeout."""
+
+    deadline: timedelta = timedelta(minutes=30)
+    """The whole run is stopped (and counts as hung) after this long."""
+
+    reference: bool = True
+    """Run the uninterrupted reference (one process) for the final-parameters invariant."""
+
+    atol: float = 1e-5
+    """Absolute tolerance of the final-parameters comparison."""
+
+    rtol: float = 1e-4
+    """Relative tolerance of the final-parameters comparison."""
+
+    run_args: tuple[str, ...] = ()
+    """Extra ``elastictrain run`` flags for every node."""
+
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Extra environment of every node and of the reference run."""
+
+    def __post_init__(self) -> None:
+        for name in ("etcd_down", "rejoin_after", "pg_timeout", "join_timeout", "deadline", "hang", "recovery_bound"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, parse_duration(name, value, minimum=0.001))
+        if not os.path.isfile(self.script):
+            raise ConfigError(f"training script {self.script!r} is not a file")
+        if not 1 <= self.min_nodes <= self.max_nodes:
+            raise ConfigError(f"need 1 <= min_nodes <= max_nodes, got {self.min_nodes}, {self.max_nodes}")
+        if not 1 <= self.nodes <= self.max_nodes:
+            raise ConfigError(f"nodes must be in [1, max_nodes={self.max_nodes}], got {self.nodes}")
+        if self.etcd_members not in (1, 3):
+            raise ConfigError(f"etcd_members must be 1 or 3, got {self.etcd_members}")
+        kinds = {f.kind for f in self.schedule} | (set(self.kinds) if self.faults else set())
+        if FaultKind.KILL_ETCD_LEADER in kinds and self.etcd_members < 3:
+            raise ConfigError("kill_etcd_leader needs etcd_members=3")
+        if self.faults < 0:
+            raise ConfigError(f"faults must be >= 0, got {self.faults}")
+
+    @property
+    def hang_duration(self) -> timedelta:
+        return self.hang if self.hang is not None else self.pg_timeout + timedelta(seconds=5)
+
+    def bound_for(self, kind: FaultKind) -> float:
+        """Seconds a fault of ``kind`` may take before the run counts as hung."""
+        if self.recovery_bound is not None:
+            return self.recovery_bound.total_seconds()
+        extra = {FaultKind.HANG_WORKER: self.hang_duration, FaultKind.KILL_ETCD: self.etcd_down,
+                 FaultKind.KILL_ETCD_LEADER: self.etcd_down,
+                 FaultKind.BOUNCE_NODE: self.rejoin_after + self.join_timeout}.get(kind, timedelta(0))
+        return 120.0 + self.pg_timeout.total_seconds() + extra.total_seconds()

@@ -1,0 +1,405 @@
+"""What must hold after every chaos run, checked from the evidence the job and the harness wrote.
+
+Each check returns an :class:`InvariantResult`. The checks trust neither the
+job nor elastictrain's own checkpoint code: checkpoints are verified here
+against their manifests (sizes and sha256) independently, and the committed
+history is rebuilt from the lineage stored *inside* the final committed
+checkpoint (see :mod:`elastictrain.chaos.recorder`), so steps that ran but
+whose checkpoint never committed (and were redone after a restore) are not
+counted.
+
+Invariants:
+
+- ``exit_status``: the job exited 0 on every node the harness did not kill,
+  whenever at least min-nodes stayed up (or came back within the join
+  timeout); otherwise the survivors exited non-zero saying why.
+- ``committed_history``: the committed steps are 1..F exactly once each, and
+  every committed step has the records of every rank of its round.
+- ``exactly_once``: every sample of each completed epoch was consumed by
+  committed steps exactly once; an unfinished epoch has no sample twice and
+  as many samples as the checkpointed sampler cursor says.
+- ``final_parameters``: the final parameters equal an uninterrupted reference
+  run's within float tolerance (the global batch is constant; only the
+  summation order differs with the world size).
+- ``restores_committed``: every restore loaded a committed checkpoint that
+  verifies, the newest one committed by then, holding exactly the parameters
+  its producer saved (fingerprints match).
+- ``checkpoints_intact``: every committed checkpoint on disk verifies, the
+  last one included.
+- ``world_size_bounds``: every round trained with min..max nodes' worth of workers.
+- ``no_hang``: every fault was followed by training within the recovery bound,
+  and the run ended within its deadline.
+- ``no_ghost_workers``: no worker process outlived the run.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elastictrain.chaos.recorder import MARKER
+
+__all__ = [
+    "Checkpoint", "Evidence", "History", "InvariantResult", "check_checkpoints_intact", "check_committed_history",
+    "check_exactly_once", "check_final_parameters", "check_restores", "check_world_sizes", "checkpoint_dirs",
+    "committed_history", "read_checkpoint", "read_lines", "total_steps", "verify_checkpoint",
+]
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class InvariantResult:
+    """The outcome of one invariant."""
+
+    name: str
+    ok: bool | None
+    """True: holds; False: violated; None: could not be checked (``detail`` says why)."""
+    detail: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "detail": self.detail}
+
+
+def read_lines(path: Path) -> list[dict[str, Any]]:
+    """JSON lines of ``path``; a torn last line (a writer killed mid-write) is dropped."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+@dataclass
+class Evidence:
+    """Everything a job's :class:`~elastictrain.chaos.Recorder` wrote under one directory."""
+
+    directory: Path
+    events: list[dict[str, Any]] = field(default_factory=list)
+    workers: list[dict[str, Any]] = field(default_factory=list)
+    steps: dict[str, dict[int, dict[int, dict[str, Any]]]] = field(default_factory=dict)
+    """segment -> step -> rank -> record."""
+    duplicates: list[str] = field(default_factory=list)
+    """(segment, rank, step) recorded more than once: the evidence itself is wrong."""
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike[str]) -> Evidence:
+        directory = Path(directory)
+        evidence = cls(directory, read_lines(directory / "events.jsonl"), read_lines(directory / "workers.jsonl"))
+        steps_dir = directory / "steps"
+        for path in sorted(steps_dir.glob("*.jsonl")) if steps_dir.exists() else []:
+            for record in read_lines(path):
+                by_rank = evidence.steps.setdefault(record["seg"], {}).setdefault(record["step"], {})
+                if record["rank"] in by_rank:
+                    evidence.duplicates.append(f"segment {record['seg']} rank {record['rank']} step {record['step']}")
+                by_rank[record["rank"]] = record
+        return evidence
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        """Rank 0's events of one kind, in time order."""
+        return sorted((e for e in self.events if e["kind"] == kind), key=lambda e: e["t"])
+
+    @property
+    def config(self) -> dict[str, Any] | None:
+        found = self.of("config")
+        return found[0] if found else None
+
+    def checkpoint_root(self) -> Path | None:
+        """The job's checkpoint directory, as the job reported it (saves, else restores)."""
+        for event in self.of("saved"):
+            return Path(event["dir"])
+        for event in self.of("restored"):
+            return Path(event["path"]).parent
+        return None
+
+    def total_steps(self) -> int | None:
+        """Steps of a complete run, from the job's configuration; None if unknown."""
+        return total_steps(self.config)
+
+
+def total_steps(config: dict[str, Any] | None) -> int | None:
+    """Steps of a complete run from a recorder's ``config`` event; None if unknown."""
+    if config is None:
+        return None
+    n, g = config["num_samples"], config["global_batch"]
+    total = (n // g if config["drop_last"] else -(-n // g)) * config["epochs"]
+    return min(total, config["max_steps"]) if config.get("max_steps") else total
+
+
+# --- checkpoints ------------------------------------------------------------------------------
+
+
+def checkpoint_dirs(root: Path) -> dict[int, Path]:
+    """Committed checkpoint directories (``step_N``; staging ``.tmp-`` ones excluded) by step."""
+    out = {}
+    if root.is_dir():
+        for entry in root.iterdir():
+            match = _STEP_DIR.match(entry.name)
+            if match and entry.is_dir():
+                out[int(match.group(1))] = entry
+    return dict(sorted(out.items()))
+
+
+def verify_checkpoint(path: Path, step: int | None = None) -> str | None:
+    """Check a checkpoint against its manifest; the problem, or None if it verifies.
+
+    Independent of :mod:`elastictrain.checkpoint`: it recomputes every listed
+    file's size and sha256 and requires ``replicated.pt`` and one rank file per
+    saved rank.
+    """
+    try:
+        manifest = json.loads((path / "MANIFEST.json").read_text())
+        files = manifest["files"]
+        world = int(manifest["world_size"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{path.name}: no readable manifest ({exc})"
+    if step is not None and manifest.get("step") != step:
+        return f"{path.name}: manifest names step {manifest.get('step')}"
+    needed = {"replicated.pt"} | {f"rank_{r:05d}.pt" for r in range(world)}
+    if needed - files.keys():
+        return f"{path.name}: manifest lacks {sorted(needed - files.keys())}"
+    for name, entry in files.items():
+        try:
+            data = (path / name).read_bytes()
+        except OSError as exc:
+            return f"{path.name}/{name}: {exc}"
+        if len(data) != entry["size"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            return f"{path.name}/{name}: size or sha256 differs from the manifest"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """The parts of a committed checkpoint the invariants read."""
+
+    step: int
+    path: Path
+    model: dict[str, torch.Tensor]
+    sampler: dict[str, Any] | None
+    lineage: list[dict[str, Any]] | None
+
+
+def read_checkpoint(path: Path, step: int) -> Checkpoint:
+    """Load a checkpoint's replicated state (``weights_only``: plain data only).
+
+    Raises:
+        ValueError: It has no model state.
+    """
+    content = torch.load(path / "replicated.pt", weights_only=True, map_location="cpu")
+    stateful = content.get("stateful", {}) if isinstance(content, dict) else {}
+    if "model" not in stateful:
+        raise ValueError(f"{path}: no model state")
+    lineage = next((v["lineage"] for v in stateful.values() if isinstance(v, dict) and v.get(MARKER)), None)
+    if lineage is None:  # a recorder given as a dict of extras
+        extras = content.get("extras", {})
+        lineage = next((v["lineage"] for v in extras.values() if isinstance(v, dict) and v.get(MARKER)), None)
+    return Checkpoint(step, path, stateful["model"], stateful.get("sampler"), lineage)
+
+
+# --- committed history ------------------------------------------------------------------------
+
+
+@dataclass
+class History:
+    """The committed steps of a run, rebuilt from the final checkpoint's lineage."""
+
+    final_step: int
+    steps: list[tuple[int, str, dict[int, dict[str, Any]]]]
+    """(step, segment, rank -> record), in step order."""
+    problems: list[str]
+
+
+def committed_history(evidence: Evidence, final: Checkpoint) -> History:
+    """The steps that make up ``final``: for each lineage link, its segment's steps up to the next link's base."""
+    problems: list[str] = []
+    steps: list[tuple[int, str, dict[int, dict[str, Any]]]] = []
+    lineage = final.lineage
+    if not lineage:
+        return History(final.step, [], [f"checkpoint {final.path.name} holds no chaos lineage "
+                                         "(pass the Recorder as extra_state)"])
+    if lineage[0]["base"] != 0:
+        problems.append(f"the lineage starts from step {lineage[0]['base']}, not from scratch")
+    for k, link in enumerate(lineage):
+        stop = lineage[k + 1]["base"] if k + 1 < len(lineage) else final.step
+        if stop < link["base"]:
+            problems.append(f"lineage goes back from step {link['base']} to {stop}")
+        records = evidence.steps.get(link["seg"], {})
+        for number in range(link["base"] + 1, stop + 1):
+            by_rank = records.get(number)
+            if not by_rank:
+                problems.append(f"committed step {number} (segment {link['seg']}) has no step records")
+                continue
+            steps.append((number, link["seg"], by_rank))
+    numbers = [s for s, _, _ in steps]
+    if numbers != list(range(1, final.step + 1)) and not problems:
+        problems.append(f"committed steps are not 1..{final.step}")
+    return History(final.step, steps, problems)
+
+
+def check_committed_history(history: History, evidence: Evidence) -> InvariantResult:
+    problems = list(history.problems) + [f"recorded twice: {d}" for d in evidence.duplicates[:5]]
+    for number, seg, by_rank in history.steps:
+        worlds = {r["world"] for r in by_rank.values()}
+        if len(worlds) != 1:
+            problems.append(f"step {number}: ranks disagree on the world size {sorted(worlds)}")
+            continue
+        world = worlds.pop()
+        if set(by_rank) != set(range(world)):
+            problems.append(f"step {number} (segment {seg}, world {world}): records of ranks {sorted(by_rank)}")
+        if len({r["epoch"] for r in by_rank.values()}) != 1:
+            problems.append(f"step {number}: ranks disagree on the epoch")
+    return InvariantResult("committed_history", not problems,
+                           "; ".join(problems[:8]) or f"{len(history.steps)} committed steps, "
+                           f"{len({s for _, s, _ in history.steps})} segment(s) in the lineage")
+
+
+def check_exactly_once(history: History, evidence: Evidence, final: Checkpoint) -> InvariantResult:
+    config = evidence.config
+    sampler = final.sampler
+    if config is None or sampler is None:
+        return InvariantResult("exactly_once", None, "no job config or sampler state recorded")
+    n, g = config["num_samples"], config["global_batch"]
+    per_epoch = n - n % g if config["drop_last"] else n
+    consumed: dict[int, list[int]] = collections.defaultdict(list)
+    step_sizes: list[str] = []
+    for number, _, by_rank in history.steps:
+        idx = [i for r in sorted(by_rank) for i in by_rank[r]["idx"]]
+        epoch = next(iter(by_rank.values()))["epoch"]
+        consumed[epoch].extend(idx)
+        if len(idx) != g and len(consumed[epoch]) != per_epoch:
+            step_sizes.append(f"step {number} consumed {len(idx)} samples, not {g}")
+    problems = step_sizes[:3]
+    final_epoch, cursor = sampler["epoch"], sampler["cursor"]
+    for epoch in range(max([final_epoch, *consumed]) + 1):
+        seen = consumed.get(epoch, [])
+        counts = collections.Counter(seen)
+        twice = sorted(i for i, c in counts.items() if c > 1)
+        if twice:
+            problems.append(f"epoch {epoch}: {len(twice)} sample(s) consumed more than once, e.g. {twice[:5]}")
+        if epoch < final_epoch or (epoch == final_epoch and cursor >= per_epoch):
+            missing = sorted(set(range(n)) - counts.keys()) if not config["drop_last"] else []
+            if missing:
+                problems.append(f"epoch {epoch} (complete): {len(missing)} sample(s) never consumed, e.g. {missing[:5]}")
+            if len(counts) != per_epoch:
+                problems.append(f"epoch {epoch} (complete): {len(counts)} distinct samples, expected {per_epoch}")
+        elif epoch == final_epoch:
+            if len(seen) != cursor:
+                problems.append(f"epoch {epoch} (unfinished): {len(seen)} samples consumed, the cursor says {cursor}")
+        elif seen:
+            problems.append(f"epoch {epoch}: consumed after the checkpointed epoch {final_epoch}")
+    complete = sum(1 for e in range(final_epoch + 1) if e < final_epoch or cursor >= per_epoch)
+    return InvariantResult("exactly_once", not problems, "; ".join(problems[:8]) or
+                           f"{complete} complete epoch(s) of {n} samples, each sample once; "
+                           f"{sum(map(len, consumed.values()))} samples in committed steps")
+
+
+def check_final_parameters(final: Checkpoint, reference: Checkpoint | None, *, atol: float,
+                           rtol: float) -> InvariantResult:
+    if reference is None:
+        return InvariantResult("final_parameters", None, "no reference run")
+    if final.step != reference.step:
+        return InvariantResult("final_parameters", False,
+                               f"final step {final.step}, reference {reference.step}")
+    if final.model.keys() != reference.model.keys():
+        return InvariantResult("final_parameters", False, "parameter names differ from the reference")
+    worst, where = 0.0, ""
+    for name, expected in reference.model.items():
+        actual = final.model[name]
+        if actual.shape != expected.shape:
+            return InvariantResult("final_parameters", False, f"{name}: shape {tuple(actual.shape)}")
+        if not torch.is_floating_point(expected):
+            if not torch.equal(actual, expected):
+                return InvariantResult("final_parameters", False, f"{name} differs")
+            continue
+        excess = ((actual - expected).abs() - rtol * expected.abs()).max().item()
+        if excess > worst:
+            worst, where = excess, name
+    diff = max(((final.model[k] - v).abs().max().item() for k, v in reference.model.items()
+                if torch.is_floating_point(v)), default=0.0)
+    ok = worst <= atol
+    return InvariantResult("final_parameters", ok, f"max |chaos - reference| = {diff:.3g} (atol {atol:g}, "
+                           f"rtol {rtol:g}){'' if ok else f'; worst in {where}'}")
+
+
+def check_restores(evidence: Evidence, checkpoints: dict[int, Path],
+                   agent_events: Iterable[dict[str, Any]] = ()) -> InvariantResult:
+    """Every restore loaded a committed, verified checkpoint, the newest, with its producer's parameters.
+
+    Two witnesses: the job's recorder (fingerprints, producer segment) and the
+    session's own ``restore`` events in the run's event log, each of which must
+    name a step that a ``checkpoint_commit`` event or a verifying directory shows committed.
+    """
+    problems = []
+    agent_events = list(agent_events)
+    commits = [e for e in agent_events if e.get("kind") == "checkpoint_commit"]
+    logged = [e for e in agent_events if e.get("kind") == "restore"]
+    for event in logged:
+        step = event.get("step")
+        on_disk = step in checkpoints and verify_checkpoint(checkpoints[step], step) is None
+        committed = any(c.get("step") == step and c["ts"] <= event["ts"] for c in commits)
+        if not (on_disk or committed):
+            problems.append(f"the session logged a restore of step {step}, which was never committed")
+    restores = evidence.of("restored")
+    saves_begun = {(e["seg"], e["step"]): e for e in evidence.of("save_begin")}
+    saved = evidence.of("saved")
+    for event in restores:
+        step, producer = event["step"], event.get("producer")
+        name = Path(event["path"]).name
+        match = _STEP_DIR.match(name)
+        if not match or int(match.group(1)) != step:
+            problems.append(f"restored {name!r} as step {step}: not a committed checkpoint directory")
+            continue
+        path = checkpoints.get(step)
+        committed_record = any(s["seg"] == producer and s["step"] == step and s["t"] <= event["t"] for s in saved)
+        if path is not None:
+            error = verify_checkpoint(path, step)
+            if error:
+                problems.append(f"restored step {step}, which does not verify: {error}")
+        elif not committed_record:
+            problems.append(f"restored step {step}: no such checkpoint on disk and no commit recorded")
+        began = saves_begun.get((producer, step))
+        if began is None:
+            problems.append(f"restored step {step}: its producer (segment {producer}) never began saving it")
+        elif began.get("fp") != event.get("fp"):
+            problems.append(f"restored step {step}: parameters differ from what segment {producer} saved")
+        newer = [s["step"] for s in saved if s["t"] < event["t"] and s["step"] > step
+                 and s["step"] in checkpoints and verify_checkpoint(checkpoints[s["step"]], s["step"]) is None]
+        if newer:
+            problems.append(f"restored step {step} although step {max(newer)} was committed before")
+    return InvariantResult("restores_committed", not problems, "; ".join(problems[:8]) or
+                           f"{len(restores)} restore(s) (the session logged {len(logged)}), each of the newest "
+                           "committed checkpoint, verified, holding its producer's parameters")
+
+
+def check_checkpoints_intact(checkpoints: dict[int, Path]) -> InvariantResult:
+    if not checkpoints:
+        return InvariantResult("checkpoints_intact", False, "no committed checkpoint")
+    errors = [e for s, p in checkpoints.items() if (e := verify_checkpoint(p, s))]
+    return InvariantResult("checkpoints_intact", not errors, "; ".join(errors[:5]) or
+                           f"{len(checkpoints)} committed checkpoint(s) verify, last step {max(checkpoints)}")
+
+
+def check_world_sizes(evidence: Evidence, agent_events: Iterable[dict[str, Any]], *, low: int,
+                      high: int) -> InvariantResult:
+    seen = [("segment", e["world"]) for e in evidence.of("segment")]
+    seen += [("rendezvous", e["world_size"]) for e in agent_events
+             if e.get("kind") == "rendezvous" and e.get("world_size") is not None]
+    seen += [("step record", r["world"]) for by_step in evidence.steps.values() for by_rank in by_step.values()
+             for r in by_rank.values()]
+    bad = sorted({f"{what} at world size {w}" for what, w in seen if not low <= w <= high})
+    worlds = sorted({w for _, w in seen})
+    return InvariantResult("world_size_bounds", not bad,
+                           "; ".join(bad[:5]) or f"world sizes {worlds} within [{low}, {high}]")

@@ -1,0 +1,266 @@
+"""Evidence a training job writes for the chaos invariants: which samples each committed step used.
+
+The chaos harness cannot see inside a job, so the job writes down what it did,
+and :mod:`elastictrain.chaos.invariants` checks it afterwards. Three lines in a
+:class:`~elastictrain.session.Session` script turn it on::
+
+    recorder = elastictrain.chaos.Recorder(model)
+    with elastictrain.Session(model, optimizer, dataset, ..., hooks=[recorder],
+                              extra_state={"chaos": recorder}) as session:
+        for step in recorder.track(session):
+            for micro in step:
+                ...
+
+Without ``ELASTICTRAIN_CHAOS_DIR`` in the environment (the harness sets it) the
+recorder does nothing, so the script runs unchanged outside chaos runs.
+
+What it writes under ``$ELASTICTRAIN_CHAOS_DIR``:
+
+- ``steps/<segment>.r<rank>.jsonl``, every rank: one line per step it trained
+  (``step``, ``epoch``, ``world``, ``idx``: the sample indices it consumed),
+  written after the step's backward passes and before the optimizer step.
+- ``workers.jsonl``, every rank: one line per worker process (segment, rank, pid, node).
+- ``events.jsonl``, rank 0: ``segment`` (a new process group formed), ``config``,
+  ``restored`` (step, path, producer segment, parameter fingerprint), ``step``
+  (applied: step, loss), ``save_begin`` (step, fingerprint), ``saved``, ``end``,
+  ``failure``.
+
+The harness paces the job through a *gate* (``$ELASTICTRAIN_CHAOS_GATE``, a
+file holding a step number): :meth:`Recorder.track` and :meth:`Recorder.steps`
+do not start step ``n`` until the gate is at least ``n``. So a fault lands
+exactly after the step it names, and a joining node has the time it needs,
+however fast or loaded the machine. While held, rank 0 reads the gate and
+broadcasts its decision every 0.2 s: the broadcast is a heartbeat, so a held
+job notices a dead or hung peer as a training job would (the collective fails
+or times out). Without the variable (outside the harness, or in its reference
+run) the job runs freely and the recorder adds no collective.
+
+A *segment* is one process group's life: the workers of one rendezvous round.
+Its id is drawn by rank 0 and broadcast, so all ranks of a round share it.
+The recorder is also checkpointed (``extra_state``): its state is the
+*lineage*, the chain of ``(segment, restored step)`` that led to the current
+state. The lineage saved in the final checkpoint names exactly the segments
+whose steps are part of the committed history; steps that ran but were lost
+with an uncommitted checkpoint belong to no link of it.
+
+Every line is one ``write()`` on a file opened with ``O_APPEND``, so a worker
+killed at any moment leaves whole lines behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastictrain.hooks import Hooks
+
+__all__ = ["CHAOS_DIR_ENV", "GATE_ENV", "MARKER", "Recorder", "fingerprint"]
+
+CHAOS_DIR_ENV = "ELASTICTRAIN_CHAOS_DIR"
+"""Where the recorder writes; set by the chaos harness for every node and worker."""
+
+GATE_ENV = "ELASTICTRAIN_CHAOS_GATE"
+"""File holding the highest step the job may start (see :meth:`Recorder.steps`); set by the harness."""
+
+MARKER = "elastictrain_chaos_lineage"
+"""Key of the recorder's checkpointed state, so a checker can find it among the extras."""
+
+_NODE_ENV = "ELASTICTRAIN_NODE_NAME"
+
+
+def fingerprint(module: torch.nn.Module) -> str:
+    """sha256 over the bytes of ``module``'s state dict, in key order: equal states, equal prints."""
+    digest = hashlib.sha256()
+    for name, value in module.state_dict().items():
+        digest.update(name.encode())
+        if isinstance(value, torch.Tensor):
+            digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+def _gate_allows(path: str, number: int) -> bool:
+    try:
+        with open(path) as f:
+            return number <= int(f.read().strip())
+    except (OSError, ValueError):
+        return True  # no gate file: run freely (it is replaced atomically, never torn)
+
+
+class _Lines:
+    """Appends JSON lines to one file, each with a single ``write()``."""
+
+    def __init__(self, path: str) -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, **record: Any) -> None:
+        os.write(self._fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+
+
+class Recorder(Hooks):
+    """Session hooks plus a checkpointed lineage: the evidence of a chaos run.
+
+    Pass it both as a hook and as ``extra_state`` (any name), and iterate the
+    session's steps through :meth:`track`. Disabled (every method a no-op)
+    unless ``directory`` or ``$ELASTICTRAIN_CHAOS_DIR`` is set.
+
+    Args:
+        model: The unwrapped model; its fingerprint is recorded at each save and restore.
+        directory: Evidence directory; default ``$ELASTICTRAIN_CHAOS_DIR``.
+    """
+
+    def __init__(self, model: torch.nn.Module, directory: str | None = None) -> None:
+        self.model = model
+        self.directory = directory or os.environ.get(CHAOS_DIR_ENV) or None
+        self.segment: str | None = None
+        self.rank = 0
+        self.world_size = 1
+        self._lineage: list[dict[str, Any]] = []
+        self._events: _Lines | None = None
+        self._steps: _Lines | None = None
+        self._config_written = False
+
+    @property
+    def enabled(self) -> bool:
+        """True when evidence is written."""
+        return self.directory is not None
+
+    # --- checkpointed state --------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The lineage: ``[{"seg": id, "base": restored step}, ...]``, oldest first."""
+        return {MARKER: 1, "lineage": [dict(link) for link in self._lineage]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take the restored checkpoint's lineage; :meth:`on_restore` then appends this segment."""
+        self._lineage = [dict(link) for link in state.get("lineage", [])]
+
+    # --- hooks ---------------------------------------------------------------------------------
+
+    def on_rendezvous(self, *, rank: int, world_size: int, restart_count: int) -> None:
+        """See base class."""
+        if not self.enabled:
+            return
+        self.rank, self.world_size = rank, world_size
+        ident = [uuid.uuid4().hex[:12]]
+        if dist.is_available() and dist.is_initialized() and world_size > 1:
+            # One id per process group: the ranks of a round must agree on it.
+            dist.broadcast_object_list(ident, src=0)
+        self.segment = ident[0]
+        self._lineage = [{"seg": self.segment, "base": 0}]
+        assert self.directory is not None  # noqa: S101 - enabled
+        self._steps = _Lines(os.path.join(self.directory, "steps", f"{self.segment}.r{rank}.jsonl"))
+        _Lines(os.path.join(self.directory, "workers.jsonl")).write(
+            seg=self.segment, rank=rank, world=world_size, pid=os.getpid(), node=os.environ.get(_NODE_ENV),
+            restart=restart_count, t=time.time())
+        if rank == 0:
+            self._events = _Lines(os.path.join(self.directory, "events.jsonl"))
+            self._emit("segment", world=world_size, restart=restart_count, pid=os.getpid(),
+                       node=os.environ.get(_NODE_ENV))
+
+    def on_restore(self, *, step: int, path: str) -> None:
+        """See base class."""
+        if not self.enabled or self.segment is None:
+            return
+        # load_state_dict ran just before: the lineage is the checkpoint's; its last link made it.
+        producer = self._lineage[-1]["seg"] if self._lineage else None
+        self._lineage.append({"seg": self.segment, "base": step})
+        self._emit("restored", step=step, path=path, producer=producer,
+                   fp=fingerprint(self.model) if self.rank == 0 else None)
+
+    def before_save(self, *, step: int) -> None:
+        """See base class."""
+        self._emit("save_begin", step=step, fp=fingerprint(self.model) if self.rank == 0 else None)
+
+    def after_save(self, *, step: int, directory: str, seconds: float) -> None:
+        """See base class."""
+        self._emit("saved", step=step, dir=directory, seconds=round(seconds, 4))
+
+    def on_step_end(self, *, step: int, loss: float, throughput: float) -> None:
+        """See base class."""
+        self._emit("step", step=step, loss=loss)
+
+    def on_end(self, *, step: int) -> None:
+        """See base class."""
+        self._emit("end", step=step, fp=fingerprint(self.model) if self.rank == 0 else None)
+
+    def on_failure(self, *, error: BaseException) -> None:
+        """See base class."""
+        self._emit("failure", error=f"{type(error).__name__}: {error}"[:500])
+
+    # --- steps ---------------------------------------------------------------------------------
+
+    def track(self, session: Any) -> Iterator[Any]:
+        """``session.steps()``, recording the samples of each step once its backward passes ran.
+
+        Each step waits for the harness's gate first (see the module docstring).
+        Records the indices of the step's plan; call :meth:`record` yourself
+        instead to record the indices your batches actually carried.
+        """
+        for step in self.steps(session):
+            yield step
+            self.record(step)
+
+    def steps(self, session: Any) -> Iterator[Any]:
+        """Like :meth:`track`, without recording: for scripts that call :meth:`record` themselves."""
+        self._write_config(session)
+        for step in session.steps():
+            self._wait_for_gate(step.number)
+            yield step
+
+    def _wait_for_gate(self, number: int) -> None:
+        path = os.environ.get(GATE_ENV)
+        if not self.enabled or not path:
+            return
+        distributed = dist.is_available() and dist.is_initialized() and self.world_size > 1
+        if distributed:
+            # On the model's device: NCCL broadcasts only device tensors.
+            device = next(iter(self.model.parameters()), torch.zeros(())).device
+            flag = torch.zeros(1, dtype=torch.int32, device=device)
+        while True:
+            go = self.rank != 0 or _gate_allows(path, number)
+            if distributed:
+                # Every rank takes part in each broadcast: rank 0's decision, and a
+                # heartbeat that fails (or times out) when a peer is dead (or hung).
+                flag.fill_(int(go))
+                dist.broadcast(flag, src=0)
+                go = bool(flag.item())
+            if go:
+                return
+            time.sleep(0.2)
+
+    def record(self, step: Any, indices: Iterable[int] | None = None) -> None:
+        """Write this rank's sample indices for ``step`` (a :class:`~elastictrain.session.Step`).
+
+        Args:
+            step: The step just trained (backward done, not yet applied).
+            indices: The dataset indices this rank trained on in it, padding
+                excluded; default: those of ``step.plan``.
+        """
+        if self._steps is None:
+            return
+        if indices is None:
+            indices = [i for micro in step.plan.micro_batches for i in micro.indices]
+        self._steps.write(seg=self.segment, rank=self.rank, world=self.world_size, step=step.number,
+                          epoch=step.epoch, idx=[int(i) for i in indices], t=time.time())
+
+    def _write_config(self, session: Any) -> None:
+        if self._config_written or self.rank != 0 or not self.enabled:
+            return
+        self._config_written = True
+        config, sampler = session.config, session.sampler
+        self._emit("config", num_samples=sampler.num_samples, global_batch=config.global_batch_size,
+                   drop_last=config.drop_last, epochs=config.epochs, max_steps=config.max_steps,
+                   checkpoint_every=config.checkpoint_every)
+
+    def _emit(self, kind: str, **fields: Any) -> None:
+        if self._events is not None:
+            self._events.write(kind=kind, seg=self.segment, t=time.time(), **fields)

@@ -1,0 +1,97 @@
+"""The fast chaos set: real node agents, real etcd, a few faults each, every invariant asserted.
+
+Each test is one chaos run of tests/scripts/chaos_job.py (a tiny MLP, 2 epochs
+of 192 samples at a global batch of 16, a checkpoint every 2 steps). Times vary
+a lot on a loaded 2-core machine, so nothing here asserts a duration: the
+recovery times are printed (run with ``-s`` to see them) and the harness's own
+hang bound is generous (see docs/chaos.md).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from elastictrain.chaos import ChaosConfig, ChaosResult, parse_schedule, run_chaos
+from tests.conftest import REPO_ROOT
+
+JOB = str(REPO_ROOT / "tests" / "scripts" / "chaos_job.py")
+JOB_ARGS = ("--ckpt", "{run_dir}/ckpt", "--samples", "192", "--epochs", "2", "--ckpt-every", "2")
+TOTAL_STEPS = 24
+
+EVERY_INVARIANT = ("exit_status", "committed_history", "exactly_once", "final_parameters", "restores_committed",
+                   "checkpoints_intact", "world_size_bounds", "no_hang", "no_ghost_workers")
+
+
+def _show(result: ChaosResult) -> None:
+    report = result.report
+    print(f"\nchaos run in {report['duration_s']}s, {report['steps_redone']} step(s) redone")
+    for fault in report["faults"]:
+        print(f"  {fault['kind']:17} at step {fault['step_before']}: {fault['target']}; recovery {fault['recovery_s']}s, "
+              f"restarted {fault['restarted']}, redone {fault.get('steps_redone')}")
+    for name, outcome in report["invariants"].items():
+        print(f"  {name}: {outcome['ok']} - {outcome['detail']}")
+
+
+def _assert_holds(result: ChaosResult, *names: str) -> None:
+    invariants = result.report["invariants"]
+    failed = {n: invariants[n] for n in names if invariants[n]["ok"] is not True}
+    assert not failed, json.dumps(failed, indent=1) + f"\nrun dir: {result.run_dir}"
+
+
+@pytest.mark.timeout(600)
+def test_training_survives_etcd_restart_worker_kill_node_bounce_below_min_and_join(tmp_path: Path) -> None:
+    # 2 nodes, min 2: the bounce leaves one survivor below min-nodes, which waits
+    # for the replacement and resumes; then a third node joins.
+    schedule = "kill_etcd@2,kill_worker@4,bounce_node@8,join@12"
+    result = run_chaos(ChaosConfig(
+        script=JOB, script_args=JOB_ARGS, run_dir=str(tmp_path / "run"), nodes=2, min_nodes=2, max_nodes=3,
+        schedule=tuple(parse_schedule(schedule)), seed=1, join_timeout=120,
+    ))
+    _show(result)
+    report = result.report
+    assert [f["kind"] for f in report["faults"] if f["injected_s"] is not None] == [
+        "kill_etcd", "kill_worker", "bounce_node", "join"]
+    _assert_holds(result, *EVERY_INVARIANT)
+    assert report["completed"] and report["committed_steps"] == TOTAL_STEPS
+    assert report["final_world_size"] == 3
+    # Every fault that restarts workers was followed by training in a new group.
+    for fault in report["faults"]:
+        if fault["kind"] != "kill_etcd":
+            assert fault["restarted"] and fault["recovery_s"] is not None, fault
+    assert Path(report["plot"]).is_file()
+
+
+@pytest.mark.timeout(600)
+def test_etcd_leader_loss_and_a_hang_are_survived_then_below_min_nodes_the_job_gives_up_intact(
+    tmp_path: Path,
+) -> None:
+    # A 3-member etcd loses its leader (training goes on); a worker hangs past
+    # the collective timeout (SIGSTOP for 15 s, then SIGCONT) and the group is
+    # re-formed; then a node dies for good: its peer waits --join-timeout for
+    # it, then exits non-zero saying why. (The join timeout also bounds the first
+    # rendezvous: 15 s was seen to expire there on a machine at load 23.)
+    schedule = "kill_etcd_leader@2,hang_worker@4,kill_node@8"
+    result = run_chaos(ChaosConfig(
+        script=JOB, script_args=JOB_ARGS, run_dir=str(tmp_path / "run"), nodes=2, min_nodes=2, max_nodes=2,
+        etcd_members=3, schedule=tuple(parse_schedule(schedule)), seed=2, join_timeout=40, pg_timeout=10,
+    ))
+    _show(result)
+    report = result.report
+    assert [f["kind"] for f in report["faults"] if f["injected_s"] is not None] == [
+        "kill_etcd_leader", "hang_worker", "kill_node"]
+    hang = report["faults"][1]
+    assert hang["restarted"] and hang["recovery_s"] is not None, hang
+    assert not report["completed"]
+    survivors = {n: c for n, c in report["node_exit_codes"].items() if n not in report["nodes_killed_by_faults"]}
+    assert len(survivors) == 1 and all(code not in (0, None) for code in survivors.values()), survivors
+    # exit_status holds because the harness expected this failure and found the reason in the log.
+    _assert_holds(result, "exit_status", "committed_history", "exactly_once", "restores_committed",
+                  "checkpoints_intact", "world_size_bounds", "no_ghost_workers")
+    assert report["invariants"]["final_parameters"]["ok"] is None  # the job did not finish
+    log = (result.run_dir / "nodes" / f"{next(iter(survivors))}.log").read_text()
+    assert "timed out after 40s waiting for 2 node(s)" in log, log[-2000:]
+    assert "last committed checkpoint is untouched" in log
+    assert report["committed_steps"] >= 8

@@ -1,0 +1,223 @@
+"""The invariant checks on hand-made evidence: they pass on a correct history and catch each kind of corruption.
+
+No processes here: these pin down what the checks accept and reject, including
+the lineage rule (steps that ran but whose checkpoint never committed are not
+part of the history) that the real chaos runs rely on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from elastictrain.chaos import invariants as inv
+from elastictrain.chaos.faults import FaultKind, PlannedFault, RandomPlanner, parse_kinds, parse_schedule
+from elastictrain.errors import ConfigError
+
+N, G = 12, 4  # 12 samples, a global batch of 4: 3 steps per epoch
+
+
+def _perm(epoch: int) -> list[int]:
+    return torch.randperm(N, generator=torch.Generator().manual_seed(100 + epoch)).tolist()
+
+
+class Job:
+    """Builds evidence the way a Recorder would: segments that train steps on `world` ranks."""
+
+    def __init__(self) -> None:
+        self.evidence = inv.Evidence(Path("/nonexistent"))
+        self.evidence.events.append({"kind": "config", "seg": "a", "t": 0.0, "num_samples": N, "global_batch": G,
+                                     "drop_last": False, "epochs": 2, "max_steps": None})
+        self.clock = 1.0
+
+    def run(self, seg: str, world: int, steps: range, *, shift: int = 0) -> None:
+        """Segment ``seg`` trains ``steps`` (numbers from 1); ``shift`` moves its reads (a sampler bug)."""
+        self.evidence.events.append({"kind": "segment", "seg": seg, "t": self.clock, "world": world})
+        for number in steps:
+            epoch, position = divmod(number - 1, N // G)
+            start = position * G + shift
+            share = _perm(epoch)[start:start + G]
+            by_rank = self.evidence.steps.setdefault(seg, {}).setdefault(number, {})
+            for rank in range(world):
+                part = share[rank * G // world:(rank + 1) * G // world]
+                by_rank[rank] = {"seg": seg, "rank": rank, "world": world, "step": number, "epoch": epoch,
+                                 "idx": part, "t": self.clock}
+            self.clock += 1
+
+    def event(self, kind: str, seg: str, **fields: Any) -> None:
+        self.evidence.events.append({"kind": kind, "seg": seg, "t": self.clock, **fields})
+        self.clock += 1
+
+
+def _final(lineage: list[tuple[str, int]], step: int, *, epoch: int = 1, cursor: int = N) -> inv.Checkpoint:
+    return inv.Checkpoint(step, Path(f"/ckpt/step_{step:08d}"), {"w": torch.zeros(1)},
+                          {"epoch": epoch, "cursor": cursor, "num_samples": N},
+                          [{"seg": s, "base": b} for s, b in lineage])
+
+
+def test_steps_redone_after_a_restore_count_once_and_lost_ones_not_at_all() -> None:
+    job = Job()
+    job.run("a", 2, range(1, 6))  # steps 1-5; its last checkpoint was step 4
+    job.run("x", 2, range(5, 7))  # restored 4, ran 5 and 6, died before any checkpoint: not in the lineage
+    job.run("b", 3, range(5, 6))  # restored 4 too: step 5 again, at world size 3; checkpointed it
+    job.run("c", 2, range(6, 7))  # restored 5: step 6, the last
+    final = _final([("a", 0), ("b", 4), ("c", 5)], 6, epoch=1, cursor=N)
+    history = inv.committed_history(job.evidence, final)
+    assert [(n, s) for n, s, _ in history.steps] == [(1, "a"), (2, "a"), (3, "a"), (4, "a"), (5, "b"), (6, "c")]
+    assert inv.check_committed_history(history, job.evidence).ok
+    result = inv.check_exactly_once(history, job.evidence, final)
+    assert result.ok, result.detail
+    assert "2 complete epoch(s)" in result.detail
+
+
+def test_a_restore_that_resumes_one_sample_early_is_caught() -> None:
+    job = Job()
+    job.run("a", 2, range(1, 3))
+    job.run("b", 2, range(3, 4), shift=-1)  # resumed at cursor - 1: one sample twice, one never
+    final = _final([("a", 0), ("b", 2)], 3, epoch=0, cursor=N)
+    result = inv.check_exactly_once(inv.committed_history(job.evidence, final), job.evidence, final)
+    assert result.ok is False
+    assert "consumed more than once" in result.detail and "never consumed" in result.detail
+
+
+def test_an_unfinished_epoch_must_match_the_checkpointed_cursor() -> None:
+    job = Job()
+    job.run("a", 2, range(1, 3))
+    final = _final([("a", 0)], 2, epoch=0, cursor=2 * G)
+    assert inv.check_exactly_once(inv.committed_history(job.evidence, final), job.evidence, final).ok
+    lying = _final([("a", 0)], 2, epoch=0, cursor=2 * G + 2)  # a sampler state ahead of the model
+    result = inv.check_exactly_once(inv.committed_history(job.evidence, lying), job.evidence, lying)
+    assert result.ok is False and "the cursor says 10" in result.detail
+
+
+def test_a_committed_step_missing_a_rank_or_any_record_breaks_the_history() -> None:
+    job = Job()
+    job.run("a", 3, range(1, 4))
+    del job.evidence.steps["a"][2][1]
+    final = _final([("a", 0), ("b", 3)], 4, epoch=1, cursor=G)
+    result = inv.check_committed_history(inv.committed_history(job.evidence, final), job.evidence)
+    assert result.ok is False
+    assert "records of ranks [0, 2]" in result.detail and "committed step 4 (segment b) has no step records" in result.detail
+
+
+def test_a_checkpoint_without_a_lineage_cannot_be_checked() -> None:
+    job = Job()
+    final = inv.Checkpoint(1, Path("/ckpt/step_00000001"), {}, None, None)
+    result = inv.check_committed_history(inv.committed_history(job.evidence, final), job.evidence)
+    assert result.ok is False and "extra_state" in result.detail
+
+
+def _write_checkpoint(root: Path, step: int, payload: bytes = b"weights") -> Path:
+    directory = root / f"step_{step:08d}"
+    directory.mkdir(parents=True)
+    files = {}
+    for name, data in (("replicated.pt", payload), ("rank_00000.pt", b"rng")):
+        (directory / name).write_bytes(data)
+        files[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (directory / "MANIFEST.json").write_text(json.dumps({"step": step, "world_size": 1, "files": files}))
+    return directory
+
+
+def test_checkpoint_verification_catches_a_flipped_byte_and_staging_dirs_do_not_count(tmp_path: Path) -> None:
+    good = _write_checkpoint(tmp_path, 4)
+    bad = _write_checkpoint(tmp_path, 8)
+    (tmp_path / "step_00000010.tmp-abc").mkdir()
+    assert list(inv.checkpoint_dirs(tmp_path)) == [4, 8]
+    assert inv.verify_checkpoint(good, 4) is None
+    data = bytearray((bad / "replicated.pt").read_bytes())
+    data[0] ^= 1
+    (bad / "replicated.pt").write_bytes(bytes(data))
+    assert "sha256" in str(inv.verify_checkpoint(bad, 8))
+    result = inv.check_checkpoints_intact(inv.checkpoint_dirs(tmp_path))
+    assert result.ok is False and "step_00000008" in result.detail
+
+
+def test_a_restore_must_load_what_its_producer_committed(tmp_path: Path) -> None:
+    _write_checkpoint(tmp_path, 2)
+    _write_checkpoint(tmp_path, 4)
+    checkpoints = inv.checkpoint_dirs(tmp_path)
+    job = Job()
+    job.event("save_begin", "a", step=2, fp="p2")
+    job.event("saved", "a", step=2, dir=str(tmp_path))
+    job.event("save_begin", "a", step=4, fp="p4")
+    job.event("saved", "a", step=4, dir=str(tmp_path))
+    job.event("restored", "b", step=4, path=str(tmp_path / "step_00000004"), producer="a", fp="p4")
+    assert inv.check_restores(job.evidence, checkpoints).ok
+
+    torn = Job()
+    torn.evidence.events = [e for e in job.evidence.events if e["kind"] != "restored"]
+    torn.clock = job.clock
+    torn.event("restored", "b", step=4, path=str(tmp_path / "step_00000004"), producer="a", fp="other")
+    result = inv.check_restores(torn.evidence, checkpoints)
+    assert result.ok is False and "parameters differ" in result.detail
+
+    stale = Job()
+    stale.evidence.events = [e for e in job.evidence.events if e["kind"] != "restored"]
+    stale.clock = job.clock
+    stale.event("restored", "b", step=2, path=str(tmp_path / "step_00000002"), producer="a", fp="p2")
+    result = inv.check_restores(stale.evidence, checkpoints)
+    assert result.ok is False and "although step 4 was committed before" in result.detail
+
+    staged = Job()
+    staged.event("restored", "b", step=6, path=str(tmp_path / "step_00000006.tmp-1"), producer="a", fp="x")
+    assert inv.check_restores(staged.evidence, checkpoints).ok is False
+
+
+def test_the_session_logging_a_restore_of_an_uncommitted_step_is_caught(tmp_path: Path) -> None:
+    _write_checkpoint(tmp_path, 2)
+    logged = [{"kind": "checkpoint_commit", "ts": 1.0, "step": 2}, {"kind": "restore", "ts": 2.0, "step": 2},
+              {"kind": "restore", "ts": 3.0, "step": 6}]
+    result = inv.check_restores(Job().evidence, inv.checkpoint_dirs(tmp_path), logged)
+    assert result.ok is False and "step 6, which was never committed" in result.detail
+
+
+def test_final_parameters_compare_within_tolerance() -> None:
+    reference = inv.Checkpoint(8, Path("r"), {"w": torch.tensor([1.0, -2.0]), "n": torch.tensor(3)}, None, None)
+    close = inv.Checkpoint(8, Path("c"), {"w": torch.tensor([1.0 + 3e-8, -2.0]), "n": torch.tensor(3)}, None, None)
+    far = inv.Checkpoint(8, Path("f"), {"w": torch.tensor([1.001, -2.0]), "n": torch.tensor(3)}, None, None)
+    early = inv.Checkpoint(7, Path("e"), reference.model, None, None)
+    assert inv.check_final_parameters(close, reference, atol=1e-5, rtol=1e-4).ok
+    assert inv.check_final_parameters(far, reference, atol=1e-5, rtol=1e-4).ok is False
+    assert inv.check_final_parameters(early, reference, atol=1e-5, rtol=1e-4).ok is False
+
+
+def test_world_sizes_outside_min_and_max_are_reported() -> None:
+    job = Job()
+    job.run("a", 2, range(1, 2))
+    job.run("b", 4, range(2, 3))
+    result = inv.check_world_sizes(job.evidence, [{"kind": "rendezvous", "world_size": 1}], low=2, high=3)
+    assert result.ok is False and "world size 4" in result.detail and "rendezvous at world size 1" in result.detail
+
+
+def test_schedules_parse_and_bad_ones_say_why() -> None:
+    assert parse_schedule("kill_worker@4, join@10") == [PlannedFault(FaultKind.KILL_WORKER, 4),
+                                                       PlannedFault(FaultKind.JOIN, 10)]
+    with pytest.raises(ConfigError, match="unknown fault kind 'kill_everything'"):
+        parse_schedule("kill_everything@3")
+    with pytest.raises(ConfigError, match="KIND@STEP"):
+        parse_schedule("kill_worker")
+    assert parse_kinds("join,kill_etcd") == (FaultKind.JOIN, FaultKind.KILL_ETCD)
+
+
+def test_random_faults_replay_from_a_seed_and_never_leave_min_max_nodes() -> None:
+    def draw(seed: int) -> list[PlannedFault]:
+        planner, nodes, out, step = RandomPlanner(seed, tuple(FaultKind)), 3, [], 0
+        for _ in range(200):
+            fault = planner.next(step, nodes=nodes, min_nodes=2, max_nodes=3, etcd_members=1)
+            assert fault is not None
+            out.append(fault)
+            step = fault.at_step
+            nodes += {FaultKind.KILL_NODE: -1, FaultKind.JOIN: 1}.get(fault.kind, 0)
+            assert 2 <= nodes <= 3
+        return out
+
+    first = draw(5)
+    assert first == draw(5) and first != draw(6)
+    assert FaultKind.KILL_ETCD_LEADER not in {f.kind for f in first}  # needs a 3-member etcd
+    assert {f.kind for f in first} == set(FaultKind) - {FaultKind.KILL_ETCD_LEADER}
+    assert all(2 <= b.at_step - a.at_step <= 5 for a, b in zip(first, first[1:]))

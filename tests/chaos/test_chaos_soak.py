@@ -1,0 +1,63 @@
+"""Long chaos runs, not part of the default suite: ``pytest -m soak tests/chaos``.
+
+- A soak: ``ELASTICTRAIN_SOAK_FAULTS`` random faults (default 50) of every
+  kind, drawn from ``ELASTICTRAIN_SOAK_SEED`` (default 1), against 3 nodes
+  (min 2, max 3) and a 3-member etcd. A failing seed replays the same fault
+  sequence: ``python -m elastictrain.chaos --faults N --seed S --etcd-members 3``.
+- The planted bugs of tests/scripts/chaos_job.py: each must make the
+  invariants fail after a single worker kill (and the same run without the bug
+  passes: that is the fast set).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from elastictrain.chaos import DEFAULT_KINDS, ChaosConfig, FaultKind, parse_schedule, run_chaos
+from tests.conftest import REPO_ROOT
+
+JOB = str(REPO_ROOT / "tests" / "scripts" / "chaos_job.py")
+
+pytestmark = pytest.mark.soak
+
+
+@pytest.mark.timeout(4 * 3600)
+def test_soak_random_faults_keep_every_invariant(tmp_path: Path) -> None:
+    faults = int(os.environ.get("ELASTICTRAIN_SOAK_FAULTS", "50"))
+    seed = int(os.environ.get("ELASTICTRAIN_SOAK_SEED", "1"))
+    steps_needed = faults * 7 + 12  # a gap of up to 5 steps, and steps redone
+    result = run_chaos(ChaosConfig(
+        script=JOB, run_dir=str(tmp_path / "soak"), nodes=3, min_nodes=2, max_nodes=3, etcd_members=3,
+        script_args=("--ckpt", "{run_dir}/ckpt", "--samples", "384", "--epochs", str(-(-steps_needed // 24)),
+                     "--ckpt-every", "3"),
+        faults=faults, seed=seed, kinds=(*DEFAULT_KINDS, FaultKind.KILL_ETCD_LEADER),
+        deadline=3.5 * 3600,
+    ))
+    report = result.report
+    print(f"\nsoak of {report['faults_injected']} faults (seed {seed}) in {report['duration_s']}s:")
+    for kind, summary in report["recovery_by_kind"].items():
+        print(f"  {kind:17} x{summary['count']}: median {summary['recovery_s_median']}s "
+              f"(min {summary['recovery_s_min']}, max {summary['recovery_s_max']}), {summary['steps_redone']} redone")
+    assert report["faults_injected"] == faults, report["faults"][-3:]
+    assert result.ok, result.failures() + f"\nrun dir: {result.run_dir}"
+    assert report["completed"]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("bug", "symptom"), [
+    ("resume_off_by_one", "consumed more than once"),
+    ("stale_sampler_state", "consumed more than once"),
+])
+def test_a_planted_bug_makes_the_invariants_fail(tmp_path: Path, bug: str, symptom: str) -> None:
+    result = run_chaos(ChaosConfig(
+        script=JOB, run_dir=str(tmp_path / "run"), nodes=2, min_nodes=2, max_nodes=2,
+        script_args=("--ckpt", "{run_dir}/ckpt", "--samples", "192", "--ckpt-every", "2"),
+        schedule=tuple(parse_schedule("kill_worker@5")), env={"CHAOS_JOB_BUG": bug},
+    ))
+    invariants = result.report["invariants"]
+    assert invariants["exactly_once"]["ok"] is False and symptom in invariants["exactly_once"]["detail"], invariants
+    assert invariants["final_parameters"]["ok"] is False, invariants
+    assert not result.ok

@@ -1,0 +1,47 @@
+"""Chaos test job: elastictrain's demo chaos job, with bugs that can be planted for tests.
+
+Usage: the arguments of ``elastictrain/chaos/_demo_job.py``.
+
+``CHAOS_JOB_BUG`` plants a bug in the worker, to show that the chaos
+invariants catch it (test-only):
+
+- ``resume_off_by_one``: a restored sampler resumes one sample early, so one
+  sample is trained twice after every restore (a fault-free run is unaffected).
+- ``stale_sampler_state``: checkpoints hold the sampler one step behind the
+  model, so the step before each restored checkpoint is trained again.
+"""
+
+from __future__ import annotations
+
+import os
+
+from elastictrain.chaos._demo_job import main
+from elastictrain.sampler import ElasticSampler
+
+
+def plant_bug(name: str | None) -> None:
+    if not name:
+        return
+    if name == "resume_off_by_one":
+        original_load = ElasticSampler.load_state_dict
+
+        def load_state_dict(self: ElasticSampler, state: dict) -> None:  # type: ignore[type-arg]
+            original_load(self, {**state, "cursor": max(0, int(state["cursor"]) - 1)})
+
+        ElasticSampler.load_state_dict = load_state_dict  # type: ignore[method-assign]
+    elif name == "stale_sampler_state":
+        original_state = ElasticSampler.state_dict
+
+        def state_dict(self: ElasticSampler) -> dict[str, int]:
+            state = original_state(self)
+            state["cursor"] = max(0, state["cursor"] - self.global_batch_size)
+            return state
+
+        ElasticSampler.state_dict = state_dict  # type: ignore[method-assign]
+    else:
+        raise SystemExit(f"unknown CHAOS_JOB_BUG {name!r}")
+
+
+if __name__ == "__main__":
+    plant_bug(os.environ.get("CHAOS_JOB_BUG"))
+    main()
