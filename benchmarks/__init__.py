@@ -1,0 +1,1 @@
+"""elastictrain's benchmarks against stock torchrun; ``python -m benchmarks --help``."""

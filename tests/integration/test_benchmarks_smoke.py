@@ -1,0 +1,63 @@
+"""The benchmark driver runs end to end in its smoke mode and writes the report it documents.
+
+Only the shape of the results is checked, never a timing: CI machines are too noisy
+for that, and ``python -m benchmarks --mode quick|full`` is where numbers come from.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO_ROOT, subprocess_env
+
+SUMMARY_KEYS = {"median", "min", "max", "n", "failed", "samples"}
+
+
+@pytest.mark.timeout(420)
+def test_driver_smoke_mode_writes_every_section_with_expected_keys(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--mode", "smoke", "--out-dir", str(tmp_path), "--no-plots"],
+        cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=400,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads((tmp_path / "smoke.json").read_text())
+
+    assert results["mode"] == "smoke"
+    assert {"nproc", "cpu_model", "torch"} <= results["machine_at_start"].keys()
+    for section in ("recovery", "rendezvous_scale", "checkpoint", "step_overhead", "etcd_load"):
+        assert results[section].get("status") != "error", results[section]
+
+    crash = results["recovery"]["scenarios"]["worker_crash"]["elastictrain"]
+    assert crash["errors"] == []
+    assert SUMMARY_KEYS <= crash["recovery_s"].keys()
+    assert SUMMARY_KEYS <= crash["steps_redone"].keys()
+    assert {"detected", "rendezvous_done", "first_step"} <= crash["milestones_median_s"].keys()
+    assert {"recovery_s", "steps_redone", "phases", "milestones"} <= crash["trials"][0].keys()
+
+    scale = results["rendezvous_scale"]["by_size"]["2"]
+    for backend in ("etcd3", "c10d"):
+        assert SUMMARY_KEYS <= scale[backend]["round_s"].keys()
+    assert "ratio_etcd3_over_c10d" in scale
+
+    size = results["checkpoint"]["sizes"][0]
+    assert {"torch_save", "torch_save_fsync", "sync_save", "async_stall", "async_total", "dcp_save",
+            "dcp_async_stall", "dcp_async_total", "async_stall_over_torch_save", "checkpoint_mb"} <= size.keys()
+    assert {"median", "min", "max"} <= size["async_stall"].keys()
+
+    assert results["step_overhead"]["status"] in {"ok", "todo", "skipped"}
+    job = results["etcd_load"]["jobs"][0]
+    for phase in ("startup", "steady", "recovery"):
+        assert {"requests", "requests_per_s", "received_bytes_per_s", "sent_bytes_per_s",
+                "requests_by_method"} <= job[phase].keys()
+
+    assert "elastictrain" in results["launcher_step_time_s"]
+    assert all({"goal", "target", "measured", "met"} <= g.keys() for g in results["goals"])
+    report = (tmp_path / "smoke.md").read_text()
+    for heading in ("## 1-3. Recovery", "## 4. Rendezvous scale", "## 5. Checkpoint stall",
+                    "## 6. Step overhead", "## 7. etcd load"):
+        assert heading in report
