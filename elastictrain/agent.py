@@ -110,6 +110,15 @@ class ElasticAgent(LocalElasticAgent):
                              return_values={w.global_rank: None for w in worker_group.workers})
         return result
 
+    def _exit_barrier(self) -> None:
+        # torch's exit barrier keeps the agent that hosts the c10d store alive until
+        # every agent is done. Our store is etcd, and after a stop the other nodes may
+        # never reach the barrier (their workers fail first and they find the run
+        # closed), so a stopped node would wait out the barrier's 300 s.
+        if self.stopped_by_request:
+            return
+        super()._exit_barrier()
+
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         failed = worker_group.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}
         reason = "worker_failure" if failed else "membership_change"
