@@ -382,4 +382,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("elastictrain: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
+    except Exception as exc:
+        # torch's agent turns SIGTERM/SIGHUP/SIGQUIT into a SignalException: one line, 128+N.
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        if debug or not isinstance(exc, SignalException):
+            raise
+        print(f"elastictrain: stopped by {exc.sigval.name}; workers were stopped", file=sys.stderr)
+        return 128 + int(exc.sigval)
 
