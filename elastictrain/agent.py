@@ -214,8 +214,7 @@ def launch(config: RunConfig, endpoint: str) -> JobOutcome:
         raise
     publisher = RunPublisher(handler.client, config.run_id, handler.lease, NodeRecord(
         node_id=handler.node_id, host=this_host(), addr=config.local_addr or socket.getfqdn(), pid=os.getpid()))
-    publisher.publish_meta(min_nodes=config.min_nodes, max_nodes=config.max_nodes,
-                           nproc_per_node=config.nproc_per_node)
+    publisher.publish_meta(**_job_signature(config))
     publisher.update(state="starting")
     spec = WorkerSpec(
         role="trainer",
@@ -240,6 +239,12 @@ def launch(config: RunConfig, endpoint: str) -> JobOutcome:
     return outcome
 
 
+def _job_signature(config: RunConfig) -> dict[str, Any]:
+    """What nodes of one job share; published in the run's meta by its first node."""
+    return {"min_nodes": config.min_nodes, "max_nodes": config.max_nodes,
+            "nproc_per_node": config.nproc_per_node, "script": os.path.basename(config.script)}
+
+
 def _check_run_id(handler: Etcd3RendezvousHandler, config: RunConfig) -> None:
     """Refuse to start a second job under a run id that is in use, unless told to join it."""
     status = read_status(handler.client, config.run_id)
@@ -253,11 +258,19 @@ def _check_run_id(handler: Etcd3RendezvousHandler, config: RunConfig) -> None:
     dead_after = config.rendezvous.keep_alive_interval.total_seconds() * config.rendezvous.keep_alive_max_attempt
     alive = [p for p in status.participants
              if p["heartbeat_age_s"] is not None and p["heartbeat_age_s"] < dead_after + 2]
+    signature = _job_signature(config)
     if status.complete and alive and not config.join:
+        if all(status.meta.get(key) == value for key, value in signature.items()):
+            # Same script and node counts: a node of this job that started after the
+            # others formed round 0 (schedulers start nodes seconds apart). Let it in.
+            logger.info("run %r is training; joining it as a late node of the same job", config.run_id)
+            return
         hosts = ", ".join(sorted({p["addr"] for p in alive}))
         raise RunIdInUseError(
             f"{run} is live: round {status.round} trains with {len(alive)} node(s) on {hosts}; "
-            "pass --join to add this node to it, or choose another --run-id"
+            "pass --join to add this node to it, or choose another --run-id (it runs "
+            f"{status.meta.get('script', '?')} on {status.meta.get('min_nodes', '?')}-"
+            f"{status.meta.get('max_nodes', '?')} nodes x {status.meta.get('nproc_per_node', '?')})"
         )
 
 

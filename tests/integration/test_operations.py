@@ -77,7 +77,7 @@ def test_status_duplicate_run_id_stop_and_events(etcd_server: Any, run_id: str, 
         assert duplicate.returncode == 1
         assert duplicate.stderr.strip().splitlines() == [
             f"elastictrain: error: run id '{run_id}' is live: round 0 trains with 2 node(s) on 127.0.0.1; "
-            "pass --join to add this node to it, or choose another --run-id"
+            "pass --join to add this node to it, or choose another --run-id (it runs mlp.py on 2-3 nodes x 1)"
         ]
         after = wait_for_status(endpoint, run_id, lambda s: True)
         # The refused node left no trace: same round, no new node record, not waiting.
