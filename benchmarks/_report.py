@@ -147,10 +147,10 @@ def _profile(results: dict[str, Any]) -> list[str]:
                   "| milestone | " + " | ".join(LAUNCHER_TITLES[ln] for ln in launchers) + " |",
                   "|" + "---|" * (1 + len(launchers))]
         for key, title in MILESTONES:
-            cells = []
-            for ln in launchers:
-                value = entry[ln].get("milestones_median_s", {}).get(key)
-                cells.append("—" if value is None else f"{value:.2f}")
+            values = [entry[ln].get("milestones_median_s", {}).get(key) for ln in launchers]
+            if all(v is None for v in values):
+                continue
+            cells = ["—" if v is None else f"{v:.2f}" for v in values]
             lines.append(f"| {title} | " + " | ".join(cells) + " |")
         lines.append("")
     return lines

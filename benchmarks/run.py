@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +62,6 @@ class Mode:
     step_overhead_args: tuple[tuple[str, str], ...]
     etcd_load_nodes: tuple[int, ...] = ()
     etcd_load_window: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 MODES = {
@@ -212,7 +211,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, default=BENCH_DIR / "results")
     parser.add_argument("--name", default=None, help="file name stem (default: the mode)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots even if matplotlib is installed")
+    parser.add_argument("--render", type=Path, default=None, metavar="JSON",
+                        help="only re-render the markdown (and plots) of an earlier run's JSON next to it")
     args = parser.parse_args(argv)
+
+    if args.render is not None:
+        results = json.loads(args.render.read_text())
+        results["goals"] = _report.goals(results)
+        stem, out_dir = args.render.stem, args.render.parent
+        plots = [] if args.no_plots else _report.plots(results, out_dir, stem)
+        markdown = _report.markdown(results, plots=[p.name for p in plots])
+        (out_dir / f"{stem}.md").write_text(markdown)
+        print(markdown)
+        return 0
 
     mode = MODES[args.mode]
     if args.reps is not None:
@@ -233,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     results: dict[str, Any] = {"benchmark": "elastictrain_vs_torchrun", "mode": args.mode,
                                "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine_at_start": machine(),
-                               "settings": {k: v for k, v in mode.__dict__.items() if k != "extra"}}
+                               "settings": asdict(mode)}
     runners = {
         "recovery": lambda: section_recovery(mode),
         "rendezvous_scale": lambda: section_rendezvous_scale(mode),
