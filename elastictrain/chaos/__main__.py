@@ -1,15 +1,16 @@
-"""``python -m elastictrain.chaos``: run a job under injected faults, check the invariants, write a report.
+"""``elastictrain chaos`` (or ``python -m elastictrain.chaos``): run a job under injected faults, check the
+invariants, write a report.
 
 Examples::
 
     # the built-in demo job, three faults at known steps
-    python -m elastictrain.chaos --schedule kill_worker@4,kill_node@10,join@16
+    elastictrain chaos --schedule kill_worker@4,kill_node@10,join@16
 
     # a soak: 50 random faults drawn from seed 7
-    python -m elastictrain.chaos --faults 50 --seed 7
+    elastictrain chaos --faults 50 --seed 7
 
     # your own job (instrumented with elastictrain.chaos.Recorder); {run_dir} is substituted
-    python -m elastictrain.chaos --faults 10 --seed 1 -- train.py --ckpt {run_dir}/ckpt
+    elastictrain chaos --faults 10 --seed 1 -- train.py --ckpt {run_dir}/ckpt
 
 Exit code: 0 when every invariant held, 1 when one was violated, 2 on bad input.
 """
@@ -42,7 +43,7 @@ def _gap(text: str) -> tuple[int, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m elastictrain.chaos", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="elastictrain chaos", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run-dir", default=None, help="where the run's files go (default: elastictrain-runs/chaos-TIME)")
     p.add_argument("--nodes", type=int, default=3, help="node agents at the start (default 3)")

@@ -34,7 +34,8 @@ from typing import Any
 from elastictrain.errors import ConfigError
 
 __all__ = [
-    "FaultKind", "FaultRecord", "PlannedFault", "RandomPlanner", "children", "descendants", "parse_schedule", "worker_pids",
+    "FaultKind", "FaultRecord", "PlannedFault", "RandomPlanner", "children", "descendants", "parse_kinds",
+    "parse_schedule", "process_state", "worker_pids",
 ]
 
 
@@ -179,6 +180,8 @@ class FaultRecord:
     step_before: int | None = None
     note: str = ""
     hung: bool = False
+    expects_restart: bool = True
+    """The fault must end the training process group (False for etcd, or a node that was not training)."""
     below_min: bool = False
     """It left fewer than min-nodes for good: the job is expected to give up, not to recover."""
 

@@ -4,13 +4,15 @@
 ``elastictrain run --etcd ... --run-id ...`` agents on this machine, then
 follows the job's progress through the evidence its
 :class:`~elastictrain.chaos.Recorder` writes, and injects each fault once the
-job has applied the fault's step and recovered from the previous fault. When
-every node has exited it checks the invariants (:mod:`~elastictrain.chaos.invariants`)
-and writes the report (:mod:`~elastictrain.chaos.report`). An uninterrupted
-reference run of the same script (one process, no launcher) runs alongside,
-for the final-parameters invariant.
+job has applied the fault's step and recovered from the previous fault. A gate
+file paces the job (see :mod:`~elastictrain.chaos.recorder`): it holds the job
+after the next fault's step until the fault is injected, so faults land where
+the schedule says on any machine. When every node has exited it judges the
+invariants (:mod:`~elastictrain.chaos.verdict`) and writes the report
+(:mod:`~elastictrain.chaos.report`). An uninterrupted reference run of the same
+script (one process, no launcher) runs alongside, for the final-parameters invariant.
 
-Everything lands in ``run_dir``: ``evidence/`` (the job's), ``events.jsonl``
+Everything lands in ``run_dir``: ``evidence/`` (the job's), ``gate``, ``events.jsonl``
 (the agents'), ``nodes/<name>.log``, ``etcd/``, the job's own files (its
 arguments may name ``{run_dir}``, e.g. ``--ckpt {run_dir}/ckpt``),
 ``reference/``, ``report.json`` and ``report.png``.
@@ -118,8 +120,9 @@ class _Progress:
     def newest_checkpoint(self) -> int:
         return max(self.checkpoints, default=0)
 
-    def first_step_of(self, seg: str, after: float = 0.0) -> dict[str, Any] | None:
-        return next((s for s in self.steps if s["seg"] == seg and s["t"] > after), None)
+    def first_step_of(self, seg: str) -> dict[str, Any] | None:
+        """The first step the process group ``seg`` applied, if any yet."""
+        return next((s for s in self.steps if s["seg"] == seg), None)
 
     def total_steps(self) -> int | None:
         return inv.total_steps(self.config)
@@ -198,8 +201,25 @@ class _Harness:
     def _later(self, delay: timedelta, action: Callable[[], None]) -> None:
         self.actions.append((time.time() + delay.total_seconds(), action))
 
+    def _training_nodes(self) -> set[str]:
+        """Names of the nodes with a worker in the newest process group (from the job's evidence)."""
+        if not self.progress.segments:
+            return set()
+        seg = self.progress.segments[-1]["seg"]
+        return {w["node"] for w in inv.read_lines(self.evidence_dir / "workers.jsonl") if w["seg"] == seg}
+
+    def _pick_node(self) -> tuple[Node, bool] | None:
+        """A node to kill, preferably one that trains now; and whether it does."""
+        alive = self.alive_nodes()
+        training = [n for n in alive if n.name in self._training_nodes()]
+        pool = training or alive
+        if not pool:
+            return None
+        return pool[self.planner.choice(range(len(pool)))], bool(training)
+
     def _pick_worker(self) -> tuple[Node, int] | None:
-        candidates = [(n, pid) for n in self.alive_nodes() for pid in worker_pids(n.pid)
+        training = self._training_nodes()
+        candidates = [(n, pid) for n in self.alive_nodes() if n.name in training for pid in worker_pids(n.pid)
                       if process_state(pid) not in (None, "T", "Z")]
         if not candidates:
             return None
@@ -231,16 +251,20 @@ class _Harness:
 
                 self._later(config.hang_duration, resume)
         elif kind in (FaultKind.KILL_NODE, FaultKind.BOUNCE_NODE):
-            alive = self.alive_nodes()
-            if not alive:
+            picked = self._pick_node()
+            if picked is None:
                 return False
-            node = alive[self.planner.choice(range(len(alive)))]
-            fault.target = node.name
+            node, training = picked
+            alive = len(self.alive_nodes())
+            fault.target = node.name if training else f"{node.name} (waiting to join: not training)"
+            # A node outside the training group leaves it untouched (a bounce still
+            # brings a node that joins, and so a new group).
+            fault.expects_restart = training or kind is FaultKind.BOUNCE_NODE
             node.kill()
             if kind is FaultKind.KILL_NODE:
                 fault.ended = now
                 # With no node coming back, the survivors wait out --join-timeout and give up.
-                fault.below_min = len(alive) - 1 < config.min_nodes
+                fault.below_min = alive - 1 < config.min_nodes
             else:
                 def replace() -> None:
                     fault.target += f", replaced by {self.start_node(join=True).name}"
@@ -294,7 +318,7 @@ class _Harness:
         if fault.ended is None or fault.below_min:
             return False
         progress = self.progress
-        if fault.kind.restarts_workers:
+        if fault.expects_restart:
             # A bounce recovers once a group with the replacement in the rendezvous trains.
             ref = fault.ended if fault.kind is FaultKind.BOUNCE_NODE else fault.injected
             for seg in (s for s in progress.segments if s["t"] > ref):
@@ -303,6 +327,13 @@ class _Harness:
                     fault.recovered, fault.restarted = first["t"], True
                     return True
             return False
+        if not fault.kind.etcd:  # a node that was not training died: training just goes on
+            first = next((s for s in progress.steps if s["t"] > fault.injected), None)
+            if first is None and not final:
+                return False
+            fault.restarted = any(g["t"] > fault.injected for g in progress.segments)
+            fault.recovered = first["t"] if first else None
+            return True
         # etcd: training needs no etcd within a round, but heartbeats may have lapsed
         # while it was down. Settle until a lapse would have been judged (5 missed
         # heartbeats and a rendezvous), then: did a new group form, and when did
@@ -333,7 +364,7 @@ class _Harness:
             if index >= len(config.schedule):
                 return None
             planned = config.schedule[index]
-        return FaultRecord(index, planned.kind, planned.at_step)
+        return FaultRecord(index, planned.kind, planned.at_step, expects_restart=planned.kind.restarts_workers)
 
     # --- the run ------------------------------------------------------------------------------
 
@@ -455,6 +486,8 @@ class _Harness:
                     current, pending, waiting_since = pending, None, None
                     if current.kind.etcd:
                         self._set_gate(progress.step + 3)  # training needs no etcd: let it go on
+                    elif not current.expects_restart:
+                        self._set_gate(progress.step + 1)
                 else:
                     waiting_since = waiting_since or now
                     if now - waiting_since > 60:

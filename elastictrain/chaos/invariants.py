@@ -292,7 +292,8 @@ def check_exactly_once(history: History, evidence: Evidence, final: Checkpoint) 
         if epoch < final_epoch or (epoch == final_epoch and cursor >= per_epoch):
             missing = sorted(set(range(n)) - counts.keys()) if not config["drop_last"] else []
             if missing:
-                problems.append(f"epoch {epoch} (complete): {len(missing)} sample(s) never consumed, e.g. {missing[:5]}")
+                problems.append(f"epoch {epoch} (complete): {len(missing)} sample(s) never consumed, "
+                                f"e.g. {missing[:5]}")
             if len(counts) != per_epoch:
                 problems.append(f"epoch {epoch} (complete): {len(counts)} distinct samples, expected {per_epoch}")
         elif epoch == final_epoch:

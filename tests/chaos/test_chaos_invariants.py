@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from elastictrain.chaos import ChaosConfig
 from elastictrain.chaos import invariants as inv
 from elastictrain.chaos.faults import FaultKind, PlannedFault, RandomPlanner, parse_kinds, parse_schedule
 from elastictrain.errors import ConfigError
@@ -102,7 +103,8 @@ def test_a_committed_step_missing_a_rank_or_any_record_breaks_the_history() -> N
     final = _final([("a", 0), ("b", 3)], 4, epoch=1, cursor=G)
     result = inv.check_committed_history(inv.committed_history(job.evidence, final), job.evidence)
     assert result.ok is False
-    assert "records of ranks [0, 2]" in result.detail and "committed step 4 (segment b) has no step records" in result.detail
+    assert "records of ranks [0, 2]" in result.detail
+    assert "committed step 4 (segment b) has no step records" in result.detail
 
 
 def test_a_checkpoint_without_a_lineage_cannot_be_checked() -> None:
@@ -221,3 +223,18 @@ def test_random_faults_replay_from_a_seed_and_never_leave_min_max_nodes() -> Non
     assert FaultKind.KILL_ETCD_LEADER not in {f.kind for f in first}  # needs a 3-member etcd
     assert {f.kind for f in first} == set(FaultKind) - {FaultKind.KILL_ETCD_LEADER}
     assert all(2 <= b.at_step - a.at_step <= 5 for a, b in zip(first, first[1:]))
+
+
+def test_a_chaos_config_refuses_what_cannot_run(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    ChaosConfig(script=str(script), run_dir=str(tmp_path / "run"), pg_timeout=5, join_timeout="30")
+    with pytest.raises(ConfigError, match="is not a file"):
+        ChaosConfig(script=str(tmp_path / "missing.py"), run_dir=str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match="min_nodes <= max_nodes"):
+        ChaosConfig(script=str(script), run_dir=str(tmp_path / "run"), min_nodes=3, max_nodes=2, nodes=2)
+    with pytest.raises(ConfigError, match="needs etcd_members=3"):
+        ChaosConfig(script=str(script), run_dir=str(tmp_path / "run"),
+                    schedule=tuple(parse_schedule("kill_etcd_leader@2")))
+    with pytest.raises(ConfigError, match="pg_timeout"):
+        ChaosConfig(script=str(script), run_dir=str(tmp_path / "run"), pg_timeout="soon")

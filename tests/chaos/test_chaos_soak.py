@@ -1,12 +1,15 @@
 """Long chaos runs, not part of the default suite: ``pytest -m soak tests/chaos``.
 
-- A soak: ``ELASTICTRAIN_SOAK_FAULTS`` random faults (default 50) of every
-  kind, drawn from ``ELASTICTRAIN_SOAK_SEED`` (default 1), against 3 nodes
-  (min 2, max 3) and a 3-member etcd. A failing seed replays the same fault
-  sequence: ``python -m elastictrain.chaos --faults N --seed S --etcd-members 3``.
+- A soak: ``ELASTICTRAIN_SOAK_FAULTS`` random faults (default 50) of the kinds
+  in ``ELASTICTRAIN_SOAK_KINDS`` (default: every kind), drawn from
+  ``ELASTICTRAIN_SOAK_SEED`` (default 1), against 3 nodes (min 2, max 3) and a
+  3-member etcd. A failing seed replays the same fault sequence:
+  ``elastictrain chaos --faults N --seed S --etcd-members 3``.
 - The planted bugs of tests/scripts/chaos_job.py: each must make the
   invariants fail after a single worker kill (and the same run without the bug
   passes: that is the fast set).
+- A known product bug (xfail): a node cannot join after an etcd outage longer
+  than the heartbeat window.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.chaos import DEFAULT_KINDS, ChaosConfig, FaultKind, parse_schedule, run_chaos
+from elastictrain.chaos import ChaosConfig, FaultKind, parse_schedule, run_chaos
+from elastictrain.chaos.faults import parse_kinds
 from tests.conftest import REPO_ROOT
 
 JOB = str(REPO_ROOT / "tests" / "scripts" / "chaos_job.py")
@@ -28,12 +32,13 @@ pytestmark = pytest.mark.soak
 def test_soak_random_faults_keep_every_invariant(tmp_path: Path) -> None:
     faults = int(os.environ.get("ELASTICTRAIN_SOAK_FAULTS", "50"))
     seed = int(os.environ.get("ELASTICTRAIN_SOAK_SEED", "1"))
+    kinds = parse_kinds(os.environ.get("ELASTICTRAIN_SOAK_KINDS", ",".join(k.value for k in FaultKind)))
     steps_needed = faults * 7 + 12  # a gap of up to 5 steps, and steps redone
     result = run_chaos(ChaosConfig(
         script=JOB, run_dir=str(tmp_path / "soak"), nodes=3, min_nodes=2, max_nodes=3, etcd_members=3,
         script_args=("--ckpt", "{run_dir}/ckpt", "--samples", "384", "--epochs", str(-(-steps_needed // 24)),
                      "--ckpt-every", "3"),
-        faults=faults, seed=seed, kinds=(*DEFAULT_KINDS, FaultKind.KILL_ETCD_LEADER),
+        faults=faults, seed=seed, kinds=kinds,
         deadline=3.5 * 3600,
     ))
     report = result.report
@@ -61,3 +66,20 @@ def test_a_planted_bug_makes_the_invariants_fail(tmp_path: Path, bug: str, sympt
     assert invariants["exactly_once"]["ok"] is False and symptom in invariants["exactly_once"]["detail"], invariants
     assert invariants["final_parameters"]["ok"] is False, invariants
     assert not result.ok
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.xfail(strict=False, reason=(
+    "product bug: after an etcd outage longer than keep_alive_interval x keep_alive_max_attempt (5 s), the "
+    "first agent to sync finds every heartbeat stale and removes all participants (torch's _sanitize: round+1, "
+    "incomplete), while their workers train on; a node joining then waits in the new round, which no training "
+    "agent ever re-enters (num_nodes_waiting() counts only the wait list), and times out. See docs/chaos.md."))
+def test_a_node_joins_after_an_etcd_outage_longer_than_the_heartbeat_window(tmp_path: Path) -> None:
+    result = run_chaos(ChaosConfig(
+        script=JOB, run_dir=str(tmp_path / "run"), nodes=2, min_nodes=2, max_nodes=3, reference=False,
+        script_args=("--ckpt", "{run_dir}/ckpt", "--samples", "192", "--ckpt-every", "2"),
+        schedule=tuple(parse_schedule("kill_etcd@3,join@8")), etcd_down=6, join_timeout=60, recovery_bound=90,
+    ))
+    join = result.report["faults"][1]
+    assert join["recovery_s"] is not None, result.failures()
+    assert result.ok, result.failures()
