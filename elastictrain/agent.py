@@ -287,7 +287,9 @@ def _run_agent(agent: ElasticAgent, handler: Etcd3RendezvousHandler, config: Run
             1,
             f"rendezvous of run {config.run_id!r} timed out after "
             f"{config.rendezvous.join_timeout.total_seconds():g}s waiting for "
-            f"{config.min_nodes} node(s); the last committed checkpoint is untouched",
+            f"{config.min_nodes} node(s); the last committed checkpoint is untouched, and the run is "
+            f"now closed: to resume from that checkpoint, start the job under a new --run-id, or after "
+            f"`elastictrain stop --run-id {config.run_id} --purge`",
         )
     except ElasticTrainError:
         raise

@@ -92,6 +92,14 @@ class RendezvousConfig:
             raise ConfigError(
                 f"keep_alive_max_attempt must be at least 2, got {self.keep_alive_max_attempt}"
             )
+        window = self.keep_alive_interval.total_seconds() * self.keep_alive_max_attempt
+        if window < 2:
+            # A joining node refreshes its heartbeat only once per pass of torch's
+            # one-second join loop: a shorter window makes joining nodes drop each
+            # other as dead, again and again, and the rendezvous never completes.
+            raise ConfigError(
+                f"keep_alive_interval x keep_alive_max_attempt must be at least 2 s, got {window:g} s"
+            )
         if self.state_ttl.total_seconds() < 10:
             raise ConfigError(f"state_ttl must be at least 10 s, got {self.state_ttl.total_seconds():g} s")
 

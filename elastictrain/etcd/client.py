@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -90,8 +91,31 @@ def import_etcd3() -> Any:
             "run: pip install 'protobuf<4' (or set "
             "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python, which is slower)"
         ) from exc
+    _end_watch_threads_quietly(etcd3.watch.Watcher)
     _etcd3 = etcd3
     return etcd3
+
+
+def _end_watch_threads_quietly(watcher: type) -> None:
+    # etcd3 0.12's watch thread re-opens its stream in a loop, on the same channel.
+    # Once the channel is closed (we close a client whose endpoint failed, or at
+    # shutdown) the re-open raises ValueError("Cannot invoke RPC: Channel closed!")
+    # and the thread dies printing a traceback. Its watches had already been told
+    # of the broken stream, so ending the thread is all there is left to do.
+    original = watcher._run  # noqa: SLF001
+    if getattr(original, "_elastictrain_quiet", False):
+        return
+
+    def run(self: Any) -> None:
+        try:
+            original(self)
+        except ValueError as exc:
+            if "closed" not in str(exc).lower():
+                raise
+            logger.debug("etcd3 watch thread ended: its channel was closed")
+
+    run._elastictrain_quiet = True  # type: ignore[attr-defined]
+    watcher._run = run  # noqa: SLF001
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +230,8 @@ class EtcdClient:
         self._lock = threading.Lock()
         self._clients: dict[int, Any] = {}
         self._current = 0
+        self._failing = False
+        self._answering_since = time.monotonic()
 
     @property
     def settings(self) -> EtcdSettings:
@@ -214,6 +240,13 @@ class EtcdClient:
     @property
     def current_endpoint(self) -> Endpoint:
         return self._settings.endpoints[self._current]
+
+    def answering_for(self) -> float:
+        """Seconds since etcd last began answering after a failed attempt (or since this client
+        was made); 0 while attempts fail. A node that could not reach etcd could not heartbeat
+        either: this says how long it has been able to."""
+        with self._lock:
+            return 0.0 if self._failing else time.monotonic() - self._answering_since
 
     @property
     def transactions(self) -> Any:
@@ -286,16 +319,22 @@ class EtcdClient:
         def attempt() -> _T:
             index = self._current
             try:
-                return operation(self._client_for(index))
+                result = operation(self._client_for(index))
             except Exception as exc:
                 last.append((self._settings.endpoints[index], exc))
                 if self._is_transient(exc):
+                    with self._lock:
+                        self._failing = True
                     self._fail_over(index, exc)
                     with self._lock:  # a channel in a bad state is rebuilt next time
                         stale = self._clients.pop(index, None)
                     if stale is not None:
                         _close_quietly(stale)
                 raise
+            with self._lock:
+                if self._failing:
+                    self._failing, self._answering_since = False, time.monotonic()
+            return result
 
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(self._is_transient),

@@ -54,7 +54,26 @@ def _unshared_tcp_store() -> Iterator[None]:
 
 
 class _FreshStateHolder(_BackendRendezvousStateHolder):
-    """torch's state holder, minus its one-second cache during rendezvous operations."""
+    """torch's state holder, minus its one-second cache during rendezvous operations, and
+    slower to judge a node dead right after an etcd outage."""
+
+    def __init__(self, backend: Etcd3RendezvousBackend, settings: RendezvousSettings, client: EtcdClient) -> None:
+        super().__init__(backend, settings)
+        self._client = client
+
+    def _sanitize(self) -> None:
+        # torch drops every node whose heartbeat is older than the window. While etcd
+        # was unreachable nobody could heartbeat, so the first node to sync after an
+        # outage longer than the window would drop every participant, itself
+        # included, and open an empty round while their workers train on. So a node
+        # judges others only once it has reached etcd for a whole window itself:
+        # enough for every live node to have heartbeated again. (A new node waits one
+        # window after its start before it drops the nodes of a job that died.)
+        window = self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt
+        if self._client.answering_for() < window.total_seconds():
+            self._dead_nodes = []
+            return
+        super()._sanitize()
 
     def sync(self) -> bool | None:
         if _state_watch.in_rendezvous_operation():
@@ -76,6 +95,8 @@ class Etcd3RendezvousHandler(DynamicRendezvousHandler):
     """The etcd front this handler talks through (shared with its store)."""
     lease: RunLease
     """The lease this node's keys are attached to."""
+    _joined_round: int | None = None
+    """The round this node's last completed rendezvous belongs to."""
 
     @property
     def use_agent_store(self) -> bool:
@@ -88,7 +109,31 @@ class Etcd3RendezvousHandler(DynamicRendezvousHandler):
         with _unshared_tcp_store(), _state_watch.waiting_on(
             lambda seconds: self._watch.wait_newer(holder.token, seconds)
         ):
-            return super().next_rendezvous()
+            info = super().next_rendezvous()
+        self._joined_round = holder.state.round
+        return info
+
+    def num_nodes_waiting(self) -> int:
+        """See base class. Also counts the nodes rendezvousing in a round past this node's.
+
+        torch counts only the wait list of the current round. If the rendezvous has
+        moved past the round this node trains in without it (its heartbeats lapsed:
+        a stalled agent, a cut link), nodes gathering in the new round are waiting for
+        it too, and nobody else will ever tell its agent: without this, they would
+        wait out their join timeout while this node trains on.
+        """
+        waiting = super().num_nodes_waiting()
+        state = self._state_holder.state
+        if self._joined_round is None or state.round == self._joined_round:
+            return waiting
+        gathering = len(state.participants) + len(state.wait_list)
+        if gathering:  # the agent restarts at once: said once
+            logger.warning(
+                "rendezvous '%s' moved on to round %d without this node (its heartbeats lapsed "
+                "in round %d); %d node(s) gather there: restarting to rejoin",
+                self._settings.run_id, state.round, self._joined_round, gathering,
+            )
+        return max(waiting, gathering)
 
     @property
     def round(self) -> int:
@@ -155,7 +200,7 @@ def create_handler(params: RendezvousParameters) -> Etcd3RendezvousHandler:
         keep_alive_max_attempt=rdzv.keep_alive_max_attempt,
     )
     node = Etcd3RendezvousHandler._node_desc_generator.generate(params.local_addr)  # noqa: SLF001
-    handler = Etcd3RendezvousHandler(node, settings, backend.name, store, _FreshStateHolder(backend, settings))
+    handler = Etcd3RendezvousHandler(node, settings, backend.name, store, _FreshStateHolder(backend, settings, client))
     handler._watch = _state_watch.StateWatch(client, backend.key)  # noqa: SLF001
     handler.client = client
     handler.lease = lease

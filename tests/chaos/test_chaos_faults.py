@@ -98,5 +98,6 @@ def test_etcd_leader_loss_and_a_hang_are_survived_then_below_min_nodes_the_job_g
     assert report["invariants"]["final_parameters"]["ok"] is None  # the job did not finish
     log = (result.run_dir / "nodes" / f"{next(iter(survivors))}.log").read_text()
     assert "timed out after 40s waiting for 2 node(s)" in log, log[-2000:]
-    assert "last committed checkpoint is untouched" in log
+    assert "last committed checkpoint is untouched, and the run is now closed" in log
+    assert "--purge" in log
     assert report["committed_steps"] >= 8

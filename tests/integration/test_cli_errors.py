@@ -27,6 +27,8 @@ CASES = [
     (["run", "--min-nodes", "2", SCRIPT], 2, "pass --local-nodes 2"),
     (["run", "--rdzv-conf", "last_call_timeout=abc", SCRIPT], 2, "last_call_timeout must be a number of seconds"),
     (["run", "--rdzv-conf", "keep_alive_max_attempt=1", SCRIPT], 2, "keep_alive_max_attempt must be at least 2"),
+    (["run", "--rdzv-conf", "keep_alive_interval=0.3,keep_alive_max_attempt=3", SCRIPT], 2,
+     "keep_alive_interval x keep_alive_max_attempt must be at least 2 s, got 0.9 s"),
     (["frobnicate"], 2, "invalid choice: 'frobnicate'"),
 ]
 

@@ -96,3 +96,71 @@ def test_closed_rendezvous_is_reported_to_a_late_node(etcd_server: Any, run_id: 
     with pytest.raises(RendezvousClosedError):
         late.next_rendezvous()
     handler.shutdown()
+
+
+# A heartbeat window of 2 s (0.5 s x 4, the shortest allowed) keeps the two tests below short.
+_SHORT_WINDOW = {"keep_alive_interval": 0.5, "keep_alive_max_attempt": 4, "retry_deadline": 20}
+
+
+def _eventually(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {timeout:g}s: {what}")
+        time.sleep(0.1)
+
+
+def test_an_etcd_outage_longer_than_the_heartbeat_window_drops_no_live_node(private_etcd: Any, run_id: str) -> None:
+    # Every heartbeat lapses while etcd is down. When it returns, the first node to
+    # sync must not judge its peers (nor itself) dead for a gap nobody could avoid:
+    # torch's _sanitize would drop every participant and open an empty round that no
+    # training node ever re-enters, so a later node could never join.
+    handlers = [rendezvous_handler_registry.create_handler(
+        _params(private_etcd.endpoint, run_id, 2, 3, **_SHORT_WINDOW)) for _ in range(2)]
+    infos = _join_all(handlers)
+    round_before = handlers[0].round
+    private_etcd.kill()
+    time.sleep(4)  # two heartbeat windows
+    private_etcd.start()
+    deadline = time.monotonic() + 4
+    while time.monotonic() < deadline:  # the heartbeat threads resume meanwhile
+        assert [h.num_nodes_waiting() for h in handlers] == [0, 0]
+        time.sleep(0.2)
+    state = handlers[0]._state_holder.state  # noqa: SLF001
+    assert state.round == round_before and state.complete
+    assert set(map(repr, state.participants)) == {h.node_id for h in handlers}
+
+    late = rendezvous_handler_registry.create_handler(
+        _params(private_etcd.endpoint, run_id, 2, 3, **_SHORT_WINDOW))
+    joining = ThreadPoolExecutor(1).submit(late.next_rendezvous)
+    _eventually(lambda: all(h.num_nodes_waiting() == 1 for h in handlers), 10, "the late node is seen waiting")
+    second = _join_all(handlers)
+    assert {i.world_size for i in [*second, joining.result(timeout=30)]} == {3}
+    assert infos[0].world_size == 2
+    for h in [*handlers, late]:
+        h.shutdown()
+
+
+def test_a_node_dropped_from_its_round_rejoins_when_another_node_rendezvouses(etcd_server: Any, run_id: str) -> None:
+    # However a training node's heartbeats lapsed (a stalled agent, a cut link), once
+    # the rendezvous has moved past its round, a node rendezvousing there is waiting
+    # for it: the training node must count it, so that its agent restarts and rejoins.
+    handlers = [rendezvous_handler_registry.create_handler(
+        _params(etcd_server.endpoint, run_id, 2, 3, **_SHORT_WINDOW)) for _ in range(2)]
+    _join_all(handlers)
+    round_before = handlers[0].round
+    for h in handlers:
+        h._stop_heartbeats()  # noqa: SLF001 - as if the agent had stalled
+    time.sleep(3)
+    assert [h.num_nodes_waiting() for h in handlers] == [0, 0]  # nobody else is here yet
+
+    late = rendezvous_handler_registry.create_handler(_params(etcd_server.endpoint, run_id, 2, 3, **_SHORT_WINDOW))
+    joining = ThreadPoolExecutor(1).submit(late.next_rendezvous)
+    # The late node drops the two silent ones and opens the next round, alone in it.
+    _eventually(lambda: late.round > round_before, 10, "the late node opens the next round")
+    _eventually(lambda: all(h.num_nodes_waiting() >= 1 for h in handlers), 10,
+                "the dropped nodes see a node waiting for them")
+    second = _join_all(handlers)
+    assert {i.world_size for i in [*second, joining.result(timeout=30)]} == {3}
+    for h in [*handlers, late]:
+        h.shutdown()
