@@ -9,6 +9,9 @@ Examples::
     # a soak: 50 random faults drawn from seed 7
     elastictrain chaos --faults 50 --seed 7
 
+    # (root) each node in its own network namespace; cut one off etcd and its peers for 30 s at step 6
+    elastictrain chaos --netns --schedule partition_node@6
+
     # your own job (instrumented with elastictrain.chaos.Recorder); {run_dir} is substituted
     elastictrain chaos --faults 10 --seed 1 -- train.py --ckpt {run_dir}/ckpt
 
@@ -55,12 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--faults", type=int, default=0, help="draw this many random faults instead of --schedule")
     p.add_argument("--seed", type=int, default=0, help="seed of the random faults and targets (default 0)")
     p.add_argument("--kinds", default=None, help="kinds the random faults are drawn from "
-                   f"(default {','.join(k.value for k in DEFAULT_KINDS)}, +kill_etcd_leader with 3 etcd members)")
+                   f"(default {','.join(k.value for k in DEFAULT_KINDS)}, +kill_etcd_leader with 3 etcd members, "
+                   "+partition_node with --netns)")
     p.add_argument("--gap", type=_gap, default=(2, 5), help="steps between a recovery and the next random fault, LOW:HIGH (default 2:5)")
     p.add_argument("--etcd-members", type=int, default=1, choices=(1, 3), help="etcd cluster size (default 1)")
     p.add_argument("--etcd-down", type=float, default=3.0, help="seconds killed etcd members stay down (default 3)")
     p.add_argument("--hang", type=float, default=None, help="seconds hang_worker stops a worker (default: pg timeout + 5)")
     p.add_argument("--hang-then-kill", action="store_true", help="end a hang with SIGKILL instead of SIGCONT")
+    p.add_argument("--netns", action="store_true", help="run each node in its own network namespace (root, iproute2); "
+                   "needed by partition_node")
+    p.add_argument("--partition-duration", type=float, default=None, help="seconds partition_node keeps a node "
+                   "cut off (default: pg timeout + 10)")
     p.add_argument("--rejoin-after", type=float, default=3.0, help="seconds before bounce_node's replacement starts (default 3)")
     p.add_argument("--pg-timeout", type=float, default=20.0, help="collective timeout of the workers, seconds (default 20)")
     p.add_argument("--join-timeout", type=float, default=60.0, help="--join-timeout of the nodes, seconds (default 60)")
@@ -93,7 +101,8 @@ def config_from(args: argparse.Namespace) -> ChaosConfig:
     if args.kinds:
         kinds = parse_kinds(args.kinds)
     else:
-        kinds = DEFAULT_KINDS + ((FaultKind.KILL_ETCD_LEADER,) if args.etcd_members == 3 else ())
+        kinds = (DEFAULT_KINDS + ((FaultKind.KILL_ETCD_LEADER,) if args.etcd_members == 3 else ())
+                 + ((FaultKind.PARTITION_NODE,) if args.netns else ()))
     script_args = list(args.script_args)
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
@@ -107,7 +116,8 @@ def config_from(args: argparse.Namespace) -> ChaosConfig:
         min_nodes=args.min_nodes, max_nodes=args.max_nodes, nproc_per_node=args.nproc_per_node,
         schedule=schedule, faults=args.faults, seed=args.seed, kinds=kinds, gap=args.gap,
         etcd_members=args.etcd_members, etcd_down=args.etcd_down, hang=args.hang,
-        hang_then_kill=args.hang_then_kill, rejoin_after=args.rejoin_after, pg_timeout=args.pg_timeout,
+        hang_then_kill=args.hang_then_kill, netns=args.netns, partition=args.partition_duration,
+        rejoin_after=args.rejoin_after, pg_timeout=args.pg_timeout,
         join_timeout=args.join_timeout, max_restarts=args.max_restarts, recovery_bound=args.recovery_bound,
         deadline=args.deadline, reference=not args.no_reference, atol=args.atol, rtol=args.rtol,
         run_args=tuple(args.run_arg),

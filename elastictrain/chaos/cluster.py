@@ -26,22 +26,23 @@ __all__ = ["EtcdCluster", "Node"]
 
 
 class EtcdCluster:
-    """``members`` etcd servers on loopback forming one cluster, with data kept across kills.
+    """``members`` etcd servers on one local address forming one cluster, with data kept across kills.
 
     Args:
         directory: Data directories and logs go here.
         members: 1 or 3.
+        host: The address they listen on: loopback, or the bridge of the nodes' namespaces.
     """
 
-    def __init__(self, directory: Path, members: int = 1) -> None:
+    def __init__(self, directory: Path, members: int = 1, host: str = "127.0.0.1") -> None:
         if members not in (1, 3):
             raise ValueError(f"etcd members must be 1 or 3, got {members}")
         directory.mkdir(parents=True, exist_ok=True)
-        ports = [(free_port(), free_port()) for _ in range(members)]
-        cluster = ",".join(f"m{i}=http://127.0.0.1:{peer}" for i, (_, peer) in enumerate(ports))
+        ports = [(free_port(host), free_port(host)) for _ in range(members)]
+        cluster = ",".join(f"m{i}=http://{host}:{peer}" for i, (_, peer) in enumerate(ports))
         self.servers = [
             EtcdServer(EtcdServerOptions(
-                name=f"m{i}", client_port=client, peer_port=peer, data_dir=str(directory / f"m{i}"),
+                host=host, name=f"m{i}", client_port=client, peer_port=peer, data_dir=str(directory / f"m{i}"),
                 log_file=str(directory / f"m{i}.log"), initial_cluster=cluster if members > 1 else None,
                 # Throwaway data: fsync only slows a loaded machine. A SIGKILLed
                 # member still finds its writes in the page cache on restart.
@@ -125,6 +126,8 @@ class Node:
     joined: bool
     killed: float | None = None
     """When a fault SIGKILLed it (None: it ran until it exited, or until the harness's teardown)."""
+    partitioned: float | None = None
+    """When a fault last cut it off the network (it was not signalled: it may go on, rejoin, or give up)."""
     torn_down: bool = False
     """The harness killed it at teardown (an aborted run)."""
     ended: float | None = None

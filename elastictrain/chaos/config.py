@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from elastictrain.chaos.faults import FaultKind, PlannedFault
+from elastictrain.chaos.netns import check_available
 from elastictrain.config import parse_duration
 from elastictrain.errors import ConfigError
 
@@ -74,6 +75,13 @@ class ChaosConfig:
     hang_then_kill: bool = False
     """End a hang with SIGKILL instead of SIGCONT."""
 
+    netns: bool = False
+    """Run each node in its own network namespace (root only; see :mod:`~elastictrain.chaos.netns`).
+    Needed by ``partition_node``; without it every process talks over loopback."""
+
+    partition: timedelta | None = None
+    """How long ``partition_node`` keeps a node cut off; default: the collective timeout plus 10 s."""
+
     rejoin_after: timedelta = timedelta(seconds=3)
     """How long after ``bounce_node`` kills a node its replacement starts."""
 
@@ -110,7 +118,8 @@ class ChaosConfig:
     """Extra environment of every node and of the reference run."""
 
     def __post_init__(self) -> None:
-        for name in ("etcd_down", "rejoin_after", "pg_timeout", "join_timeout", "deadline", "hang", "recovery_bound"):
+        for name in ("etcd_down", "rejoin_after", "pg_timeout", "join_timeout", "deadline", "hang", "partition",
+                     "recovery_bound"):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, parse_duration(name, value, minimum=0.001))
@@ -125,6 +134,10 @@ class ChaosConfig:
         kinds = {f.kind for f in self.schedule} | (set(self.kinds) if self.faults else set())
         if FaultKind.KILL_ETCD_LEADER in kinds and self.etcd_members < 3:
             raise ConfigError("kill_etcd_leader needs etcd_members=3")
+        if FaultKind.PARTITION_NODE in kinds and not self.netns:
+            raise ConfigError("partition_node needs netns=True (--netns): nodes on loopback cannot be cut off")
+        if self.netns:
+            check_available()
         if self.faults < 0:
             raise ConfigError(f"faults must be >= 0, got {self.faults}")
 
@@ -132,11 +145,17 @@ class ChaosConfig:
     def hang_duration(self) -> timedelta:
         return self.hang if self.hang is not None else self.pg_timeout + timedelta(seconds=5)
 
+    @property
+    def partition_duration(self) -> timedelta:
+        # Longer than the collective timeout, so that the survivors' collectives fail and they re-form
+        # without the node before it comes back.
+        return self.partition if self.partition is not None else self.pg_timeout + timedelta(seconds=10)
+
     def bound_for(self, kind: FaultKind) -> float:
         """Seconds a fault of ``kind`` may take before the run counts as hung."""
         if self.recovery_bound is not None:
             return self.recovery_bound.total_seconds()
         extra = {FaultKind.HANG_WORKER: self.hang_duration, FaultKind.KILL_ETCD: self.etcd_down,
-                 FaultKind.KILL_ETCD_LEADER: self.etcd_down,
+                 FaultKind.KILL_ETCD_LEADER: self.etcd_down, FaultKind.PARTITION_NODE: self.partition_duration,
                  FaultKind.BOUNCE_NODE: self.rejoin_after + self.join_timeout}.get(kind, timedelta(0))
         return 120.0 + self.pg_timeout.total_seconds() + extra.total_seconds()

@@ -14,6 +14,8 @@ drawn one at a time by a :class:`RandomPlanner` from a seed. Kinds:
 ``join``                  start one more node agent, with ``--join``
 ``kill_etcd``             SIGKILL every etcd member, restart them ``etcd_down`` later
 ``kill_etcd_leader``      (3-member etcd) SIGKILL the leader, restart it ``etcd_down`` later
+``partition_node``        (``netns`` only) cut one node off etcd and its peers for
+                          ``partition_duration``, then reconnect it (:mod:`~elastictrain.chaos.netns`)
 ========================  ===================================================================
 
 Workers are found from the process tree, not from the job's evidence: a node
@@ -49,6 +51,7 @@ class FaultKind(str, enum.Enum):
     JOIN = "join"
     KILL_ETCD = "kill_etcd"
     KILL_ETCD_LEADER = "kill_etcd_leader"
+    PARTITION_NODE = "partition_node"
 
     @property
     def restarts_workers(self) -> bool:
@@ -62,7 +65,7 @@ class FaultKind(str, enum.Enum):
 
 
 _RESTARTING = frozenset({FaultKind.KILL_WORKER, FaultKind.KILL_NODE, FaultKind.BOUNCE_NODE,
-                         FaultKind.HANG_WORKER, FaultKind.JOIN})
+                         FaultKind.HANG_WORKER, FaultKind.JOIN, FaultKind.PARTITION_NODE})
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +143,7 @@ class RandomPlanner:
     def feasible(self, kind: FaultKind, *, nodes: int, min_nodes: int, max_nodes: int,
                  etcd_members: int) -> bool:
         """Whether ``kind`` keeps the job able to finish: never below min-nodes for good, never above max."""
-        if kind is FaultKind.KILL_NODE:
+        if kind in (FaultKind.KILL_NODE, FaultKind.PARTITION_NODE):
             return nodes > min_nodes
         if kind is FaultKind.JOIN:
             return nodes < max_nodes

@@ -11,6 +11,8 @@ the schedule says on any machine. When every node has exited it judges the
 invariants (:mod:`~elastictrain.chaos.verdict`) and writes the report
 (:mod:`~elastictrain.chaos.report`). An uninterrupted reference run of the same
 script (one process, no launcher) runs alongside, for the final-parameters invariant.
+With ``netns`` each node runs in its own network namespace (:mod:`~elastictrain.chaos.netns`),
+so that ``partition_node`` can cut one off the network.
 
 Everything lands in ``run_dir``: ``evidence/`` (the job's), ``gate``, ``events.jsonl``
 (the agents'), ``nodes/<name>.log``, ``etcd/``, the job's own files (its
@@ -40,6 +42,7 @@ from elastictrain.chaos import invariants as inv
 from elastictrain.chaos.cluster import EtcdCluster, Node
 from elastictrain.chaos.config import DEFAULT_KINDS, ChaosConfig
 from elastictrain.chaos.faults import FaultKind, FaultRecord, RandomPlanner, process_state, worker_pids
+from elastictrain.chaos.netns import NS_INTERFACE, NodeNetwork
 from elastictrain.chaos.recorder import CHAOS_DIR_ENV, GATE_ENV
 from elastictrain.chaos.report import build_report
 from elastictrain.chaos.verdict import judge
@@ -141,11 +144,20 @@ class _Harness:
         self.run_id = f"chaos-{uuid.uuid4().hex[:8]}"
         self.progress = _Progress(self.evidence_dir / "events.jsonl")
         self.planner = RandomPlanner(config.seed, config.kinds, config.gap)
-        self.etcd = EtcdCluster(self.run_dir / "etcd", config.etcd_members)
+        # With netns every node gets its own namespace, and etcd listens on their bridge.
+        self.network = NodeNetwork.create() if config.netns else None
+        try:
+            self.etcd = EtcdCluster(self.run_dir / "etcd", config.etcd_members,
+                                    host=self.network.gateway if self.network else "127.0.0.1")
+        except BaseException:
+            if self.network:
+                self.network.teardown()
+            raise
         self.nodes: list[Node] = []
         self.faults: list[FaultRecord] = []
         self.actions: list[tuple[float, Callable[[], None]]] = []
         self.stopped: dict[int, float] = {}  # pid -> when SIGSTOPped, until resumed
+        self.cut_nodes: dict[int, Node] = {}  # fault index -> the node partition_node cut off
         self.aborted: str | None = None
         self.gate = -1
         self.start = time.time()
@@ -167,16 +179,21 @@ class _Harness:
 
     def start_node(self, *, join: bool) -> Node:
         config = self.config
-        name = f"node{len(self.nodes)}"
+        index = len(self.nodes)
+        name = f"node{index}"
+        local_addr = self.network.add_node(index) if self.network else "127.0.0.1"
         command = [
             sys.executable, "-m", "elastictrain", "run", "--etcd", self.etcd.endpoints, "--run-id", self.run_id,
             "--node-name", name, "--min-nodes", str(config.min_nodes), "--max-nodes", str(config.max_nodes),
             "--nproc-per-node", str(config.nproc_per_node), "--max-restarts", str(config.max_restarts),
-            "--local-addr", "127.0.0.1", "--event-log", str(self.run_dir / "events.jsonl"),
+            "--local-addr", local_addr, "--event-log", str(self.run_dir / "events.jsonl"),
             "--join-timeout", f"{config.join_timeout.total_seconds():g}",
             *(["--join"] if join else []), *config.run_args, config.script, *self._args(self.run_dir),
         ]
         env = {**self._env(self.evidence_dir), GATE_ENV: str(self.gate_file)}
+        if self.network:
+            command = self.network.wrap(index, command)
+            env["GLOO_SOCKET_IFNAME"] = NS_INTERFACE  # else gloo binds to the address the hostname resolves to
         node = Node.start(name, command, env=env, log=self.run_dir / "nodes" / f"{name}.log",
                           cwd=self.run_dir, joined=join)
         self.nodes.append(node)
@@ -271,6 +288,31 @@ class _Harness:
                     fault.ended = time.time()
 
                 self._later(config.rejoin_after, replace)
+        elif kind is FaultKind.PARTITION_NODE:
+            assert self.network is not None  # noqa: S101 - the config requires netns
+            picked = self._pick_node()
+            if picked is None:
+                return False
+            if len(self.alive_nodes()) - 1 < config.min_nodes:
+                # Below min-nodes the survivors would wait for the cut node: not a partition the job
+                # can ride out, so wait for a node to join (or give up after 60 s).
+                fault.note = "cutting a node would leave fewer than min-nodes"
+                return False
+            node, training = picked
+            fault.note = ""
+            index = self.nodes.index(node)
+            fault.target = node.name if training else f"{node.name} (waiting to join: not training)"
+            fault.expects_restart = training
+            self.network.cut(index)
+            node.partitioned = now
+            self.cut_nodes[fault.index] = node
+
+            def heal(index: int = index) -> None:
+                assert self.network is not None  # noqa: S101
+                self.network.heal(index)
+                fault.ended = time.time()
+
+            self._later(config.partition_duration, heal)
         elif kind is FaultKind.JOIN:
             fault.target = self.start_node(join=True).name
             fault.ended = now
@@ -307,6 +349,23 @@ class _Harness:
             bound += self.config.join_timeout.total_seconds()
         return bound
 
+    def _back_from_partition(self, fault: FaultRecord) -> bool:
+        """Whether the node ``fault`` cut off has settled since the heal: trains again, or has exited.
+
+        Waiting for it keeps its rejoin (a restart of the whole group) from landing on the next fault.
+        """
+        node = self.cut_nodes[fault.index]
+        if not node.alive():
+            fault.note = f"{node.name} exited {node.exit_code} after the heal"
+            return True
+        assert fault.ended is not None  # noqa: S101 - checked by the caller
+        for seg in (s for s in self.progress.segments if s["t"] > fault.ended):
+            members = {w["node"] for w in inv.read_lines(self.evidence_dir / "workers.jsonl") if w["seg"] == seg["seg"]}
+            if node.name in members and self.progress.first_step_of(seg["seg"]) is not None:
+                fault.note = f"{node.name} rejoined after the heal"
+                return True
+        return False
+
     def check_recovered(self, fault: FaultRecord, *, final: bool = False) -> bool:
         """Whether the job trains again after ``fault``; sets its recovery time.
 
@@ -316,6 +375,8 @@ class _Harness:
         """
         assert fault.injected is not None  # noqa: S101 - private invariant
         if fault.ended is None or fault.below_min:
+            return False
+        if fault.kind is FaultKind.PARTITION_NODE and not self._back_from_partition(fault) and not final:
             return False
         progress = self.progress
         if fault.expects_restart:
@@ -491,7 +552,7 @@ class _Harness:
                 else:
                     waiting_since = waiting_since or now
                     if now - waiting_since > 60:
-                        pending.note = "not injected: no target found within 60 s"
+                        pending.note = f"not injected: {pending.note or 'no target found'} within 60 s"
                         pending, waiting_since = None, None
             time.sleep(0.05)
 
@@ -503,6 +564,8 @@ class _Harness:
             if node.alive():
                 node.kill(fault=False)
         self.etcd.stop()
+        if self.network:
+            self.network.teardown()
 
 def run_chaos(config: ChaosConfig) -> ChaosResult:
     """Run one chaos run end to end; see the module docstring.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,7 +18,9 @@ import torch
 
 from elastictrain.chaos import ChaosConfig
 from elastictrain.chaos import invariants as inv
+from elastictrain.chaos.cluster import Node
 from elastictrain.chaos.faults import FaultKind, PlannedFault, RandomPlanner, parse_kinds, parse_schedule
+from elastictrain.chaos.verdict import _exit_status
 from elastictrain.errors import ConfigError
 
 N, G = 12, 4  # 12 samples, a global batch of 4: 3 steps per epoch
@@ -238,3 +241,52 @@ def test_a_chaos_config_refuses_what_cannot_run(tmp_path: Path) -> None:
                     schedule=tuple(parse_schedule("kill_etcd_leader@2")))
     with pytest.raises(ConfigError, match="pg_timeout"):
         ChaosConfig(script=str(script), run_dir=str(tmp_path / "run"), pg_timeout="soon")
+
+
+def test_partition_node_needs_netns_and_netns_needs_root_and_ip(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    run_dir = str(tmp_path / "run")
+    with pytest.raises(ConfigError, match=r"partition_node needs netns=True \(--netns\)"):
+        ChaosConfig(script=str(script), run_dir=run_dir, schedule=tuple(parse_schedule("partition_node@3")))
+    with pytest.raises(ConfigError, match="partition_node needs netns=True"):
+        ChaosConfig(script=str(script), run_dir=run_dir, faults=5,
+                    kinds=(FaultKind.KILL_WORKER, FaultKind.PARTITION_NODE))
+    # Kinds only matter when faults are drawn from them.
+    ChaosConfig(script=str(script), run_dir=run_dir, kinds=(FaultKind.PARTITION_NODE,))
+    config = ChaosConfig(script=str(script), run_dir=run_dir, pg_timeout=10)
+    assert config.partition_duration.total_seconds() == 20  # past the collective timeout: the survivors notice
+    assert config.bound_for(FaultKind.PARTITION_NODE) == 120 + 10 + 20
+    assert ChaosConfig(script=str(script), run_dir=run_dir, partition=7).partition_duration.total_seconds() == 7
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    with pytest.raises(ConfigError, match="netns needs root"):
+        ChaosConfig(script=str(script), run_dir=run_dir, netns=True)
+    monkeypatch.setattr("os.geteuid", lambda: 0)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no `ip` there
+    with pytest.raises(ConfigError, match="netns needs the `ip` command"):
+        ChaosConfig(script=str(script), run_dir=run_dir, netns=True,
+                    schedule=tuple(parse_schedule("partition_node@3")))
+
+
+def test_partition_node_is_drawn_only_above_min_nodes() -> None:
+    planner = RandomPlanner(0, (FaultKind.PARTITION_NODE,))
+    assert planner.next(0, nodes=2, min_nodes=2, max_nodes=3, etcd_members=1) is None
+    assert planner.next(0, nodes=3, min_nodes=2, max_nodes=3, etcd_members=1) is not None
+
+
+def test_only_a_node_cut_off_until_the_job_ended_may_exit_non_zero(tmp_path: Path) -> None:
+    log = tmp_path / "node0.log"
+    log.write_text("[elastictrain node0] ERROR run 'r' is closed: the job it named has already ended (30.2s)\n")
+
+    def node(name: str, code: int, *, partitioned: float | None) -> Node:
+        exited = SimpleNamespace(pid=0, returncode=code, poll=lambda: code)  # an agent that has exited
+        return Node(name, exited, log, 0.0, False, partitioned=partitioned, ended=1.0)  # type: ignore[arg-type]
+
+    ok = _exit_status([node("node0", 1, partitioned=5.0), node("node1", 0, partitioned=None)], True, None)
+    assert ok.ok and "cut off until the job had ended" in ok.detail
+    # The same exit without a partition (or a cut node failing for another reason) is a failure.
+    assert _exit_status([node("node0", 1, partitioned=None)], True, None).ok is False
+    log.write_text("Traceback: something else\n")
+    assert _exit_status([node("node0", 1, partitioned=5.0)], True, None).ok is False
