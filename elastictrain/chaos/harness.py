@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -218,12 +219,18 @@ class _Harness:
     def _later(self, delay: timedelta, action: Callable[[], None]) -> None:
         self.actions.append((time.time() + delay.total_seconds(), action))
 
+    def _nodes_by_segment(self) -> dict[int, set[str]]:
+        """Names of the nodes with a worker in each process group (from the job's evidence)."""
+        nodes: dict[int, set[str]] = defaultdict(set)
+        for worker in inv.read_lines(self.evidence_dir / "workers.jsonl"):
+            nodes[worker["seg"]].add(worker["node"])
+        return nodes
+
     def _training_nodes(self) -> set[str]:
-        """Names of the nodes with a worker in the newest process group (from the job's evidence)."""
+        """Names of the nodes with a worker in the newest process group."""
         if not self.progress.segments:
             return set()
-        seg = self.progress.segments[-1]["seg"]
-        return {w["node"] for w in inv.read_lines(self.evidence_dir / "workers.jsonl") if w["seg"] == seg}
+        return self._nodes_by_segment().get(self.progress.segments[-1]["seg"], set())
 
     def _pick_node(self) -> tuple[Node, bool] | None:
         """A node to kill, preferably one that trains now; and whether it does."""
@@ -359,9 +366,10 @@ class _Harness:
             fault.note = f"{node.name} exited {node.exit_code} after the heal"
             return True
         assert fault.ended is not None  # noqa: S101 - checked by the caller
+        nodes_by_segment = self._nodes_by_segment()
         for seg in (s for s in self.progress.segments if s["t"] > fault.ended):
-            members = {w["node"] for w in inv.read_lines(self.evidence_dir / "workers.jsonl") if w["seg"] == seg["seg"]}
-            if node.name in members and self.progress.first_step_of(seg["seg"]) is not None:
+            trained = self.progress.first_step_of(seg["seg"]) is not None
+            if trained and node.name in nodes_by_segment.get(seg["seg"], ()):
                 fault.note = f"{node.name} rejoined after the heal"
                 return True
         return False

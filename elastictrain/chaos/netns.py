@@ -193,7 +193,11 @@ class NodeNetwork:
         _ip("link", "set", self._root_veth(index), "up")
 
     def teardown(self) -> None:
-        """Remove the namespaces and the bridge (idempotent; the veths go with their namespaces)."""
+        """Remove the namespaces, their veths and the bridge (idempotent).
+
+        A veth pair goes with its namespace, unless a process still holds the namespace after its
+        name is deleted: the root ends are deleted too, and that is a no-op when they are gone.
+        """
         if self._torn_down:
             return
         self._torn_down = True
