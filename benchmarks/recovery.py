@@ -15,9 +15,11 @@ then:
 Launchers, each run on the same script and interleaved trial by trial:
 
 - ``elastictrain``: ``elastictrain run --etcd ...`` with its defaults, one agent per node;
-- ``elastictrain_proposed``: the same with the product changes this benchmark
-  proposes applied at start-up (``benchmarks/_proposed_agent.py``) and
-  ``--keep-alive-interval 5``;
+- ``elastictrain_prev``: the same command of an earlier elastictrain, installed in a
+  virtualenv of its own, whose ``elastictrain`` executable ``$BENCH_PREV_ELASTICTRAIN``
+  names (e.g. ``git worktree add /tmp/prev c56d2b4 && cd /tmp/prev && python3 -m venv
+  .venv && .venv/bin/pip install "torch==2.13.*" -e ".[etcd]"``): our previous mode,
+  measured in the same run;
 - ``torchrun_default``: ``torchrun --rdzv-backend c10d`` with torch's defaults;
 - ``torchrun_tuned``: the same with ``--monitor-interval 0.05 --rdzv-conf
   last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3``.
@@ -65,11 +67,11 @@ from benchmarks._common import (  # noqa: E402
 )
 
 SCRIPT = BENCH_DIR / "_train.py"
-LAUNCHERS = ("elastictrain", "elastictrain_proposed", "torchrun_default", "torchrun_tuned")
+LAUNCHERS = ("elastictrain", "elastictrain_prev", "torchrun_default", "torchrun_tuned")
+PREV_ENV = "BENCH_PREV_ELASTICTRAIN"
 SCENARIOS = ("worker_crash", "node_loss", "node_join")
 TUNED_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 MAX_RESTARTS = 3
-PROPOSED_KEEP_ALIVE = 5.0
 
 # Stderr lines of the agents that mark the phases of a recovery (torch's agent logs
 # these for both launchers with LOGLEVEL=INFO; elastictrain adds its own round line).
@@ -93,6 +95,19 @@ SCENARIO = {
     "node_loss": Scenario("node_loss", nodes=3, min_nodes=2, max_nodes=3, world_after=2),
     "node_join": Scenario("node_join", nodes=2, min_nodes=2, max_nodes=3, world_after=3),
 }
+
+
+def prev_elastictrain() -> str:
+    """The ``elastictrain`` executable of the earlier version (``$BENCH_PREV_ELASTICTRAIN``).
+
+    Raises:
+        RuntimeError: It is not set, or not an executable.
+    """
+    path = os.environ.get(PREV_ENV, "")
+    if not path or not os.access(path, os.X_OK):
+        raise RuntimeError(f"the elastictrain_prev launcher needs {PREV_ENV}=/path/to/old/venv/bin/elastictrain "
+                           f"(got {path!r})")
+    return path
 
 
 def _elastictrain_has_join() -> bool:
@@ -119,7 +134,7 @@ class TrialSetup:
                   "--ckpt-dir", str(self.workdir / "ckpt")]
         if self.launcher.startswith("elastictrain"):
             front = ([str(BIN_DIR / "elastictrain")] if self.launcher == "elastictrain"
-                     else [sys.executable, str(BENCH_DIR / "_proposed_agent.py")])
+                     else [prev_elastictrain()])
             cmd = [*front, "run", "--etcd", str(self.etcd), "--run-id", f"bench-{self.trial}",
                    "--min-nodes", str(s.min_nodes), "--max-nodes", str(s.max_nodes),
                    "--local-addr", "127.0.0.1", "--max-restarts", str(MAX_RESTARTS)]
@@ -128,10 +143,6 @@ class TrialSetup:
                 # id already trains, and with a 1 s last call a node that starts 2 s after
                 # its peers finds round 0 complete without it (see README, product issues).
                 cmd.append("--join")
-            if self.launcher == "elastictrain_proposed":
-                # Heartbeats are off the recovery path with the proposed rendezvous changes,
-                # so torch's 5 s keep-alive comes back (1 s livelocks at 64 nodes).
-                cmd += ["--keep-alive-interval", str(PROPOSED_KEEP_ALIVE)]
             return cmd + script
         conf = f"is_host={'true' if node == 0 else 'false'}"
         cmd = [str(BIN_DIR / "torchrun"), "--nnodes", f"{s.min_nodes}:{s.max_nodes}", "--nproc-per-node", "1",

@@ -1,25 +1,25 @@
-"""Time for N participants to complete one rendezvous round: etcd3 against torch's c10d.
+"""Time for N participants to complete one rendezvous round: etcd3 against our previous mode and c10d.
 
-Each participant is one ``DynamicRendezvousHandler`` (torch's, on elastictrain's
-``etcd3`` backend or on torch's ``c10d`` backend) driven by a thread, as one node
-agent would drive it, without training. The N participants are spread over a few
-processes (``--procs``; by default 2, or N/32 for large N) so that one GIL does not
+Each participant is one rendezvous handler driven by a thread, as one node agent
+would drive it, without training. The N participants are spread over a few
+processes (``--procs``; by default 2, or N/64 for large N) so that one GIL does not
 serialize them all. Handlers are built first (not timed); then every thread calls
 ``next_rendezvous()`` at the same wall-clock instant, and the round's time is from
 that instant until the last participant has its rank. ``min_nodes = max_nodes = N``,
-so neither backend waits for a last call.
+so no backend waits for a last call.
 
-- ``etcd3``: elastictrain's defaults, one private etcd server for the whole run (a
-  fresh run id per trial). The requests and bytes the round put on etcd are read
-  from etcd's ``/metrics`` before and after it.
-- ``c10d``: torch's defaults; participant 0 hosts the TCPStore (``is_host``),
-  every other participant connects to it, as on a cluster.
-- ``etcd3_keepalive5`` (``--backends``): etcd3 with ``keep_alive_interval=5`` (torch's
-  default), the setting the README proposes once heartbeats are off the recovery path.
-- ``etcd3_backoff``, ``etcd3_keepalive5_backoff`` (experiments): the same with a
-  jittered back-off after a lost compare-and-swap, patched into the participants.
+- ``etcd3``: elastictrain's native rendezvous (``elastictrain.rendezvous.handler``)
+  with its defaults, one private etcd server for the whole run (a fresh run id per
+  trial). The requests and bytes the round put on etcd are read from etcd's
+  ``/metrics`` before and after it, by gRPC method: key-value requests (Range, Txn,
+  Put, DeleteRange) and stream messages (lease keep-alives, watch creates).
+- ``etcd3-dynamic``: our previous mode, torch's ``DynamicRendezvousHandler`` on
+  elastictrain's etcd v3 backend (``torchrun --rdzv-backend etcd3-dynamic``),
+  elastictrain's timings; the same etcd server.
+- ``c10d``: torch's defaults; participant 0 hosts the TCPStore (``is_host``), every
+  other participant connects to it, as on a cluster.
 
-    python benchmarks/rendezvous_scale.py --sizes 2,8,32,64,128 --reps 3
+    python benchmarks/rendezvous_scale.py --sizes 64,256,1024 --reps 3
 """
 
 from __future__ import annotations
@@ -40,12 +40,11 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
 
 from benchmarks._common import emit, free_port, machine, metrics_delta, ratio, scrape_metrics, summarize  # noqa: E402
 
-BACKENDS = ("etcd3", "c10d")
-# Variants measured next to the defaults: name -> (backend, extra rendezvous settings).
-VARIANTS = {"etcd3_keepalive5": ("etcd3", {"keep_alive_interval": "5"})}
-# Experimental variants with a code change applied in the participant processes.
-PATCHED = {"etcd3_keepalive5_backoff": ("etcd3", {"keep_alive_interval": "5"}, "cas_backoff"),
-           "etcd3_backoff": ("etcd3", {}, "cas_backoff")}
+BACKENDS = ("etcd3", "etcd3-dynamic", "c10d")
+ETCD_BACKENDS = ("etcd3", "etcd3-dynamic")
+# The elastictrain timings the previous mode ran with (its README defaults).
+DYNAMIC_CONF = {"last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "5"}
+KV_METHODS = ("Range", "Txn", "Put", "DeleteRange")
 DEFAULT_TIMEOUT = 120.0
 
 
@@ -54,10 +53,15 @@ def _handlers(backend: str, endpoint: str, run_id: str, n: int, count: int, firs
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     if backend == "etcd3":
-        import elastictrain.rendezvous  # noqa: F401 - registers etcd3
         from elastictrain.rendezvous.handler import create_handler
 
         return [create_handler(RendezvousParameters("etcd3", endpoint, run_id, n, n, local_addr="127.0.0.1", **conf))
+                for _ in range(count)]
+    if backend == "etcd3-dynamic":
+        from elastictrain.rendezvous.dynamic import create_dynamic_handler
+
+        return [create_dynamic_handler(RendezvousParameters(backend, endpoint, run_id, n, n, local_addr="127.0.0.1",
+                                                            **{**DYNAMIC_CONF, **conf}))
                 for _ in range(count)]
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, dynamic_rendezvous
 
@@ -70,41 +74,9 @@ def _handlers(backend: str, endpoint: str, run_id: str, n: int, count: int, firs
     return handlers
 
 
-def _cas_backoff() -> None:
-    """Experiment: back off a random while after losing a compare-and-swap on the state key.
-
-    N participants writing one key with compare-and-swap make O(N^2) attempts per
-    round, each one a state unpickle and pickle; backing off with jitter after a lost
-    attempt lets the winner's successors through. A candidate product change in
-    ``Etcd3RendezvousBackend.set_state``; measured with ``--patch cas_backoff``.
-    """
-    import random
-
-    from elastictrain.rendezvous.etcd3_backend import Etcd3RendezvousBackend
-
-    original = Etcd3RendezvousBackend.set_state
-    losses = threading.local()
-
-    def set_state(self: Etcd3RendezvousBackend, state: bytes, token: Any = None) -> Any:
-        result = original(self, state, token)
-        if result is not None and not result[2]:
-            losses.count = getattr(losses, "count", 0) + 1
-            time.sleep(random.uniform(0, min(0.5, 0.005 * 2 ** min(losses.count, 7))))
-        else:
-            losses.count = 0
-        return result
-
-    Etcd3RendezvousBackend.set_state = set_state  # type: ignore[method-assign]
-
-
-PATCHES = {"cas_backoff": _cas_backoff}
-
-
 def child(args: argparse.Namespace) -> int:
     """One process of participants: build handlers, report READY, start at the given instant."""
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    for name in filter(None, args.patch.split(",")):
-        PATCHES[name]()
     built = time.time()
     conf = dict(item.split("=", 1) for item in args.conf.split(",") if item)
     handlers = _handlers(args.backend, args.endpoint, args.run_id, args.n, args.count, args.first, conf)
@@ -139,7 +111,7 @@ def child(args: argparse.Namespace) -> int:
 
 
 def _procs_for(n: int) -> int:
-    return min(n, max(2, n // 32))
+    return min(n, max(2, n // 64))
 
 
 def trial(backend: str, n: int, etcd_endpoint: str | None, procs: int | None = None,
@@ -154,15 +126,9 @@ def trial(backend: str, n: int, etcd_endpoint: str | None, procs: int | None = N
             etcd load it causes at rest (heartbeats, lease keep-alives).
     """
     procs = procs or _procs_for(n)
-    patch = ""
-    if backend in VARIANTS:
-        backend, extra = VARIANTS[backend]
-        conf = {**extra, **(conf or {})}
-    elif backend in PATCHED:
-        backend, extra, patch = PATCHED[backend]
-        conf = {**extra, **(conf or {})}
     run_id = f"scale-{uuid.uuid4().hex[:10]}"
-    endpoint = etcd_endpoint if backend == "etcd3" else f"127.0.0.1:{free_port()}"
+    on_etcd = backend in ETCD_BACKENDS
+    endpoint = etcd_endpoint if on_etcd else f"127.0.0.1:{free_port()}"
     counts = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
     children = []
     first = 0
@@ -170,8 +136,7 @@ def trial(backend: str, n: int, etcd_endpoint: str | None, procs: int | None = N
     for count in counts:
         cmd = [sys.executable, __file__, "--child", "--backend", backend, "--endpoint", str(endpoint),
                "--run-id", run_id, "--n", str(n), "--count", str(count), "--first", str(first),
-               "--timeout", str(timeout), "--conf", ",".join(f"{k}={v}" for k, v in (conf or {}).items()),
-               "--patch", patch]
+               "--timeout", str(timeout), "--conf", ",".join(f"{k}={v}" for k, v in (conf or {}).items())]
         children.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
         first += count
         if backend == "c10d" and len(children) == 1:
@@ -181,7 +146,7 @@ def trial(backend: str, n: int, etcd_endpoint: str | None, procs: int | None = N
             line = proc.stdout.readline()  # type: ignore[union-attr]
             if line.strip() != "READY":
                 return {"error": f"a participant process did not start (said {line.strip()!r})"}
-        before = scrape_metrics(str(etcd_endpoint)) if backend == "etcd3" else None
+        before = scrape_metrics(str(etcd_endpoint)) if on_etcd else None
         start_at = time.time() + 0.3
         for proc in children:
             proc.stdin.write(f"{start_at}\n")  # type: ignore[union-attr]
@@ -219,7 +184,11 @@ def trial(backend: str, n: int, etcd_endpoint: str | None, procs: int | None = N
         load = metrics_delta(before, scrape_metrics(str(etcd_endpoint)), finished - start_at)
         out["etcd"] = {k: load[k] for k in ("requests", "received_bytes", "sent_bytes", "txns", "writes",
                                            "requests_by_method")}
+        kv_requests = sum(v for k, v in load["requests_by_method"].items() if k in KV_METHODS)
+        out["etcd"]["kv_requests"] = kv_requests
         out["etcd"]["requests_per_participant"] = load["requests"] / n
+        out["etcd"]["kv_requests_per_participant"] = kv_requests / n
+        out["etcd"]["by_method_per_participant"] = {k: v / n for k, v in load["requests_by_method"].items()}
     if at_rest is not None:
         out["etcd_at_rest"] = {k: at_rest[k] for k in ("requests_per_s", "received_bytes_per_s", "sent_bytes_per_s",
                                                        "requests_by_method")}
@@ -245,7 +214,7 @@ def run(sizes: list[int], reps: int, backends: list[str], timeout: float = DEFAU
                     if backend in given_up:
                         trials[backend].append({"error": "skipped: failed every repetition at a smaller size"})
                         continue
-                    conf = etcd3_conf if backend.startswith("etcd3") else None
+                    conf = etcd3_conf if backend in ETCD_BACKENDS else None
                     t = trial(backend, n, server.endpoint, timeout=timeout, conf=conf, hold=hold)
                     trials[backend].append(t)
                     shown = f"{t['round_s']:.2f}s" if "round_s" in t else f"FAILED: {t['error']}"
@@ -259,9 +228,13 @@ def run(sizes: list[int], reps: int, backends: list[str], timeout: float = DEFAU
                     "errors": [t["error"] for t in ts if "error" in t],
                     "trials": ts,
                 }
-                loads = [t["etcd"] for t in ts if "etcd" in t]  # etcd3 and its variants
+                loads = [t["etcd"] for t in ts if "etcd" in t]  # the etcd backends
                 if loads:
                     entry[backend]["etcd_requests"] = summarize(x["requests"] for x in loads)
+                    entry[backend]["etcd_requests_per_participant"] = summarize(
+                        x["requests_per_participant"] for x in loads)
+                    entry[backend]["etcd_kv_requests_per_participant"] = summarize(
+                        x["kv_requests_per_participant"] for x in loads)
                     entry[backend]["etcd_received_bytes"] = summarize(x["received_bytes"] for x in loads)
                 rest = [t["etcd_at_rest"] for t in ts if "etcd_at_rest" in t]
                 if rest:
@@ -271,13 +244,16 @@ def run(sizes: list[int], reps: int, backends: list[str], timeout: float = DEFAU
                         x["received_bytes_per_s"] for x in rest)
             if "etcd3" in entry and "c10d" in entry:
                 entry["ratio_etcd3_over_c10d"] = ratio(entry["etcd3"]["round_s"], entry["c10d"]["round_s"])
+            if "etcd3" in entry and "etcd3-dynamic" in entry:
+                entry["ratio_etcd3_over_dynamic"] = ratio(entry["etcd3"]["round_s"],
+                                                          entry["etcd3-dynamic"]["round_s"])
             results["by_size"][str(n)] = entry
     return results
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="2,8,32,64,128")
+    parser.add_argument("--sizes", default="2,8,32,64,256,1024")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--out", type=Path, default=None)
@@ -291,7 +267,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                         help="a round not complete after this many seconds counts as failed")
     parser.add_argument("--conf", default="", help="extra rendezvous settings k=v,... for every participant")
-    parser.add_argument("--patch", default="", help=argparse.SUPPRESS)
     parser.add_argument("--hold", type=float, default=0.0,
                         help="seconds to keep each etcd3 round alive afterwards, measuring etcd load at rest")
     args = parser.parse_args(argv)
@@ -299,9 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         return child(args)
     sizes = [int(s) for s in args.sizes.split(",") if s]
     backends = [b for b in args.backends.split(",") if b]
-    known = BACKENDS + tuple(VARIANTS) + tuple(PATCHED)
-    if not sizes or min(sizes) < 1 or any(b not in known for b in backends):
-        parser.error(f"need sizes >= 1 and backends from {known}")
+    if not sizes or min(sizes) < 1 or any(b not in BACKENDS for b in backends):
+        parser.error(f"need sizes >= 1 and backends from {BACKENDS}")
     conf = dict(item.split("=", 1) for item in args.conf.split(",") if item)
     result = run(sizes, args.reps, backends, timeout=args.timeout, hold=args.hold, etcd3_conf=conf,
                  log=lambda m: print(m, file=sys.stderr, flush=True))

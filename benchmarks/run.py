@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -68,22 +69,27 @@ MODES = {
     "smoke": Mode(
         recovery_scenarios=("worker_crash",), recovery_launchers=("elastictrain",), recovery_reps=1,
         action_step=12, etcd_window=1.0,
-        scale_sizes=(2,), scale_backends=("etcd3", "c10d"), scale_reps=1, scale_timeout=60.0, scale_hold=0.0,
+        scale_sizes=(2,), scale_backends=("etcd3", "etcd3-dynamic", "c10d"), scale_reps=1, scale_timeout=60.0,
+        scale_hold=0.0,
         checkpoint_state_mb=(3,), checkpoint_reps=1, checkpoint_warmup=0,
         step_overhead_args=(),  # not run in smoke mode: it belongs to another benchmark's owner
     ),
     "quick": Mode(
         recovery_scenarios=recovery.SCENARIOS,
-        recovery_launchers=("elastictrain", "elastictrain_proposed", "torchrun_tuned"),
+        recovery_launchers=("elastictrain", "torchrun_tuned"),
         recovery_reps=1, action_step=25, etcd_window=5.0,
-        scale_sizes=(2, 8, 32), scale_backends=("etcd3", "c10d"), scale_reps=1, scale_timeout=60.0, scale_hold=3.0,
+        scale_sizes=(2, 8, 32, 64), scale_backends=("etcd3", "etcd3-dynamic", "c10d"), scale_reps=1,
+        scale_timeout=60.0, scale_hold=3.0,
         checkpoint_state_mb=(10, 100), checkpoint_reps=3, checkpoint_warmup=1,
         step_overhead_args=(("--reps", "2"), ("--steps", "50"), ("--warmup", "10")),
     ),
     "full": Mode(
-        recovery_scenarios=recovery.SCENARIOS, recovery_launchers=recovery.LAUNCHERS,
+        recovery_scenarios=recovery.SCENARIOS,
+        # The previous version only where one is installed for comparison (see recovery.py).
+        recovery_launchers=tuple(name for name in recovery.LAUNCHERS
+                                 if name != "elastictrain_prev" or os.environ.get(recovery.PREV_ENV)),
         recovery_reps=5, action_step=25, etcd_window=20.0,
-        scale_sizes=(2, 8, 32, 64, 128), scale_backends=("etcd3", "c10d", "etcd3_keepalive5"), scale_reps=3,
+        scale_sizes=(2, 8, 32, 64, 256, 1024), scale_backends=("etcd3", "etcd3-dynamic", "c10d"), scale_reps=3,
         scale_timeout=60.0, scale_hold=5.0,
         checkpoint_state_mb=(10, 100, 1000), checkpoint_reps=5, checkpoint_warmup=1,
         step_overhead_args=(("--reps", "5"),),

@@ -21,3 +21,15 @@ def create_etcd3_handler(params: Any) -> Any:
 def torchrun_handler() -> Callable[[Any], Any]:
     """Return the handler factory (torch calls the loaded entry point with no arguments)."""
     return create_etcd3_handler
+
+
+def create_etcd3_dynamic_handler(params: Any) -> Any:
+    """Build the opt-in ``etcd3-dynamic`` handler (torch's dynamic rendezvous on etcd v3)."""
+    from elastictrain.rendezvous.dynamic import create_dynamic_handler
+
+    return create_dynamic_handler(params)
+
+
+def torchrun_dynamic_handler() -> Callable[[Any], Any]:
+    """Return the ``etcd3-dynamic`` factory (the ``torchrun.handlers`` entry point)."""
+    return create_etcd3_dynamic_handler

@@ -4,7 +4,8 @@
 is ours (``etcd3``), every worker runs under ``elastictrain._worker_boot`` (it
 dies with its agent and records its root-cause error), and the outcome comes
 back as a :class:`JobOutcome` with an exit code and a one-line summary instead
-of an exception.
+of an exception. The agent overrides torch's extension points listed (and
+checked against the installed torch) in :mod:`elastictrain._torch_compat`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
+from torch.distributed.elastic.agent.server.api import RunResult, Worker, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import Std
@@ -30,12 +31,13 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
+from elastictrain import _torch_compat
 from elastictrain._worker_boot import AGENT_PID_ENV, run_script
 from elastictrain.config import RunConfig
 from elastictrain.errors import ElasticTrainError, RunIdInUseError
 from elastictrain.events import EVENT_LOG_ENV, NODE_ENV, EventLog, route_torch_events
-from elastictrain.rendezvous import BACKEND_NAME
-from elastictrain.rendezvous.handler import Etcd3RendezvousHandler, create_handler
+from elastictrain.rendezvous import BACKEND_NAME, register
+from elastictrain.rendezvous.handler import LOCAL_WORLD_SIZE_KEY, Etcd3RendezvousHandler, create_handler
 from elastictrain.run_state import NodeRecord, RunPublisher, read_status, stop_requested, this_host
 
 logger = logging.getLogger(__name__)
@@ -64,7 +66,8 @@ class ElasticAgent(LocalElasticAgent):
     @property
     def restarts(self) -> int:
         """Worker-group restarts after failures so far (membership changes excluded)."""
-        return self._worker_group.spec.max_restarts - self._remaining_restarts
+        spec = _torch_compat.worker_group(self).spec
+        return spec.max_restarts - _torch_compat.remaining_restarts(self)
 
     def _publish(self, **changes: Any) -> None:
         try:
@@ -91,6 +94,19 @@ class ElasticAgent(LocalElasticAgent):
             fields["round"], duration, worker_group.group_rank, worker_group.group_world_size,
             world_size, self.restarts,
         )
+
+    def _assign_worker_ranks(self, store: Any, group_rank: int, group_world_size: int,
+                             spec: WorkerSpec) -> list[Worker]:
+        # The round record lists every node's worker count in rank order: each node
+        # computes its global ranks itself, with no store round trip (torch's way is a
+        # store write per node and a read of every node's by node 0).
+        handler = spec.rdzv_handler
+        joined = handler.joined if isinstance(handler, Etcd3RendezvousHandler) else None
+        if joined is None or 0 in joined.nproc or len(joined.nproc) != group_world_size:
+            return super()._assign_worker_ranks(store, group_rank, group_world_size, spec)
+        first, world = joined.first_global_rank(group_rank), joined.world_size
+        return [Worker(local_rank=i, global_rank=first + i, role_rank=first + i, world_size=world,
+                       role_world_size=world) for i in range(spec.local_world_size)]
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
@@ -158,9 +174,7 @@ def _failure_summary(failures: dict[int, ProcessFailure], restarts: int) -> tupl
 
 
 # Imported once by the forkserver, then inherited by every worker it forks.
-# (Building a DDP model imports torch._dynamo, about 2 s here: once per node, not per worker start.)
-_FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "elastictrain",
-                       "elastictrain._worker_boot"]
+_FORKSERVER_PRELOAD = [*_torch_compat.FORKSERVER_PRELOAD, "elastictrain", "elastictrain._worker_boot"]
 
 
 def _start_forkserver() -> None:
@@ -195,6 +209,7 @@ def launch(config: RunConfig, endpoint: str) -> JobOutcome:
         local_addr=config.local_addr,
         **config.rendezvous.as_mapping(),
         **config.etcd_options,
+        **{LOCAL_WORLD_SIZE_KEY: config.nproc_per_node},
     )
     events = EventLog(config.event_log, config.run_id, config.node_name)
     # Workers inherit these through the forkserver: they must be set before it starts.
@@ -206,13 +221,14 @@ def launch(config: RunConfig, endpoint: str) -> JobOutcome:
     if config.node_name:
         os.environ[NODE_ENV] = config.node_name
     _start_forkserver()
+    register()
     handler = create_handler(params)
     try:
         _check_run_id(handler, config)
     except RunIdInUseError:
-        handler.shutdown_without_closing()
+        handler.leave()
         raise
-    publisher = RunPublisher(handler.client, config.run_id, handler.lease, NodeRecord(
+    publisher = RunPublisher(handler.client, handler.keys, handler.run_lease, NodeRecord(
         node_id=handler.node_id, host=this_host(), addr=config.local_addr or socket.getfqdn(), pid=os.getpid()))
     publisher.publish_meta(**_job_signature(config))
     publisher.update(state="starting")
@@ -247,7 +263,7 @@ def _job_signature(config: RunConfig) -> dict[str, Any]:
 
 def _check_run_id(handler: Etcd3RendezvousHandler, config: RunConfig) -> None:
     """Refuse to start a second job under a run id that is in use, unless told to join it."""
-    status = read_status(handler.client, config.run_id)
+    status = read_status(handler.client, config.run_id, lease_ttls=False)
     run = f"run id {config.run_id!r}"
     if status.closed:
         if stop_requested(handler.client, config.run_id):
@@ -255,9 +271,7 @@ def _check_run_id(handler: Etcd3RendezvousHandler, config: RunConfig) -> None:
                                   f"or clear it with `elastictrain stop --run-id {config.run_id} --purge`")
         raise RunIdInUseError(f"{run} belongs to a job that has ended; choose another --run-id, or clear it "
                               f"with `elastictrain stop --run-id {config.run_id} --purge`")
-    dead_after = config.rendezvous.keep_alive_interval.total_seconds() * config.rendezvous.keep_alive_max_attempt
-    alive = [p for p in status.participants
-             if p["heartbeat_age_s"] is not None and p["heartbeat_age_s"] < dead_after + 2]
+    alive = [p for p in status.participants if p["alive"]]
     signature = _job_signature(config)
     if status.complete and alive and not config.join:
         if all(status.meta.get(key) == value for key, value in signature.items()):
@@ -277,7 +291,7 @@ def _check_run_id(handler: Etcd3RendezvousHandler, config: RunConfig) -> None:
 def _run_agent(agent: ElasticAgent, handler: Etcd3RendezvousHandler, config: RunConfig) -> JobOutcome:
     shutdown_rendezvous = True
     try:
-        result: RunResult = agent.run()
+        result: RunResult | None = agent.run()
     except RendezvousClosedError:
         if stop_requested(handler.client, config.run_id):
             return JobOutcome(0, f"run {config.run_id!r} was stopped by `elastictrain stop`")
@@ -295,12 +309,17 @@ def _run_agent(agent: ElasticAgent, handler: Etcd3RendezvousHandler, config: Run
         raise
     except BaseException:
         # A signal (Ctrl-C, SIGTERM): leave the rendezvous open so that the other
-        # nodes can carry on without us; torch does the same.
+        # nodes can carry on without us (torch does the same), but say at once that
+        # this node is gone rather than let its lease run out.
         shutdown_rendezvous = False
+        handler.leave()
         raise
     finally:
         if shutdown_rendezvous:
             handler.shutdown()
+    if result is None:  # torch's agent returns nothing after RendezvousGracefulExitError
+        return JobOutcome(0, f"run {config.run_id!r} ended while this node waited as a spare "
+                             f"(it had --max-nodes {config.max_nodes} already)")
     if result.is_failed():
         return JobOutcome(*_failure_summary(result.failures, agent.restarts))
     if agent.stopped_by_request:

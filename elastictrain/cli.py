@@ -293,7 +293,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
     client = _client_for(args)
     if args.all:
-        runs = [read_status(client, run_id) for run_id in list_runs(client)]
+        runs = [read_status(client, run_id, lease_ttls=False) for run_id in list_runs(client)]
         print(json.dumps([r.to_json() for r in runs], indent=2) if args.json else status_report.runs_table(runs))
         return 0
     if not args.run_id:

@@ -20,7 +20,7 @@ from typing import Any
 
 from elastictrain.errors import ConfigError
 from elastictrain.etcd.client import Endpoint, EtcdSettings, parse_endpoints
-from elastictrain.etcd.keys import validate_run_id
+from elastictrain.rendezvous.keys import validate_run_id
 
 __all__ = ["RendezvousConfig", "RunConfig", "etcd_settings_from", "parse_duration"]
 
@@ -55,7 +55,7 @@ def _positive_int(name: str, value: Any) -> int:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RendezvousConfig:
-    """Timing of the dynamic rendezvous (torch's ``DynamicRendezvousHandler``)."""
+    """Timing of the etcd3 rendezvous (``elastictrain.rendezvous.handler``)."""
 
     join_timeout: timedelta = timedelta(seconds=600)
     """How long a node waits for ``min_nodes`` to gather before giving up."""
@@ -63,48 +63,45 @@ class RendezvousConfig:
     last_call_timeout: timedelta = timedelta(seconds=1)
     """Extra wait for latecomers once ``min_nodes`` are there (torch: 30 s)."""
 
-    close_timeout: timedelta = timedelta(seconds=10)
-    """How long closing the rendezvous may take."""
-
-    heartbeat_timeout: timedelta = timedelta(seconds=5)
-    """Deadline of one keep-alive write."""
-
     keep_alive_interval: timedelta = timedelta(seconds=1)
-    """Period of each node's heartbeat (torch: 5 s)."""
+    """Period of each node's lease keep-alive (torch's heartbeat: 5 s)."""
 
     keep_alive_max_attempt: int = 5
-    """Missed heartbeats after which a node counts as dead (dead after 5 s by default)."""
+    """The node's liveness lease lives this many intervals: etcd expires it (the node is
+    gone) after this many keep-alives in a row were lost or late. 5 s by default."""
 
     state_ttl: timedelta = timedelta(hours=2)
-    """Lifetime of the run's etcd keys once no node refreshes them."""
+    """Lifetime of the run's etcd keys once no node keeps them alive."""
 
     def __post_init__(self) -> None:
-        for name in ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
-                     "keep_alive_interval", "state_ttl"):
+        for name in ("join_timeout", "last_call_timeout", "keep_alive_interval", "state_ttl"):
             value = getattr(self, name)
             if not isinstance(value, timedelta):
                 raise ConfigError(f"{name} must be a timedelta, got {value!r}")
         if self.keep_alive_interval.total_seconds() <= 0:
             raise ConfigError("keep_alive_interval must be positive")
         if self.keep_alive_max_attempt < 2:
-            # With one attempt a single slow etcd write makes a live node declare
-            # itself (or a peer) dead: the flapping torch users hit with max_attempt=2 or less.
+            # With one attempt a single late keep-alive expires a live node.
             raise ConfigError(
                 f"keep_alive_max_attempt must be at least 2, got {self.keep_alive_max_attempt}"
             )
-        window = self.keep_alive_interval.total_seconds() * self.keep_alive_max_attempt
+        window = self.liveness_ttl.total_seconds()
         if window < 2:
-            # A joining node refreshes its heartbeat only once per pass of torch's
-            # one-second join loop: a shorter window makes joining nodes drop each
-            # other as dead, again and again, and the rendezvous never completes.
+            # etcd rounds a shorter lease up to its own minimum (1.5 x its election
+            # timeout; 1.5 s by default), and a busy machine stalls a keep-alive thread
+            # for a second or more: a shorter lease drops live nodes.
             raise ConfigError(
                 f"keep_alive_interval x keep_alive_max_attempt must be at least 2 s, got {window:g} s"
             )
         if self.state_ttl.total_seconds() < 10:
             raise ConfigError(f"state_ttl must be at least 10 s, got {self.state_ttl.total_seconds():g} s")
 
-    _KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
-             "keep_alive_interval", "keep_alive_max_attempt", "state_ttl")
+    @property
+    def liveness_ttl(self) -> timedelta:
+        """TTL of each node's liveness lease: ``keep_alive_interval x keep_alive_max_attempt``."""
+        return self.keep_alive_interval * self.keep_alive_max_attempt
+
+    _KEYS = ("join_timeout", "last_call_timeout", "keep_alive_interval", "keep_alive_max_attempt", "state_ttl")
 
     @classmethod
     def from_mapping(cls, conf: dict[str, Any]) -> RendezvousConfig:

@@ -20,6 +20,7 @@ __all__ = [
     "DependencyError",
     "EtcdError",
     "EtcdUnavailableError",
+    "EtcdIndeterminateError",
     "EtcdAuthError",
     "EtcdServerError",
     "RendezvousBackendError",
@@ -54,6 +55,10 @@ class EtcdError(ElasticTrainError):
 
 class EtcdUnavailableError(EtcdError, RendezvousConnectionError):
     """No etcd endpoint answered within the retry deadline."""
+
+
+class EtcdIndeterminateError(EtcdUnavailableError):
+    """A request's reply was lost: etcd may or may not have applied it (never retried blindly)."""
 
 
 class EtcdAuthError(EtcdError, RendezvousConnectionError):

@@ -9,8 +9,8 @@ appending, so lines from several processes on one machine never interleave.
 Kinds written by elastictrain: ``rendezvous`` (round, world size, duration),
 ``membership_change`` (old -> new world size), ``worker_failure``, ``restart``,
 ``job_end``, and from the training session ``checkpoint_commit`` and
-``restore`` (rank 0; an async save reports ``checkpoint_save`` when copied). torch's own agent events arrive as ``torch_agent`` and its
-rendezvous events (heartbeats excepted) as ``torch_rendezvous``.
+``restore`` (rank 0; an async save reports ``checkpoint_save`` when copied).
+torch's own agent events arrive as ``torch_agent``.
 """
 
 from __future__ import annotations
@@ -90,9 +90,6 @@ def emit(kind: str, **fields: Any) -> dict[str, Any]:
 class _TorchEventHandler(logging.Handler):
     """Receives torch's serialized elastic events and re-emits them as ours."""
 
-    # Sent every keep-alive interval by every node: noise, not events.
-    _SKIPPED = ("keep-alive heartbeat", "successfully synced", "stale state")
-
     def __init__(self, log: EventLog, kind: str) -> None:
         super().__init__()
         self._log = log
@@ -103,20 +100,16 @@ class _TorchEventHandler(logging.Handler):
             payload = json.loads(record.getMessage())
         except ValueError:
             return
-        message = str(payload.get("message", ""))
-        if any(skip in message for skip in self._SKIPPED):
-            return
         self._log.emit(self._kind, torch=payload)
 
 
 def route_torch_events(log: EventLog) -> str:
-    """Send torch elastic's agent and rendezvous events to ``log``.
+    """Send torch elastic's agent events to ``log``.
 
     Returns:
         The destination name to pass as ``WorkerSpec.event_log_handler``.
     """
-    from torch.distributed.elastic.events import handlers
+    from elastictrain._torch_compat import event_log_handlers
 
-    handlers._log_handlers["elastictrain"] = _TorchEventHandler(log, "torch_agent")  # noqa: SLF001
-    handlers._log_handlers["dynamic_rendezvous"] = _TorchEventHandler(log, "torch_rendezvous")  # noqa: SLF001
+    event_log_handlers()["elastictrain"] = _TorchEventHandler(log, "torch_agent")
     return "elastictrain"

@@ -1,31 +1,34 @@
-"""What a run publishes about itself in etcd, and how ``status`` reads it back.
+"""What a run publishes about itself in etcd, and how ``status`` and ``stop`` read it back.
 
-Besides torch's rendezvous state (``rendezvous/state``), each run keeps:
+Besides the rendezvous keys (see :mod:`elastictrain.rendezvous.keys`), each run keeps:
 
-- ``meta``: how the run was launched (min/max nodes, workers per node, first
+- ``meta``: how the run was launched (min/max nodes, workers per node, script, first
   launch time), written once by the first node;
-- ``nodes/<node id>``: one record per node agent (host, address, pid, round,
-  ranks, world size, restarts, state, update time), rewritten by the agent at
-  every rendezvous and state change.
+- ``nodes/<node id>``: one record per node agent (host, address, pid, round, ranks,
+  world size, restarts, state, update time), rewritten by the agent at every
+  rendezvous and state change;
+- ``stop``: present once ``elastictrain stop`` asked the run to end.
 
-All of it is attached to the writing agent's lease, so it expires with the run.
+All of it is JSON on the run's shared lease, so it expires with the run. Whether a
+node is alive comes from its membership key, which etcd deletes when the node's
+liveness lease expires: no wall clock of any host is compared.
 """
 
 from __future__ import annotations
 
 import json
-import pickle
 import socket
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from typing import Any
 
-from elastictrain.errors import CorruptRendezvousStateError
+from elastictrain.errors import CorruptRendezvousStateError, EtcdError
+from elastictrain.etcd import kv
 from elastictrain.etcd.client import EtcdClient
-from elastictrain.etcd.keys import KEY_ROOT, run_prefix
 from elastictrain.etcd.lease import RunLease
-from elastictrain.rendezvous.etcd3_backend import Etcd3RendezvousBackend
+from elastictrain.rendezvous.keys import KEY_ROOT, RunKeys, validate_run_id
+from elastictrain.rendezvous.membership import close_rendezvous
+from elastictrain.rendezvous.records import ClosedRecord, MemberRecord, RoundRecord, decode
 
 __all__ = [
     "NodeRecord",
@@ -37,6 +40,9 @@ __all__ = [
     "request_stop",
     "stop_requested",
 ]
+
+_LEASE_LOOKUPS = 64
+"""Most participants whose remaining lease TTL ``status`` asks etcd for (one request each)."""
 
 
 @dataclass(slots=True)
@@ -59,27 +65,26 @@ class NodeRecord:
 class RunPublisher:
     """Writes this agent's ``meta`` (once) and ``nodes/<id>`` records."""
 
-    def __init__(self, client: EtcdClient, run_id: str, lease: RunLease, record: NodeRecord) -> None:
+    def __init__(self, client: EtcdClient, keys: RunKeys, lease: RunLease, record: NodeRecord) -> None:
         self._client = client
+        self._keys = keys
         self._lease = lease
-        self._prefix = run_prefix(run_id)
         self.record = record
 
     def publish_meta(self, **meta: Any) -> None:
-        key = self._prefix + "meta"
         value = json.dumps({"launched_at": time.time(), **meta}).encode()
-        self._lease.write(lambda lease_id: self._client.call(
-            lambda c: c.put_if_not_exists(key, value, lease=lease_id), what="publishing run metadata"))
+        self._lease.write(lambda lease: kv.txn(self._client, [kv.compare_create(self._keys.meta, "==", 0)],
+                                               [kv.put(self._keys.meta, value, lease)],
+                                               what="publishing run metadata"))
 
     def update(self, **changes: Any) -> None:
         """Apply ``changes`` to this node's record and publish it."""
         for name, value in changes.items():
             setattr(self.record, name, value)
         self.record.updated_at = time.time()
-        key = self._prefix + "nodes/" + self.record.node_id
-        value = json.dumps(asdict(self.record)).encode()
-        self._lease.write(lambda lease_id: self._client.call(
-            lambda c: c.put(key, value, lease=lease_id), what="publishing the node record"))
+        key, value = self._keys.record(self.record.node_id), json.dumps(asdict(self.record)).encode()
+        self._lease.write(lambda lease: kv.txn(self._client, [], [kv.put(key, value, lease)],
+                                               what="publishing the node record"))
 
 
 @dataclass(slots=True)
@@ -89,120 +94,157 @@ class RunStatus:
     run_id: str
     exists: bool
     round: int | None = None
-    complete: bool = False
     closed: bool = False
     participants: list[dict[str, Any]] = field(default_factory=list)
+    """Members of the last round, in rank order: node id, rank, address, pid, whether its
+    liveness lease still exists (``alive``) and its remaining TTL (``lease_ttl_s``)."""
     waiting: list[str] = field(default_factory=list)
+    """Live nodes that want a newer round (joining, or members re-entering)."""
     meta: dict[str, Any] = field(default_factory=dict)
     nodes: list[dict[str, Any]] = field(default_factory=list)
-    problem: str | None = None
-    """Why the rendezvous state could not be read, if it could not."""
+    problems: list[str] = field(default_factory=list)
+    """Keys that could not be read, one line each."""
+
+    @property
+    def complete(self) -> bool:
+        """A round was formed."""
+        return self.round is not None
 
     @property
     def live(self) -> bool:
-        """A completed round with participants, not closed: a job is training."""
-        return self.exists and self.complete and not self.closed and bool(self.participants)
+        """A job is training: a formed round, not closed, with a member still alive."""
+        return self.exists and self.complete and not self.closed and any(p["alive"] for p in self.participants)
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "live": self.live}
+        return {**asdict(self), "complete": self.complete, "live": self.live}
 
 
-def _node_id(desc: Any) -> str:
-    return repr(desc)
+def read_status(client: EtcdClient, run_id: str, *, lease_ttls: bool = True) -> RunStatus:
+    """Read a run's rounds, members, metadata and node records.
 
-
-def read_status(client: EtcdClient, run_id: str) -> RunStatus:
-    """Read a run's rendezvous state, metadata and node records.
-
-    A state that cannot be decoded is reported in ``RunStatus.problem``.
+    A value that cannot be decoded is named in ``RunStatus.problems``; nothing read is
+    executed.
 
     Raises:
         EtcdError: etcd could not be read.
+        ConfigError: ``run_id`` is not a valid run id.
     """
-    backend = Etcd3RendezvousBackend(client, run_id)
-    try:
-        current = backend.get_state()
-        problem = None
-    except CorruptRendezvousStateError as exc:
-        current, problem = None, str(exc)
-    prefix = run_prefix(run_id)
-    entries = client.call(lambda c: list(c.get_prefix(prefix)), what="reading the run")
-    meta: dict[str, Any] = {}
-    nodes: list[dict[str, Any]] = []
-    for value, kv in entries:
-        key = kv.key.decode()
-        if key == prefix + "meta":
-            meta = json.loads(value)
-        elif key.startswith(prefix + "nodes/"):
-            nodes.append(json.loads(value))
-    status = RunStatus(run_id=run_id, exists=current is not None or bool(entries), meta=meta, problem=problem,
-                       nodes=sorted(nodes, key=lambda n: (n.get("group_rank") is None, n.get("group_rank"), n["node_id"])))
-    if current is None:
-        return status
-    # The state is torch's pickled _RendezvousState. It carries our header, so it
-    # was written by an elastictrain node of this run (torch unpickles it too).
-    try:
-        state = pickle.loads(current[0])  # noqa: S301
-        participants, heartbeats = state.participants, state.last_heartbeats
-    except Exception as exc:  # noqa: BLE001 - report it; status must still show the rest
-        status.problem = f"rendezvous state unreadable ({type(exc).__name__}: {exc})"
-        return status
-    now = datetime.now(timezone.utc)
-    status.round = state.round
-    status.complete = state.complete
-    status.closed = state.closed
-    for desc, rank in sorted(participants.items(), key=lambda item: item[1]):
-        beat = heartbeats.get(desc)
-        status.participants.append({
-            "node_id": _node_id(desc), "addr": desc.addr, "pid": desc.pid, "rank": rank,
-            "heartbeat_age_s": None if beat is None else round((now - beat).total_seconds(), 3),
-        })
-    status.waiting = sorted(_node_id(d) for d in state.wait_list)
+    keys = RunKeys.of(run_id)
+    _, entries = kv.range_(client, keys.prefix, prefix=True, what="reading the run")
+    status = RunStatus(run_id=run_id, exists=bool(entries))
+    current: RoundRecord | None = None
+    members: dict[str, tuple[MemberRecord, kv.KeyValue]] = {}
+    records: list[dict[str, Any]] = []
+    for item in entries:
+        try:
+            if item.key == keys.round:
+                current = decode(RoundRecord, item.key, item.value)
+            elif item.key == keys.closed:
+                decode(ClosedRecord, item.key, item.value)
+                status.closed = True
+            elif item.key.startswith(keys.members):
+                record = decode(MemberRecord, item.key, item.value)
+                members[record.node] = (record, item)
+            elif item.key == keys.meta:
+                status.meta = _json_object(item)
+            elif item.key.startswith(keys.records):
+                records.append(_json_object(item, required=("node_id",)))
+        except CorruptRendezvousStateError as exc:
+            status.problems.append(str(exc))
+    status.nodes = sorted(records, key=lambda n: (n.get("group_rank") is None, n.get("group_rank") or 0,
+                                                  str(n["node_id"])))
+    if current is not None:
+        status.round = current.round
+        for rank, node in enumerate(current.nodes):
+            member = members.get(node)
+            addr = member[0].addr if member else _record_field(records, node, "addr")
+            pid = member[0].pid if member else _record_field(records, node, "pid")
+            status.participants.append({"node_id": node, "rank": rank, "addr": addr, "pid": pid,
+                                        "nproc": current.nproc[rank], "alive": member is not None,
+                                        "lease_ttl_s": None})
+    status.waiting = sorted(node for node, (record, _) in members.items()
+                            if current is None or current.rank_of(node) is None or record.after >= current.round)
+    if lease_ttls:
+        for participant in status.participants[:_LEASE_LOOKUPS]:
+            member = members.get(participant["node_id"])
+            if member is not None and member[1].lease:
+                participant["lease_ttl_s"] = _lease_ttl(client, member[1].lease)
     return status
+
+
+def _json_object(item: kv.KeyValue, required: tuple[str, ...] = ()) -> dict[str, Any]:
+    try:
+        value = json.loads(item.value)
+    except (ValueError, UnicodeDecodeError):
+        value = None
+    if not isinstance(value, dict) or any(name not in value for name in required):
+        raise CorruptRendezvousStateError(
+            f"etcd key {item.key} does not hold an elastictrain record (not a JSON object"
+            f"{' with ' + ', '.join(required) if required else ''}: {item.value[:16]!r}...); delete it")
+    return value
+
+
+def _record_field(records: list[dict[str, Any]], node: str, name: str) -> Any:
+    return next((r.get(name) for r in records if r.get("node_id") == node), None)
+
+
+def _lease_ttl(client: EtcdClient, lease_id: int) -> int | None:
+    """Seconds etcd gives the lease before it expires it (its own clock), ``None`` if gone."""
+    try:
+        info = client.call(lambda c: c.get_lease_info(lease_id), what="reading a node's lease")
+    except EtcdError:
+        return None
+    return int(info.TTL) if info.TTL > 0 else None
 
 
 def request_stop(client: EtcdClient, run_id: str) -> None:
     """Mark the run as stopped on purpose (agents then exit 0) and close its rendezvous."""
-    key = run_prefix(run_id) + "stop"
-    client.call(lambda c: c.put(key, json.dumps({"requested_at": time.time()})), what="requesting a stop")
-    close_rendezvous(client, run_id)
+    keys = RunKeys.of(run_id)
+    lease = RunLease(client, _run_ttl(), key=keys.lease)
+    try:
+        value = json.dumps({"requested_at": time.time()}).encode()
+        lease.write(lambda lease_id: kv.txn(client, [], [kv.put(keys.stop, value, lease_id)],
+                                            what="requesting a stop"))
+        close_rendezvous(client, keys, lease, by="elastictrain stop", reason="stop requested")
+    finally:
+        lease.close()
 
 
-def close_rendezvous(client: EtcdClient, run_id: str) -> None:
-    """Mark the run's rendezvous closed, as torch's close operation does (compare-and-swap)."""
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
+def _run_ttl() -> Any:
+    from elastictrain.config import RendezvousConfig
 
-    backend = Etcd3RendezvousBackend(client, run_id)
-    while True:
-        current = backend.get_state()
-        state, token = (_RendezvousState(), None) if current is None else (pickle.loads(current[0]), current[1])  # noqa: S301
-        if state.closed:
-            return
-        state.closed = True
-        written = backend.set_state(pickle.dumps(state), token)
-        if written is not None and written[2]:
-            return
+    return RendezvousConfig().state_ttl
 
 
 def stop_requested(client: EtcdClient, run_id: str) -> bool:
     """Whether ``elastictrain stop`` was run for this run id."""
-    key = run_prefix(run_id) + "stop"
-    value, _ = client.call(lambda c: c.get(key), what="reading the stop request")
-    return value is not None
+    keys = RunKeys.of(run_id)
+    _, found = kv.range_(client, keys.stop, keys_only=True, what="reading the stop request")
+    return bool(found)
 
 
 def purge(client: EtcdClient, run_id: str) -> int:
     """Delete every key of the run; returns how many there were."""
-    prefix = run_prefix(run_id)
-    return client.call(lambda c: c.delete_prefix(prefix).deleted, what="deleting the run's keys")
+    keys = RunKeys.of(run_id)
+    result = kv.txn(client, [], [kv.delete(keys.prefix, prefix=True)], what="deleting the run's keys")
+    return result.deleted[0]
 
 
 def list_runs(client: EtcdClient) -> list[str]:
-    """Run ids that have any key on this etcd."""
+    """Run ids that have keys on this etcd (keys under ``/elastictrain/`` that no run id
+    could have written are left out)."""
     root = KEY_ROOT + "/"
-    keys = client.call(lambda c: [kv.key.decode() for _, kv in c.get_prefix(root, keys_only=True)],
-                       what="listing runs")
-    return sorted({key[len(root):].split("/", 1)[0] for key in keys})
+    _, found = kv.range_(client, root, prefix=True, keys_only=True, what="listing runs")
+    runs = set()
+    for item in found:
+        run_id, slash, _ = item.key[len(root):].partition("/")
+        if not slash:
+            continue
+        try:
+            runs.add(validate_run_id(run_id))
+        except ValueError:
+            continue
+    return sorted(runs)
 
 
 def this_host() -> str:

@@ -33,6 +33,13 @@ def _age(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.1f}s ago"
 
 
+def _lease(participant: dict[str, Any]) -> str:
+    if not participant["alive"]:
+        return "expired"
+    ttl = participant.get("lease_ttl_s")
+    return f"{ttl}s left" if ttl is not None else "held"
+
+
 def _clock(ts: float) -> str:
     return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
 
@@ -40,35 +47,39 @@ def _clock(ts: float) -> str:
 def run_table(status: RunStatus, checkpoint: dict[str, Any] | None) -> str:
     if not status.exists:
         return f"run {status.run_id!r}: no keys on this etcd (never started, or expired)"
-    if status.problem:
-        return f"run {status.run_id!r}: {status.problem}"
     meta = status.meta
-    state = "closed" if status.closed else ("training" if status.complete else "gathering nodes")
-    world = sum(1 for _ in status.participants) * int(meta.get("nproc_per_node", 1)) if status.complete else 0
+    state = "closed" if status.closed else ("training" if status.live else (
+        "gathering nodes" if not status.complete else "re-forming (members lost)"))
+    world = sum(p["nproc"] for p in status.participants if p["alive"])
     lines = [
-        f"run {status.run_id!r}: {state}, round {status.round}, "
+        f"run {status.run_id!r}: {state}, round {status.round if status.round is not None else '-'}, "
         f"{len(status.participants)} node(s) (min {meta.get('min_nodes', '?')}, max {meta.get('max_nodes', '?')}), "
         f"world size {world or '-'}, waiting to join: {len(status.waiting)}",
     ]
-    records = {n["node_id"]: n for n in status.nodes}
-    rows = [("RANK", "NODE", "ADDRESS", "PID", "HEARTBEAT", "STATE", "RESTARTS")]
+    records = {str(n["node_id"]): n for n in status.nodes}
+    rows = [("RANK", "NODE", "ADDRESS", "PID", "LEASE", "STATE", "RESTARTS")]
     for p in status.participants:
         record = records.get(p["node_id"], {})
-        rows.append((str(p["rank"]), record.get("host", "?"), p["addr"], str(p["pid"]),
-                     _age(p["heartbeat_age_s"]), record.get("state", "?"), str(record.get("restarts", "?"))))
+        rows.append((str(p["rank"]), str(record.get("host", "?")), str(p["addr"] or "?"), str(p["pid"] or "?"),
+                     _lease(p), str(record.get("state", "?")) if p["alive"] else "lost",
+                     str(record.get("restarts", "?"))))
     participant_ids = {p["node_id"] for p in status.participants}
     for node_id, record in records.items():
         if node_id not in participant_ids:
-            rows.append(("-", record.get("host", "?"), record.get("addr", "?"), str(record.get("pid", "?")),
-                         _age(time.time() - record["updated_at"]), record.get("state", "?"),
+            waiting = node_id in status.waiting
+            rows.append(("-", str(record.get("host", "?")), str(record.get("addr", "?")),
+                         str(record.get("pid", "?")), "held" if waiting else "-",
+                         "waiting" if waiting else f"{record.get('state', '?')}, "
+                         f"updated {_age(time.time() - float(record.get('updated_at', time.time())))}",
                          str(record.get("restarts", "?"))))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    restarts = sum(int(r.get("restarts", 0)) for r in records.values())
+    restarts = sum(int(r.get("restarts", 0) or 0) for r in records.values())
     lines.append(f"restarts so far (all nodes): {restarts}")
     if checkpoint is not None:
         lines.append(f"newest checkpoint: step {checkpoint['step']} at {_clock(checkpoint['time'])} "
                      f"(world size {checkpoint['world_size']}) {checkpoint['path']}")
+    lines += [f"unreadable: {problem}" for problem in status.problems]
     return "\n".join(lines)
 
 
@@ -77,7 +88,9 @@ def runs_table(runs: list[RunStatus]) -> str:
         return "no runs on this etcd"
     rows = [("RUN ID", "STATE", "ROUND", "NODES")]
     for run in runs:
-        state = "unreadable" if run.problem else "closed" if run.closed else ("training" if run.live else ("gathering" if run.exists else "-"))
+        state = "closed" if run.closed else ("training" if run.live else ("gathering" if run.exists else "-"))
+        if run.problems:
+            state += f" ({len(run.problems)} unreadable key(s))"
         rows.append((run.run_id, state, str(run.round if run.round is not None else "-"), str(len(run.participants))))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)

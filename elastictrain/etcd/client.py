@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import tenacity
 
-from elastictrain.errors import DependencyError, EtcdAuthError, EtcdUnavailableError
+from elastictrain.errors import DependencyError, EtcdAuthError, EtcdIndeterminateError, EtcdUnavailableError
 
 if TYPE_CHECKING:
     import etcd3 as etcd3_module
@@ -91,31 +90,8 @@ def import_etcd3() -> Any:
             "run: pip install 'protobuf<4' (or set "
             "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python, which is slower)"
         ) from exc
-    _end_watch_threads_quietly(etcd3.watch.Watcher)
     _etcd3 = etcd3
     return etcd3
-
-
-def _end_watch_threads_quietly(watcher: type) -> None:
-    # etcd3 0.12's watch thread re-opens its stream in a loop, on the same channel.
-    # Once the channel is closed (we close a client whose endpoint failed, or at
-    # shutdown) the re-open raises ValueError("Cannot invoke RPC: Channel closed!")
-    # and the thread dies printing a traceback. Its watches had already been told
-    # of the broken stream, so ending the thread is all there is left to do.
-    original = watcher._run  # noqa: SLF001
-    if getattr(original, "_elastictrain_quiet", False):
-        return
-
-    def run(self: Any) -> None:
-        try:
-            original(self)
-        except ValueError as exc:
-            if "closed" not in str(exc).lower():
-                raise
-            logger.debug("etcd3 watch thread ended: its channel was closed")
-
-    run._elastictrain_quiet = True  # type: ignore[attr-defined]
-    watcher._run = run  # noqa: SLF001
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,23 +206,19 @@ class EtcdClient:
         self._lock = threading.Lock()
         self._clients: dict[int, Any] = {}
         self._current = 0
-        self._failing = False
-        self._answering_since = time.monotonic()
 
     @property
     def settings(self) -> EtcdSettings:
         return self._settings
 
     @property
+    def current_index(self) -> int:
+        """Index of the endpoint requests go to now."""
+        return self._current
+
+    @property
     def current_endpoint(self) -> Endpoint:
         return self._settings.endpoints[self._current]
-
-    def answering_for(self) -> float:
-        """Seconds since etcd last began answering after a failed attempt (or since this client
-        was made); 0 while attempts fail. A node that could not reach etcd could not heartbeat
-        either: this says how long it has been able to."""
-        with self._lock:
-            return 0.0 if self._failing else time.monotonic() - self._answering_since
 
     @property
     def transactions(self) -> Any:
@@ -300,17 +272,44 @@ class EtcdClient:
             return True
         return _grpc_code_name(exc) in {"UNAVAILABLE", "DEADLINE_EXCEEDED"}
 
-    def call(self, operation: Callable[[Any], _T], what: str = "etcd request") -> _T:
+    def _discard(self, index: int, exc: BaseException) -> None:
+        """Endpoint ``index`` failed transiently: fail over, and rebuild its channel next time."""
+        self._fail_over(index, exc)
+        with self._lock:  # a channel in a bad state is rebuilt next time
+            stale = self._clients.pop(index, None)
+        if stale is not None:
+            _close_quietly(stale)
+
+    def stream_client(self) -> tuple[int, Any]:
+        """The current endpoint's index and ``etcd3`` client, to open a long-lived stream on
+        (a watch, a lease keep-alive); report its failure with :meth:`stream_failed`."""
+        index = self._current
+        return index, self._client_for(index)
+
+    def stream_failed(self, index: int, exc: BaseException) -> None:
+        """A stream on endpoint ``index`` broke: fail over as a failed call would.
+
+        Errors that no retry can fix (a refused password or certificate) are left to the
+        next :meth:`call` to report.
+        """
+        if self._is_transient(exc) or _grpc_code_name(exc) in {"CANCELLED", "UNKNOWN", "INTERNAL"}:
+            self._discard(index, exc)
+
+    def call(self, operation: Callable[[Any], _T], what: str = "etcd request", *, once: bool = False) -> _T:
         """Run ``operation(etcd3_client)`` with failover and bounded retries.
 
         Args:
             operation: Receives the ``etcd3`` client of the current endpoint.
             what: Names the operation in errors and logs.
+            once: Make a single attempt. For a request that must not be repeated
+                blindly: a transient failure may have come after etcd applied it.
 
         Returns:
             Whatever ``operation`` returns.
 
         Raises:
+            EtcdIndeterminateError: With ``once``, the attempt failed transiently: etcd
+                may or may not have applied it.
             EtcdUnavailableError: No endpoint answered within ``retry_deadline``.
             EtcdAuthError: etcd refused our credentials or TLS setup.
         """
@@ -319,27 +318,18 @@ class EtcdClient:
         def attempt() -> _T:
             index = self._current
             try:
-                result = operation(self._client_for(index))
+                return operation(self._client_for(index))
             except Exception as exc:
                 last.append((self._settings.endpoints[index], exc))
                 if self._is_transient(exc):
-                    with self._lock:
-                        self._failing = True
-                    self._fail_over(index, exc)
-                    with self._lock:  # a channel in a bad state is rebuilt next time
-                        stale = self._clients.pop(index, None)
-                    if stale is not None:
-                        _close_quietly(stale)
+                    self._discard(index, exc)
                 raise
-            with self._lock:
-                if self._failing:
-                    self._failing, self._answering_since = False, time.monotonic()
-            return result
 
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(self._is_transient),
             wait=tenacity.wait_random_exponential(multiplier=0.05, max=2.0),
-            stop=tenacity.stop_before_delay(self._settings.retry_deadline.total_seconds()),
+            stop=(tenacity.stop_after_attempt(1) if once
+                  else tenacity.stop_before_delay(self._settings.retry_deadline.total_seconds())),
             reraise=True,
         )
         try:
@@ -349,6 +339,11 @@ class EtcdClient:
                 raise EtcdAuthError(
                     f"etcd at {self.current_endpoint} refused {what}: {_describe(exc)} "
                     "(check the etcd user and password, and the TLS CA and client certificate)"
+                ) from exc
+            if once and self._is_transient(exc):
+                raise EtcdIndeterminateError(
+                    f"etcd at {last[-1][0] if last else self.current_endpoint} did not confirm {what} "
+                    f"({_describe(exc)}): it may or may not have been applied"
                 ) from exc
             if self._is_transient(exc):
                 tried = ", ".join(sorted({f"{ep} ({_describe(e)})" for ep, e in last}))

@@ -1,68 +1,254 @@
-"""``RunLease``: the etcd lease a process attaches its keys to, refreshed lazily."""
+"""etcd leases kept alive by this process: a node's liveness, and the run's shared keys.
+
+A lease lives on the etcd server: it expires when nobody has refreshed it for
+its TTL, judged by the server's own clock, and every key attached to it is
+deleted at that moment. That makes a lease the way to say "this process is
+alive" without comparing clocks of different hosts.
+
+- :class:`KeptLease` holds one lease and refreshes it over etcd's keep-alive
+  stream from a background thread; when etcd says the lease is gone it is
+  marked lost (and a callback runs).
+- :class:`RunLease` is the lease of a run's shared keys (rendezvous rounds, the
+  store, status records). One lease per run, its id published under the run's
+  prefix; every live node keeps it alive, so the keys live as long as any node
+  does and expire a TTL after the last one is gone.
+"""
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from elastictrain.errors import ConfigError, EtcdError
-from elastictrain.etcd.client import EtcdClient
+from elastictrain.etcd import kv
+from elastictrain.etcd.client import EtcdClient, import_etcd3
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RunLease"]
+__all__ = ["KeptLease", "RunLease"]
 
 _T = TypeVar("_T")
+_BACKOFF_FIRST = 0.05
+_BACKOFF_MAX = 1.0
+
+
+class KeptLease:
+    """A lease refreshed over a keep-alive stream every ``interval`` until closed.
+
+    Args:
+        client: The etcd front.
+        ttl: The lease's time to live (whole seconds; at least 2 s). etcd may round
+            it up to its minimum (1.5 x its election timeout).
+        interval: Time between keep-alive messages; a TTL of 5 s refreshed every
+            second tolerates four lost or late refreshes before etcd expires it.
+        name: Names the thread and log lines.
+        on_lost: Called (on the keep-alive thread) once etcd says the lease expired.
+    """
+
+    def __init__(self, client: EtcdClient, ttl: timedelta, *, interval: timedelta, name: str = "lease",
+                 on_lost: Callable[[], None] | None = None) -> None:
+        if ttl.total_seconds() < 2:
+            raise ConfigError(f"lease TTL must be at least 2 s, got {ttl.total_seconds():g} s")
+        if not 0 < interval.total_seconds() < ttl.total_seconds():
+            raise ConfigError(f"the keep-alive interval ({interval.total_seconds():g} s) must be positive "
+                              f"and shorter than the lease TTL ({ttl.total_seconds():g} s)")
+        self._client = client
+        self.ttl = int(round(ttl.total_seconds()))
+        self._interval = interval.total_seconds()
+        self._name = name
+        self._on_lost = on_lost
+        self._lock = threading.Condition()
+        self._id: int | None = None
+        self._lost = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.granted_ttl: int | None = None
+        """The TTL etcd granted (it may round a short one up)."""
+
+    @property
+    def id(self) -> int | None:
+        """The lease id, or ``None`` before :meth:`grant`/:meth:`adopt`."""
+        return self._id
+
+    @property
+    def lost(self) -> bool:
+        """True once etcd said the lease no longer exists."""
+        return self._lost
+
+    def grant(self, what: str | None = None) -> int:
+        """Grant a new lease (replacing a lost one) and keep it alive.
+
+        Args:
+            what: Names the request in errors (default: granting the lease).
+
+        Raises:
+            EtcdError: As :meth:`EtcdClient.call`.
+        """
+        lease = self._client.call(lambda c: c.lease(self.ttl), what=what or f"granting the {self._name}")
+        self.granted_ttl = int(lease.ttl)
+        self.adopt(int(lease.id))
+        return int(lease.id)
+
+    def adopt(self, lease_id: int) -> None:
+        """Keep ``lease_id`` alive from now on (a lease another process granted)."""
+        with self._lock:
+            self._id, self._lost = lease_id, False
+            self._lock.notify_all()
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(target=self._run, name=f"elastictrain-{self._name}", daemon=True)
+                self._thread.start()
+
+    def revoke(self) -> None:
+        """Stop refreshing and delete the lease now: every key attached to it goes with it."""
+        with self._lock:
+            lease_id, self._id = self._id, None
+            self._lock.notify_all()
+        if lease_id is not None:
+            try:
+                self._client.call(lambda c: c.revoke_lease(lease_id), what=f"revoking the {self._name}")
+            except EtcdError as exc:  # it expires on its own
+                logger.debug("could not revoke the %s: %s", self._name, exc)
+
+    def close(self) -> None:
+        """Stop refreshing (the lease then expires after its TTL)."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=2.0)
+
+    def _requests(self, done: threading.Event) -> Iterator[Any]:
+        rpc = import_etcd3().etcdrpc
+        while True:
+            with self._lock:
+                if self._closed or done.is_set():
+                    return
+                lease_id = self._id
+                if lease_id is None or self._lost:  # nothing to refresh until grant()/adopt()
+                    self._lock.wait(self._interval)
+                    continue
+            yield rpc.LeaseKeepAliveRequest(ID=lease_id)
+            with self._lock:
+                if not self._closed:
+                    self._lock.wait(self._interval)
+
+    def _run(self) -> None:
+        import grpc
+
+        rpc = import_etcd3().etcdrpc
+        backoff = _BACKOFF_FIRST
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+            done = threading.Event()
+            call, index = None, self._client.current_index
+            try:
+                index, client = self._client.stream_client()
+                call = rpc.LeaseStub(client.channel).LeaseKeepAlive(
+                    self._requests(done), credentials=client.call_credentials, metadata=client.metadata)
+                for response in call:
+                    backoff = _BACKOFF_FIRST
+                    if response.TTL <= 0 and response.ID == self._id:
+                        self.mark_lost()
+            except grpc.RpcError as exc:
+                with self._lock:
+                    if self._closed:
+                        return
+                logger.debug("%s: keep-alive stream broke (%s); reopening", self._name, exc)
+                self._client.stream_failed(index, exc)
+            except ValueError as exc:  # channel closed by a failover elsewhere
+                logger.debug("%s: channel closed (%s); reopening", self._name, exc)
+            except EtcdError as exc:  # no client could be built (e.g. a bad certificate)
+                logger.debug("%s: cannot open a keep-alive stream: %s", self._name, exc)
+            finally:
+                done.set()
+                if call is not None:
+                    call.cancel()
+            with self._lock:
+                if self._closed:
+                    return
+                self._lock.wait(backoff * random.uniform(0.5, 1.0))
+            backoff = min(backoff * 2, _BACKOFF_MAX)
+
+    def mark_lost(self) -> None:
+        """Record that etcd no longer knows the lease (a write said so); runs ``on_lost`` once."""
+        with self._lock:
+            if self._lost:
+                return
+            self._lost = True
+        logger.warning("etcd expired the %s (%s): etcd did not hear from this process for %d s",
+                       self._name, f"{self._id:x}" if self._id else "?", self.ttl)
+        if self._on_lost is not None:
+            try:
+                self._on_lost()
+            except Exception:  # noqa: BLE001
+                logger.exception("%s: lost-lease callback failed", self._name)
 
 
 class RunLease:
-    """A lease that the keys of one process are attached to, refreshed lazily.
+    """The lease of a run's shared keys, shared by every node of the run.
 
-    Writers call :meth:`id` before each put; it grants a lease the first time and
-    refreshes it once a quarter of its TTL has passed. A process that stops
-    writing stops refreshing, so the keys it wrote last expire after the TTL
-    unless a live process rewrote them (attaching them to its own lease).
+    The first node to need it grants it and publishes its id at ``key`` (attached
+    to the lease itself); later nodes adopt that id. Each keeps it alive, so the
+    run's keys expire ``ttl`` after the last node is gone. Without ``key`` the
+    lease is this process's own.
+
+    Args:
+        client: The etcd front.
+        ttl: How long the keys outlive the last node.
+        key: Where the run publishes its lease id (``None``: a private lease).
     """
 
-    def __init__(self, client: EtcdClient, ttl: timedelta) -> None:
-        if ttl.total_seconds() < 2:
-            raise ConfigError(f"lease TTL must be at least 2 s, got {ttl.total_seconds():g} s")
+    def __init__(self, client: EtcdClient, ttl: timedelta, key: str | None = None) -> None:
         self._client = client
-        self._ttl = int(ttl.total_seconds())
+        self._key = key
+        self._kept = KeptLease(client, ttl, interval=ttl / 8, name="run lease")
         self._lock = threading.Lock()
-        self._lease_id: int | None = None
-        self._refreshed_at = 0.0
 
     def id(self) -> int:
+        """The lease id, granted or adopted on first use.
+
+        Raises:
+            EtcdError: As :meth:`EtcdClient.call`.
+        """
         with self._lock:
-            now = time.monotonic()
-            if self._lease_id is not None and now - self._refreshed_at < self._ttl / 4:
-                return self._lease_id
-            if self._lease_id is not None:
-                responses = self._client.call(
-                    lambda c: list(c.refresh_lease(self._lease_id)), what="a lease refresh"
-                )
-                # TTL 0 (or -1) means etcd forgot the lease: it expired or etcd lost its data.
-                if responses and responses[0].TTL > 0:
-                    self._refreshed_at = now
-                    return self._lease_id
-                logger.warning("etcd lease %x expired; granting a new one", self._lease_id)
-            lease = self._client.call(lambda c: c.lease(self._ttl), what="a lease grant")
-            self._lease_id = lease.id
-            self._refreshed_at = now
-            return lease.id
+            current = self._kept.id
+            if current is not None and not self._kept.lost:
+                return current
+            if self._key is None:
+                return self._kept.grant()
+            return self._acquire_shared(self._key)
+
+    def _acquire_shared(self, key: str) -> int:
+        _, found = kv.range_(self._client, key, what="reading the run lease")
+        if found and found[0].value.isdigit():
+            self._kept.adopt(int(found[0].value))
+            return int(found[0].value)
+        mine = self._kept.grant()
+        result = kv.txn(self._client, [kv.compare_create(key, "==", 0)], [kv.put(key, str(mine), lease=mine)],
+                        [kv.get(key)], what="publishing the run lease")
+        if result.succeeded:
+            return mine
+        theirs = result.ranges[0][0].value if result.ranges and result.ranges[0] else b""
+        if not theirs.isdigit():
+            return mine  # an unreadable id: keep ours (the key is not attached to it)
+        self._kept.revoke()
+        self._kept.adopt(int(theirs))
+        return int(theirs)
 
     def forget(self) -> None:
-        """Drop the cached lease id (etcd no longer knows it); the next :meth:`id` grants anew."""
+        """etcd no longer knows the lease; the next :meth:`id` grants or adopts anew."""
         with self._lock:
-            self._lease_id = None
+            self._kept.mark_lost()
 
     def write(self, operation: Callable[[int], _T]) -> _T:
-        """Run ``operation(lease_id)``, granting a new lease once if etcd lost ours.
+        """Run ``operation(lease_id)``, acquiring a new lease once if etcd lost ours.
 
         Raises:
             EtcdError: As :meth:`EtcdClient.call`.
@@ -72,13 +258,14 @@ class RunLease:
         except EtcdError as exc:
             if "lease not found" not in str(exc):
                 raise
-            logger.warning("etcd lost lease of this process (%s); granting a new one", exc)
+            logger.warning("etcd lost the run lease (%s); acquiring a new one", exc)
             self.forget()
             return operation(self.id())
 
+    def close(self) -> None:
+        """Stop keeping the lease alive (other nodes may still do so)."""
+        self._kept.close()
+
     def revoke(self) -> None:
-        """Drop the lease now; keys last written by this process go with it."""
-        with self._lock:
-            lease_id, self._lease_id = self._lease_id, None
-        if lease_id is not None:
-            self._client.call(lambda c: c.revoke_lease(lease_id), what="a lease revoke")
+        """Delete the lease now: every key attached to it goes with it."""
+        self._kept.revoke()

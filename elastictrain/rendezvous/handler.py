@@ -1,174 +1,340 @@
-"""Build torch's ``DynamicRendezvousHandler`` on the etcd v3 backend and store.
+"""``Etcd3RendezvousHandler``: torch's ``RendezvousHandler`` written on etcd v3's primitives.
 
-This is the function torch's handler registry calls for ``--rdzv-backend etcd3``
-(from ``elastictrain run`` and from stock ``torchrun`` alike).
+torch's dynamic rendezvous keeps every node in one pickled key that each join and
+each heartbeat rewrites with a compare-and-swap: quadratic in the number of
+nodes (it stops completing at 64 here), liveness judged by comparing the
+writers' wall clocks, and code execution for anyone who can write the key. This
+handler keeps the interface (so torch's agent, ``elastictrain run`` and stock
+``torchrun --rdzv-backend etcd3`` drive it unchanged) and replaces the inside:
+
+- **Liveness is an etcd lease per node**, refreshed over etcd's keep-alive
+  stream. A node is gone when etcd expires its lease (its member key vanishes),
+  judged by the server's clock alone.
+- **No hot key.** A node joins with one transaction that writes its own member
+  key (and, if nobody holds it, the closer key). One node, the closer, watches
+  the members and closes the round with one transaction; everyone else watches
+  only the small control prefix. Ranks follow etcd's revision order.
+- **Nothing waits on a dead member.** The round record carries rank 0's address
+  and port (picked by rank 0 when it joined), so no one waits for rank 0 to
+  publish them; and members watch each other's keys, so a member whose lease
+  expires makes the others re-form the round at once.
+- **Data, never code.** Every value is JSON with a schema version.
+
+The protocol's rules live in :mod:`elastictrain.rendezvous.membership`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-from collections.abc import Iterator
+import secrets
+import socket
+import time
 
-from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousParameters
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    DynamicRendezvousHandler,
-    RendezvousSettings,
-    RendezvousTimeout,
-    _BackendRendezvousStateHolder,
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousGracefulExitError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
 )
 
 from elastictrain.config import RendezvousConfig, etcd_settings_from
-from elastictrain.errors import ConfigError
+from elastictrain.errors import ConfigError, EtcdError
+from elastictrain.etcd import kv
 from elastictrain.etcd.client import EtcdClient
-from elastictrain.etcd.keys import validate_run_id
-from elastictrain.etcd.lease import RunLease
-from elastictrain.rendezvous.etcd3_backend import Etcd3RendezvousBackend
-from elastictrain.rendezvous import _state_watch
-from elastictrain.rendezvous.etcd3_store import Etcd3Store
+from elastictrain.etcd.lease import KeptLease, RunLease
+from elastictrain.rendezvous import BACKEND_NAME
+from elastictrain.rendezvous.keys import RunKeys
+from elastictrain.rendezvous.membership import Closer, ControlView, RoundWatch, close_rendezvous
+from elastictrain.rendezvous.records import CloserRecord, MemberRecord, RoundRecord, encode
+from elastictrain.rendezvous.store import Etcd3Store
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Etcd3RendezvousHandler", "create_handler"]
 
-_NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+_LOG_EVERY = 5.0
+LOCAL_WORLD_SIZE_KEY = "local_world_size"
+"""``RendezvousParameters`` key: workers this node starts (``elastictrain run`` passes it)."""
 
 
-@contextlib.contextmanager
-def _unshared_tcp_store() -> Iterator[None]:
-    # torch 2.13 reads this variable inside next_rendezvous() to decide whether
-    # rank 0's *agent* hosts the workers' TCPStore for the whole job. That store
-    # dies with that agent and keeps dead workers' keys across restarts
-    # (pytorch/pytorch#135712). Unshared, each round's global rank-0 worker hosts a
-    # fresh store on a fresh port, announced through etcd.
-    previous = os.environ.get(_NO_SHARED_STORE)
-    os.environ[_NO_SHARED_STORE] = "1"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(_NO_SHARED_STORE, None)
-        else:
-            os.environ[_NO_SHARED_STORE] = previous
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
 
 
-class _FreshStateHolder(_BackendRendezvousStateHolder):
-    """torch's state holder, minus its one-second cache during rendezvous operations, and
-    slower to judge a node dead right after an etcd outage."""
+class Etcd3RendezvousHandler(RendezvousHandler):
+    """A rendezvous of node agents on etcd v3 (see the module docstring).
 
-    def __init__(self, backend: Etcd3RendezvousBackend, settings: RendezvousSettings, client: EtcdClient) -> None:
-        super().__init__(backend, settings)
-        self._client = client
+    Args:
+        client: The etcd front; the handler owns it from now on.
+        run_id: The run id.
+        min_nodes: Fewest nodes of a round.
+        max_nodes: Most nodes of a round; more nodes wait as spares.
+        config: Timing (join timeout, last call, liveness lease, run keys' TTL).
+        local_addr: Where other nodes reach this node (default: the FQDN).
+        nproc: Workers this node starts (0: unknown to the rendezvous).
+    """
 
-    def _sanitize(self) -> None:
-        # torch drops every node whose heartbeat is older than the window. While etcd
-        # was unreachable nobody could heartbeat, so the first node to sync after an
-        # outage longer than the window would drop every participant, itself
-        # included, and open an empty round while their workers train on. So a node
-        # judges others only once it has reached etcd for a whole window itself:
-        # enough for every live node to have heartbeated again. (A new node waits one
-        # window after its start before it drops the nodes of a job that died.)
-        window = self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt
-        if self._client.answering_for() < window.total_seconds():
-            self._dead_nodes = []
-            return
-        super()._sanitize()
+    def __init__(self, client: EtcdClient, run_id: str, *, min_nodes: int, max_nodes: int,
+                 config: RendezvousConfig, local_addr: str | None = None, nproc: int = 0) -> None:
+        if not 1 <= min_nodes <= max_nodes:
+            raise ConfigError(f"need 1 <= min_nodes ({min_nodes}) <= max_nodes ({max_nodes})")
+        self.client = client
+        self.keys = RunKeys.of(run_id)
+        self._config = config
+        self._min, self._max = min_nodes, max_nodes
+        self._addr = local_addr or socket.getfqdn()
+        self._nproc = nproc
+        self.node_id = f"{self._addr}_{os.getpid()}_{secrets.token_hex(3)}"
+        """This node's id in the rendezvous (``addr_pid_random``)."""
+        self._alive = KeptLease(client, config.liveness_ttl, interval=config.keep_alive_interval,
+                                name="liveness lease", on_lost=self._on_lease_lost)
+        self.run_lease = RunLease(client, config.state_ttl, key=self.keys.lease)
+        """The lease of the run's shared keys (status records and the store use it too)."""
+        self._control = ControlView(client, self.keys)
+        self._closer: Closer | None = None
+        self._joined: RoundRecord | None = None
+        self._round_watch: RoundWatch | None = None
+        self._spare = False
 
-    def sync(self) -> bool | None:
-        if _state_watch.in_rendezvous_operation():
-            self._last_sync_time = -1  # we were woken because the state changed: read it
-        return super().sync()
+    # --- torch's interface --------------------------------------------------------------------
 
-    @property
-    def token(self) -> int:
-        """The ``mod_revision`` of the state this holder last read or wrote (0: none)."""
-        return self._token or 0
+    def get_backend(self) -> str:
+        """See base class."""
+        return BACKEND_NAME
 
-
-class Etcd3RendezvousHandler(DynamicRendezvousHandler):
-    """torch's dynamic rendezvous, bootstrapped from etcd alone and woken by etcd watches."""
-
-    _state_holder: _FreshStateHolder
-    _watch: _state_watch.StateWatch
-    client: EtcdClient
-    """The etcd front this handler talks through (shared with its store)."""
-    lease: RunLease
-    """The lease this node's keys are attached to."""
-    _joined_round: int | None = None
-    """The round this node's last completed rendezvous belongs to."""
+    def get_run_id(self) -> str:
+        """See base class."""
+        return self.keys.run_id
 
     @property
     def use_agent_store(self) -> bool:
-        """See base class. Always ``False``: no agent hosts a store that outlives a round."""
+        """See base class. ``False``: no agent hosts a store that outlives a round; each round's
+        rank-0 worker hosts the workers' store on the port in the round record."""
         return False
+
+    def connect(self) -> None:
+        """Grant this node's liveness lease: fails at once, naming the endpoints, if etcd is out of reach.
+
+        Raises:
+            EtcdError: etcd is unreachable or refused us.
+        """
+        if self._alive.id is None or self._alive.lost:
+            self._alive.grant(what="connecting")
 
     def next_rendezvous(self) -> RendezvousInfo:
         """See base class."""
-        holder = self._state_holder
-        with _unshared_tcp_store(), _state_watch.waiting_on(
-            lambda seconds: self._watch.wait_newer(holder.token, seconds)
-        ):
-            info = super().next_rendezvous()
-        self._joined_round = holder.state.round
-        return info
+        started = time.monotonic()
+        deadline = started + self._config.join_timeout.total_seconds()
+        self._leave_round()
+        self.connect()
+        after = self._latest_round()
+        self._join(after)
+        logged = started
+        control = self._control
+        while True:
+            with control.cond:
+                seen = control.version
+                if control.problem is not None:
+                    raise control.problem
+                current = control.round
+                if control.closed is not None:
+                    self._release_closer()
+                    if self._spare:
+                        raise RendezvousGracefulExitError(
+                            f"run '{self.keys.run_id}' ended while this node waited as a spare")
+                    raise RendezvousClosedError(f"the rendezvous of run '{self.keys.run_id}' is closed")
+                if current is not None and current.round > after and current.rank_of(self.node_id) is not None:
+                    break
+                if current is not None and current.round > after and len(current.nodes) >= current.max_nodes:
+                    self._spare = True
+                closer_free = control.closer is None
+                mine = control.closer == self.node_id
+            if self._closer is not None and not mine:
+                self._release_closer()  # it formed a round, or lost the key
+            if closer_free and self._closer is None:
+                self._try_to_close()
+            wake = self._closer.step(time.monotonic()) if self._closer is not None else None
+            now = time.monotonic()
+            if now >= deadline:
+                self._release_closer()
+                raise RendezvousTimeoutError(
+                    f"the rendezvous of run '{self.keys.run_id}' did not complete within "
+                    f"{self._config.join_timeout.total_seconds():g}s ({self._progress()})")
+            if now - logged >= _LOG_EVERY:
+                logged = now
+                logger.info("waiting %.0fs for round %d of run '%s': %s; join timeout %gs", now - started,
+                            after + 1, self.keys.run_id, self._progress(),
+                            self._config.join_timeout.total_seconds())
+            timeout = min(1.0, deadline - now, (wake - now) if wake is not None else 1.0)
+            with control.cond:
+                control.cond.wait_for(lambda: control.version != seen, max(0.0, timeout))
+        self._release_closer()
+        return self._enter_round(current)
+
+    def is_closed(self) -> bool:
+        """See base class."""
+        with self._control.cond:
+            if self._control.loaded:
+                return self._control.closed is not None
+        _, found = kv.range_(self.client, self.keys.closed, keys_only=True, what="reading whether the run is closed")
+        return bool(found)
+
+    def set_closed(self) -> None:
+        """See base class."""
+        close_rendezvous(self.client, self.keys, self.run_lease, by=self.node_id)
 
     def num_nodes_waiting(self) -> int:
-        """See base class. Also counts the nodes rendezvousing in a round past this node's.
+        """See base class. Counts every reason to re-form this node's round, from etcd events
+        (no etcd request): nodes that wait to join and fit under ``max_nodes``, members that
+        lost their lease or asked for a new round, and 1 if rounds moved on without this node
+        (its own lease expired: it was cut off)."""
+        joined, watch = self._joined, self._round_watch
+        if joined is None or watch is None:
+            return 0
+        with self._control.cond:
+            current, closed = self._control.round, self._control.closed
+        if closed is not None:
+            return 0
+        if self._alive.lost or (current is not None and current.round != joined.round):
+            return max(1, watch.waiting())
+        return watch.waiting()
 
-        torch counts only the wait list of the current round. If the rendezvous has
-        moved past the round this node trains in without it (its heartbeats lapsed:
-        a stalled agent, a cut link), nodes gathering in the new round are waiting for
-        it too, and nobody else will ever tell its agent: without this, they would
-        wait out their join timeout while this node trains on.
-        """
-        waiting = super().num_nodes_waiting()
-        state = self._state_holder.state
-        if self._joined_round is None or state.round == self._joined_round:
-            return waiting
-        gathering = len(state.participants) + len(state.wait_list)
-        if gathering:  # the agent restarts at once: said once
-            logger.warning(
-                "rendezvous '%s' moved on to round %d without this node (its heartbeats lapsed "
-                "in round %d); %d node(s) gather there: restarting to rejoin",
-                self._settings.run_id, state.round, self._joined_round, gathering,
-            )
-        return max(waiting, gathering)
+    def shutdown(self) -> bool:
+        """See base class. Closes the rendezvous (as torch's handlers do) and leaves it."""
+        try:
+            self.set_closed()
+            return True
+        except EtcdError as exc:
+            logger.warning("could not close the rendezvous of run '%s': %s", self.keys.run_id, exc)
+            return False
+        finally:
+            self.leave()
+
+    # --- elastictrain's additions -------------------------------------------------------------
+
+    def leave(self) -> None:
+        """Leave the rendezvous without closing it: stop watching, and revoke this node's lease,
+        so that the others see at once that it is gone. The handler is done afterwards."""
+        self._leave_round()
+        self._release_closer()
+        self._control.close()
+        self._alive.revoke()
+        self._alive.close()
+        self.run_lease.close()
+        self.client.close()
 
     @property
-    def round(self) -> int:
-        """The rendezvous round this node last saw."""
-        return self._state_holder.state.round
+    def round(self) -> int | None:
+        """The round this node last joined (``None`` before its first)."""
+        return self._joined.round if self._joined is not None else None
 
     @property
-    def node_id(self) -> str:
-        """This node's id in the rendezvous state (``addr_pid_localid``)."""
-        return repr(self._this_node)
+    def joined(self) -> RoundRecord | None:
+        """The round record this node last joined."""
+        return self._joined
 
     @property
     def closed_seen(self) -> bool:
-        """Whether the state this node last synced says the rendezvous is closed (no etcd call)."""
-        return self._state_holder.state.closed
+        """Whether this node has seen the rendezvous closed (no etcd call)."""
+        with self._control.cond:
+            return self._control.closed is not None
 
-    def shutdown(self) -> bool:
-        """See base class."""
-        try:
-            return super().shutdown()
-        finally:
-            self._watch.close()
+    # --- internals ----------------------------------------------------------------------------
 
-    def shutdown_without_closing(self) -> None:
-        """Release this handler without closing the rendezvous (it may belong to another job)."""
-        self._stop_heartbeats()
-        self._watch.close()
+    def _latest_round(self) -> int:
+        rounds = [r.round for r in (self._joined, self._control.round) if r is not None]
+        return max(rounds, default=-1)
+
+    def _join(self, after: int) -> None:
+        """Say that this node wants a round newer than ``after``; take the closer key if free."""
+        keys = self.keys
+        record = MemberRecord(node=self.node_id, addr=self._addr, host=socket.gethostname(), pid=os.getpid(),
+                              nproc=self._nproc, port=_free_port(), after=after)
+        for attempt in range(2):
+            lease = self._alive.id or self._alive.grant()
+            try:
+                result = kv.txn(
+                    self.client,
+                    [kv.compare_create(keys.closer, "==", 0)],
+                    [kv.put(keys.member(self.node_id), encode(record), lease),
+                     kv.put(keys.closer, encode(CloserRecord(self.node_id)), lease),
+                     kv.get(keys.ctl, prefix=True)],
+                    [kv.put(keys.member(self.node_id), encode(record), lease), kv.get(keys.ctl, prefix=True)],
+                    what="joining the rendezvous",
+                )
+                break
+            except EtcdError as exc:
+                if "lease not found" not in str(exc) or attempt:
+                    raise
+                self._alive.grant()  # etcd expired it while we were away: register anew
+        self._control.load(result.ranges[0], result.revision)
+        if result.succeeded:
+            self._become_closer(result.revision)
+
+    def _try_to_close(self) -> None:
+        lease = self._alive.id
+        if lease is None:
+            return
+        result = kv.txn(self.client, [kv.compare_create(self.keys.closer, "==", 0)],
+                        [kv.put(self.keys.closer, encode(CloserRecord(self.node_id)), lease)],
+                        what="taking the closer role")
+        if result.succeeded:
+            self._become_closer(result.revision)
+
+    def _become_closer(self, created: int) -> None:
+        self._closer = Closer(self.client, self.keys, self._control, self.run_lease, min_nodes=self._min,
+                              max_nodes=self._max, last_call=self._config.last_call_timeout.total_seconds(),
+                              closer_created=created)
+
+    def _release_closer(self) -> None:
+        closer, self._closer = self._closer, None
+        if closer is not None:
+            closer.close()
+
+    def _progress(self) -> str:
+        if self._closer is not None:
+            waiting, alive = self._closer.summary()
+            return f"{waiting} node(s) waiting of {alive} alive (min {self._min}, max {self._max})"
+        with self._control.cond:
+            closer = self._control.closer
+        return f"closer {closer or 'not yet chosen'}; min {self._min} node(s), max {self._max}"
+
+    def _enter_round(self, current: RoundRecord) -> RendezvousInfo:
+        rank = current.rank_of(self.node_id)
+        assert rank is not None  # noqa: S101 - checked by the caller
+        self._joined, self._spare = current, False
+        self._round_watch = RoundWatch(self.client, self.keys, current)
+        store = Etcd3Store(self.client, self.keys.store(self._control.incarnation, current.round), self.run_lease,
+                           timeout=self._config.join_timeout)
+        logger.info("joined round %d of run '%s' as node rank %d of %d", current.round, self.keys.run_id, rank,
+                    len(current.nodes))
+        return RendezvousInfo(store, rank, len(current.nodes),
+                              RendezvousStoreInfo(current.master_addr, current.master_port))
+
+    def _leave_round(self) -> None:
+        watch, self._round_watch = self._round_watch, None
+        if watch is not None:
+            watch.close()
+
+    def _on_lease_lost(self) -> None:
+        logger.warning("node %s of run '%s' lost its liveness lease: the others count it as gone; it "
+                       "rejoins at its next rendezvous", self.node_id, self.keys.run_id)
+        self._control.touch()
 
 
 def create_handler(params: RendezvousParameters) -> Etcd3RendezvousHandler:
     """Create the ``etcd3`` rendezvous handler from torch's rendezvous parameters.
 
     ``params.endpoint`` is ``host:port[,host:port...]``. Keys of ``params.config``
-    (``--rdzv-conf`` in torchrun) are those of :class:`RendezvousConfig` (seconds)
-    and of :func:`elastictrain.config.etcd_settings_from` (TLS, auth, timeouts).
+    (``--rdzv-conf`` in torchrun) are those of :class:`RendezvousConfig` (seconds),
+    of :func:`elastictrain.config.etcd_settings_from` (TLS, auth, timeouts) and
+    ``local_world_size``.
 
     Raises:
         ConfigError: A parameter is invalid.
@@ -176,33 +342,19 @@ def create_handler(params: RendezvousParameters) -> Etcd3RendezvousHandler:
     """
     if not params.endpoint:
         raise ConfigError("the etcd3 rendezvous backend needs an endpoint (--rdzv-endpoint HOST:PORT)")
-    validate_run_id(params.run_id)
-    rdzv = RendezvousConfig.from_mapping(params.config)
+    RunKeys.of(params.run_id)
+    config = RendezvousConfig.from_mapping(params.config)
+    nproc = params.config.get(LOCAL_WORLD_SIZE_KEY) or 0
+    try:
+        nproc = int(nproc)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{LOCAL_WORLD_SIZE_KEY} must be an integer, got {nproc!r}") from None
     client = EtcdClient(etcd_settings_from(params.config, params.endpoint))
-    # Fail here, with the endpoint named, rather than deep inside the first join.
-    client.call(lambda c: c.status(), what="connecting")
-    lease = RunLease(client, rdzv.state_ttl)
-    backend = Etcd3RendezvousBackend(client, params.run_id, lease=lease)
-    store = Etcd3Store(client, params.run_id, lease, timeout=rdzv.join_timeout)
-    timeout = RendezvousTimeout(
-        join=rdzv.join_timeout,
-        last_call=rdzv.last_call_timeout,
-        close=rdzv.close_timeout,
-        heartbeat=rdzv.heartbeat_timeout,
-    )
-    # torch's from_backend(), with our state holder in place of its own.
-    settings = RendezvousSettings(
-        params.run_id,
-        params.min_nodes,
-        params.max_nodes,
-        timeout,
-        keep_alive_interval=rdzv.keep_alive_interval,
-        keep_alive_max_attempt=rdzv.keep_alive_max_attempt,
-    )
-    node = Etcd3RendezvousHandler._node_desc_generator.generate(params.local_addr)  # noqa: SLF001
-    handler = Etcd3RendezvousHandler(node, settings, backend.name, store, _FreshStateHolder(backend, settings, client))
-    handler._watch = _state_watch.StateWatch(client, backend.key)  # noqa: SLF001
-    handler.client = client
-    handler.lease = lease
-    _state_watch.install()
+    handler = Etcd3RendezvousHandler(client, params.run_id, min_nodes=params.min_nodes, max_nodes=params.max_nodes,
+                                     config=config, local_addr=params.local_addr, nproc=nproc)
+    try:
+        handler.connect()
+    except BaseException:
+        client.close()
+        raise
     return handler

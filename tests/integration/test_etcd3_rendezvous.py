@@ -1,23 +1,42 @@
-"""torch's DynamicRendezvousHandler on the etcd3 backend: several nodes in one process."""
+"""The native etcd3 rendezvous: several node handlers in one process against a real etcd."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
-from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousGracefulExitError,
+    RendezvousParameters,
+    RendezvousTimeoutError,
+    rendezvous_handler_registry,
+)
 
-import elastictrain.rendezvous  # noqa: F401 - registers "etcd3"
-from elastictrain.rendezvous import _state_watch
+from elastictrain.etcd import kv
+from elastictrain.rendezvous import register
+from elastictrain.rendezvous.handler import Etcd3RendezvousHandler, create_handler
+from elastictrain.rendezvous.keys import RunKeys
+from elastictrain.rendezvous.records import RoundRecord, decode
+from tests.conftest import make_client
+
+# A liveness lease of 2 s (0.5 s x 4, the shortest allowed) keeps the tests short.
+SHORT_LEASE = {"keep_alive_interval": 0.5, "keep_alive_max_attempt": 4}
 
 
 def _params(endpoint: str, run_id: str, min_nodes: int, max_nodes: int, **conf: Any) -> RendezvousParameters:
-    conf = {"last_call_timeout": 0.5, "keep_alive_interval": 1, "request_timeout": 2, **conf}
+    conf = {"last_call_timeout": 0.5, "request_timeout": 2, "retry_deadline": 20, **conf}
     return RendezvousParameters("etcd3", endpoint, run_id, min_nodes, max_nodes, local_addr="127.0.0.1", **conf)
+
+
+def _handlers(endpoint: str, run_id: str, n: int, min_nodes: int, max_nodes: int,
+              **conf: Any) -> list[Etcd3RendezvousHandler]:
+    return [create_handler(_params(endpoint, run_id, min_nodes, max_nodes, **conf)) for _ in range(n)]
 
 
 def _join_all(handlers: list[Any]) -> list[Any]:
@@ -25,142 +44,221 @@ def _join_all(handlers: list[Any]) -> list[Any]:
         return list(pool.map(lambda h: h.next_rendezvous(), handlers))
 
 
-def test_registry_builds_etcd3_handler(etcd_server: Any, run_id: str) -> None:
-    handler = rendezvous_handler_registry.create_handler(_params(etcd_server.endpoint, run_id, 1, 1))
-    assert handler.get_backend() == "etcd3"
-    assert handler.use_agent_store is False
-    handler.shutdown()
-
-
-def test_nodes_rendezvous_with_distinct_ranks_and_fresh_store_per_round(etcd_server: Any, run_id: str) -> None:
-    n = 4
-    handlers = [rendezvous_handler_registry.create_handler(_params(etcd_server.endpoint, run_id, n, n))
-                for _ in range(n)]
-    infos = _join_all(handlers)
-    assert sorted(i.rank for i in infos) == list(range(n))
-    assert {i.world_size for i in infos} == {n}
-    ports = {i.bootstrap_store_info.master_port for i in infos}
-    assert len(ports) == 1
-    # Round 0's keys are invisible to round 1.
-    infos[0].store.set("seen", "round0")
-    for h in handlers:
-        h._state_holder.state.complete = False  # noqa: SLF001 - force a new round locally
-    second = _join_all(handlers)
-    assert {i.world_size for i in second} == {n}
-    assert not second[0].store.check(["seen"])
-    for h in handlers:
-        h.shutdown()
-
-
-def test_a_waiting_node_is_woken_by_the_state_change_not_the_poll(etcd_server: Any, run_id: str) -> None:
-    # min 2: the first node waits in torch's poll loop until the second one joins.
-    # Each wait must end because etcd reported a newer state, not because torch's
-    # one-second poll period ran out.
-    handlers = [rendezvous_handler_registry.create_handler(
-        _params(etcd_server.endpoint, run_id, 2, 2)) for _ in range(2)]
-    watch = handlers[0]._watch  # noqa: SLF001
-    outcomes: list[bool] = []
-    original = watch.wait_newer
-    watch.wait_newer = lambda than, timeout: outcomes.append(original(than, timeout)) or outcomes[-1]
-    first = ThreadPoolExecutor(1).submit(handlers[0].next_rendezvous)
-    while not outcomes:  # the first node has entered its wait loop
-        time.sleep(0.05)
-    second = handlers[1].next_rendezvous()
-    infos = [first.result(timeout=30), second]
-    assert sorted(i.rank for i in infos) == [0, 1]
-    assert outcomes[-1] is True, f"the last wait timed out instead of waking: {outcomes}"
-    for h in handlers:
-        h.shutdown()
-
-
-def test_delay_hook_leaves_other_threads_alone() -> None:
-    _state_watch.install()
-    calls: list[float] = []
-    started = time.monotonic()
-    dynamic_rendezvous._delay(0.2)  # noqa: SLF001 - not inside an etcd3 operation: plain sleep
-    assert time.monotonic() - started >= 0.2
-    with _state_watch.waiting_on(calls.append):
-        dynamic_rendezvous._delay(1)  # noqa: SLF001
-        dynamic_rendezvous._delay((0, 0.01))  # noqa: SLF001 - jitter keeps torch's meaning
-    assert calls == [1]
-
-
-def test_closed_rendezvous_is_reported_to_a_late_node(etcd_server: Any, run_id: str) -> None:
-    from torch.distributed.elastic.rendezvous import RendezvousClosedError
-
-    handler = rendezvous_handler_registry.create_handler(_params(etcd_server.endpoint, run_id, 1, 1))
-    handler.next_rendezvous()
-    handler.set_closed()
-    late = rendezvous_handler_registry.create_handler(_params(etcd_server.endpoint, run_id, 1, 1))
-    assert late.is_closed()
-    with pytest.raises(RendezvousClosedError):
-        late.next_rendezvous()
-    handler.shutdown()
-
-
-# A heartbeat window of 2 s (0.5 s x 4, the shortest allowed) keeps the two tests below short.
-_SHORT_WINDOW = {"keep_alive_interval": 0.5, "keep_alive_max_attempt": 4, "retry_deadline": 20}
-
-
 def _eventually(predicate: Any, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
             pytest.fail(f"not within {timeout:g}s: {what}")
-        time.sleep(0.1)
+        time.sleep(0.05)
 
 
-def test_an_etcd_outage_longer_than_the_heartbeat_window_drops_no_live_node(private_etcd: Any, run_id: str) -> None:
-    # Every heartbeat lapses while etcd is down. When it returns, the first node to
-    # sync must not judge its peers (nor itself) dead for a gap nobody could avoid:
-    # torch's _sanitize would drop every participant and open an empty round that no
-    # training node ever re-enters, so a later node could never join.
-    handlers = [rendezvous_handler_registry.create_handler(
-        _params(private_etcd.endpoint, run_id, 2, 3, **_SHORT_WINDOW)) for _ in range(2)]
+def _shutdown(*handlers: Etcd3RendezvousHandler) -> None:
+    for handler in handlers:
+        handler.shutdown()
+
+
+def test_the_registry_builds_the_native_etcd3_handler(etcd_server: Any, run_id: str) -> None:
+    register()
+    handler = rendezvous_handler_registry.create_handler(_params(etcd_server.endpoint, run_id, 1, 1))
+    assert isinstance(handler, Etcd3RendezvousHandler)
+    assert handler.get_backend() == "etcd3" and handler.get_run_id() == run_id
+    assert handler.use_agent_store is False
+    handler.shutdown()
+
+
+def test_ranks_follow_registration_order_and_rank_0_carries_the_store_address(etcd_server: Any, run_id: str,
+                                                                               etcd_client: Any) -> None:
+    handlers = _handlers(etcd_server.endpoint, run_id, 4, 4, 4)
     infos = _join_all(handlers)
-    round_before = handlers[0].round
+    keys = RunKeys.of(run_id)
+    _, members = kv.range_(etcd_client, keys.members, prefix=True, what="test")
+    by_registration = [m.key[len(keys.members):] for m in sorted(members, key=lambda m: m.create_revision)]
+    ranks = {h.node_id: info.rank for h, info in zip(handlers, infos)}
+    assert [ranks[node] for node in by_registration] == [0, 1, 2, 3]
+    assert {info.world_size for info in infos} == {4}
+    stores = {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in infos}
+    assert len(stores) == 1 and next(iter(stores))[1] > 0
+    # Each member's key holds the port it offered; rank 0's is the store's.
+    _, [round_kv] = kv.range_(etcd_client, keys.round, what="test")
+    record = decode(RoundRecord, round_kv.key, round_kv.value)
+    assert record.master_port == next(iter(stores))[1] and record.nodes == by_registration
+    _shutdown(*handlers)
+
+
+def test_each_round_and_each_incarnation_of_a_run_id_has_its_own_store(etcd_server: Any, run_id: str,
+                                                                        etcd_client: Any) -> None:
+    handlers = _handlers(etcd_server.endpoint, run_id, 2, 2, 2)
+    first = _join_all(handlers)
+    first[0].store.set("MASTER_ADDR", "stale-host")
+    second = _join_all(handlers)  # both ask again: round 1
+    assert [h.round for h in handlers] == [1, 1]
+    assert not second[0].store.check(["MASTER_ADDR"])
+    _shutdown(*handlers)
+    # The run's keys vanish (purged, or expired) and the run id starts again at round 0:
+    # round 0 of the new incarnation must not read the old round 0's keys.
+    old_prefix = first[0].store.prefix
+    kv.txn(etcd_client, [], [kv.delete(RunKeys.of(run_id).ctl, prefix=True),
+                             kv.delete(RunKeys.of(run_id).members, prefix=True)], what="test")
+    again = _handlers(etcd_server.endpoint, run_id, 2, 2, 2)
+    infos = _join_all(again)
+    assert [h.round for h in again] == [0, 0]
+    assert infos[0].store.prefix != old_prefix
+    assert not infos[1].store.check(["MASTER_ADDR"])
+    _shutdown(*again)
+
+
+def _kv_requests(endpoint: str) -> float:
+    with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    pattern = re.compile(r'^grpc_server_msg_received_total\{[^}]*grpc_method="(Range|Txn|Put|DeleteRange)"[^}]*\} (\S+)$')
+    return sum(float(m.group(2)) for line in text.splitlines() if (m := pattern.match(line)))
+
+
+def test_a_waiting_node_polls_nothing_it_is_woken_by_a_watch(private_etcd: Any, run_id: str) -> None:
+    first, second = _handlers(private_etcd.endpoint, run_id, 2, 2, 2)
+    waiting = ThreadPoolExecutor(1).submit(first.next_rendezvous)
+    _eventually(lambda: first._closer is not None, 10, "the first node takes the closer role")  # noqa: SLF001
+    before = _kv_requests(private_etcd.endpoint)
+    time.sleep(3)  # three of the old poll periods
+    assert _kv_requests(private_etcd.endpoint) == before, "the waiting node sent key-value requests"
+    second.next_rendezvous()
+    assert waiting.result(timeout=10).world_size == 2
+    _shutdown(first, second)
+
+
+def test_a_late_node_finds_the_rendezvous_closed_and_a_spare_exits_gracefully(etcd_server: Any,
+                                                                              run_id: str) -> None:
+    first, spare = _handlers(etcd_server.endpoint, run_id, 2, 1, 1)
+    first.next_rendezvous()
+    waiting = ThreadPoolExecutor(1).submit(spare.next_rendezvous)  # the round is full: a spare
+    time.sleep(1)
+    assert first.num_nodes_waiting() == 0  # a spare does not make the full round re-form
+    first.set_closed()
+    with pytest.raises(RendezvousGracefulExitError):
+        waiting.result(timeout=10)
+    late = create_handler(_params(etcd_server.endpoint, run_id, 1, 1))
+    assert late.is_closed()
+    with pytest.raises(RendezvousClosedError):
+        late.next_rendezvous()
+    _shutdown(first, spare, late)
+
+
+def test_join_timeout_raises_the_rendezvous_timeout_error(etcd_server: Any, run_id: str) -> None:
+    [alone] = _handlers(etcd_server.endpoint, run_id, 1, 2, 2, join_timeout=1.5)
+    with pytest.raises(RendezvousTimeoutError, match="did not complete within 1.5s"):
+        alone.next_rendezvous()
+    _shutdown(alone)
+
+
+def test_members_see_a_joiner_below_max_and_re_form_with_it(etcd_server: Any, run_id: str) -> None:
+    handlers = _handlers(etcd_server.endpoint, run_id, 2, 2, 3)
+    _join_all(handlers)
+    joiner = create_handler(_params(etcd_server.endpoint, run_id, 2, 3))
+    joining = ThreadPoolExecutor(1).submit(joiner.next_rendezvous)
+    _eventually(lambda: all(h.num_nodes_waiting() == 1 for h in handlers), 10, "members see the joiner")
+    infos = [*_join_all(handlers), joining.result(timeout=10)]
+    assert {i.world_size for i in infos} == {3} and sorted(i.rank for i in infos) == [0, 1, 2]
+    assert [h.num_nodes_waiting() for h in [*handlers, joiner]] == [0, 0, 0]
+    _shutdown(*handlers, joiner)
+
+
+def test_members_see_a_member_that_asks_for_a_new_round(etcd_server: Any, run_id: str) -> None:
+    handlers = _handlers(etcd_server.endpoint, run_id, 3, 2, 3)
+    _join_all(handlers)
+    again = ThreadPoolExecutor(1).submit(handlers[0].next_rendezvous)  # its workers failed
+    _eventually(lambda: all(h.num_nodes_waiting() >= 1 for h in handlers[1:]), 10, "the others see it")
+    rest = _join_all(handlers[1:])
+    infos = [again.result(timeout=10), *rest]
+    assert {i.world_size for i in infos} == {3} and [h.round for h in handlers] == [1, 1, 1]
+    _shutdown(*handlers)
+
+
+def test_a_lost_member_is_seen_from_its_lease_and_the_survivors_re_form(etcd_server: Any, run_id: str) -> None:
+    handlers = _handlers(etcd_server.endpoint, run_id, 3, 2, 3, **SHORT_LEASE)
+    _join_all(handlers)
+    dead = handlers[2]
+    dead._alive.close()  # noqa: SLF001 - as if killed: no more keep-alives, no goodbye
+    started = time.monotonic()
+    _eventually(lambda: all(h.num_nodes_waiting() >= 1 for h in handlers[:2]), 10,
+                "the survivors see the dead member once etcd expires its lease")
+    assert time.monotonic() - started < 2 + 2  # the 2 s lease, with slack for a loaded machine
+    infos = _join_all(handlers[:2])
+    assert {i.world_size for i in infos} == {2}
+    _shutdown(*handlers[:2])
+    dead.leave()
+
+
+def test_a_node_that_dies_while_gathering_does_not_block_the_next_ones(etcd_server: Any, run_id: str,
+                                                                       etcd_client: Any) -> None:
+    # It registers, takes the closer role, and dies before anyone else arrives.
+    [dying] = _handlers(etcd_server.endpoint, run_id, 1, 2, 2, **SHORT_LEASE)
+    gathering = threading.Thread(target=lambda: pytest.raises(Exception, dying.next_rendezvous), daemon=True)
+    gathering.start()
+    _eventually(lambda: dying._closer is not None, 10, "the first node takes the closer role")  # noqa: SLF001
+    dying._alive.close()  # noqa: SLF001 - killed: its lease runs out
+    dying._release_closer()  # noqa: SLF001 - and nothing of it acts any more
+    later = _handlers(etcd_server.endpoint, run_id, 2, 2, 2, **SHORT_LEASE)
+    infos = _join_all(later)
+    assert {i.world_size for i in infos} == {2}
+    record = decode(RoundRecord, RunKeys.of(run_id).round,
+                    kv.range_(etcd_client, RunKeys.of(run_id).round, what="test")[1][0].value)
+    assert dying.node_id not in record.nodes and sorted(record.nodes) == sorted(h.node_id for h in later)
+    _shutdown(*later)
+
+
+def test_an_etcd_outage_longer_than_the_lease_drops_no_live_node(private_etcd: Any, run_id: str) -> None:
+    # etcd judges leases; while it is down nothing expires, and when it returns it
+    # renews every lease: live nodes keep their place, and a node that arrives
+    # afterwards joins them.
+    handlers = _handlers(private_etcd.endpoint, run_id, 2, 2, 3, **SHORT_LEASE)
+    _join_all(handlers)
     private_etcd.kill()
-    time.sleep(4)  # two heartbeat windows
+    time.sleep(4)  # two lease TTLs
     private_etcd.start()
     deadline = time.monotonic() + 4
-    while time.monotonic() < deadline:  # the heartbeat threads resume meanwhile
+    while time.monotonic() < deadline:  # keep-alives resume meanwhile
         assert [h.num_nodes_waiting() for h in handlers] == [0, 0]
         time.sleep(0.2)
-    state = handlers[0]._state_holder.state  # noqa: SLF001
-    assert state.round == round_before and state.complete
-    assert set(map(repr, state.participants)) == {h.node_id for h in handlers}
-
-    late = rendezvous_handler_registry.create_handler(
-        _params(private_etcd.endpoint, run_id, 2, 3, **_SHORT_WINDOW))
+    late = create_handler(_params(private_etcd.endpoint, run_id, 2, 3, **SHORT_LEASE))
     joining = ThreadPoolExecutor(1).submit(late.next_rendezvous)
-    _eventually(lambda: all(h.num_nodes_waiting() == 1 for h in handlers), 10, "the late node is seen waiting")
-    second = _join_all(handlers)
-    assert {i.world_size for i in [*second, joining.result(timeout=30)]} == {3}
-    assert infos[0].world_size == 2
-    for h in [*handlers, late]:
-        h.shutdown()
+    _eventually(lambda: all(h.num_nodes_waiting() == 1 for h in handlers), 10, "the late node is seen")
+    infos = [*_join_all(handlers), joining.result(timeout=30)]
+    assert {i.world_size for i in infos} == {3}
+    _shutdown(*handlers, late)
 
 
-def test_a_node_dropped_from_its_round_rejoins_when_another_node_rendezvouses(etcd_server: Any, run_id: str) -> None:
-    # However a training node's heartbeats lapsed (a stalled agent, a cut link), once
-    # the rendezvous has moved past its round, a node rendezvousing there is waiting
-    # for it: the training node must count it, so that its agent restarts and rejoins.
-    handlers = [rendezvous_handler_registry.create_handler(
-        _params(etcd_server.endpoint, run_id, 2, 3, **_SHORT_WINDOW)) for _ in range(2)]
+def test_a_node_whose_lease_expired_learns_it_and_rejoins(etcd_server: Any, run_id: str, etcd_client: Any) -> None:
+    # However it happened (a stalled agent, a cut link), etcd expired the node's lease:
+    # the others see it gone, and the node itself must learn it too, or it would train
+    # on in a round that no longer exists.
+    handlers = _handlers(etcd_server.endpoint, run_id, 2, 2, 2, **SHORT_LEASE)
     _join_all(handlers)
-    round_before = handlers[0].round
-    for h in handlers:
-        h._stop_heartbeats()  # noqa: SLF001 - as if the agent had stalled
-    time.sleep(3)
-    assert [h.num_nodes_waiting() for h in handlers] == [0, 0]  # nobody else is here yet
+    cut = handlers[1]
+    lease_id = cut._alive.id  # noqa: SLF001
+    etcd_client.call(lambda c: c.revoke_lease(lease_id))
+    _eventually(lambda: handlers[0].num_nodes_waiting() >= 1, 10, "the other node sees it gone")
+    _eventually(lambda: cut.num_nodes_waiting() >= 1, 10, "the node learns that its lease expired")
+    infos = _join_all(handlers)
+    assert {i.world_size for i in infos} == {2} and [h.round for h in handlers] == [1, 1]
+    _shutdown(*handlers)
 
-    late = rendezvous_handler_registry.create_handler(_params(etcd_server.endpoint, run_id, 2, 3, **_SHORT_WINDOW))
-    joining = ThreadPoolExecutor(1).submit(late.next_rendezvous)
-    # The late node drops the two silent ones and opens the next round, alone in it.
-    _eventually(lambda: late.round > round_before, 10, "the late node opens the next round")
-    _eventually(lambda: all(h.num_nodes_waiting() >= 1 for h in handlers), 10,
-                "the dropped nodes see a node waiting for them")
-    second = _join_all(handlers)
-    assert {i.world_size for i in [*second, joining.result(timeout=30)]} == {3}
-    for h in [*handlers, late]:
-        h.shutdown()
+
+def test_leaving_without_closing_is_seen_at_once(etcd_server: Any, run_id: str) -> None:
+    handlers = _handlers(etcd_server.endpoint, run_id, 2, 1, 2)
+    _join_all(handlers)
+    handlers[1].leave()  # SIGTERM path: revokes its lease
+    _eventually(lambda: handlers[0].num_nodes_waiting() == 1, 2, "the other node sees it gone")
+    assert not handlers[0].is_closed()
+    _shutdown(handlers[0])
+
+
+def test_rounds_form_for_many_nodes_with_few_requests_each(etcd_server: Any, run_id: str) -> None:
+    n = 32
+    handlers = _handlers(etcd_server.endpoint, run_id, n, n, n)
+    before = _kv_requests(etcd_server.endpoint)
+    infos = _join_all(handlers)
+    after = _kv_requests(etcd_server.endpoint)
+    assert sorted(i.rank for i in infos) == list(range(n))
+    # One join transaction per node; the closer adds a read and the round's write.
+    assert after - before <= n + 4, f"{after - before} key-value requests for {n} nodes"
+    _shutdown(*handlers)

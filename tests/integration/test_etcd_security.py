@@ -12,7 +12,7 @@ import pytest
 
 from elastictrain.errors import EtcdAuthError
 from elastictrain.etcd import EtcdClient, EtcdServer, EtcdServerOptions, EtcdSettings, parse_endpoints
-from elastictrain.rendezvous.etcd3_backend import Etcd3RendezvousBackend
+from elastictrain.rendezvous.dynamic import Etcd3RendezvousBackend
 
 
 def _openssl(*args: str, cwd: Path) -> None:

@@ -1,4 +1,4 @@
-"""The RendezvousBackend contract, run against the etcd3 backend on a real etcd.
+"""The RendezvousBackend contract, run against the opt-in etcd3-dynamic backend on a real etcd.
 
 The same contract also runs against an in-memory fake, so a contract test that
 cannot fail shows up as one that also passes for a backend we know is wrong.
@@ -16,9 +16,9 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError, Rend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
 from elastictrain.errors import ConfigError, EtcdUnavailableError
-from elastictrain.etcd.keys import run_prefix
 from elastictrain.etcd.lease import RunLease
-from elastictrain.rendezvous.etcd3_backend import Etcd3RendezvousBackend
+from elastictrain.rendezvous.dynamic import Etcd3RendezvousBackend
+from elastictrain.rendezvous.keys import RunKeys
 from tests.conftest import make_client
 
 
@@ -101,10 +101,42 @@ class TestEtcd3BackendContract(BackendContract):
 def test_get_state_raises_state_error_if_key_holds_foreign_bytes(etcd_client: Any, run_id: str) -> None:
     backend = Etcd3RendezvousBackend(etcd_client, run_id)
     etcd_client.call(lambda c: c.put(backend.key, b"\x80\x04garbage"))
-    with pytest.raises(RendezvousStateError, match="not written by elastictrain"):
+    with pytest.raises(RendezvousStateError, match="does not hold a torch rendezvous state"):
         backend.get_state()
     with pytest.raises(RendezvousStateError):
         backend.set_state(b"x")  # a failed create reports the current (corrupt) value
+
+
+class _Canary:
+    """Unpickling this creates a file: the sign that reading a key ran code."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (self.path, "w"))
+
+
+def test_a_crafted_pickle_behind_the_header_runs_no_code(etcd_client: Any, run_id: str, tmp_path: Any) -> None:
+    import pickle
+
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    canary = tmp_path / "canary"
+    backend = Etcd3RendezvousBackend(etcd_client, run_id)
+    etcd_client.call(lambda c: c.put(backend.key, b"ETRDZV1\n" + pickle.dumps(_Canary(str(canary)))))
+    with pytest.raises(RendezvousStateError, match="is not part of a rendezvous state"):
+        backend.get_state()
+    # torch's own handler on this backend: its first read stops at our check too.
+    from elastictrain.rendezvous.dynamic import create_dynamic_handler
+
+    handler = create_dynamic_handler(RendezvousParameters(
+        "etcd3-dynamic", str(etcd_client.current_endpoint), run_id, 1, 1, local_addr="127.0.0.1", join_timeout=5))
+    assert isinstance(handler, DynamicRendezvousHandler)
+    with pytest.raises(RendezvousStateError):
+        handler.next_rendezvous()
+    assert not canary.exists()
 
 
 def test_two_run_ids_on_one_etcd_do_not_interfere(etcd_client: Any, run_id: str) -> None:
@@ -116,8 +148,9 @@ def test_two_run_ids_on_one_etcd_do_not_interfere(etcd_client: Any, run_id: str)
     assert set_b
     assert first.get_state() == (b"a", token_a)
     assert second.get_state() == (b"b", token_b)
-    keys = [m.key.decode() for _, m in etcd_client.call(lambda c: list(c.get_prefix(run_prefix(run_id + "-a"))))]
-    assert keys == [first.key]
+    prefix = RunKeys.of(run_id + "-a").prefix
+    keys = [m.key.decode() for _, m in etcd_client.call(lambda c: list(c.get_prefix(prefix)))]
+    assert sorted(keys) == sorted([first.key, RunKeys.of(run_id + "-a").lease])
 
 
 def test_state_key_is_attached_to_a_lease_with_the_configured_ttl(etcd_client: Any, run_id: str) -> None:
@@ -134,6 +167,9 @@ def test_state_expires_once_nobody_refreshes_its_lease(etcd_client: Any, run_id:
     lease = RunLease(etcd_client, timedelta(seconds=2))
     backend = Etcd3RendezvousBackend(etcd_client, run_id, lease=lease)
     backend.set_state(b"a")
+    time.sleep(3)
+    assert backend.get_state() is not None  # kept alive past its TTL while the process lives
+    lease.close()
     deadline = time.monotonic() + 10
     while backend.get_state() is not None and time.monotonic() < deadline:
         time.sleep(0.25)

@@ -1,0 +1,117 @@
+"""The one home of the torch private names elastictrain depends on, checked at import.
+
+elastictrain is built on ``torch.distributed.elastic``: its agent class is meant
+to be extended by overriding underscored methods (``_rendezvous``,
+``_monitor_workers``, ...), and a few pieces of state have no public accessor.
+Every such name is listed here and checked against the installed torch when
+this module is imported. A torch release that renames or reshapes one fails
+loudly, at start-up, naming it, instead of silently changing behaviour
+(an override that torch no longer calls is skipped without a word).
+
+Nothing outside this module spells a torch private name; the agent imports
+:data:`AGENT_OVERRIDES` to document and check its overrides.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+from typing import Any
+
+import torch
+from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+from torch.distributed.elastic.events import handlers as _event_handlers
+
+__all__ = [
+    "AGENT_OVERRIDES",
+    "DYNAMIC_STATE_GLOBALS",
+    "FORKSERVER_PRELOAD",
+    "PINNED_TORCH",
+    "TorchCompatError",
+    "event_log_handlers",
+    "remaining_restarts",
+    "worker_group",
+]
+
+PINNED_TORCH = "2.13"
+"""The torch minor version these names were checked against (``pyproject.toml`` pins it)."""
+
+AGENT_OVERRIDES: dict[str, tuple[str, ...]] = {
+    # SimpleElasticAgent's extension points that elastictrain.agent overrides or calls,
+    # with the parameters torch 2.13 gives them.
+    "_rendezvous": ("self", "worker_group"),
+    "_assign_worker_ranks": ("self", "store", "group_rank", "group_world_size", "spec"),
+    "_monitor_workers": ("self", "worker_group"),
+    "_restart_workers": ("self", "worker_group"),
+    "_stop_workers": ("self", "worker_group"),
+    "_exit_barrier": ("self",),
+}
+
+DYNAMIC_STATE_GLOBALS = frozenset({
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_RendezvousState"),
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_NodeDesc"),
+    ("datetime", "datetime"),
+    ("datetime", "timezone"),
+    ("datetime", "timedelta"),
+})
+"""The globals a pickled torch dynamic-rendezvous state refers to, and the only ones the
+``etcd3-dynamic`` backend lets an unpickler resolve."""
+
+_AGENT_STATE = ("_remaining_restarts", "_worker_group")
+"""Attributes of a SimpleElasticAgent instance read through this module."""
+
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo"]
+"""Modules a worker forkserver imports once (building a DDP model imports ``torch._dynamo``:
+about 2 s here, paid once per node instead of once per worker start)."""
+
+
+class TorchCompatError(ImportError):
+    """The installed torch lacks a private name elastictrain relies on."""
+
+
+def _fail(what: str) -> TorchCompatError:
+    return TorchCompatError(
+        f"elastictrain needs torch {PINNED_TORCH}.*: torch {torch.__version__} {what}; "
+        f"install it with: pip install 'torch=={PINNED_TORCH}.*'"
+    )
+
+
+def _check() -> None:
+    for name, params in AGENT_OVERRIDES.items():
+        method = getattr(SimpleElasticAgent, name, None)
+        if method is None:
+            raise _fail(f"has no SimpleElasticAgent.{name}")
+        found = tuple(inspect.signature(method).parameters)
+        if found != params:
+            raise _fail(f"changed SimpleElasticAgent.{name}{params} to {found}")
+    init = inspect.getsource(SimpleElasticAgent.__init__)
+    for attr in _AGENT_STATE:
+        if f"self.{attr}" not in init:
+            raise _fail(f"no longer sets SimpleElasticAgent.{attr}")
+    if not isinstance(getattr(_event_handlers, "_log_handlers", None), dict):
+        raise _fail("has no torch.distributed.elastic.events.handlers._log_handlers")
+    for module_name, name in DYNAMIC_STATE_GLOBALS:
+        if not hasattr(importlib.import_module(module_name), name):
+            raise _fail(f"has no {module_name}.{name}")
+    for module in FORKSERVER_PRELOAD:
+        if importlib.util.find_spec(module) is None:
+            raise _fail(f"has no module {module}")
+
+
+_check()
+
+
+def remaining_restarts(agent: SimpleElasticAgent) -> int:
+    """Restarts the agent may still make after worker failures."""
+    return int(agent._remaining_restarts)  # noqa: SLF001 - checked above
+
+
+def worker_group(agent: SimpleElasticAgent) -> Any:
+    """The agent's ``WorkerGroup``."""
+    return agent._worker_group  # noqa: SLF001 - checked above
+
+
+def event_log_handlers() -> dict[str, Any]:
+    """torch elastic's table of event destinations (name -> ``logging.Handler``)."""
+    return _event_handlers._log_handlers  # noqa: SLF001 - checked above

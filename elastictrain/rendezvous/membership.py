@@ -1,0 +1,394 @@
+"""What a node knows of the run's membership, kept current by etcd watches.
+
+- :class:`ControlView`: the control keys (the last round, the closer, closed), which
+  every node watches: a few events per round.
+- :class:`Closer`: the one node that forms the next round. It alone reads and
+  watches every membership key while nodes gather, decides when the round is
+  complete (the same rules as torch's dynamic rendezvous: ``max_nodes`` reached,
+  or ``min_nodes`` and a last call, or every live node in), and closes it with one
+  transaction.
+- :class:`RoundWatch`: a training node's view of the members of its round: it
+  learns from etcd events, not polls, that a member lost its lease, asks for a new
+  round, or that a node waits to join.
+
+The rules, written once here:
+
+- a node *waits* when it is alive (its member key exists) and either it is not a
+  member of the current round, or it asked for a round newer than the current one
+  (``after >= round``: it re-entered the rendezvous);
+- the current round stands until a member is gone or waits again; only then can
+  the next round form ("open");
+- the next round takes the waiting nodes, members of the current round first,
+  then by registration (``create_revision``) order, at most ``max_nodes``; ranks
+  follow registration order.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from elastictrain.errors import CorruptRendezvousStateError
+from elastictrain.etcd import kv
+from elastictrain.etcd.client import EtcdClient
+from elastictrain.etcd.lease import RunLease
+from elastictrain.etcd.watch import Watch, WatchEvent
+from elastictrain.rendezvous.keys import RunKeys
+from elastictrain.rendezvous.records import ClosedRecord, CloserRecord, MemberRecord, RoundRecord, decode, encode
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Closer", "ControlView", "Member", "RoundWatch", "choose_members", "close_rendezvous", "is_open",
+           "waiting"]
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """A live member key: the record and its registration revision."""
+
+    record: MemberRecord
+    created: int
+    """``create_revision`` of the member key: the node's place in rank order."""
+
+
+def waiting(members: dict[str, Member], current: RoundRecord | None) -> list[Member]:
+    """The live nodes that want to be in the next round."""
+    if current is None:
+        return list(members.values())
+    return [m for m in members.values()
+            if current.rank_of(m.record.node) is None or m.record.after >= current.round]
+
+
+def is_open(members: dict[str, Member], current: RoundRecord | None) -> bool:
+    """Whether the next round may form: there is no round, or a member of the current one is
+    gone or asked for a new round."""
+    if current is None:
+        return True
+    for node in current.nodes:
+        member = members.get(node)
+        if member is None or member.record.after >= current.round:
+            return True
+    return False
+
+
+def choose_members(candidates: list[Member], current: RoundRecord | None, max_nodes: int) -> list[Member]:
+    """At most ``max_nodes`` of ``candidates`` (current members first, then registration order),
+    in rank order (registration order)."""
+    previous = set(current.nodes) if current is not None else set()
+    chosen = sorted(candidates, key=lambda m: (m.record.node not in previous, m.created))[:max_nodes]
+    return sorted(chosen, key=lambda m: m.created)
+
+
+class ControlView:
+    """The run's control keys as etcd last told this node, updated by a watch.
+
+    Waiters use :attr:`cond`; every update notifies it.
+    """
+
+    def __init__(self, client: EtcdClient, keys: RunKeys) -> None:
+        self._client = client
+        self._keys = keys
+        self.cond = threading.Condition()
+        self.round: RoundRecord | None = None
+        self.round_kv: kv.KeyValue | None = None
+        self.closer: str | None = None
+        self.closer_kv: kv.KeyValue | None = None
+        self.closed: ClosedRecord | None = None
+        self.problem: CorruptRendezvousStateError | None = None
+        self.version = 0
+        """Bumped on every change (and by :meth:`touch`): waiters wait for it to move."""
+        self.loaded = False
+        """Whether the view was read from etcd yet."""
+        self._loaded_at = 0  # the revision of the last full read: older events are in it
+        self._watch: Watch | None = None
+
+    def touch(self) -> None:
+        """Wake every waiter: something it depends on (not a control key) changed."""
+        with self.cond:
+            self.version += 1
+            self.cond.notify_all()
+
+    @property
+    def incarnation(self) -> int:
+        """``create_revision`` of the round key: changes when the run's keys were purged and it
+        started again, so store keys of an earlier incarnation are never read."""
+        return self.round_kv.create_revision if self.round_kv is not None else 0
+
+    def load(self, kvs: list[kv.KeyValue], revision: int) -> None:
+        """Replace the view with a read of the control prefix made at ``revision``, and keep it
+        current from there on (starting the watch on first use)."""
+        with self.cond:
+            self.round = self.round_kv = self.closer = self.closer_kv = self.closed = None
+            self.problem = None
+            for item in kvs:
+                self._apply(item, deleted=False)
+            self._loaded_at = revision
+            self.loaded = True
+            self.version += 1
+            self.cond.notify_all()
+        if self._watch is None:
+            self._watch = Watch(self._client, self._keys.ctl, prefix=True, start_revision=revision + 1,
+                                on_events=self._on_events, on_compacted=self._reload, name="control-watch").start()
+
+    def _reload(self) -> int:
+        revision, kvs = kv.range_(self._client, self._keys.ctl, prefix=True, what="reading the rendezvous")
+        self.load(kvs, revision)
+        return revision
+
+    def _on_events(self, events: list[WatchEvent], _revision: int) -> None:
+        with self.cond:
+            for event in events:
+                if event.revision > self._loaded_at:  # older ones are in the last load already
+                    self._apply(event.kv, deleted=event.deleted)
+            self.version += 1
+            self.cond.notify_all()
+
+    def apply_own_write(self, item: kv.KeyValue) -> None:
+        """Take a write this node made (e.g. the round it formed) before its watch event arrives."""
+        with self.cond:
+            current = self.round_kv if item.key == self._keys.round else None
+            if current is None or current.mod_revision < item.mod_revision:
+                self._apply(item, deleted=False)
+                if item.key == self._keys.round:
+                    # The same transaction deleted the closer key: no event needed to know it.
+                    self.closer = self.closer_kv = None
+            self.version += 1
+            self.cond.notify_all()
+
+    def _apply(self, item: kv.KeyValue, *, deleted: bool) -> None:
+        try:
+            if item.key == self._keys.round:
+                if deleted:
+                    self.round, self.round_kv = None, None
+                elif self.round_kv is None or item.mod_revision >= self.round_kv.mod_revision:
+                    self.round, self.round_kv = decode(RoundRecord, item.key, item.value), item
+            elif item.key == self._keys.closer:
+                self.closer = None if deleted else decode(CloserRecord, item.key, item.value).node
+                self.closer_kv = None if deleted else item
+            elif item.key == self._keys.closed:
+                self.closed = None if deleted else decode(ClosedRecord, item.key, item.value)
+        except CorruptRendezvousStateError as exc:
+            self.problem = exc
+
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+
+
+class Closer:
+    """Forms the next round, while this node holds the closer key.
+
+    Args:
+        client: The etcd front.
+        keys: The run's keys.
+        control: This node's control view (the current round comes from it).
+        run_lease: The lease the round record is attached to.
+        min_nodes: Fewest nodes of a round.
+        max_nodes: Most nodes of a round.
+        last_call: How long to wait for more nodes once ``min_nodes`` wait.
+        closer_created: ``create_revision`` of this node's closer key (the fencing token:
+            a node that lost the key can no longer form a round).
+    """
+
+    def __init__(self, client: EtcdClient, keys: RunKeys, control: ControlView, run_lease: RunLease, *,
+                 min_nodes: int, max_nodes: int, last_call: float, closer_created: int) -> None:
+        self._client = client
+        self._keys = keys
+        self._control = control
+        self._run_lease = run_lease
+        self._min, self._max, self._last_call = min_nodes, max_nodes, last_call
+        self._token = closer_created
+        self._lock = threading.Lock()
+        self._members: dict[str, Member] = {}
+        self._revision = 0
+        self._quorum_since: float | None = None
+        self._reported: set[str] = set()
+        revision, found = kv.range_(client, keys.members, prefix=True, what="reading the rendezvous members")
+        with self._lock:
+            for item in found:
+                self._put(item)
+            self._revision = revision
+        self._watch = Watch(client, keys.members, prefix=True, start_revision=revision + 1,
+                            on_events=self._on_events, on_compacted=self._reload, name="members-watch").start()
+
+    def _reload(self) -> int:
+        revision, found = kv.range_(self._client, self._keys.members, prefix=True,
+                                    what="reading the rendezvous members")
+        with self._lock:
+            self._members.clear()
+            for item in found:
+                self._put(item)
+            self._revision = revision
+        return revision
+
+    def _put(self, item: kv.KeyValue) -> None:
+        try:
+            record = decode(MemberRecord, item.key, item.value)
+        except CorruptRendezvousStateError as exc:
+            if item.key not in self._reported:  # a foreign key among the members: left out, said once
+                self._reported.add(item.key)
+                logger.warning("ignoring %s", exc)
+            return
+        self._members[record.node] = Member(record, item.create_revision)
+
+    def _on_events(self, events: list[WatchEvent], revision: int) -> None:
+        with self._lock:
+            for event in events:
+                node = event.key[len(self._keys.members):]
+                if event.deleted:
+                    self._members.pop(node, None)
+                else:
+                    self._put(event.kv)
+            self._revision = max(self._revision, events[-1].revision)
+        self._control.touch()  # the waiting loop re-evaluates
+
+    def summary(self) -> tuple[int, int]:
+        """How many live nodes wait, and how many are alive."""
+        with self._lock:
+            members = dict(self._members)
+        return len(waiting(members, self._control.round)), len(members)
+
+    def step(self, now: float) -> float | None:
+        """Form the next round if it is due.
+
+        Returns:
+            When to look again at the latest (a last-call deadline), or ``None``:
+            only an etcd event can change the decision.
+
+        Raises:
+            EtcdError: etcd failed.
+        """
+        current, current_kv = self._control.round, self._control.round_kv
+        with self._lock:
+            members, snapshot = dict(self._members), self._revision
+        if not is_open(members, current):
+            self._quorum_since = None
+            return None
+        candidates = waiting(members, current)
+        if len(candidates) < self._min:
+            self._quorum_since = None
+            return None
+        if self._quorum_since is None:
+            self._quorum_since = now
+        due = self._quorum_since + self._last_call
+        if len(candidates) < self._max and len(candidates) < len(members) and now < due:
+            return due
+        self._form(choose_members(candidates, current, self._max), current, current_kv, snapshot)
+        return None
+
+    def _form(self, chosen: list[Member], current: RoundRecord | None, current_kv: kv.KeyValue | None,
+              snapshot: int) -> None:
+        first = chosen[0].record
+        record = RoundRecord(
+            round=(current.round + 1) if current is not None else 0,
+            nodes=[m.record.node for m in chosen], nproc=[m.record.nproc for m in chosen],
+            master_addr=first.addr, master_port=first.port, snapshot=snapshot,
+            min_nodes=self._min, max_nodes=self._max,
+        )
+        keys = self._keys
+        compare = [
+            # The round this node read is still the last one ...
+            kv.compare_mod(keys.round, "==", current_kv.mod_revision) if current_kv is not None
+            else kv.compare_create(keys.round, "==", 0),
+            # ... this node is still the closer ...
+            kv.compare_create(keys.closer, "==", self._token),
+            # ... no member key changed since the membership it decided on ...
+            kv.compare_mod(keys.members, "<", snapshot + 1, prefix=True),
+            # ... and nobody closed the rendezvous.
+            kv.compare_create(keys.closed, "==", 0),
+        ]
+        value = encode(record)
+        result = self._run_lease.write(lambda lease: kv.txn(
+            self._client, compare, [kv.put(keys.round, value, lease), kv.delete(keys.closer), kv.get(keys.round)],
+            what="forming a rendezvous round"))
+        if result.succeeded:
+            logger.info("formed round %d of run '%s' with %d node(s): %s", record.round, keys.run_id,
+                        len(record.nodes), ", ".join(record.nodes[:8]) + (" ..." if len(record.nodes) > 8 else ""))
+            self._control.apply_own_write(result.ranges[0][0])
+        # Otherwise something changed under us; the watches say what, and step() runs again.
+
+    def close(self) -> None:
+        self._watch.close()
+
+
+class RoundWatch:
+    """A member's view of its round while it trains: who left, who wants a new round, who waits.
+
+    It watches the member keys from the revision the round was formed from, so a
+    member that died just before the round was written is seen too. Once it has seen
+    a reason to re-form the round it stops watching (the count stays).
+
+    Args:
+        client: The etcd front.
+        keys: The run's keys.
+        joined: The round this node is a member of.
+        on_change: Called after each update (on the watch thread).
+    """
+
+    def __init__(self, client: EtcdClient, keys: RunKeys, joined: RoundRecord,
+                 on_change: Callable[[], None] | None = None) -> None:
+        self._keys = keys
+        self._joined = joined
+        self._members = set(joined.nodes)
+        self._on_change = on_change
+        self._lock = threading.Lock()
+        self.lost: set[str] = set()
+        self.rejoining: set[str] = set()
+        self.joiners: set[str] = set()
+        self._watch = Watch(client, keys.members, prefix=True, start_revision=joined.snapshot + 1,
+                            on_events=self._on_events, name="round-watch")
+        self._watch.start()
+
+    def _on_events(self, events: list[WatchEvent], _revision: int) -> None:
+        with self._lock:
+            for event in events:
+                node = event.key[len(self._keys.members):]
+                if event.deleted:
+                    if node in self._members:
+                        self.lost.add(node)
+                    else:
+                        self.joiners.discard(node)
+                    continue
+                try:
+                    record = decode(MemberRecord, event.key, event.kv.value)
+                except CorruptRendezvousStateError:
+                    continue
+                if node in self._members:
+                    if record.after >= self._joined.round:
+                        self.rejoining.add(node)
+                else:
+                    self.joiners.add(node)
+            triggered = self._waiting_locked() > 0
+        if self._on_change is not None:
+            self._on_change()
+        if triggered:
+            self._watch.close()  # enough to re-form the round: no need for more events
+
+    def _waiting_locked(self) -> int:
+        gone = len(self.lost)
+        room = self._joined.max_nodes - (len(self._members) - gone)
+        return gone + len(self.rejoining) + min(len(self.joiners), max(0, room))
+
+    def waiting(self) -> int:
+        """Reasons to re-form the round: members lost or asking for a new round, and nodes that
+        wait to join and fit under ``max_nodes``."""
+        with self._lock:
+            return self._waiting_locked()
+
+    def close(self) -> None:
+        self._watch.close()
+
+
+
+def close_rendezvous(client: EtcdClient, keys: RunKeys, lease: RunLease, *, by: str, reason: str = "") -> None:
+    """Mark the run's rendezvous closed (idempotent): no round forms after it.
+
+    Raises:
+        EtcdError: etcd failed.
+    """
+    value = encode(ClosedRecord(by=by, reason=reason))
+    lease.write(lambda lease_id: kv.txn(client, [kv.compare_create(keys.closed, "==", 0)],
+                                        [kv.put(keys.closed, value, lease_id)], what="closing the rendezvous"))

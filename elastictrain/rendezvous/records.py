@@ -1,0 +1,159 @@
+"""The values the rendezvous keeps in etcd: JSON documents with a schema version.
+
+Nothing read from etcd is ever unpickled or evaluated: anyone who can write a
+key must not be able to run code on a training host or the operator's
+machine. A value that is not a document of the expected kind and schema is
+reported as :class:`~elastictrain.errors.CorruptRendezvousStateError`, whose
+message names the key.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import MISSING, asdict, dataclass, field
+from typing import Any, TypeVar
+
+from elastictrain.errors import CorruptRendezvousStateError
+
+__all__ = ["ClosedRecord", "CloserRecord", "MemberRecord", "RoundRecord", "decode", "encode"]
+
+SCHEMA = 1
+
+_R = TypeVar("_R")
+
+
+@dataclass(frozen=True, slots=True)
+class MemberRecord:
+    """A node agent taking part in the run (``rdzv/members/<node>``, on its liveness lease)."""
+
+    kind = "member"
+
+    node: str
+    """The node id: ``addr_pid_n``, unique per handler."""
+    addr: str
+    """Where other nodes reach this node (``--local-addr``)."""
+    host: str
+    """This host's name, for people."""
+    pid: int
+    """The agent's pid."""
+    nproc: int
+    """Workers this node starts."""
+    port: int
+    """A port free on this node when it asked to join: the workers' store port if it is rank 0."""
+    after: int
+    """The node wants a round newer than this one (-1: any)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoundRecord:
+    """A formed round (``rdzv/ctl/round``): its members in rank order and how to reach rank 0."""
+
+    kind = "round"
+
+    round: int
+    nodes: list[str]
+    """Member node ids; a node's index is its rank."""
+    nproc: list[int]
+    """Workers of each member, in the same order."""
+    master_addr: str
+    master_port: int
+    snapshot: int
+    """The membership revision the round was formed from: a member lost after it is seen by watching
+    the members from ``snapshot + 1``."""
+    min_nodes: int
+    max_nodes: int
+    formed_at: float = field(default_factory=time.time)
+    """Wall-clock time of forming, for people only (nothing compares it)."""
+
+    def rank_of(self, node: str) -> int | None:
+        try:
+            return self.nodes.index(node)
+        except ValueError:
+            return None
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.nproc)
+
+    def first_global_rank(self, rank: int) -> int:
+        return sum(self.nproc[:rank])
+
+
+@dataclass(frozen=True, slots=True)
+class CloserRecord:
+    """The node that forms the next round (``rdzv/ctl/closer``, on its liveness lease)."""
+
+    kind = "closer"
+
+    node: str
+
+
+@dataclass(frozen=True, slots=True)
+class ClosedRecord:
+    """The rendezvous is closed (``rdzv/ctl/closed``): no further round forms."""
+
+    kind = "closed"
+
+    by: str
+    """Who closed it (a node id, or ``elastictrain stop``)."""
+    reason: str = ""
+    at: float = field(default_factory=time.time)
+
+
+def encode(record: Any) -> bytes:
+    """The JSON bytes of ``record`` with its kind and schema version."""
+    return json.dumps({"kind": record.kind, "schema": SCHEMA, **asdict(record)}, separators=(",", ":")).encode()
+
+
+_FIELD_TYPES = {int: (int,), float: (int, float), str: (str,)}
+
+
+def decode(cls: type[_R], key: str, value: bytes) -> _R:
+    """Parse ``value`` read from etcd ``key`` as a ``cls`` record.
+
+    Raises:
+        CorruptRendezvousStateError: It is not JSON, not a ``cls`` document of our
+            schema, or a field has the wrong type; the message names the key.
+    """
+    kind = cls.kind  # type: ignore[attr-defined]
+
+    def corrupt(why: str) -> CorruptRendezvousStateError:
+        return CorruptRendezvousStateError(
+            f"etcd key {key} does not hold an elastictrain {kind} record ({why}); it was not written by "
+            "this version of elastictrain: delete it, or use another run id"
+        )
+
+    try:
+        doc = json.loads(value)
+    except (ValueError, UnicodeDecodeError):
+        raise corrupt(f"not JSON: {bytes(value[:16])!r}...") from None
+    if not isinstance(doc, dict) or doc.get("kind") != kind:
+        raise corrupt("wrong kind")
+    if doc.get("schema") != SCHEMA:
+        raise corrupt(f"schema {doc.get('schema')!r}, this version reads schema {SCHEMA}")
+    kwargs: dict[str, Any] = {}
+    for name, spec in cls.__dataclass_fields__.items():  # type: ignore[attr-defined]
+        if name not in doc:
+            if spec.default is not MISSING or spec.default_factory is not MISSING:
+                continue  # optional: keep the default
+            raise corrupt(f"field {name!r} missing")
+        kwargs[name] = _checked(doc[name], spec.type, name, corrupt)
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise corrupt(str(exc)) from None
+
+
+def _checked(value: Any, annotation: Any, name: str, corrupt: Any) -> Any:
+    text = str(annotation)
+    if text.startswith("list["):
+        inner = {"list[str]": str, "list[int]": int}[text]
+        if not isinstance(value, list) or not all(
+                isinstance(v, inner) and not isinstance(v, bool) for v in value):
+            raise corrupt(f"field {name!r} is not a {text}")
+        return value
+    expected = {"int": int, "float": float, "str": str}[text]
+    if isinstance(value, bool) or not isinstance(value, _FIELD_TYPES[expected]):
+        raise corrupt(f"field {name!r} is not a {text}")
+    return value
