@@ -10,7 +10,10 @@ so no backend waits for a last call.
 
 - ``etcd3``: elastictrain's native rendezvous (``elastictrain.rendezvous.handler``)
   with its defaults, one private etcd server for the whole run (a fresh run id per
-  trial). The requests and bytes the round put on etcd are read from etcd's
+  trial). The participants of one process share one etcd connection (one keep-alive
+  stream, one watch stream): N simulated nodes on 2 cores cannot each pay for idle
+  gRPC streams of their own, while etcd still sees every participant's own lease,
+  member key, join transaction and watches. The requests and bytes the round put on etcd are read from etcd's
   ``/metrics`` before and after it, by gRPC method: key-value requests (Range, Txn,
   Put, DeleteRange) and stream messages (lease keep-alives, watch creates).
 - ``etcd3-dynamic``: our previous mode, torch's ``DynamicRendezvousHandler`` on
@@ -48,14 +51,33 @@ KV_METHODS = ("Range", "Txn", "Put", "DeleteRange")
 DEFAULT_TIMEOUT = 120.0
 
 
+def _import(backend: str) -> None:
+    """Import what the participants need, before any of them exists (on 2 cores, many
+    processes importing torch at once starve the keep-alives of participants already made)."""
+    import torch.distributed.elastic.rendezvous  # noqa: F401
+
+    if backend == "etcd3":
+        import elastictrain.rendezvous.handler  # noqa: F401
+    elif backend == "etcd3-dynamic":
+        import elastictrain.rendezvous.dynamic  # noqa: F401
+
+
 def _handlers(backend: str, endpoint: str, run_id: str, n: int, count: int, first: int,
               conf: dict[str, str]) -> list[Any]:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     if backend == "etcd3":
+        from elastictrain.config import etcd_settings_from
+        from elastictrain.etcd.client import EtcdClient
         from elastictrain.rendezvous.handler import create_handler
 
-        return [create_handler(RendezvousParameters("etcd3", endpoint, run_id, n, n, local_addr="127.0.0.1", **conf))
+        # The participants of one process share one etcd connection (one keep-alive stream, one
+        # watch stream): a Python gRPC stream costs CPU even when idle, and 1,024 simulated
+        # nodes on one 2-core machine cannot each pay for their own. etcd still sees every
+        # participant's own lease, member key, join transaction and watches.
+        shared = EtcdClient(etcd_settings_from(conf, endpoint))
+        return [create_handler(RendezvousParameters("etcd3", endpoint, run_id, n, n, local_addr="127.0.0.1", **conf),
+                               client=shared)
                 for _ in range(count)]
     if backend == "etcd3-dynamic":
         from elastictrain.rendezvous.dynamic import create_dynamic_handler
@@ -75,8 +97,11 @@ def _handlers(backend: str, endpoint: str, run_id: str, n: int, count: int, firs
 
 
 def child(args: argparse.Namespace) -> int:
-    """One process of participants: build handlers, report READY, start at the given instant."""
+    """One process of participants: import, build handlers, report READY, start at the given instant."""
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    _import(args.backend)
+    print("IMPORTED", flush=True)
+    sys.stdin.readline()
     built = time.time()
     conf = dict(item.split("=", 1) for item in args.conf.split(",") if item)
     handlers = _handlers(args.backend, args.endpoint, args.run_id, args.n, args.count, args.first, conf)
@@ -142,6 +167,13 @@ def trial(backend: str, n: int, etcd_endpoint: str | None, procs: int | None = N
         if backend == "c10d" and len(children) == 1:
             time.sleep(0.5)  # the host's store first, as on a cluster where node 0 starts it
     try:
+        for proc in children:
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            if line.strip() != "IMPORTED":
+                return {"error": f"a participant process did not start (said {line.strip()!r})"}
+        for proc in children:
+            proc.stdin.write("build\n")  # type: ignore[union-attr]
+            proc.stdin.flush()  # type: ignore[union-attr]
         for proc in children:
             line = proc.stdout.readline()  # type: ignore[union-attr]
             if line.strip() != "READY":

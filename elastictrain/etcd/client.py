@@ -206,6 +206,8 @@ class EtcdClient:
         self._lock = threading.Lock()
         self._clients: dict[int, Any] = {}
         self._current = 0
+        self._watch_hub: Any = None
+        self._keepalive_hub: Any = None
 
     @property
     def settings(self) -> EtcdSettings:
@@ -272,13 +274,38 @@ class EtcdClient:
             return True
         return _grpc_code_name(exc) in {"UNAVAILABLE", "DEADLINE_EXCEEDED"}
 
-    def _discard(self, index: int, exc: BaseException) -> None:
-        """Endpoint ``index`` failed transiently: fail over, and rebuild its channel next time."""
+    def _discard(self, index: int, client: Any, exc: BaseException) -> None:
+        """A request to endpoint ``index`` through ``client`` failed transiently: fail over.
+
+        The channel stays open (gRPC reconnects it by itself, and watches and keep-alive
+        streams of other threads share it); only a client whose auth token etcd forgot
+        is replaced, since logging in again takes a new one.
+        """
         self._fail_over(index, exc)
-        with self._lock:  # a channel in a bad state is rebuilt next time
-            stale = self._clients.pop(index, None)
+        if not (_is_expired_token(exc) or _is_expired_token(exc.__cause__ or exc.__context__ or exc)):
+            return
+        with self._lock:
+            stale = self._clients.pop(index, None) if self._clients.get(index) is client else None
         if stale is not None:
             _close_quietly(stale)
+
+    def watch_hub(self) -> Any:
+        """The :class:`~elastictrain.etcd.watch.WatchHub` that carries this client's watches."""
+        from elastictrain.etcd.watch import WatchHub
+
+        with self._lock:
+            if self._watch_hub is None:
+                self._watch_hub = WatchHub(self)
+            return self._watch_hub
+
+    def keepalive_hub(self) -> Any:
+        """The :class:`~elastictrain.etcd.lease.KeepAliveHub` that refreshes this client's leases."""
+        from elastictrain.etcd.lease import KeepAliveHub
+
+        with self._lock:
+            if self._keepalive_hub is None:
+                self._keepalive_hub = KeepAliveHub(self)
+            return self._keepalive_hub
 
     def stream_client(self) -> tuple[int, Any]:
         """The current endpoint's index and ``etcd3`` client, to open a long-lived stream on
@@ -286,14 +313,14 @@ class EtcdClient:
         index = self._current
         return index, self._client_for(index)
 
-    def stream_failed(self, index: int, exc: BaseException) -> None:
-        """A stream on endpoint ``index`` broke: fail over as a failed call would.
+    def stream_failed(self, index: int, client: Any, exc: BaseException) -> None:
+        """A stream on endpoint ``index`` (through ``client``) broke: fail over as a failed call would.
 
         Errors that no retry can fix (a refused password or certificate) are left to the
         next :meth:`call` to report.
         """
-        if self._is_transient(exc) or _grpc_code_name(exc) in {"CANCELLED", "UNKNOWN", "INTERNAL"}:
-            self._discard(index, exc)
+        if self._is_transient(exc):
+            self._discard(index, client, exc)
 
     def call(self, operation: Callable[[Any], _T], what: str = "etcd request", *, once: bool = False) -> _T:
         """Run ``operation(etcd3_client)`` with failover and bounded retries.
@@ -316,13 +343,14 @@ class EtcdClient:
         last: list[tuple[Endpoint, BaseException]] = []
 
         def attempt() -> _T:
-            index = self._current
+            index, client = self._current, None
             try:
-                return operation(self._client_for(index))
+                client = self._client_for(index)
+                return operation(client)
             except Exception as exc:
                 last.append((self._settings.endpoints[index], exc))
                 if self._is_transient(exc):
-                    self._discard(index, exc)
+                    self._discard(index, client, exc)
                 raise
 
         retrying = tenacity.Retrying(
@@ -358,8 +386,13 @@ class EtcdClient:
             raise
 
     def close(self) -> None:
+        """Stop this client's watches and keep-alives and close its channels."""
         with self._lock:
             clients, self._clients = list(self._clients.values()), {}
+            hubs = [h for h in (self._watch_hub, self._keepalive_hub) if h is not None]
+            self._watch_hub = self._keepalive_hub = None
+        for hub in hubs:
+            hub.close()
         for client in clients:
             _close_quietly(client)
 

@@ -5,9 +5,10 @@ its TTL, judged by the server's own clock, and every key attached to it is
 deleted at that moment. That makes a lease the way to say "this process is
 alive" without comparing clocks of different hosts.
 
-- :class:`KeptLease` holds one lease and refreshes it over etcd's keep-alive
-  stream from a background thread; when etcd says the lease is gone it is
-  marked lost (and a callback runs).
+- :class:`KeptLease` holds one lease, refreshed over etcd's keep-alive stream;
+  when etcd says the lease is gone it is marked lost (and a callback runs). All
+  leases of one client share one stream and one thread (a :class:`KeepAliveHub`,
+  as etcd's Go client does): a Python gRPC stream costs CPU even when idle.
 - :class:`RunLease` is the lease of a run's shared keys (rendezvous rounds, the
   store, status records). One lease per run, its id published under the run's
   prefix; every live node keeps it alive, so the keys live as long as any node
@@ -19,6 +20,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -29,15 +31,117 @@ from elastictrain.etcd.client import EtcdClient, import_etcd3
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KeptLease", "RunLease"]
+__all__ = ["KeepAliveHub", "KeptLease", "RunLease"]
 
 _T = TypeVar("_T")
 _BACKOFF_FIRST = 0.05
 _BACKOFF_MAX = 1.0
 
 
+class KeepAliveHub:
+    """The one keep-alive stream of an :class:`EtcdClient`, shared by all its :class:`KeptLease` s.
+
+    One thread holds the stream: it sends each lease's keep-alive when it falls due and
+    reads etcd's answers (a TTL of 0 means the lease is gone). When the stream breaks it
+    reopens it, on the next endpoint if need be, and sends every keep-alive at once.
+    """
+
+    def __init__(self, client: EtcdClient) -> None:
+        self._client = client
+        self._cond = threading.Condition()
+        self._leases: dict[int, KeptLease] = {}
+        self._due: dict[int, float] = {}
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def add(self, lease: KeptLease, lease_id: int) -> None:
+        with self._cond:
+            self._leases[lease_id] = lease
+            self._due[lease_id] = 0.0  # at once
+            self._cond.notify_all()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="elastictrain-keepalive", daemon=True)
+                self._thread.start()
+
+    def remove(self, lease_id: int) -> None:
+        with self._cond:
+            self._leases.pop(lease_id, None)
+            self._due.pop(lease_id, None)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._leases.clear()
+            self._cond.notify_all()
+
+    def _requests(self, done: threading.Event) -> Iterator[Any]:
+        rpc = import_etcd3().etcdrpc
+        with self._cond:
+            for lease_id in self._due:  # a new stream: every keep-alive at once
+                self._due[lease_id] = 0.0
+        while True:
+            with self._cond:
+                if self._closed or done.is_set():
+                    return
+                now = time.monotonic()
+                due = [i for i, at in self._due.items() if at <= now]
+                for lease_id in due:
+                    self._due[lease_id] = now + self._leases[lease_id].interval
+                if not due:
+                    wake = min(self._due.values(), default=now + 1.0)
+                    self._cond.wait(max(0.0, min(wake - now, 1.0)))
+                    continue
+            for lease_id in due:
+                yield rpc.LeaseKeepAliveRequest(ID=lease_id)
+
+    def _run(self) -> None:
+        import grpc
+
+        rpc = import_etcd3().etcdrpc
+        backoff = _BACKOFF_FIRST
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+            done = threading.Event()
+            call, index, client = None, self._client.current_index, None
+            try:
+                index, client = self._client.stream_client()
+                call = rpc.LeaseStub(client.channel).LeaseKeepAlive(
+                    self._requests(done), credentials=client.call_credentials, metadata=client.metadata)
+                for response in call:
+                    backoff = _BACKOFF_FIRST
+                    if response.TTL <= 0:
+                        with self._cond:
+                            lease = self._leases.pop(response.ID, None)
+                            self._due.pop(response.ID, None)
+                        if lease is not None:
+                            lease.mark_lost()
+            except grpc.RpcError as exc:
+                with self._cond:
+                    if self._closed:
+                        return
+                logger.debug("keep-alive stream broke (%s); reopening", exc)
+                self._client.stream_failed(index, client, exc)
+            except ValueError as exc:  # channel closed by a failover elsewhere
+                logger.debug("keep-alive stream: channel closed (%s); reopening", exc)
+            except EtcdError as exc:  # no client could be built (e.g. a bad certificate)
+                logger.debug("cannot open a keep-alive stream: %s", exc)
+            finally:
+                done.set()
+                with self._cond:
+                    self._cond.notify_all()
+                if call is not None:
+                    call.cancel()
+            with self._cond:
+                if self._closed:
+                    return
+                self._cond.wait(backoff * random.uniform(0.5, 1.0))
+            backoff = min(backoff * 2, _BACKOFF_MAX)
+
+
 class KeptLease:
-    """A lease refreshed over a keep-alive stream every ``interval`` until closed.
+    """A lease refreshed every ``interval`` (over its client's keep-alive stream) until closed.
 
     Args:
         client: The etcd front.
@@ -45,7 +149,7 @@ class KeptLease:
             it up to its minimum (1.5 x its election timeout).
         interval: Time between keep-alive messages; a TTL of 5 s refreshed every
             second tolerates four lost or late refreshes before etcd expires it.
-        name: Names the thread and log lines.
+        name: Names the lease in log lines.
         on_lost: Called (on the keep-alive thread) once etcd says the lease expired.
     """
 
@@ -58,14 +162,13 @@ class KeptLease:
                               f"and shorter than the lease TTL ({ttl.total_seconds():g} s)")
         self._client = client
         self.ttl = int(round(ttl.total_seconds()))
-        self._interval = interval.total_seconds()
+        self.interval = interval.total_seconds()
         self._name = name
         self._on_lost = on_lost
-        self._lock = threading.Condition()
+        self._lock = threading.Lock()
         self._id: int | None = None
         self._lost = False
         self._closed = False
-        self._thread: threading.Thread | None = None
         self.granted_ttl: int | None = None
         """The TTL etcd granted (it may round a short one up)."""
 
@@ -94,20 +197,22 @@ class KeptLease:
         return int(lease.id)
 
     def adopt(self, lease_id: int) -> None:
-        """Keep ``lease_id`` alive from now on (a lease another process granted)."""
+        """Keep ``lease_id`` alive from now on (a lease another process may have granted)."""
         with self._lock:
-            self._id, self._lost = lease_id, False
-            self._lock.notify_all()
-            if self._thread is None and not self._closed:
-                self._thread = threading.Thread(target=self._run, name=f"elastictrain-{self._name}", daemon=True)
-                self._thread.start()
+            previous, self._id, self._lost = self._id, lease_id, False
+            closed = self._closed
+        hub = self._client.keepalive_hub()
+        if previous is not None and previous != lease_id:
+            hub.remove(previous)
+        if not closed:
+            hub.add(self, lease_id)
 
     def revoke(self) -> None:
         """Stop refreshing and delete the lease now: every key attached to it goes with it."""
         with self._lock:
             lease_id, self._id = self._id, None
-            self._lock.notify_all()
         if lease_id is not None:
+            self._client.keepalive_hub().remove(lease_id)
             try:
                 self._client.call(lambda c: c.revoke_lease(lease_id), what=f"revoking the {self._name}")
             except EtcdError as exc:  # it expires on its own
@@ -117,64 +222,9 @@ class KeptLease:
         """Stop refreshing (the lease then expires after its TTL)."""
         with self._lock:
             self._closed = True
-            self._lock.notify_all()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=2.0)
-
-    def _requests(self, done: threading.Event) -> Iterator[Any]:
-        rpc = import_etcd3().etcdrpc
-        while True:
-            with self._lock:
-                if self._closed or done.is_set():
-                    return
-                lease_id = self._id
-                if lease_id is None or self._lost:  # nothing to refresh until grant()/adopt()
-                    self._lock.wait(self._interval)
-                    continue
-            yield rpc.LeaseKeepAliveRequest(ID=lease_id)
-            with self._lock:
-                if not self._closed:
-                    self._lock.wait(self._interval)
-
-    def _run(self) -> None:
-        import grpc
-
-        rpc = import_etcd3().etcdrpc
-        backoff = _BACKOFF_FIRST
-        while True:
-            with self._lock:
-                if self._closed:
-                    return
-            done = threading.Event()
-            call, index = None, self._client.current_index
-            try:
-                index, client = self._client.stream_client()
-                call = rpc.LeaseStub(client.channel).LeaseKeepAlive(
-                    self._requests(done), credentials=client.call_credentials, metadata=client.metadata)
-                for response in call:
-                    backoff = _BACKOFF_FIRST
-                    if response.TTL <= 0 and response.ID == self._id:
-                        self.mark_lost()
-            except grpc.RpcError as exc:
-                with self._lock:
-                    if self._closed:
-                        return
-                logger.debug("%s: keep-alive stream broke (%s); reopening", self._name, exc)
-                self._client.stream_failed(index, exc)
-            except ValueError as exc:  # channel closed by a failover elsewhere
-                logger.debug("%s: channel closed (%s); reopening", self._name, exc)
-            except EtcdError as exc:  # no client could be built (e.g. a bad certificate)
-                logger.debug("%s: cannot open a keep-alive stream: %s", self._name, exc)
-            finally:
-                done.set()
-                if call is not None:
-                    call.cancel()
-            with self._lock:
-                if self._closed:
-                    return
-                self._lock.wait(backoff * random.uniform(0.5, 1.0))
-            backoff = min(backoff * 2, _BACKOFF_MAX)
+            lease_id = self._id
+        if lease_id is not None:
+            self._client.keepalive_hub().remove(lease_id)
 
     def mark_lost(self) -> None:
         """Record that etcd no longer knows the lease (a write said so); runs ``on_lost`` once."""
@@ -182,8 +232,11 @@ class KeptLease:
             if self._lost:
                 return
             self._lost = True
+            lease_id = self._id
+        if lease_id is not None:
+            self._client.keepalive_hub().remove(lease_id)
         logger.warning("etcd expired the %s (%s): etcd did not hear from this process for %d s",
-                       self._name, f"{self._id:x}" if self._id else "?", self.ttl)
+                       self._name, f"{lease_id:x}" if lease_id else "?", self.ttl)
         if self._on_lost is not None:
             try:
                 self._on_lost()

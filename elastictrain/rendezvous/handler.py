@@ -29,6 +29,7 @@ import logging
 import os
 import secrets
 import socket
+import threading
 import time
 
 from torch.distributed.elastic.rendezvous import (
@@ -100,6 +101,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         self._closer: Closer | None = None
         self._joined: RoundRecord | None = None
         self._round_watch: RoundWatch | None = None
+        self._watch_lock = threading.Lock()
         self._spare = False
 
     # --- torch's interface --------------------------------------------------------------------
@@ -138,6 +140,11 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         logged = started
         control = self._control
         while True:
+            if self._alive.lost:  # etcd dropped this node while it waited (a stall, a cut link)
+                logger.warning("node %s lost its lease while waiting; registering again", self.node_id)
+                self._release_closer()
+                self.connect()
+                self._join(after)
             with control.cond:
                 seen = control.version
                 if control.problem is not None:
@@ -194,9 +201,13 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         (no etcd request): nodes that wait to join and fit under ``max_nodes``, members that
         lost their lease or asked for a new round, and 1 if rounds moved on without this node
         (its own lease expired: it was cut off)."""
-        joined, watch = self._joined, self._round_watch
-        if joined is None or watch is None:
+        joined = self._joined
+        if joined is None:
             return 0
+        with self._watch_lock:
+            watch = self._round_watch
+            if watch is None:  # started on first use: next_rendezvous returns sooner
+                watch = self._round_watch = RoundWatch(self.client, self.keys, joined)
         with self._control.cond:
             current, closed = self._control.round, self._control.closed
         if closed is not None:
@@ -281,9 +292,15 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         lease = self._alive.id
         if lease is None:
             return
-        result = kv.txn(self.client, [kv.compare_create(self.keys.closer, "==", 0)],
-                        [kv.put(self.keys.closer, encode(CloserRecord(self.node_id)), lease)],
-                        what="taking the closer role")
+        try:
+            result = kv.txn(self.client, [kv.compare_create(self.keys.closer, "==", 0)],
+                            [kv.put(self.keys.closer, encode(CloserRecord(self.node_id)), lease)],
+                            what="taking the closer role")
+        except EtcdError as exc:
+            if "lease not found" not in str(exc):
+                raise
+            self._alive.mark_lost()  # etcd expired it: the waiting loop registers anew
+            return
         if result.succeeded:
             self._become_closer(result.revision)
 
@@ -309,7 +326,6 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         rank = current.rank_of(self.node_id)
         assert rank is not None  # noqa: S101 - checked by the caller
         self._joined, self._spare = current, False
-        self._round_watch = RoundWatch(self.client, self.keys, current)
         store = Etcd3Store(self.client, self.keys.store(self._control.incarnation, current.round), self.run_lease,
                            timeout=self._config.join_timeout)
         logger.info("joined round %d of run '%s' as node rank %d of %d", current.round, self.keys.run_id, rank,
@@ -318,7 +334,8 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                               RendezvousStoreInfo(current.master_addr, current.master_port))
 
     def _leave_round(self) -> None:
-        watch, self._round_watch = self._round_watch, None
+        with self._watch_lock:
+            watch, self._round_watch = self._round_watch, None
         if watch is not None:
             watch.close()
 
@@ -328,13 +345,19 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         self._control.touch()
 
 
-def create_handler(params: RendezvousParameters) -> Etcd3RendezvousHandler:
+def create_handler(params: RendezvousParameters, *, client: EtcdClient | None = None) -> Etcd3RendezvousHandler:
     """Create the ``etcd3`` rendezvous handler from torch's rendezvous parameters.
 
     ``params.endpoint`` is ``host:port[,host:port...]``. Keys of ``params.config``
     (``--rdzv-conf`` in torchrun) are those of :class:`RendezvousConfig` (seconds),
     of :func:`elastictrain.config.etcd_settings_from` (TLS, auth, timeouts) and
     ``local_world_size``.
+
+    Args:
+        params: torch's rendezvous parameters.
+        client: An etcd client to use instead of a new one from ``params`` (several
+            simulated nodes in one process share one connection); the handler then
+            owns it.
 
     Raises:
         ConfigError: A parameter is invalid.
@@ -349,7 +372,7 @@ def create_handler(params: RendezvousParameters) -> Etcd3RendezvousHandler:
         nproc = int(nproc)
     except (TypeError, ValueError):
         raise ConfigError(f"{LOCAL_WORLD_SIZE_KEY} must be an integer, got {nproc!r}") from None
-    client = EtcdClient(etcd_settings_from(params.config, params.endpoint))
+    client = client or EtcdClient(etcd_settings_from(params.config, params.endpoint))
     handler = Etcd3RendezvousHandler(client, params.run_id, min_nodes=params.min_nodes, max_nodes=params.max_nodes,
                                      config=config, local_addr=params.local_addr, nproc=nproc)
     try:

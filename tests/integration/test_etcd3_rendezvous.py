@@ -262,3 +262,22 @@ def test_rounds_form_for_many_nodes_with_few_requests_each(etcd_server: Any, run
     # One join transaction per node; the closer adds a read and the round's write.
     assert after - before <= n + 4, f"{after - before} key-value requests for {n} nodes"
     _shutdown(*handlers)
+
+
+def test_a_node_whose_lease_expires_while_it_waits_registers_again(etcd_server: Any, run_id: str,
+                                                                   etcd_client: Any) -> None:
+    first, second = _handlers(etcd_server.endpoint, run_id, 2, 2, 2, **SHORT_LEASE)
+    keys = RunKeys.of(run_id)
+
+    def registered() -> bool:
+        return bool(kv.range_(etcd_client, keys.member(first.node_id), what="test")[1])
+
+    waiting = ThreadPoolExecutor(1).submit(first.next_rendezvous)
+    _eventually(registered, 10, "the first node registers")
+    old_lease = first._alive.id  # noqa: SLF001
+    etcd_client.call(lambda c: c.revoke_lease(old_lease))  # as if etcd had expired it
+    _eventually(lambda: registered() and first._alive.id != old_lease, 10,  # noqa: SLF001
+                "the waiting node registers again under a new lease")
+    infos = [second.next_rendezvous(), waiting.result(timeout=10)]
+    assert {i.world_size for i in infos} == {2}
+    _shutdown(first, second)
