@@ -52,10 +52,19 @@ DEFAULT_ETCD_PORT = 2379
 # retry loop already paces the attempts.
 _GRPC_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.enable_retries", 0),
 ]
+
+
+def _grpc_options(settings: EtcdSettings) -> list[tuple[str, int]]:
+    """:data:`_GRPC_OPTIONS` plus the deadline of one connection attempt.
+
+    gRPC names that deadline ``min_reconnect_backoff_ms``: it is not a back-off but
+    how long the TCP, TLS and HTTP/2 handshake may take. At 100 ms, every etcd more
+    than about 50 ms away was "unreachable". A connection may take as long as a request.
+    """
+    return [*_GRPC_OPTIONS, ("grpc.min_reconnect_backoff_ms", int(settings.request_timeout.total_seconds() * 1000))]
 
 _etcd3: Any = None
 
@@ -267,7 +276,7 @@ class EtcdClient:
                     timeout=self._settings.request_timeout.total_seconds(),
                     user=self._settings.user,
                     password=self._settings.password,
-                    grpc_options=_GRPC_OPTIONS,
+                    grpc_options=_grpc_options(self._settings),
                 )
                 if not client.uses_secure_channel:
                     # etcd3 0.12 sends the auth token both as metadata and as gRPC call
