@@ -22,7 +22,10 @@ from elastictrain.errors import ConfigError
 from elastictrain.etcd.client import Endpoint, EtcdSettings, parse_endpoints
 from elastictrain.etcd.keys import validate_run_id
 
-__all__ = ["RendezvousConfig", "RunConfig", "etcd_settings_from", "parse_duration"]
+__all__ = ["ETCD_PASSWORD_ENV", "RendezvousConfig", "RunConfig", "etcd_settings_from", "parse_duration",
+           "take_etcd_password"]
+
+ETCD_PASSWORD_ENV = "ELASTICTRAIN_ETCD_PASSWORD"
 
 
 def parse_duration(name: str, value: Any, *, minimum: float = 0.0) -> timedelta:
@@ -155,7 +158,7 @@ def etcd_settings_from(conf: dict[str, Any], endpoints: str) -> EtcdSettings:
         kwargs["request_timeout"] = parse_duration("request_timeout", conf["request_timeout"], minimum=0.01)
     if conf.get("retry_deadline") is not None:
         kwargs["retry_deadline"] = parse_duration("retry_deadline", conf["retry_deadline"])
-    return EtcdSettings(
+    settings = EtcdSettings(
         endpoints=parsed,
         ca_cert=pick("ca_cert"),
         cert_cert=pick("client_cert", "cert"),
@@ -164,6 +167,53 @@ def etcd_settings_from(conf: dict[str, Any], endpoints: str) -> EtcdSettings:
         password=pick("password"),
         **kwargs,
     )
+    _check_etcd_security(settings, endpoints)
+    return settings
+
+
+def _check_etcd_security(settings: EtcdSettings, endpoints: str) -> None:
+    """Refuse TLS and auth settings that etcd3 would ignore, misuse or crash on.
+
+    Raises:
+        ConfigError: A half-given pair, an unreadable file, or TLS asked for without a CA.
+    """
+    if (settings.cert_cert is None) != (settings.cert_key is None):
+        given, missing = ("--etcd-cert", "--etcd-key") if settings.cert_key is None else ("--etcd-key", "--etcd-cert")
+        raise ConfigError(f"{given} needs {missing}: a client certificate and its private key go together")
+    if settings.cert_cert is not None and settings.ca_cert is None:
+        raise ConfigError("--etcd-cert and --etcd-key need --etcd-ca-cert (the CA that signed etcd's certificate): "
+                          "without it the client would not use TLS at all")
+    if settings.ca_cert is None and "https://" in endpoints:
+        # etcd3 would open a plain-text channel. Public CAs are not trusted implicitly:
+        # pass the system bundle if one of them signed etcd's certificate.
+        raise ConfigError(f"etcd endpoint {endpoints!r} asks for TLS (https://): pass --etcd-ca-cert with the CA that "
+                          "signed etcd's certificate (the system bundle, e.g. /etc/ssl/certs/ca-certificates.crt, "
+                          "for a public CA)")
+    for flag, path in (("--etcd-ca-cert", settings.ca_cert), ("--etcd-cert", settings.cert_cert),
+                       ("--etcd-key", settings.cert_key)):
+        if path is not None:
+            try:
+                with open(path, "rb"):
+                    pass
+            except OSError as exc:
+                raise ConfigError(f"cannot read {flag} {path!r}: {exc.strerror or exc}") from None
+    if settings.user and not settings.password:
+        raise ConfigError(f"--etcd-user {settings.user!r} needs its password in {ETCD_PASSWORD_ENV}")
+    if settings.password and not settings.user:
+        raise ConfigError(f"{ETCD_PASSWORD_ENV} is set but no etcd user was given: pass --etcd-user, or unset the variable")
+
+
+def take_etcd_password(options: dict[str, Any]) -> dict[str, Any]:
+    """Move the etcd password out of the environment and into a copy of ``options``.
+
+    Call it before starting any process that must not know the password: children
+    inherit the environment, and a training script (or anything it runs) has no use
+    for the credentials of the rendezvous.
+    """
+    password = os.environ.pop(ETCD_PASSWORD_ENV, None)
+    if password and not options.get("password"):
+        return {**options, "password": password}
+    return dict(options)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

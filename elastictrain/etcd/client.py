@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import ssl
 import threading
 import time
 import warnings
@@ -236,6 +238,8 @@ class EtcdClient:
             raise ValueError("at least one etcd endpoint is required")
         self._settings = settings
         self._etcd3 = import_etcd3()
+        if settings.password and not settings.ca_cert:
+            _warn_plaintext_password(settings)
         self._lock = threading.Lock()
         self._clients: dict[int, Any] = {}
         self._current = 0
@@ -309,6 +313,23 @@ class EtcdClient:
             return True
         return _grpc_code_name(exc) in {"UNAVAILABLE", "DEADLINE_EXCEEDED"}
 
+    def _tls_mismatch(self, index: int, exc: BaseException) -> EtcdAuthError | None:
+        """An error if a failed handshake came from TLS on one side only (retrying would not help).
+
+        gRPC reports both as transient (a TLS handshake that read nothing, a socket
+        closed), as it does for a server that is restarting: ask the server directly.
+        """
+        endpoint = self._settings.endpoints[index]
+        text = _describe(exc).lower()
+        timeout = min(2.0, self._settings.request_timeout.total_seconds())
+        if self._settings.ca_cert and "handshake" in text and _serves_plaintext_etcd(endpoint, timeout):
+            return EtcdAuthError(f"etcd at {endpoint} serves plain text, not TLS: drop --etcd-ca-cert, --etcd-cert "
+                                 "and --etcd-key, or serve etcd with TLS")
+        if not self._settings.ca_cert and "socket closed" in text and _serves_tls(endpoint, timeout):
+            return EtcdAuthError(f"etcd at {endpoint} serves TLS: pass --etcd-ca-cert with the CA that signed "
+                                 "its certificate")
+        return None
+
     def call(self, operation: Callable[[Any], _T], what: str = "etcd request") -> _T:
         """Run ``operation(etcd3_client)`` with failover and bounded retries.
 
@@ -331,6 +352,9 @@ class EtcdClient:
                 result = operation(self._client_for(index))
             except Exception as exc:
                 last.append((self._settings.endpoints[index], exc))
+                mismatch = self._tls_mismatch(index, exc) if self._is_transient(exc) else None
+                if mismatch is not None:
+                    raise mismatch from exc
                 if self._is_transient(exc):
                     with self._lock:
                         self._failing = True
@@ -403,6 +427,45 @@ def _is_auth_failure(exc: BaseException) -> bool:
         if code == "UNAVAILABLE" and any(marker in text for marker in _TLS_FAILURE_MARKERS):
             return True
     return False
+
+
+def _serves_plaintext_etcd(endpoint: Endpoint, timeout: float) -> bool:
+    """Whether ``endpoint`` answers etcd's ``/version`` over plain HTTP."""
+    try:
+        with socket.create_connection((endpoint.host, endpoint.port), timeout) as sock:
+            sock.sendall(b"GET /version HTTP/1.1\r\nHost: etcd\r\nConnection: close\r\n\r\n")
+            answer = sock.recv(4096)
+    except OSError:
+        return False
+    return answer.startswith(b"HTTP/") and b'"etcdserver"' in answer
+
+
+def _serves_tls(endpoint: Endpoint, timeout: float) -> bool:
+    """Whether ``endpoint`` speaks TLS: it completes a handshake (its certificate unchecked:
+    we only ask), or answers ours with a TLS alert (it wants a client certificate)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with socket.create_connection((endpoint.host, endpoint.port), timeout) as sock:
+            with context.wrap_socket(sock):
+                return True
+    except ssl.SSLError as exc:
+        return "ALERT" in str(exc.reason)
+    except OSError:
+        return False
+
+
+_warned_plaintext: set[str] = set()
+
+
+def _warn_plaintext_password(settings: EtcdSettings) -> None:
+    """Say once per process and endpoint list that a password is about to cross the network unencrypted."""
+    where = settings.describe()
+    if where not in _warned_plaintext:
+        _warned_plaintext.add(where)
+        logger.warning("etcd password auth without TLS: the password and auth token cross the network to %s "
+                       "in plain text; pass --etcd-ca-cert and serve etcd with TLS", where)
 
 
 def _close_quietly(client: Any) -> None:
