@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -171,9 +172,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "(elastictrain chaos --help)")
 
     etcd = sub.add_parser("etcd", help="run an etcd server in the foreground", description="Run an etcd server until Ctrl-C.")
-    _add(etcd, "--host", default="127.0.0.1", help="address to listen on")
+    _add(etcd, "--host", default="127.0.0.1", help="address to listen on; one other hosts reach needs TLS and "
+         "client certificates, or --insecure")
     _add(etcd, "--port", default=2379, type=_positive_int, help="client port")
-    _add(etcd, "--data-dir", default=None, help="data directory (default: a temporary one, removed on exit)")
+    _add(etcd, "--data-dir", default=None, help="data directory, fsynced (default: on a loopback --host a temporary "
+         "one, removed on exit, without fsync; otherwise elastictrain-runs/etcd-PORT, kept)")
+    _add(etcd, "--cert-file", default=None, help="server certificate: serve TLS (etcd's --cert-file)")
+    _add(etcd, "--key-file", default=None, help="private key of --cert-file")
+    _add(etcd, "--trusted-ca-file", default=None, help="CA that signs the clients' certificates")
+    _add_switch(etcd, "--client-cert-auth", help="accept only clients with a certificate signed by --trusted-ca-file")
+    _add_switch(etcd, "--insecure", help="serve other hosts without TLS and client certificates (a trusted network only)")
     return parser
 
 
@@ -328,18 +336,71 @@ def _cmd_stop(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_etcd(args: argparse.Namespace) -> int:
-    from elastictrain.etcd.server import EtcdServer, EtcdServerOptions
+def _etcd_server_options(args: argparse.Namespace) -> Any:
+    """``elastictrain etcd``'s flags as :class:`EtcdServerOptions`, after the checks.
 
-    server = EtcdServer(EtcdServerOptions(host=args.host, client_port=int(args.port), data_dir=args.data_dir))
+    A server that other hosts reach must encrypt and authenticate (TLS and client
+    certificates) unless ``--insecure`` says the network is trusted, and keeps its
+    data, fsynced: losing the rendezvous of a running job to a power cut is not a
+    trade for speed there. On loopback it is a throwaway for trials on one machine.
+    """
+    from elastictrain._addresses import is_loopback
+    from elastictrain.config import check_readable_file, check_writable_dir
+    from elastictrain.etcd.server import EtcdServerOptions
+
+    if bool(args.cert_file) != bool(args.key_file):
+        raise ConfigError("--cert-file and --key-file go together: a server certificate and its private key")
+    if args.client_cert_auth and not (args.trusted_ca_file and args.cert_file):
+        raise ConfigError("--client-cert-auth needs --trusted-ca-file (the CA of the clients' certificates) "
+                          "and TLS (--cert-file, --key-file)")
+    for flag in ("--cert-file", "--key-file", "--trusted-ca-file"):
+        path = getattr(args, flag[2:].replace("-", "_"))
+        if path:
+            check_readable_file(path, flag)
+    serves_others = not is_loopback(args.host)
+    if serves_others and not args.insecure and not (args.cert_file and args.client_cert_auth):
+        raise ConfigError(
+            f"refusing to serve etcd on {args.host} without TLS and client certificates: whoever reaches port "
+            f"{args.port} could read, rewrite or stop every run; pass --cert-file, --key-file, --trusted-ca-file "
+            "and --client-cert-auth, or --insecure on a trusted network"
+        )
+    data_dir = args.data_dir or (os.path.join("elastictrain-runs", f"etcd-{args.port}") if serves_others else None)
+    if data_dir:
+        check_writable_dir(data_dir, "--data-dir")
+    extra: list[str] = []
+    for flag in ("--cert-file", "--key-file", "--trusted-ca-file"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value:
+            extra += [flag, os.path.abspath(value)]
+    if args.client_cert_auth:
+        extra.append("--client-cert-auth")
+    return EtcdServerOptions(host=args.host, client_port=int(args.port), data_dir=data_dir, extra_args=extra)
+
+
+def _cmd_etcd(args: argparse.Namespace) -> int:
+    from elastictrain.errors import EtcdServerError
+    from elastictrain.etcd.server import EtcdServer
+
+    server = EtcdServer(_etcd_server_options(args))
     server.start()
-    print(f"etcd serving at {server.endpoint} (pid {server.pid}); Ctrl-C stops it", flush=True)
-    print(f"  nodes join with: elastictrain run --etcd {server.endpoint} --run-id NAME ...", flush=True)
+    if server.durable:
+        kept = f"data in {server.options.data_dir} (kept, fsynced)"
+    else:
+        kept = "data in a temporary directory, without fsync (for trials on this machine)"
+    tls = " over TLS" if server.client_url.startswith("https") else ""
+    print(f"etcd serving at {server.endpoint}{tls} (pid {server.pid}); {kept}; Ctrl-C stops it", flush=True)
+    host = socket.gethostname() if args.host in {"0.0.0.0", "::"} else server.endpoint.rpartition(":")[0]
+    tls_flags = (" --etcd-ca-cert CA" if args.cert_file else "") + (
+        " --etcd-cert CERT --etcd-key KEY" if args.client_cert_auth else "")
+    print(f"  nodes join with: elastictrain run --etcd {host}:{args.port}{tls_flags} --run-id NAME ...", flush=True)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     try:
         while not stop and server.is_running():
             time.sleep(0.2)
+        if not stop:
+            raise EtcdServerError(f"etcd at {server.endpoint} exited on its own with code {server.returncode}: "
+                                  f"{server.exit_reason()}")
     except KeyboardInterrupt:
         pass
     finally:

@@ -14,6 +14,7 @@ workers started, and the other nodes dropped it from the rendezvous.)
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -22,8 +23,8 @@ from elastictrain.errors import ConfigError
 from elastictrain.etcd.client import Endpoint, EtcdSettings, parse_endpoints
 from elastictrain.etcd.keys import validate_run_id
 
-__all__ = ["ETCD_PASSWORD_ENV", "RendezvousConfig", "RunConfig", "etcd_settings_from", "parse_duration",
-           "take_etcd_password"]
+__all__ = ["ETCD_PASSWORD_ENV", "RendezvousConfig", "RunConfig", "check_readable_file", "check_writable_dir",
+           "etcd_settings_from", "parse_duration", "take_etcd_password"]
 
 ETCD_PASSWORD_ENV = "ELASTICTRAIN_ETCD_PASSWORD"
 
@@ -192,15 +193,36 @@ def _check_etcd_security(settings: EtcdSettings, endpoints: str) -> None:
     for flag, path in (("--etcd-ca-cert", settings.ca_cert), ("--etcd-cert", settings.cert_cert),
                        ("--etcd-key", settings.cert_key)):
         if path is not None:
-            try:
-                with open(path, "rb"):
-                    pass
-            except OSError as exc:
-                raise ConfigError(f"cannot read {flag} {path!r}: {exc.strerror or exc}") from None
+            check_readable_file(path, flag)
     if settings.user and not settings.password:
         raise ConfigError(f"--etcd-user {settings.user!r} needs its password in {ETCD_PASSWORD_ENV}")
     if settings.password and not settings.user:
         raise ConfigError(f"{ETCD_PASSWORD_ENV} is set but no etcd user was given: pass --etcd-user, or unset the variable")
+
+
+def check_readable_file(path: str, flag: str) -> None:
+    """Raises:
+        ConfigError: ``path`` (given as ``flag``) cannot be opened for reading.
+    """
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"cannot read {flag} {path!r}: {exc.strerror or exc}") from None
+
+
+def check_writable_dir(path: str, flag: str) -> None:
+    """Create directory ``path`` if needed and check that files can be made in it.
+
+    Raises:
+        ConfigError: It cannot be created or written (named as ``flag``, with the reason).
+    """
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".elastictrain-probe-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path!r} is not a writable directory: {exc.strerror or exc}") from None
 
 
 def take_etcd_password(options: dict[str, Any]) -> dict[str, Any]:

@@ -272,7 +272,8 @@ class EtcdClient:
             if client is None:
                 endpoint = self._settings.endpoints[index]
                 client = self._etcd3.client(
-                    host=endpoint.host,
+                    # etcd3 joins host and port with a colon: an IPv6 address needs its brackets.
+                    host=f"[{endpoint.host}]" if ":" in endpoint.host else endpoint.host,
                     port=endpoint.port,
                     ca_cert=self._settings.ca_cert,
                     cert_key=self._settings.cert_key,

@@ -222,3 +222,30 @@ def test_workers_do_not_inherit_the_etcd_password(auth_etcd: EtcdServer, run_id:
     assert result.returncode == 0, result.stderr[-3000:]
     seen = json.loads(out.read_text())
     assert seen == {"ELASTICTRAIN_ETCD_PASSWORD": None, "ELASTICTRAIN_ETCD_USER": None}
+
+
+def test_etcd_command_serves_other_hosts_over_tls_to_clients_with_certificates(pki: Path, tmp_path: Path) -> None:
+    from elastictrain.etcd.server import free_port
+
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "elastictrain", "etcd", "--host", "0.0.0.0", "--port", str(port),
+         "--data-dir", str(tmp_path / "data"), "--cert-file", str(pki / "server.crt"),
+         "--key-file", str(pki / "server.key"), "--trusted-ca-file", str(pki / "ca.crt"), "--client-cert-auth"],
+        env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline()
+        assert f"etcd serving at 0.0.0.0:{port} over TLS" in line, line
+        endpoint = f"127.0.0.1:{port}"
+        client = EtcdClient(_settings(endpoint, ca_cert=str(pki / "ca.crt"), cert_cert=str(pki / "client.crt"),
+                                      cert_key=str(pki / "client.key")))
+        client.call(lambda c: c.put("/elastictrain/tls-probe", "1"))
+        client.close()
+        without_certificate = EtcdClient(_settings(endpoint, ca_cert=str(pki / "ca.crt")))
+        with pytest.raises(EtcdAuthError):
+            without_certificate.call(lambda c: c.get("/elastictrain/tls-probe"))
+    finally:
+        server.terminate()
+        assert server.wait(timeout=30) == 0
