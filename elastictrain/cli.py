@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from elastictrain import _logging
-from elastictrain.config import RendezvousConfig, RunConfig, parse_duration
+from elastictrain.config import RendezvousConfig, RunConfig, default_local_addr, parse_duration
 from elastictrain.errors import ConfigError, ElasticTrainError
 from elastictrain.progress import PROGRESS_ENV
 
@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(run, "--run-id", default=None, help="job name shared by all its nodes; namespaces its etcd keys (required with --etcd)")
     _add(run, "--max-restarts", default=3, type=_non_negative_int, help="worker-group restarts after failures before the job fails")
     _add(run, "--local-nodes", default=None, type=_positive_int, help="start this many node agents on this machine (a multi-node job without several hosts)")
-    _add(run, "--local-addr", default=None, help="address other nodes reach this node at (default: this host's FQDN, 127.0.0.1 with a private etcd)")
+    _add(run, "--local-addr", default=None, help="address other nodes reach this node at (default: this host's address on its route to etcd, 127.0.0.1 with a private etcd)")
     _add(run, "--monitor-interval", default=0.1, type=float, help="seconds between the agent's checks of its workers")
     _add(run, "--join-timeout", default=defaults.join_timeout.total_seconds(), type=float, help="seconds to wait for --min-nodes to gather")
     _add(run, "--last-call-timeout", default=defaults.last_call_timeout.total_seconds(), type=float, help="extra seconds to wait for more nodes once --min-nodes are there")
@@ -248,7 +248,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if not embedded and not args.run_id:
         raise ConfigError("--run-id is required with --etcd: every node of one job must pass the same one")
     run_id = args.run_id or "local"
-    local_addr = args.local_addr or ("127.0.0.1" if embedded else None)
+    local_addr = args.local_addr or ("127.0.0.1" if embedded else default_local_addr(etcd))  # type: ignore[arg-type]
     # Validate everything before starting any process; a private etcd's address comes later.
     config = _run_config(args, etcd=etcd or "127.0.0.1", run_id=run_id, local_addr=local_addr)
     nodes_here = args.local_nodes or 1

@@ -14,17 +14,19 @@ workers started, and the other nodes dropped it from the rendezvous.)
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from elastictrain._addresses import is_loopback, source_address_towards
 from elastictrain.errors import ConfigError
 from elastictrain.etcd.client import Endpoint, EtcdSettings, parse_endpoints
 from elastictrain.etcd.keys import validate_run_id
 
 __all__ = ["ETCD_PASSWORD_ENV", "RendezvousConfig", "RunConfig", "check_readable_file", "check_writable_dir",
-           "etcd_settings_from", "parse_duration", "take_etcd_password"]
+           "default_local_addr", "etcd_settings_from", "parse_duration", "take_etcd_password"]
 
 ETCD_PASSWORD_ENV = "ELASTICTRAIN_ETCD_PASSWORD"
 
@@ -131,6 +133,13 @@ class RendezvousConfig:
         return out
 
 
+def _endpoints(text: str) -> tuple[Endpoint, ...]:
+    try:
+        return tuple(parse_endpoints(text))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def etcd_settings_from(conf: dict[str, Any], endpoints: str) -> EtcdSettings:
     """Build :class:`EtcdSettings` from an endpoint list and ``--rdzv-conf``-style keys.
 
@@ -150,10 +159,7 @@ def etcd_settings_from(conf: dict[str, Any], endpoints: str) -> EtcdSettings:
                 return env
         return None
 
-    try:
-        parsed: tuple[Endpoint, ...] = tuple(parse_endpoints(endpoints))
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    parsed = _endpoints(endpoints)
     kwargs: dict[str, Any] = {}
     if conf.get("request_timeout") is not None:
         kwargs["request_timeout"] = parse_duration("request_timeout", conf["request_timeout"], minimum=0.01)
@@ -223,6 +229,26 @@ def check_writable_dir(path: str, flag: str) -> None:
             pass
     except OSError as exc:
         raise ConfigError(f"{flag} {path!r} is not a writable directory: {exc.strerror or exc}") from None
+
+
+def default_local_addr(endpoints: str) -> str:
+    """The address other nodes reach this node at, when ``--local-addr`` is not given.
+
+    This machine's address on its route to etcd: every node reaches etcd, so that is
+    a network they share (the host's FQDN is ``localhost`` wherever ``/etc/hosts``
+    maps the hostname to 127.0.0.1). If no endpoint resolves yet, the FQDN after all.
+
+    Raises:
+        ConfigError: The address would be a loopback one while etcd is on another host.
+    """
+    parsed = _endpoints(endpoints)
+    addr = next(filter(None, (source_address_towards(e.host, e.port) for e in parsed)), None) or socket.getfqdn()
+    if is_loopback(addr) and not all(is_loopback(e.host) for e in parsed):
+        raise ConfigError(
+            f"this node would tell the others to reach it at {addr!r}, a loopback address, but etcd "
+            f"({endpoints}) is not on this host: pass --local-addr with an address the other nodes can reach"
+        )
+    return addr
 
 
 def take_etcd_password(options: dict[str, Any]) -> dict[str, Any]:

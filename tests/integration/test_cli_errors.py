@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from elastictrain._addresses import is_loopback
 from elastictrain.cli import main
 from tests.conftest import REPO_ROOT, subprocess_env
 
@@ -76,3 +78,14 @@ def test_flags_fall_back_to_environment_variables(monkeypatch: pytest.MonkeyPatc
     # A flag beats the variable.
     assert main(["run", "--max-nodes", "4", "--min-nodes", "5", SCRIPT]) == 2
     assert "--min-nodes (5) must not exceed --max-nodes (4)" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not is_loopback(socket.getfqdn()), reason="this host's FQDN is not a loopback name")
+def test_a_loopback_node_address_is_refused_when_etcd_is_elsewhere(capsys: pytest.CaptureFixture[str]) -> None:
+    # An etcd name that does not resolve here leaves the FQDN as the node's address: a loopback one on this host.
+    argv = ["run", "--etcd", "etcd.example.invalid:2379", "--run-id", "x", SCRIPT]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"elastictrain: error: this node would tell the others to reach it at {socket.getfqdn()!r}, a "
+                   "loopback address, but etcd (etcd.example.invalid:2379) is not on this host: pass --local-addr "
+                   "with an address the other nodes can reach"]
