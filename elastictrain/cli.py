@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from elastictrain import _logging
-from elastictrain.config import RendezvousConfig, RunConfig, default_local_addr, parse_duration
+from elastictrain.config import RendezvousConfig, RunConfig, check_conf_keys, default_local_addr, parse_duration
 from elastictrain.errors import ConfigError, ElasticTrainError
 from elastictrain.progress import PROGRESS_ENV
 
@@ -89,6 +89,10 @@ def _kv_pairs(text: str) -> dict[str, str]:
         if not sep or not key:
             raise argparse.ArgumentTypeError(f"expected key=value[,key=value...], got {item!r}")
         pairs[key.strip()] = value.strip()
+    try:
+        check_conf_keys(pairs)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return pairs
 
 
@@ -240,6 +244,17 @@ def _node_args(run_parser: argparse.ArgumentParser, args: argparse.Namespace, *,
     return [*out, args.script, *args.script_args]
 
 
+def _check_event_log(path: str) -> None:
+    """Make the event log's directory and check that the file takes appends, before any process starts."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "ab"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"cannot write the event log {path!r}: {exc.strerror or exc}; pass --event-log with a "
+                          "path in a writable directory") from None
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from elastictrain.etcd.server import EtcdServer
 
@@ -251,6 +266,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     local_addr = args.local_addr or ("127.0.0.1" if embedded else default_local_addr(etcd))  # type: ignore[arg-type]
     # Validate everything before starting any process; a private etcd's address comes later.
     config = _run_config(args, etcd=etcd or "127.0.0.1", run_id=run_id, local_addr=local_addr)
+    _check_event_log(str(config.event_log))
     nodes_here = args.local_nodes or 1
     if embedded and nodes_here < config.min_nodes:
         raise ConfigError(
@@ -408,6 +424,19 @@ def _cmd_etcd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _command(args: argparse.Namespace) -> int:
+    if args.command == "run":
+        return _cmd_run(args)
+    if args.command == "etcd":
+        return _cmd_etcd(args)
+    if args.command == "status":
+        return _cmd_status(args)
+    if args.command == "stop":
+        return _cmd_stop(args)
+    build_parser().print_help()
+    return _EXIT_USAGE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``elastictrain`` console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -420,16 +449,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         debug = debug or args.debug
         _logging.setup(debug=debug, node=getattr(args, "node_name", None))
-        if args.command == "run":
-            return _cmd_run(args)
-        if args.command == "etcd":
-            return _cmd_etcd(args)
-        if args.command == "status":
-            return _cmd_status(args)
-        if args.command == "stop":
-            return _cmd_stop(args)
-        build_parser().print_help()
-        return _EXIT_USAGE
+        code = _command(args)
+        sys.stdout.flush()  # here, where a reader that went away is caught, not at exit
+        return code
+    except BrokenPipeError:
+        # The reader closed our stdout (`elastictrain status | head -1`): nobody is left to
+        # tell; exit as a process killed by SIGPIPE would, without Python's shutdown noise.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except ConfigError as exc:
         if debug:
             raise

@@ -25,17 +25,24 @@ from elastictrain.errors import ConfigError
 from elastictrain.etcd.client import Endpoint, EtcdSettings, parse_endpoints
 from elastictrain.etcd.keys import validate_run_id
 
-__all__ = ["ETCD_PASSWORD_ENV", "RendezvousConfig", "RunConfig", "check_readable_file", "check_writable_dir",
-           "default_local_addr", "etcd_settings_from", "parse_duration", "take_etcd_password"]
+__all__ = ["ETCD_CONF_KEYS", "ETCD_PASSWORD_ENV", "MAX_DURATION_S", "RendezvousConfig", "RunConfig",
+           "check_conf_keys", "check_readable_file", "check_writable_dir", "default_local_addr", "etcd_settings_from",
+           "parse_duration", "take_etcd_password"]
 
 ETCD_PASSWORD_ENV = "ELASTICTRAIN_ETCD_PASSWORD"
+
+
+# The longest duration we accept: about 31 years. Much longer ones overflow where torch
+# adds them to the current datetime or waits on a lock with them ("wait forever" is 1e9).
+MAX_DURATION_S = 1e9
 
 
 def parse_duration(name: str, value: Any, *, minimum: float = 0.0) -> timedelta:
     """Read a duration in seconds (``int``/``float``/``str``/``timedelta``).
 
     Raises:
-        ConfigError: Not a number, or below ``minimum`` seconds.
+        ConfigError: Not a number, below ``minimum`` seconds, or not finite / above
+            :data:`MAX_DURATION_S`.
     """
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
@@ -46,6 +53,8 @@ def parse_duration(name: str, value: Any, *, minimum: float = 0.0) -> timedelta:
             raise ConfigError(f"{name} must be a number of seconds, got {value!r}") from None
     if not seconds >= minimum:  # also rejects NaN
         raise ConfigError(f"{name} must be at least {minimum:g} s, got {value!r}")
+    if not seconds <= MAX_DURATION_S:  # also rejects infinity
+        raise ConfigError(f"{name} must be at most {MAX_DURATION_S:g} s (about 31 years), got {value!r}")
     return timedelta(seconds=seconds)
 
 
@@ -131,6 +140,22 @@ class RendezvousConfig:
             value = getattr(self, key)
             out[key] = value.total_seconds() if isinstance(value, timedelta) else value
         return out
+
+
+# The etcd client keys of --rdzv-conf, read by etcd_settings_from (next to RendezvousConfig._KEYS).
+ETCD_CONF_KEYS = ("request_timeout", "retry_deadline", "ca_cert", "client_cert", "cert", "client_key", "key",
+                  "user", "password")
+
+
+def check_conf_keys(conf: dict[str, Any]) -> None:
+    """Raises:
+        ConfigError: ``conf`` (``--rdzv-conf``) has a key neither the rendezvous nor the etcd client reads.
+    """
+    valid = (*RendezvousConfig._KEYS, *ETCD_CONF_KEYS)  # noqa: SLF001
+    unknown = sorted(set(conf) - set(valid))
+    if unknown:
+        raise ConfigError(f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                          f"valid keys: {', '.join(valid)}")
 
 
 def _endpoints(text: str) -> tuple[Endpoint, ...]:
@@ -328,6 +353,8 @@ class RunConfig:
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be a non-negative integer, got {self.max_restarts!r}")
         validate_run_id(self.run_id)
+        if os.path.isdir(self.script):
+            raise ConfigError(f"training script {self.script!r} is a directory, not a Python file (.py)")
         if not os.path.isfile(self.script):
             raise ConfigError(f"training script {self.script!r} does not exist")
         if not self.script.endswith(".py"):

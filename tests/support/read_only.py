@@ -38,4 +38,6 @@ def read_only_dir(path: Path) -> Iterator[Path]:
     try:
         yield path
     finally:
-        subprocess.run(["umount", str(path)], check=True, capture_output=True)
+        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
+            # Busy (a process still has its cwd there): detach it now, free it when unused.
+            subprocess.run(["umount", "--lazy", str(path)], check=True, capture_output=True)
