@@ -23,12 +23,15 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastictrain import _logging
 from elastictrain.config import RendezvousConfig, RunConfig, check_conf_keys, default_local_addr, parse_duration
 from elastictrain.errors import ConfigError, ElasticTrainError
 from elastictrain.progress import PROGRESS_ENV
+
+if TYPE_CHECKING:
+    from elastictrain.etcd.server import EtcdServerOptions
 
 logger = logging.getLogger(__name__)
 
@@ -352,7 +355,7 @@ def _cmd_stop(args: argparse.Namespace) -> int:
     return 0
 
 
-def _etcd_server_options(args: argparse.Namespace) -> Any:
+def _etcd_server_options(args: argparse.Namespace) -> EtcdServerOptions:
     """``elastictrain etcd``'s flags as :class:`EtcdServerOptions`, after the checks.
 
     A server that other hosts reach must encrypt and authenticate (TLS and client
@@ -369,10 +372,14 @@ def _etcd_server_options(args: argparse.Namespace) -> Any:
     if args.client_cert_auth and not (args.trusted_ca_file and args.cert_file):
         raise ConfigError("--client-cert-auth needs --trusted-ca-file (the CA of the clients' certificates) "
                           "and TLS (--cert-file, --key-file)")
+    extra: list[str] = []
     for flag in ("--cert-file", "--key-file", "--trusted-ca-file"):
         path = getattr(args, flag[2:].replace("-", "_"))
         if path:
             check_readable_file(path, flag)
+            extra += [flag, os.path.abspath(path)]
+    if args.client_cert_auth:
+        extra.append("--client-cert-auth")
     serves_others = not is_loopback(args.host)
     if serves_others and not args.insecure and not (args.cert_file and args.client_cert_auth):
         raise ConfigError(
@@ -383,13 +390,6 @@ def _etcd_server_options(args: argparse.Namespace) -> Any:
     data_dir = args.data_dir or (os.path.join("elastictrain-runs", f"etcd-{args.port}") if serves_others else None)
     if data_dir:
         check_writable_dir(data_dir, "--data-dir")
-    extra: list[str] = []
-    for flag in ("--cert-file", "--key-file", "--trusted-ca-file"):
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value:
-            extra += [flag, os.path.abspath(value)]
-    if args.client_cert_auth:
-        extra.append("--client-cert-auth")
     return EtcdServerOptions(host=args.host, client_port=int(args.port), data_dir=data_dir, extra_args=extra)
 
 

@@ -68,6 +68,7 @@ def _grpc_options(settings: EtcdSettings) -> list[tuple[str, int]]:
     """
     return [*_GRPC_OPTIONS, ("grpc.min_reconnect_backoff_ms", int(settings.request_timeout.total_seconds() * 1000))]
 
+
 _etcd3: Any = None
 
 
@@ -353,10 +354,11 @@ class EtcdClient:
                 result = operation(self._client_for(index))
             except Exception as exc:
                 last.append((self._settings.endpoints[index], exc))
-                mismatch = self._tls_mismatch(index, exc) if self._is_transient(exc) else None
+                transient = self._is_transient(exc)
+                mismatch = self._tls_mismatch(index, exc) if transient else None
                 if mismatch is not None:
                     raise mismatch from exc
-                if self._is_transient(exc):
+                if transient:
                     with self._lock:
                         self._failing = True
                     self._fail_over(index, exc)

@@ -67,9 +67,13 @@ def find_etcd_binary() -> str:
     raise EtcdServerError(f"no etcd server binary found; {_INSTALL_HINT}")
 
 
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago on ``host`` (an IPv4 or IPv6 address)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+    with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
 
@@ -77,7 +81,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 def _check_port_free(host: str, port: int, what: str) -> None:
     """Raise if something listens on ``host:port`` (etcd would exit, and a client of ours
     would talk to whatever answers there)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+    with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
         # As etcd binds: a port in TIME_WAIT is free, one with a listener is not.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:

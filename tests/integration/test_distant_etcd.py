@@ -20,6 +20,12 @@ from tests.support.tcp_proxy import TcpProxy
 SCRIPT = str(REPO_ROOT / "tests" / "scripts" / "ddp_steps.py")
 
 
+def run_through(proxy: TcpProxy, run_id: str, out: Path, *script_args: str) -> list[str]:
+    """``elastictrain run`` of the test job, one node, with etcd behind ``proxy``."""
+    return [sys.executable, "-m", "elastictrain", "run", "--etcd", proxy.endpoint, "--run-id", run_id,
+            "--local-addr", "127.0.0.1", SCRIPT, str(out), *script_args]
+
+
 @pytest.mark.parametrize("round_trip", [0.2, 0.5])
 def test_status_reaches_a_distant_etcd(etcd_server: Any, round_trip: float) -> None:
     with TcpProxy("127.0.0.1", etcd_server.options.client_port, delay_s=round_trip / 2) as proxy:
@@ -27,7 +33,7 @@ def test_status_reaches_a_distant_etcd(etcd_server: Any, round_trip: float) -> N
         result = cli("status", "--etcd", proxy.endpoint, "--all")
         assert result.returncode == 0, result.stderr
         # A handful of round trips, not a 30 s retry deadline that ends in "unreachable".
-        assert time.monotonic() - started < 15
+        assert time.monotonic() - started < 20
 
 
 @pytest.mark.timeout(240)
@@ -36,11 +42,8 @@ def test_run_status_and_stop_through_a_distant_etcd(etcd_server: Any, run_id: st
                                                     round_trip: float) -> None:
     out = tmp_path / "out"
     with TcpProxy("127.0.0.1", etcd_server.options.client_port, delay_s=round_trip / 2) as proxy:
-        job = subprocess.Popen(
-            [sys.executable, "-m", "elastictrain", "run", "--etcd", proxy.endpoint, "--run-id", run_id,
-             "--local-addr", "127.0.0.1", SCRIPT, str(out), "--sleep", "120"],
-            env=subprocess_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
+        job = subprocess.Popen(run_through(proxy, run_id, out, "--sleep", "120"), env=subprocess_env(), cwd=tmp_path,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             deadline = time.monotonic() + 120
             while not (out / "pid-0-0").exists() and job.poll() is None and time.monotonic() < deadline:
@@ -66,11 +69,8 @@ def test_short_job_trains_through_a_distant_etcd(etcd_server: Any, run_id: str, 
                                                  round_trip: float) -> None:
     out = tmp_path / "out"
     with TcpProxy("127.0.0.1", etcd_server.options.client_port, delay_s=round_trip / 2) as proxy:
-        result = subprocess.run(
-            [sys.executable, "-m", "elastictrain", "run", "--etcd", proxy.endpoint, "--run-id", run_id,
-             "--local-addr", "127.0.0.1", SCRIPT, str(out), "--steps", "20"],
-            env=subprocess_env(), cwd=tmp_path, capture_output=True, text=True, timeout=200,
-        )
+        result = subprocess.run(run_through(proxy, run_id, out, "--steps", "20"), env=subprocess_env(), cwd=tmp_path,
+                                capture_output=True, text=True, timeout=200)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"run '{run_id}' finished" in result.stderr
     assert (out / "rank-0.json").exists()
