@@ -33,7 +33,7 @@ from torch.distributed.elastic.rendezvous import (
 
 from elastictrain import _torch_compat
 from elastictrain._worker_boot import AGENT_PID_ENV, run_script
-from elastictrain.config import RunConfig
+from elastictrain.config import RunConfig, take_etcd_password
 from elastictrain.errors import ElasticTrainError, RunIdInUseError
 from elastictrain.events import EVENT_LOG_ENV, NODE_ENV, EventLog, route_torch_events
 from elastictrain.rendezvous import BACKEND_NAME, register
@@ -200,6 +200,8 @@ def launch(config: RunConfig, endpoint: str) -> JobOutcome:
     Raises:
         ElasticTrainError: Rendezvous set-up failed (e.g. etcd unreachable).
     """
+    # The password goes into the settings and leaves the environment before any worker is started.
+    etcd_options = take_etcd_password(config.etcd_options)
     params = RendezvousParameters(
         backend=BACKEND_NAME,
         endpoint=endpoint,
@@ -208,7 +210,7 @@ def launch(config: RunConfig, endpoint: str) -> JobOutcome:
         max_nodes=config.max_nodes,
         local_addr=config.local_addr,
         **config.rendezvous.as_mapping(),
-        **config.etcd_options,
+        **etcd_options,
         **{LOCAL_WORLD_SIZE_KEY: config.nproc_per_node},
     )
     events = EventLog(config.event_log, config.run_id, config.node_name)

@@ -19,15 +19,19 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastictrain import _logging
-from elastictrain.config import RendezvousConfig, RunConfig, parse_duration
+from elastictrain.config import RendezvousConfig, RunConfig, check_conf_keys, default_local_addr, parse_duration
 from elastictrain.errors import ConfigError, ElasticTrainError
 from elastictrain.progress import PROGRESS_ENV
+
+if TYPE_CHECKING:
+    from elastictrain.etcd.server import EtcdServerOptions
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +92,10 @@ def _kv_pairs(text: str) -> dict[str, str]:
         if not sep or not key:
             raise argparse.ArgumentTypeError(f"expected key=value[,key=value...], got {item!r}")
         pairs[key.strip()] = value.strip()
+    try:
+        check_conf_keys(pairs)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return pairs
 
 
@@ -138,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(run, "--run-id", default=None, help="job name shared by all its nodes; namespaces its etcd keys (required with --etcd)")
     _add(run, "--max-restarts", default=3, type=_non_negative_int, help="worker-group restarts after failures before the job fails")
     _add(run, "--local-nodes", default=None, type=_positive_int, help="start this many node agents on this machine (a multi-node job without several hosts)")
-    _add(run, "--local-addr", default=None, help="address other nodes reach this node at (default: this host's FQDN, 127.0.0.1 with a private etcd)")
+    _add(run, "--local-addr", default=None, help="address other nodes reach this node at (default: this host's address on its route to etcd, 127.0.0.1 with a private etcd)")
     _add(run, "--monitor-interval", default=0.1, type=float, help="seconds between the agent's checks of its workers")
     _add(run, "--join-timeout", default=defaults.join_timeout.total_seconds(), type=float, help="seconds to wait for --min-nodes to gather")
     _add(run, "--last-call-timeout", default=defaults.last_call_timeout.total_seconds(), type=float, help="extra seconds to wait for more nodes once --min-nodes are there")
@@ -171,9 +179,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "(elastictrain chaos --help)")
 
     etcd = sub.add_parser("etcd", help="run an etcd server in the foreground", description="Run an etcd server until Ctrl-C.")
-    _add(etcd, "--host", default="127.0.0.1", help="address to listen on")
+    _add(etcd, "--host", default="127.0.0.1", help="address to listen on; one other hosts reach needs TLS and "
+         "client certificates, or --insecure")
     _add(etcd, "--port", default=2379, type=_positive_int, help="client port")
-    _add(etcd, "--data-dir", default=None, help="data directory (default: a temporary one, removed on exit)")
+    _add(etcd, "--data-dir", default=None, help="data directory, fsynced (default: on a loopback --host a temporary "
+         "one, removed on exit, without fsync; otherwise elastictrain-runs/etcd-PORT, kept)")
+    _add(etcd, "--cert-file", default=None, help="server certificate: serve TLS (etcd's --cert-file)")
+    _add(etcd, "--key-file", default=None, help="private key of --cert-file")
+    _add(etcd, "--trusted-ca-file", default=None, help="CA that signs the clients' certificates")
+    _add_switch(etcd, "--client-cert-auth", help="accept only clients with a certificate signed by --trusted-ca-file")
+    _add_switch(etcd, "--insecure", help="serve other hosts without TLS and client certificates (a trusted network only)")
     return parser
 
 
@@ -232,6 +247,17 @@ def _node_args(run_parser: argparse.ArgumentParser, args: argparse.Namespace, *,
     return [*out, args.script, *args.script_args]
 
 
+def _check_event_log(path: str) -> None:
+    """Make the event log's directory and check that the file takes appends, before any process starts."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "ab"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"cannot write the event log {path!r}: {exc.strerror or exc}; pass --event-log with a "
+                          "path in a writable directory") from None
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from elastictrain.etcd.server import EtcdServer
 
@@ -240,9 +266,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if not embedded and not args.run_id:
         raise ConfigError("--run-id is required with --etcd: every node of one job must pass the same one")
     run_id = args.run_id or "local"
-    local_addr = args.local_addr or ("127.0.0.1" if embedded else None)
+    local_addr = args.local_addr or ("127.0.0.1" if embedded else default_local_addr(etcd))  # type: ignore[arg-type]
     # Validate everything before starting any process; a private etcd's address comes later.
     config = _run_config(args, etcd=etcd or "127.0.0.1", run_id=run_id, local_addr=local_addr)
+    _check_event_log(str(config.event_log))
     nodes_here = args.local_nodes or 1
     if embedded and nodes_here < config.min_nodes:
         raise ConfigError(
@@ -328,23 +355,86 @@ def _cmd_stop(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_etcd(args: argparse.Namespace) -> int:
-    from elastictrain.etcd.server import EtcdServer, EtcdServerOptions
+def _etcd_server_options(args: argparse.Namespace) -> EtcdServerOptions:
+    """``elastictrain etcd``'s flags as :class:`EtcdServerOptions`, after the checks.
 
-    server = EtcdServer(EtcdServerOptions(host=args.host, client_port=int(args.port), data_dir=args.data_dir))
+    A server that other hosts reach must encrypt and authenticate (TLS and client
+    certificates) unless ``--insecure`` says the network is trusted, and keeps its
+    data, fsynced: losing the rendezvous of a running job to a power cut is not a
+    trade for speed there. On loopback it is a throwaway for trials on one machine.
+    """
+    from elastictrain._addresses import is_loopback
+    from elastictrain.config import check_readable_file, check_writable_dir
+    from elastictrain.etcd.server import EtcdServerOptions
+
+    if bool(args.cert_file) != bool(args.key_file):
+        raise ConfigError("--cert-file and --key-file go together: a server certificate and its private key")
+    if args.client_cert_auth and not (args.trusted_ca_file and args.cert_file):
+        raise ConfigError("--client-cert-auth needs --trusted-ca-file (the CA of the clients' certificates) "
+                          "and TLS (--cert-file, --key-file)")
+    extra: list[str] = []
+    for flag in ("--cert-file", "--key-file", "--trusted-ca-file"):
+        path = getattr(args, flag[2:].replace("-", "_"))
+        if path:
+            check_readable_file(path, flag)
+            extra += [flag, os.path.abspath(path)]
+    if args.client_cert_auth:
+        extra.append("--client-cert-auth")
+    serves_others = not is_loopback(args.host)
+    if serves_others and not args.insecure and not (args.cert_file and args.client_cert_auth):
+        raise ConfigError(
+            f"refusing to serve etcd on {args.host} without TLS and client certificates: whoever reaches port "
+            f"{args.port} could read, rewrite or stop every run; pass --cert-file, --key-file, --trusted-ca-file "
+            "and --client-cert-auth, or --insecure on a trusted network"
+        )
+    data_dir = args.data_dir or (os.path.join("elastictrain-runs", f"etcd-{args.port}") if serves_others else None)
+    if data_dir:
+        check_writable_dir(data_dir, "--data-dir")
+    return EtcdServerOptions(host=args.host, client_port=int(args.port), data_dir=data_dir, extra_args=extra)
+
+
+def _cmd_etcd(args: argparse.Namespace) -> int:
+    from elastictrain.errors import EtcdServerError
+    from elastictrain.etcd.server import EtcdServer
+
+    server = EtcdServer(_etcd_server_options(args))
     server.start()
-    print(f"etcd serving at {server.endpoint} (pid {server.pid}); Ctrl-C stops it", flush=True)
-    print(f"  nodes join with: elastictrain run --etcd {server.endpoint} --run-id NAME ...", flush=True)
+    if server.durable:
+        kept = f"data in {server.options.data_dir} (kept, fsynced)"
+    else:
+        kept = "data in a temporary directory, without fsync (for trials on this machine)"
+    tls = " over TLS" if server.client_url.startswith("https") else ""
+    print(f"etcd serving at {server.endpoint}{tls} (pid {server.pid}); {kept}; Ctrl-C stops it", flush=True)
+    host = socket.gethostname() if args.host in {"0.0.0.0", "::"} else server.endpoint.rpartition(":")[0]
+    tls_flags = (" --etcd-ca-cert CA" if args.cert_file else "") + (
+        " --etcd-cert CERT --etcd-key KEY" if args.client_cert_auth else "")
+    print(f"  nodes join with: elastictrain run --etcd {host}:{args.port}{tls_flags} --run-id NAME ...", flush=True)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     try:
         while not stop and server.is_running():
             time.sleep(0.2)
+        if not stop:
+            raise EtcdServerError(f"etcd at {server.endpoint} exited on its own with code {server.returncode}: "
+                                  f"{server.exit_reason()}")
     except KeyboardInterrupt:
         pass
     finally:
         server.stop()
     return 0
+
+
+def _command(args: argparse.Namespace) -> int:
+    if args.command == "run":
+        return _cmd_run(args)
+    if args.command == "etcd":
+        return _cmd_etcd(args)
+    if args.command == "status":
+        return _cmd_status(args)
+    if args.command == "stop":
+        return _cmd_stop(args)
+    build_parser().print_help()
+    return _EXIT_USAGE
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -359,16 +449,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         debug = debug or args.debug
         _logging.setup(debug=debug, node=getattr(args, "node_name", None))
-        if args.command == "run":
-            return _cmd_run(args)
-        if args.command == "etcd":
-            return _cmd_etcd(args)
-        if args.command == "status":
-            return _cmd_status(args)
-        if args.command == "stop":
-            return _cmd_stop(args)
-        build_parser().print_help()
-        return _EXIT_USAGE
+        code = _command(args)
+        sys.stdout.flush()  # here, where a reader that went away is caught, not at exit
+        return code
+    except BrokenPipeError:
+        # The reader closed our stdout (`elastictrain status | head -1`): nobody is left to
+        # tell; exit as a process killed by SIGPIPE would, without Python's shutdown noise.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except ConfigError as exc:
         if debug:
             raise

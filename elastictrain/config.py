@@ -14,22 +14,35 @@ workers started, and the other nodes dropped it from the rendezvous.)
 from __future__ import annotations
 
 import os
+import socket
+import tempfile
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from elastictrain._addresses import is_loopback, source_address_towards
 from elastictrain.errors import ConfigError
 from elastictrain.etcd.client import Endpoint, EtcdSettings, parse_endpoints
 from elastictrain.rendezvous.keys import validate_run_id
 
-__all__ = ["RendezvousConfig", "RunConfig", "etcd_settings_from", "parse_duration"]
+__all__ = ["ETCD_CONF_KEYS", "ETCD_PASSWORD_ENV", "MAX_DURATION_S", "RendezvousConfig", "RunConfig",
+           "check_conf_keys", "check_readable_file", "check_writable_dir", "default_local_addr", "etcd_settings_from",
+           "parse_duration", "take_etcd_password"]
+
+ETCD_PASSWORD_ENV = "ELASTICTRAIN_ETCD_PASSWORD"
+
+
+# The longest duration we accept: about 31 years. Much longer ones overflow where torch
+# adds them to the current datetime or waits on a lock with them ("wait forever" is 1e9).
+MAX_DURATION_S = 1e9
 
 
 def parse_duration(name: str, value: Any, *, minimum: float = 0.0) -> timedelta:
     """Read a duration in seconds (``int``/``float``/``str``/``timedelta``).
 
     Raises:
-        ConfigError: Not a number, or below ``minimum`` seconds.
+        ConfigError: Not a number, below ``minimum`` seconds, or not finite / above
+            :data:`MAX_DURATION_S`.
     """
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
@@ -40,6 +53,8 @@ def parse_duration(name: str, value: Any, *, minimum: float = 0.0) -> timedelta:
             raise ConfigError(f"{name} must be a number of seconds, got {value!r}") from None
     if not seconds >= minimum:  # also rejects NaN
         raise ConfigError(f"{name} must be at least {minimum:g} s, got {value!r}")
+    if not seconds <= MAX_DURATION_S:  # also rejects infinity
+        raise ConfigError(f"{name} must be at most {MAX_DURATION_S:g} s (about 31 years), got {value!r}")
     return timedelta(seconds=seconds)
 
 
@@ -124,6 +139,29 @@ class RendezvousConfig:
         return out
 
 
+# The etcd client keys of --rdzv-conf, read by etcd_settings_from (next to RendezvousConfig._KEYS).
+ETCD_CONF_KEYS = ("request_timeout", "retry_deadline", "ca_cert", "client_cert", "cert", "client_key", "key",
+                  "user", "password")
+
+
+def check_conf_keys(conf: dict[str, Any]) -> None:
+    """Raises:
+        ConfigError: ``conf`` (``--rdzv-conf``) has a key neither the rendezvous nor the etcd client reads.
+    """
+    valid = (*RendezvousConfig._KEYS, *ETCD_CONF_KEYS)  # noqa: SLF001
+    unknown = sorted(set(conf) - set(valid))
+    if unknown:
+        raise ConfigError(f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                          f"valid keys: {', '.join(valid)}")
+
+
+def _endpoints(text: str) -> tuple[Endpoint, ...]:
+    try:
+        return tuple(parse_endpoints(text))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def etcd_settings_from(conf: dict[str, Any], endpoints: str) -> EtcdSettings:
     """Build :class:`EtcdSettings` from an endpoint list and ``--rdzv-conf``-style keys.
 
@@ -143,16 +181,13 @@ def etcd_settings_from(conf: dict[str, Any], endpoints: str) -> EtcdSettings:
                 return env
         return None
 
-    try:
-        parsed: tuple[Endpoint, ...] = tuple(parse_endpoints(endpoints))
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    parsed = _endpoints(endpoints)
     kwargs: dict[str, Any] = {}
     if conf.get("request_timeout") is not None:
         kwargs["request_timeout"] = parse_duration("request_timeout", conf["request_timeout"], minimum=0.01)
     if conf.get("retry_deadline") is not None:
         kwargs["retry_deadline"] = parse_duration("retry_deadline", conf["retry_deadline"])
-    return EtcdSettings(
+    settings = EtcdSettings(
         endpoints=parsed,
         ca_cert=pick("ca_cert"),
         cert_cert=pick("client_cert", "cert"),
@@ -161,6 +196,94 @@ def etcd_settings_from(conf: dict[str, Any], endpoints: str) -> EtcdSettings:
         password=pick("password"),
         **kwargs,
     )
+    _check_etcd_security(settings, endpoints)
+    return settings
+
+
+def _check_etcd_security(settings: EtcdSettings, endpoints: str) -> None:
+    """Refuse TLS and auth settings that etcd3 would ignore, misuse or crash on.
+
+    Raises:
+        ConfigError: A half-given pair, an unreadable file, or TLS asked for without a CA.
+    """
+    if (settings.cert_cert is None) != (settings.cert_key is None):
+        given, missing = ("--etcd-cert", "--etcd-key") if settings.cert_key is None else ("--etcd-key", "--etcd-cert")
+        raise ConfigError(f"{given} needs {missing}: a client certificate and its private key go together")
+    if settings.cert_cert is not None and settings.ca_cert is None:
+        raise ConfigError("--etcd-cert and --etcd-key need --etcd-ca-cert (the CA that signed etcd's certificate): "
+                          "without it the client would not use TLS at all")
+    if settings.ca_cert is None and "https://" in endpoints:
+        # etcd3 would open a plain-text channel. Public CAs are not trusted implicitly:
+        # pass the system bundle if one of them signed etcd's certificate.
+        raise ConfigError(f"etcd endpoint {endpoints!r} asks for TLS (https://): pass --etcd-ca-cert with the CA that "
+                          "signed etcd's certificate (the system bundle, e.g. /etc/ssl/certs/ca-certificates.crt, "
+                          "for a public CA)")
+    for flag, path in (("--etcd-ca-cert", settings.ca_cert), ("--etcd-cert", settings.cert_cert),
+                       ("--etcd-key", settings.cert_key)):
+        if path is not None:
+            check_readable_file(path, flag)
+    if settings.user and not settings.password:
+        raise ConfigError(f"--etcd-user {settings.user!r} needs its password in {ETCD_PASSWORD_ENV}")
+    if settings.password and not settings.user:
+        raise ConfigError(f"{ETCD_PASSWORD_ENV} is set but no etcd user was given: pass --etcd-user, or unset the variable")
+
+
+def check_readable_file(path: str, flag: str) -> None:
+    """Raises:
+        ConfigError: ``path`` (given as ``flag``) cannot be opened for reading.
+    """
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"cannot read {flag} {path!r}: {exc.strerror or exc}") from None
+
+
+def check_writable_dir(path: str, flag: str) -> None:
+    """Create directory ``path`` if needed and check that files can be made in it.
+
+    Raises:
+        ConfigError: It cannot be created or written (named as ``flag``, with the reason).
+    """
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".elastictrain-probe-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path!r} is not a writable directory: {exc.strerror or exc}") from None
+
+
+def default_local_addr(endpoints: str) -> str:
+    """The address other nodes reach this node at, when ``--local-addr`` is not given.
+
+    This machine's address on its route to etcd: every node reaches etcd, so that is
+    a network they share (the host's FQDN is ``localhost`` wherever ``/etc/hosts``
+    maps the hostname to 127.0.0.1). If no endpoint resolves yet, the FQDN after all.
+
+    Raises:
+        ConfigError: The address would be a loopback one while etcd is on another host.
+    """
+    parsed = _endpoints(endpoints)
+    addr = next(filter(None, (source_address_towards(e.host, e.port) for e in parsed)), None) or socket.getfqdn()
+    if is_loopback(addr) and not all(is_loopback(e.host) for e in parsed):
+        raise ConfigError(
+            f"this node would tell the others to reach it at {addr!r}, a loopback address, but etcd "
+            f"({endpoints}) is not on this host: pass --local-addr with an address the other nodes can reach"
+        )
+    return addr
+
+
+def take_etcd_password(options: dict[str, Any]) -> dict[str, Any]:
+    """Move the etcd password out of the environment and into a copy of ``options``.
+
+    Call it before starting any process that must not know the password: children
+    inherit the environment, and a training script (or anything it runs) has no use
+    for the credentials of the rendezvous.
+    """
+    password = os.environ.pop(ETCD_PASSWORD_ENV, None)
+    if password and not options.get("password"):
+        return {**options, "password": password}
+    return dict(options)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -227,6 +350,8 @@ class RunConfig:
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be a non-negative integer, got {self.max_restarts!r}")
         validate_run_id(self.run_id)
+        if os.path.isdir(self.script):
+            raise ConfigError(f"training script {self.script!r} is a directory, not a Python file (.py)")
         if not os.path.isfile(self.script):
             raise ConfigError(f"training script {self.script!r} does not exist")
         if not self.script.endswith(".py"):

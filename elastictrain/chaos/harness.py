@@ -47,6 +47,7 @@ from elastictrain.chaos.netns import NS_INTERFACE, NodeNetwork
 from elastictrain.chaos.recorder import CHAOS_DIR_ENV, GATE_ENV
 from elastictrain.chaos.report import build_report
 from elastictrain.chaos.verdict import judge
+from elastictrain.config import check_writable_dir
 from elastictrain.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -138,7 +139,7 @@ class _Harness:
         self.run_dir = Path(config.run_dir).resolve()
         if self.run_dir.exists() and any(self.run_dir.iterdir()):
             raise ConfigError(f"run directory {self.run_dir} is not empty")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        check_writable_dir(str(self.run_dir), "--run-dir")
         (self.run_dir / "nodes").mkdir()
         self.evidence_dir = self.run_dir / "evidence"
         self.gate_file = self.run_dir / "gate"

@@ -104,7 +104,7 @@ class CheckpointManager:
 
     Raises:
         ConfigError: ``keep_last`` is not a positive integer.
-        CheckpointError: The directory cannot be created.
+        CheckpointError: The directory cannot be created or written (checked on rank 0).
     """
 
     def __init__(
@@ -138,6 +138,15 @@ class CheckpointManager:
                 self._storage.make_dir(self._prefix)
             except OSError as exc:
                 raise CheckpointError(f"cannot create checkpoint directory {self.location}: {exc}") from exc
+            # Now, not at the first save, steps (or hours) later: a directory we cannot write.
+            probe = fmt.join(self._prefix, f".write-probe-{os.getpid()}")
+            try:
+                with self._storage.open_write(probe):
+                    pass
+                self._storage.delete(probe)
+            except OSError as exc:
+                raise CheckpointError(f"checkpoint directory {self.location} is not writable: "
+                                      f"{exc.strerror or exc}") from exc
 
     @property
     def location(self) -> str:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import ssl
 import threading
 import warnings
 from collections.abc import Callable
@@ -51,10 +53,20 @@ DEFAULT_ETCD_PORT = 2379
 # retry loop already paces the attempts.
 _GRPC_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.enable_retries", 0),
 ]
+
+
+def _grpc_options(settings: EtcdSettings) -> list[tuple[str, int]]:
+    """:data:`_GRPC_OPTIONS` plus the deadline of one connection attempt.
+
+    gRPC names that deadline ``min_reconnect_backoff_ms``: it is not a back-off but
+    how long the TCP, TLS and HTTP/2 handshake may take. At 100 ms, every etcd more
+    than about 50 ms away was "unreachable". A connection may take as long as a request.
+    """
+    return [*_GRPC_OPTIONS, ("grpc.min_reconnect_backoff_ms", int(settings.request_timeout.total_seconds() * 1000))]
+
 
 _etcd3: Any = None
 
@@ -203,6 +215,8 @@ class EtcdClient:
             raise ValueError("at least one etcd endpoint is required")
         self._settings = settings
         self._etcd3 = import_etcd3()
+        if settings.password and not settings.ca_cert:
+            _warn_plaintext_password(settings)
         self._lock = threading.Lock()
         self._clients: dict[int, Any] = {}
         self._current = 0
@@ -233,7 +247,8 @@ class EtcdClient:
             if client is None:
                 endpoint = self._settings.endpoints[index]
                 client = self._etcd3.client(
-                    host=endpoint.host,
+                    # etcd3 joins host and port with a colon: an IPv6 address needs its brackets.
+                    host=f"[{endpoint.host}]" if ":" in endpoint.host else endpoint.host,
                     port=endpoint.port,
                     ca_cert=self._settings.ca_cert,
                     cert_key=self._settings.cert_key,
@@ -241,7 +256,7 @@ class EtcdClient:
                     timeout=self._settings.request_timeout.total_seconds(),
                     user=self._settings.user,
                     password=self._settings.password,
-                    grpc_options=_GRPC_OPTIONS,
+                    grpc_options=_grpc_options(self._settings),
                 )
                 if not client.uses_secure_channel:
                     # etcd3 0.12 sends the auth token both as metadata and as gRPC call
@@ -322,6 +337,23 @@ class EtcdClient:
         if self._is_transient(exc):
             self._discard(index, client, exc)
 
+    def _tls_mismatch(self, index: int, exc: BaseException) -> EtcdAuthError | None:
+        """An error if a failed handshake came from TLS on one side only (retrying would not help).
+
+        gRPC reports both as transient (a TLS handshake that read nothing, a socket
+        closed), as it does for a server that is restarting: ask the server directly.
+        """
+        endpoint = self._settings.endpoints[index]
+        text = _describe(exc).lower()
+        timeout = min(2.0, self._settings.request_timeout.total_seconds())
+        if self._settings.ca_cert and "handshake" in text and _serves_plaintext_etcd(endpoint, timeout):
+            return EtcdAuthError(f"etcd at {endpoint} serves plain text, not TLS: drop --etcd-ca-cert, --etcd-cert "
+                                 "and --etcd-key, or serve etcd with TLS")
+        if not self._settings.ca_cert and "socket closed" in text and _serves_tls(endpoint, timeout):
+            return EtcdAuthError(f"etcd at {endpoint} serves TLS: pass --etcd-ca-cert with the CA that signed "
+                                 "its certificate")
+        return None
+
     def call(self, operation: Callable[[Any], _T], what: str = "etcd request", *, once: bool = False) -> _T:
         """Run ``operation(etcd3_client)`` with failover and bounded retries.
 
@@ -349,7 +381,11 @@ class EtcdClient:
                 return operation(client)
             except Exception as exc:
                 last.append((self._settings.endpoints[index], exc))
-                if self._is_transient(exc):
+                transient = self._is_transient(exc)
+                mismatch = self._tls_mismatch(index, exc) if transient else None
+                if mismatch is not None:
+                    raise mismatch from exc
+                if transient:
                     self._discard(index, client, exc)
                 raise
 
@@ -422,6 +458,45 @@ def _is_auth_failure(exc: BaseException) -> bool:
         if code == "UNAVAILABLE" and any(marker in text for marker in _TLS_FAILURE_MARKERS):
             return True
     return False
+
+
+def _serves_plaintext_etcd(endpoint: Endpoint, timeout: float) -> bool:
+    """Whether ``endpoint`` answers etcd's ``/version`` over plain HTTP."""
+    try:
+        with socket.create_connection((endpoint.host, endpoint.port), timeout) as sock:
+            sock.sendall(b"GET /version HTTP/1.1\r\nHost: etcd\r\nConnection: close\r\n\r\n")
+            answer = sock.recv(4096)
+    except OSError:
+        return False
+    return answer.startswith(b"HTTP/") and b'"etcdserver"' in answer
+
+
+def _serves_tls(endpoint: Endpoint, timeout: float) -> bool:
+    """Whether ``endpoint`` speaks TLS: it completes a handshake (its certificate unchecked:
+    we only ask), or answers ours with a TLS alert (it wants a client certificate)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with socket.create_connection((endpoint.host, endpoint.port), timeout) as sock:
+            with context.wrap_socket(sock):
+                return True
+    except ssl.SSLError as exc:
+        return "ALERT" in str(exc.reason)
+    except OSError:
+        return False
+
+
+_warned_plaintext: set[str] = set()
+
+
+def _warn_plaintext_password(settings: EtcdSettings) -> None:
+    """Say once per process and endpoint list that a password is about to cross the network unencrypted."""
+    where = settings.describe()
+    if where not in _warned_plaintext:
+        _warned_plaintext.add(where)
+        logger.warning("etcd password auth without TLS: the password and auth token cross the network to %s "
+                       "in plain text; pass --etcd-ca-cert and serve etcd with TLS", where)
 
 
 def _close_quietly(client: Any) -> None:

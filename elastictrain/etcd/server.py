@@ -11,6 +11,7 @@ wheel (installed next to the Python interpreter), else ``etcd`` on ``PATH``.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -25,8 +26,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from elastictrain._addresses import is_loopback
 from elastictrain._process import dying_with_us
 from elastictrain.errors import EtcdServerError
+from elastictrain.etcd.client import Endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +67,30 @@ def find_etcd_binary() -> str:
     raise EtcdServerError(f"no etcd server binary found; {_INSTALL_HINT}")
 
 
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A TCP port that was free a moment ago on ``host`` (an IPv4 or IPv6 address)."""
+    with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _check_port_free(host: str, port: int, what: str) -> None:
+    """Raise if something listens on ``host:port`` (etcd would exit, and a client of ours
+    would talk to whatever answers there)."""
+    with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
+        # As etcd binds: a port in TIME_WAIT is free, one with a listener is not.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise EtcdServerError(
+                f"cannot serve etcd's {what} port on {Endpoint(host, port)}: {exc.strerror or exc} "
+                "(another etcd, or another program, may listen there)"
+            ) from None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -120,21 +142,28 @@ class EtcdServer:
     def __init__(self, options: EtcdServerOptions | None = None) -> None:
         self.options = options or EtcdServerOptions()
         self.binary = find_etcd_binary()
+        host = self.options.host
+        # A single member has no peers to hear from: its peer port (raft, unauthenticated)
+        # listens on loopback, not on an address that serves other hosts.
+        self._peer_host = host if self.options.initial_cluster or is_loopback(host) else (
+            "::1" if ":" in host else "127.0.0.1")
         if self.options.client_port == 0:
-            self.options.client_port = free_port(self.options.host)
+            self.options.client_port = free_port(host)
         if self.options.peer_port == 0:
-            self.options.peer_port = free_port(self.options.host)
+            self.options.peer_port = free_port(self._peer_host)
         self._owns_data_dir = self.options.data_dir is None
         self._durable = self.options.durable if self.options.durable is not None else not self._owns_data_dir
         if self.options.data_dir is None:
             self.options.data_dir = tempfile.mkdtemp(prefix="elastictrain-etcd-")
         self._process: subprocess.Popen[bytes] | None = None
         self._log = None
+        self.log_path: str | None = None
+        """etcd's own log, once started."""
 
     @property
     def endpoint(self) -> str:
-        """``host:port`` of the client listener."""
-        return f"{self.options.host}:{self.options.client_port}"
+        """``host:port`` of the client listener (``[host]:port`` for IPv6)."""
+        return str(Endpoint(self.options.host, self.options.client_port))
 
     @property
     def client_url(self) -> str:
@@ -143,7 +172,17 @@ class EtcdServer:
 
     @property
     def peer_url(self) -> str:
-        return f"http://{self.options.host}:{self.options.peer_port}"
+        return f"http://{Endpoint(self._peer_host, self.options.peer_port)}"
+
+    @property
+    def durable(self) -> bool:
+        """Whether etcd fsyncs its writes."""
+        return self._durable
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit code once the process has ended (``None`` while it runs, or before start)."""
+        return None if self._process is None else self._process.poll()
 
     @property
     def pid(self) -> int | None:
@@ -181,10 +220,17 @@ class EtcdServer:
         """
         if self.is_running():
             return self
+        for host, port, what in ((self.options.host, self.options.client_port, "client"),
+                                 (self._peer_host, self.options.peer_port, "peer")):
+            _check_port_free(host, port, what)
         data_dir = Path(str(self.options.data_dir))
-        data_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.options.log_file or str(data_dir.parent / f"{data_dir.name}.log")
-        self._log = open(log_path, "ab")  # noqa: SIM115 - lives as long as the process
+        self.log_path = self.options.log_file or str(data_dir.parent / f"{data_dir.name}.log")
+        try:
+            data_dir.mkdir(parents=True, exist_ok=True)
+            self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
+        except OSError as exc:
+            raise EtcdServerError(f"cannot use etcd data directory {data_dir}: {exc.strerror or exc} "
+                                  f"({exc.filename or data_dir})") from None
         self._process = subprocess.Popen(
             # If we are killed outright, it goes too instead of serving forever.
             dying_with_us(self.command()),
@@ -206,9 +252,9 @@ class EtcdServer:
             if self._process is not None and self._process.poll() is not None:
                 raise EtcdServerError(
                     f"etcd exited with code {self._process.returncode} while starting on "
-                    f"{self.endpoint}; see {self._log.name if self._log else 'its log'}"
+                    f"{self.endpoint}: {self.exit_reason()}"
                 )
-            if self._answers():
+            if self._answers() and self.is_running():
                 return
             time.sleep(0.05)
         raise EtcdServerError(f"etcd on {self.endpoint} was not healthy after {timeout:g}s")
@@ -230,6 +276,22 @@ class EtcdServer:
                 return b'"true"' in response.read()
         except OSError:
             return False
+
+    def exit_reason(self) -> str:
+        """The last error etcd logged (its log may be gone after :meth:`stop`), and where its log is."""
+        reason = None
+        try:
+            with open(str(self.log_path), encoding="utf-8", errors="replace") as log:
+                for line in log:
+                    try:
+                        entry = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(entry, dict) and entry.get("level") in {"error", "fatal", "panic"}:
+                        reason = ": ".join(str(entry[k]) for k in ("msg", "error") if entry.get(k))
+        except OSError:
+            return "its log is gone"
+        return f"{reason or 'no error logged'} (log: {self.log_path})"
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to the server (default SIGKILL) and reap it; data is kept."""

@@ -40,7 +40,7 @@ def test_driver_smoke_mode_writes_every_section_with_expected_keys(tmp_path: Pat
     assert {"recovery_s", "steps_redone", "phases", "milestones"} <= crash["trials"][0].keys()
 
     scale = results["rendezvous_scale"]["by_size"]["2"]
-    for backend in ("etcd3", "c10d"):
+    for backend in ("etcd3", "etcd3-dynamic", "c10d"):
         assert SUMMARY_KEYS <= scale[backend]["round_s"].keys()
     assert "ratio_etcd3_over_c10d" in scale
 

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from elastictrain._addresses import is_loopback
 from elastictrain.cli import main
 from tests.conftest import REPO_ROOT, subprocess_env
+from tests.support.read_only import read_only_dir
 
 SCRIPT = str(REPO_ROOT / "examples" / "mlp.py")
 
@@ -30,6 +35,15 @@ CASES = [
     (["run", "--rdzv-conf", "keep_alive_interval=0.3,keep_alive_max_attempt=3", SCRIPT], 2,
      "keep_alive_interval x keep_alive_max_attempt must be at least 2 s, got 0.9 s"),
     (["frobnicate"], 2, "invalid choice: 'frobnicate'"),
+    (["run", "--last-call-timeout", "inf", SCRIPT], 2, "last_call_timeout must be at most 1e+09 s (about 31 years), got inf"),
+    (["run", "--rdzv-conf", "join_timeout=1e20", SCRIPT], 2, "join_timeout must be at most 1e+09 s (about 31 years), got '1e20'"),
+    (["run", str(REPO_ROOT / "examples")], 2, "training script '" + str(REPO_ROOT / "examples") + "' is a directory"),
+    (["run", "--rdzv-conf", "bogus_key=1", SCRIPT], 2,
+     "argument --rdzv-conf: unknown key 'bogus_key'; valid keys: join_timeout, last_call_timeout, "
+     "keep_alive_interval, keep_alive_max_attempt, state_ttl, request_timeout, retry_deadline, "
+     "ca_cert, client_cert, cert, client_key, key, user, password"),
+    (["status", "--etcd", "127.0.0.1:1", "--all", "--rdzv-conf", "retry_deadline=1,timeout=3"], 2,
+     "argument --rdzv-conf: unknown key 'timeout'; valid keys: join_timeout"),
 ]
 
 
@@ -76,3 +90,56 @@ def test_flags_fall_back_to_environment_variables(monkeypatch: pytest.MonkeyPatc
     # A flag beats the variable.
     assert main(["run", "--max-nodes", "4", "--min-nodes", "5", SCRIPT]) == 2
     assert "--min-nodes (5) must not exceed --max-nodes (4)" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not is_loopback(socket.getfqdn()), reason="this host's FQDN is not a loopback name")
+def test_a_loopback_node_address_is_refused_when_etcd_is_elsewhere(capsys: pytest.CaptureFixture[str]) -> None:
+    # An etcd name that does not resolve here leaves the FQDN as the node's address: a loopback one on this host.
+    argv = ["run", "--etcd", "etcd.example.invalid:2379", "--run-id", "x", SCRIPT]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"elastictrain: error: this node would tell the others to reach it at {socket.getfqdn()!r}, a "
+                   "loopback address, but etcd (etcd.example.invalid:2379) is not on this host: pass --local-addr "
+                   "with an address the other nodes can reach"]
+
+
+def test_an_unwritable_event_log_is_refused_before_anything_starts(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    with read_only_dir(tmp_path / "ro") as ro:
+        assert main(["run", "--event-log", str(ro / "events.jsonl"), SCRIPT]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(f"elastictrain: error: cannot write the event log '{ro / 'events.jsonl'}': ")
+    assert err[0].endswith("; pass --event-log with a path in a writable directory")
+
+
+def test_the_default_event_log_in_a_read_only_directory_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("ELASTICTRAIN_EVENT_LOG", raising=False)
+    with read_only_dir(tmp_path / "ro") as ro, monkeypatch.context() as cwd:
+        cwd.chdir(ro)  # (left before the directory is unmounted)
+        assert main(["run", SCRIPT]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("elastictrain: error: cannot write the event log 'elastictrain-runs/local/events.jsonl': ")
+
+
+def test_an_unwritable_chaos_run_dir_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from elastictrain.chaos.__main__ import main as chaos_main
+
+    with read_only_dir(tmp_path / "ro") as ro:
+        assert chaos_main(["--run-dir", str(ro / "chaos"), "--schedule", "kill_worker@2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(f"elastictrain chaos: error: --run-dir '{ro / 'chaos'}' is not a writable directory: ")
+
+
+def test_a_reader_that_goes_away_ends_status_quietly(etcd_server: Any) -> None:
+    # `elastictrain status ... | head -1`: the reader closes the pipe before we write.
+    proc = subprocess.Popen([sys.executable, "-m", "elastictrain", "status", "--etcd", etcd_server.endpoint, "--all"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=subprocess_env(), text=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 128 + signal.SIGPIPE
+    assert err == ""

@@ -19,7 +19,8 @@ EXPECTED = {
                    "--rdzv-conf", "--run-id", "--standalone"]),
     "status": sorted([*ETCD_CLIENT, "--all", "--checkpoint-dir", "--json"]),
     "stop": sorted([*ETCD_CLIENT, "--purge"]),
-    "etcd": ["--data-dir", "--help", "--host", "--port"],
+    "etcd": sorted(["--cert-file", "--client-cert-auth", "--data-dir", "--help", "--host", "--insecure", "--key-file",
+                    "--port", "--trusted-ca-file"]),
     "chaos": [],  # its flags belong to elastictrain.chaos (python -m elastictrain.chaos --help)
 }
 

@@ -1,0 +1,76 @@
+"""An etcd far away (another zone or region, a congested link): every command still works.
+
+The link is a :class:`~tests.support.tcp_proxy.TcpProxy` that delays each direction.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import REPO_ROOT, subprocess_env
+from tests.integration.test_operations import cli
+from tests.support.tcp_proxy import TcpProxy
+
+SCRIPT = str(REPO_ROOT / "tests" / "scripts" / "ddp_steps.py")
+
+
+def run_through(proxy: TcpProxy, run_id: str, out: Path, *script_args: str) -> list[str]:
+    """``elastictrain run`` of the test job, one node, with etcd behind ``proxy``."""
+    return [sys.executable, "-m", "elastictrain", "run", "--etcd", proxy.endpoint, "--run-id", run_id,
+            "--local-addr", "127.0.0.1", SCRIPT, str(out), *script_args]
+
+
+@pytest.mark.parametrize("round_trip", [0.2, 0.5])
+def test_status_reaches_a_distant_etcd(etcd_server: Any, round_trip: float) -> None:
+    with TcpProxy("127.0.0.1", etcd_server.options.client_port, delay_s=round_trip / 2) as proxy:
+        started = time.monotonic()
+        result = cli("status", "--etcd", proxy.endpoint, "--all")
+        assert result.returncode == 0, result.stderr
+        # A handful of round trips, not a 30 s retry deadline that ends in "unreachable".
+        assert time.monotonic() - started < 20
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("round_trip", [0.2, 0.5])
+def test_run_status_and_stop_through_a_distant_etcd(etcd_server: Any, run_id: str, tmp_path: Path,
+                                                    round_trip: float) -> None:
+    out = tmp_path / "out"
+    with TcpProxy("127.0.0.1", etcd_server.options.client_port, delay_s=round_trip / 2) as proxy:
+        job = subprocess.Popen(run_through(proxy, run_id, out, "--sleep", "120"), env=subprocess_env(), cwd=tmp_path,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while not (out / "pid-0-0").exists() and job.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert (out / "pid-0-0").exists(), "no worker started"  # the rendezvous completed
+            status = cli("status", "--etcd", proxy.endpoint, "--run-id", run_id)
+            assert status.returncode == 0, status.stderr
+            assert f"run '{run_id}': training" in status.stdout
+            stopped = cli("stop", "--etcd", proxy.endpoint, "--run-id", run_id)
+            assert stopped.returncode == 0, stopped.stderr
+            output, _ = job.communicate(timeout=120)
+            assert job.returncode == 0, output[-3000:]
+            assert f"run '{run_id}' was stopped by `elastictrain stop`" in output
+        finally:
+            if job.poll() is None:
+                job.kill()
+                job.wait()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("round_trip", [0.2, 0.5])
+def test_short_job_trains_through_a_distant_etcd(etcd_server: Any, run_id: str, tmp_path: Path,
+                                                 round_trip: float) -> None:
+    out = tmp_path / "out"
+    with TcpProxy("127.0.0.1", etcd_server.options.client_port, delay_s=round_trip / 2) as proxy:
+        result = subprocess.run(run_through(proxy, run_id, out, "--steps", "20"), env=subprocess_env(), cwd=tmp_path,
+                                capture_output=True, text=True, timeout=200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"run '{run_id}' finished" in result.stderr
+    assert (out / "rank-0.json").exists()

@@ -1,0 +1,1 @@
+"""Test utilities shared by the test suites (not fixtures: those live in tests/conftest.py)."""

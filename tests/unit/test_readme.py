@@ -1,0 +1,46 @@
+"""The README's multi-host recipes: what they set must exist, and what they need must be there."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from elastictrain.cli import build_parser
+from tests.conftest import REPO_ROOT
+
+README = (REPO_ROOT / "README.md").read_text()
+
+
+def _kubernetes_recipe() -> str:
+    section = README.split("## On Slurm and Kubernetes", 1)[1]
+    return section.split("```yaml", 1)[1].split("```", 1)[0]
+
+
+def _run_flag_variables() -> set[str]:
+    parser = build_parser()
+    run = next(a for a in parser._actions if hasattr(a, "choices") and a.choices and "run" in a.choices).choices["run"]  # noqa: SLF001
+    return {f"ELASTICTRAIN_{a.dest.upper()}" for a in run._actions if a.option_strings}  # noqa: SLF001
+
+
+def test_kubernetes_recipe_sets_only_real_variables_and_a_user_with_the_password() -> None:
+    names = set(re.findall(r"name: (ELASTICTRAIN_\w+)", _kubernetes_recipe()))
+    assert names - _run_flag_variables() <= {"ELASTICTRAIN_ETCD_PASSWORD"}
+    if "ELASTICTRAIN_ETCD_PASSWORD" in names:
+        assert "ELASTICTRAIN_ETCD_USER" in names  # a password without a user is refused
+
+
+def test_kubernetes_recipe_keeps_checkpoints_on_a_shared_volume() -> None:
+    recipe = _kubernetes_recipe()
+    command = json.loads(re.search(r"command: (\[.*?\])", recipe, re.S).group(1))  # type: ignore[union-attr]
+    checkpoint_dir = command[command.index("--checkpoint-dir") + 1]
+    mounts = dict(re.findall(r"\{name: (\S+), mountPath: (\S+)\}", recipe))
+    volume = next(name for name, path in mounts.items() if checkpoint_dir.startswith(path.rstrip("/") + "/"))
+    claim = re.search(rf"- name: {re.escape(volume)}\b.*?\n\s+persistentVolumeClaim:", recipe, re.S)
+    assert claim is not None, f"volume {volume!r} is not a PersistentVolumeClaim"
+    assert "ReadWriteMany" in recipe
+
+
+def test_readme_says_the_store_and_collective_ports_need_a_trusted_network() -> None:
+    paragraph = README.split("**Trusted network.**", 1)[1].split("\n\n", 1)[0]
+    for what in ("store", "gloo", "NCCL", "neither encrypted nor authenticated"):
+        assert what in paragraph
