@@ -3,7 +3,9 @@
 One save, called by every rank with the same step:
 
 1. Snapshot (training thread): ``state_dict()`` of every object; rank 0 keeps the
-   replicated state, every rank its RNG states. Async saves copy tensors to CPU.
+   replicated state, every rank its RNG states. Async saves copy tensors to CPU;
+   overlapped saves leave that copy to the background thread (``_overlap``), and
+   the next step waits for it only where it would change a tensor not yet copied.
 2. Agree on a staging directory ``step_<N>.tmp-<nonce>`` (rank 0's nonce).
 3. Each rank writes and fsyncs its files there (rank 0: ``replicated.pt`` too).
 4. Barrier: every rank reports its files (name, size, sha256) or its failure.
@@ -17,23 +19,28 @@ One save, called by every rank with the same step:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pickle
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from elastictrain.errors import CheckpointError, ConfigError, CorruptCheckpointError
 
 from . import _manifest as fmt
 from . import _snapshot as snap
+from ._overlap import SideStreams, SnapshotCopy, copy_sizes
 from .coordinator import Coordinator, default_coordinator
 from .storage import LocalStorage, Storage
 
@@ -44,6 +51,8 @@ _events = logging.getLogger("elastictrain.events")
 
 FAULT_STAGES = ("before_write", "during_write", "before_barrier", "before_commit", "after_commit")
 """Where ``CheckpointManager._fault_hook`` is called during a save (a test seam for crash injection)."""
+COPY_STAGE = "during_copy"
+"""Where ``_fault_hook`` is also called in an overlapped save: on rank 0, before each storage's copy."""
 
 
 @runtime_checkable
@@ -78,6 +87,15 @@ class _Payload:
     step: int
     replicated: dict[str, Any] | None  # rank 0 only: {"stateful": {...}, "extras": {...}}
     local: dict[str, Any]  # {"rng": {...}}
+    copy: SnapshotCopy | None = None  # overlapped: makes ``replicated``'s tensors CPU copies
+
+
+@dataclass(slots=True)
+class _Reservation:
+    """Copy buffers to allocate once the optimizers have built their state (overlapped saves)."""
+
+    state: dict[str, Any]
+    waiting: set[int] = field(default_factory=set)  # ids of the optimizers yet to step
 
 
 class CheckpointManager:
@@ -94,6 +112,15 @@ class CheckpointManager:
         async_save: Return from ``save`` once the state is copied to CPU memory,
             writing and committing on a background thread. The copy's memory
             (one checkpoint's worth, on rank 0) is kept and reused by the next save.
+        overlap: With ``async_save``, return from ``save`` at once and copy the
+            state on the background thread too (CUDA tensors on a side stream
+            into pinned memory), while the next step computes. The next
+            ``torch.optim`` optimizer step over saved parameters waits for the
+            copy, and a saved module's forward waits for its buffers' copies;
+            anything else that changes a saved tensor in place must call
+            ``wait_snapshot()`` first. ``restore`` allocates the copy memory in
+            the background once every saved optimizer has stepped, so that the
+            first save copies into warm memory too.
         storage: Where bytes go; ``None`` uses ``LocalStorage(directory)``. With
             more than one rank it must be shared by all of them.
         coordinator: How ranks agree; ``None`` uses a dedicated gloo group when
@@ -103,7 +130,8 @@ class CheckpointManager:
             keeps torch's default. It must cover the slowest rank's file write.
 
     Raises:
-        ConfigError: ``keep_last`` is not a positive integer.
+        ConfigError: ``keep_last`` is not a positive integer, or ``overlap``
+            without ``async_save``.
         CheckpointError: The directory cannot be created.
     """
 
@@ -113,12 +141,15 @@ class CheckpointManager:
         *,
         keep_last: int = 3,
         async_save: bool = False,
+        overlap: bool = False,
         storage: Storage | None = None,
         coordinator: Coordinator | None = None,
         timeout: timedelta | None = None,
     ) -> None:
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise ConfigError(f"keep_last must be a positive integer, got {keep_last!r}")
+        if overlap and not async_save:
+            raise ConfigError("overlap=True needs async_save=True: a synchronous save has nothing to overlap")
         if storage is None:
             storage, self._prefix = LocalStorage(directory), ""
         else:
@@ -127,10 +158,15 @@ class CheckpointManager:
         self._keep_last = keep_last
         self._async = async_save
         self._coord = coordinator if coordinator is not None else default_coordinator(timeout)
+        self._overlap = overlap
         self._thread: threading.Thread | None = None
         self._pool = snap.CopyPool()
         self._error: tuple[int, Exception] | None = None
         self._closed = False
+        self._copy: SnapshotCopy | None = None  # overlapped: the copy training may have to wait for
+        self._streams = SideStreams()
+        self._reservation: _Reservation | None = None
+        self._reserver: threading.Thread | None = None
         # Test seam: called with each FAULT_STAGES name during a save, on every rank.
         self._fault_hook: Callable[[str], None] | None = None
         if self._coord.rank == 0:
@@ -138,6 +174,15 @@ class CheckpointManager:
                 self._storage.make_dir(self._prefix)
             except OSError as exc:
                 raise CheckpointError(f"cannot create checkpoint directory {self.location}: {exc}") from exc
+        # Global: a plain loop's optimizer may not be part of the save, its parameters
+        # are. Weak references: the hooks must not keep a forgotten manager alive.
+        self._optimizer_hooks: list[RemovableHandle] = []
+        if overlap:
+            ref = weakref.ref(self)
+            self._optimizer_hooks = [
+                register_optimizer_step_pre_hook(functools.partial(_before_optimizer_step, ref)),
+                register_optimizer_step_post_hook(functools.partial(_after_optimizer_step, ref)),
+            ]
 
     @property
     def location(self) -> str:
@@ -149,7 +194,10 @@ class CheckpointManager:
 
         Waits for a save still in flight first. Synchronously, returns once the
         checkpoint is committed on every rank; with ``async_save``, once the state
-        is copied, so the caller may change it right away.
+        is copied, so the caller may change it right away; with ``overlap`` too,
+        at once: the copy goes on in the background, and until ``wait_snapshot``
+        returns only optimizer steps and forwards of saved modules may change the
+        saved tensors (they wait for their copies).
 
         Args:
             step: The training step, a non-negative int; every rank passes the same.
@@ -166,6 +214,7 @@ class CheckpointManager:
         snap.check_step(step)
         snap.check_state(state)
         self.wait()
+        self._reservation = None  # this save allocates what it needs
         payload = self._collect(step, state)
         if not self._async:
             self._write_and_commit(payload)
@@ -173,7 +222,29 @@ class CheckpointManager:
         self._thread = threading.Thread(
             target=self._save_in_background, args=(payload,), name=f"elastictrain-checkpoint-{step}"
         )
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:
+            self._thread = None
+            self.wait_snapshot()  # nothing will copy: release the guards
+            raise
+
+    def wait_snapshot(self) -> None:
+        """Block until the state of the overlapped save in flight is copied; then it may change.
+
+        Call it before changing a saved tensor in place other than by an
+        optimizer step or a saved module's forward (which wait by themselves):
+        e.g. ``p.mul_(0.5)`` under ``no_grad``, a manual SGD update, loading new
+        weights. On CUDA it returns once the copy is queued and the current
+        stream ordered after it: changes queued afterwards on that stream are
+        safe. Does nothing without ``overlap`` (``save`` copied already), when
+        no save is in flight, or when the copy failed (the save's error is
+        raised by ``wait`` or the next ``save``).
+        """
+        copy, self._copy = self._copy, None
+        if copy is not None:
+            copy.wait_all()
+            copy.release()
 
     def wait(self) -> None:
         """Block until the async save in flight (if any) has committed or failed.
@@ -182,6 +253,7 @@ class CheckpointManager:
             CheckpointError: The background save failed; it was not committed.
                 The failure is raised once.
         """
+        self.wait_snapshot()
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
@@ -234,6 +306,7 @@ class CheckpointManager:
         found = self._agree(step)
         if found is None:
             logger.info("no checkpoint in %s; starting from scratch", self.location)
+            self._plan_reservation(state)
             return None
         step, manifest = found
         directory = fmt.join(self._prefix, fmt.step_dir(step))
@@ -253,6 +326,7 @@ class CheckpointManager:
             step, info.path, info.world_size, self._coord.world_size,
         )
         _events.info("checkpoint_restore", extra={"elastictrain_event": {"step": step, "path": info.path}})
+        self._plan_reservation(state)
         return info
 
     def close(self) -> None:
@@ -267,6 +341,11 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            for hook in self._optimizer_hooks:
+                hook.remove()
+            self._optimizer_hooks, self._reservation = [], None
+            if self._reserver is not None:
+                self._reserver.join()
             self._pool.clear()
             self._coord.close()
 
@@ -284,20 +363,77 @@ class CheckpointManager:
         if self._fault_hook is not None:
             self._fault_hook(stage)
 
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        copy = self._copy
+        if copy is not None and copy.concerns(optimizer):
+            self.wait_snapshot()
+
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        reservation = self._reservation
+        if reservation is not None:
+            reservation.waiting.discard(id(optimizer))
+            if not reservation.waiting:
+                self._reserve()
+
+    def _plan_reservation(self, state: Mapping[str, Stateful | dict[str, Any]]) -> None:
+        # Only rank 0 copies, and a pool that has served a save is warm already.
+        if not self._overlap or self._coord.rank != 0 or not self._pool.empty():
+            return
+        # Optimizers build their state (most of a checkpoint) at their first step:
+        # size the buffers after it.
+        waiting = {id(obj) for obj in state.values() if isinstance(obj, torch.optim.Optimizer) and not obj.state}
+        self._reservation = _Reservation(state=dict(state), waiting=waiting)
+        if not waiting:
+            self._reserve()
+
+    def _reserve(self) -> None:
+        reservation, self._reservation = self._reservation, None
+        if reservation is None or self._reserver is not None:
+            return
+        try:
+            values = {name: obj if isinstance(obj, dict) else obj.state_dict() for name, obj in reservation.state.items()}
+            sizes = copy_sizes(values)
+        except ConfigError:
+            return  # save() will say what is wrong with the state
+        self._reserver = threading.Thread(
+            target=self._reserve_in_background, args=(sizes,), name="elastictrain-checkpoint-reserve", daemon=True
+        )
+        self._reserver.start()
+
+    def _reserve_in_background(self, sizes: list[tuple[int, bool]]) -> None:
+        try:
+            self._pool.reserve(sizes)
+        except Exception as exc:  # noqa: BLE001 - an optimization: the first save allocates instead
+            logger.warning("could not reserve checkpoint copy memory (%d bytes): %s", sum(n for n, _ in sizes), exc)
+
     def _collect(self, step: int, state: Mapping[str, Stateful | dict[str, Any]]) -> _Payload:
         # Every rank checks the replicated state (cheap, no copies) so that bad
         # input fails on all ranks before any collective, not on rank 0 alone.
         rank0 = self._coord.rank == 0
         content: dict[str, Any] = {"stateful": {}, "extras": {}}
+        references: list[torch.Tensor] = []
         self._pool.begin()  # the previous save is done (save() waited): its copies are free
         for name, obj in state.items():
             kind, value = ("extras", obj) if isinstance(obj, dict) else ("stateful", obj.state_dict())
-            if rank0:
-                content[kind][name] = snap.snapshot(value, copy=self._async, pool=self._pool, where=f"state[{name!r}]")
+            where = f"state[{name!r}]"
+            if not rank0:
+                snap.validate(value, where=where)
+            elif self._overlap:
+                content[kind][name], found = snap.capture(value, pool=self._pool, where=where)
+                references += found
             else:
-                snap.validate(value, where=f"state[{name!r}]")
+                content[kind][name] = snap.snapshot(value, copy=self._async, pool=self._pool, where=where)
         local = snap.snapshot({"rng": snap.capture_rng()}, copy=False, pool=self._pool)  # fresh tensors already
-        return _Payload(step=step, replicated=content if rank0 else None, local=local)
+        payload = _Payload(step=step, replicated=content if rank0 else None, local=local)
+        if references:
+            payload.copy = self._copy = SnapshotCopy(
+                references,
+                modules=[obj for obj in state.values() if isinstance(obj, torch.nn.Module)],
+                optimizers=[obj for obj in state.values() if isinstance(obj, torch.optim.Optimizer)],
+                pool=self._pool,
+                streams=self._streams,
+            )
+        return payload
 
     def _save_in_background(self, payload: _Payload) -> None:
         try:
@@ -309,6 +445,16 @@ class CheckpointManager:
     def _write_and_commit(self, payload: _Payload) -> None:
         started = time.monotonic()
         step, rank = payload.step, self._coord.rank
+        # Copy first, before any collective: the others wait for it anyway, and a
+        # failure is reported at the barrier like a failed write.
+        copy_error: Exception | None = None
+        if payload.copy is not None:
+            try:
+                payload.copy.run(lambda: self._fault(COPY_STAGE))
+                payload.replicated = snap.materialize(payload.replicated, self._pool)
+            except Exception as exc:  # noqa: BLE001 - reported at the barrier below
+                copy_error = CheckpointError(f"copying the state to CPU memory failed: {exc!r}")
+            payload.copy = None
         proposals = self._coord.all_gather((step, secrets.token_hex(4)))
         if len({s for s, _ in proposals}) != 1:
             raise CheckpointError(f"ranks disagree on the step to save: {[s for s, _ in proposals]}")
@@ -318,6 +464,8 @@ class CheckpointManager:
         written: list[tuple[str, int, str]] = []
         error: str | None = None
         try:
+            if copy_error is not None:
+                raise copy_error
             self._fault("before_write")
             self._storage.make_dir(staging)
             if payload.replicated is not None:
@@ -438,3 +586,15 @@ class CheckpointManager:
         seed = snap.fallback_seed(manifest["files"][fmt.rank_file(0)]["sha256"], rank)
         snap.seed_rng(seed)
         logger.info("rank %d has no saved RNG state in step %d; seeded RNGs with %d", rank, step, seed)
+
+
+def _before_optimizer_step(ref: weakref.ref[CheckpointManager], optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    manager = ref()
+    if manager is not None:
+        manager._before_optimizer_step(optimizer)
+
+
+def _after_optimizer_step(ref: weakref.ref[CheckpointManager], optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    manager = ref()
+    if manager is not None:
+        manager._after_optimizer_step(optimizer)
