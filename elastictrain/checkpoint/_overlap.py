@@ -15,13 +15,17 @@ a training loop waits for the copy instead:
   statistics): a forward pre-hook waits for the copies of that module's own
   buffers, which are copied first;
 - an optimizer step, which updates parameters and optimizer state: a global
-  optimizer step pre-hook (registered by the manager) waits for the whole copy
-  when the optimizer is part of the save or steps a parameter being copied.
+  optimizer step pre-hook (``Overlap``'s) waits for the whole copy when the
+  optimizer is part of the save or steps a parameter being copied.
 
 Waiting means: on the CPU, blocking until the copy is made; on CUDA, blocking only
 until the copy is queued, then making the current stream wait for an event
 recorded after it on the side stream, so kernels queued afterwards (the optimizer
 step) run after the copy without the CPU waiting for the transfer.
+
+The first save would copy into fresh memory, whose page faults cost several times
+the copy; ``Overlap`` reserves that memory on a background thread once every saved
+optimizer has built its state (at its first step after ``restore``).
 """
 
 from __future__ import annotations
@@ -29,15 +33,20 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
+
+from elastictrain.errors import ConfigError
 
 from . import _snapshot as snap
 
-__all__ = ["SideStreams", "SnapshotCopy", "copy_sizes"]
+__all__ = ["Overlap", "SideStreams", "SnapshotCopy", "copy_sizes"]
 
 logger = logging.getLogger(__name__)
 
@@ -112,10 +121,6 @@ class SnapshotCopy:
             if indices:
                 self._hooks.append(module.register_forward_pre_hook(functools.partial(self._before_forward, indices)))
 
-    def __len__(self) -> int:
-        """The number of storages to copy."""
-        return len(self._index)
-
     def run(self, before_each: Callable[[], None] = lambda: None) -> None:
         """Copy every storage into the pool, in order; on the background thread.
 
@@ -147,10 +152,7 @@ class SnapshotCopy:
                     self._issued = i + 1
                     self._cond.notify_all()
         except BaseException:
-            with self._cond:
-                self._failed = True
-                self._issued = len(self._index)
-                self._cond.notify_all()
+            self.abandon()
             raise
         finally:
             # Only once no stream reads the sources may they be freed (the caching
@@ -159,6 +161,13 @@ class SnapshotCopy:
             for stream in used.values():
                 stream.synchronize()
             self._sources = []
+
+    def abandon(self) -> None:
+        """Give the copy up (it failed, or will never run): release everyone waiting for it."""
+        with self._cond:
+            self._failed = True
+            self._issued = len(self._index)
+            self._cond.notify_all()
 
     def wait_all(self) -> None:
         """Block until every copy is made (CPU) or ordered before what the current streams run next (CUDA)."""
@@ -195,6 +204,123 @@ class SnapshotCopy:
 
     def _before_forward(self, indices: list[int], module: torch.nn.Module, args: Any) -> None:
         self.wait_for(indices)
+
+
+@dataclass(slots=True)
+class _Reservation:
+    """Copy memory to allocate once the saved optimizers have built their state."""
+
+    state: dict[str, Any]
+    waiting: set[int] = field(default_factory=set)  # ids of the optimizers yet to step
+
+
+class Overlap:
+    """What a manager with ``overlap=True`` keeps between saves (rank 0 does the copying).
+
+    The copy in flight, the global optimizer step hooks that wait for it (a plain
+    loop's optimizer need not be part of the save, its parameters are), and the
+    reservation of copy memory. Use it from the training thread; ``close`` it.
+
+    Args:
+        pool: Where copies go (the manager's).
+    """
+
+    def __init__(self, pool: snap.CopyPool) -> None:
+        self._pool = pool
+        self._streams = SideStreams()
+        self._copy: SnapshotCopy | None = None
+        self._reservation: _Reservation | None = None
+        self._reserver: threading.Thread | None = None
+        # Weak references: the hooks must not keep a forgotten manager alive.
+        ref = weakref.ref(self)
+        self._hooks = [
+            register_optimizer_step_pre_hook(functools.partial(_before_optimizer_step, ref)),
+            register_optimizer_step_post_hook(functools.partial(_after_optimizer_step, ref)),
+        ]
+
+    def start(self, references: list[torch.Tensor], state: Mapping[str, Any]) -> SnapshotCopy:
+        """Guard and return the copy of ``references`` for a save of ``state``; ``run`` it in the background.
+
+        The previous copy must be awaited (``wait``) and its pool storages free (``pool.begin()``).
+        """
+        self._reservation = None  # this save allocates what it needs
+        self._copy = SnapshotCopy(
+            references,
+            modules=[obj for obj in state.values() if isinstance(obj, torch.nn.Module)],
+            optimizers=[obj for obj in state.values() if isinstance(obj, torch.optim.Optimizer)],
+            pool=self._pool,
+            streams=self._streams,
+        )
+        return self._copy
+
+    def wait(self) -> None:
+        """Wait for the copy in flight (``SnapshotCopy.wait_all``), if any, and remove its guards."""
+        copy, self._copy = self._copy, None
+        if copy is not None:
+            copy.wait_all()
+            copy.release()
+
+    def plan_reservation(self, state: Mapping[str, Any]) -> None:
+        """Reserve the copy memory a save of ``state`` needs, once every optimizer in it has stepped."""
+        if not self._pool.empty():  # a pool that has served a save is warm already
+            return
+        # Optimizers build their state (most of a checkpoint) at their first step.
+        waiting = {id(obj) for obj in state.values() if isinstance(obj, torch.optim.Optimizer) and not obj.state}
+        self._reservation = _Reservation(state=dict(state), waiting=waiting)
+        if not waiting:
+            self._reserve()
+
+    def close(self) -> None:
+        """Remove the hooks and wait for a reservation in progress; after ``wait``."""
+        hooks, self._hooks, self._reservation = self._hooks, [], None
+        for hook in hooks:
+            hook.remove()
+        if self._reserver is not None:
+            self._reserver.join()
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        copy = self._copy
+        if copy is not None and copy.concerns(optimizer):
+            self.wait()
+
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        reservation = self._reservation
+        if reservation is not None:
+            reservation.waiting.discard(id(optimizer))
+            if not reservation.waiting:
+                self._reserve()
+
+    def _reserve(self) -> None:
+        reservation, self._reservation = self._reservation, None
+        if reservation is None or self._reserver is not None:
+            return
+        try:
+            sizes = copy_sizes({name: obj if isinstance(obj, dict) else obj.state_dict()
+                                for name, obj in reservation.state.items()})
+        except ConfigError:
+            return  # save() will say what is wrong with the state
+        self._reserver = threading.Thread(
+            target=self._reserve_in_background, args=(sizes,), name="elastictrain-checkpoint-reserve", daemon=True
+        )
+        self._reserver.start()
+
+    def _reserve_in_background(self, sizes: list[tuple[int, bool]]) -> None:
+        try:
+            self._pool.reserve(sizes)
+        except Exception as exc:  # noqa: BLE001 - an optimization: the first save allocates instead
+            logger.warning("could not reserve checkpoint copy memory (%d bytes): %s", sum(n for n, _ in sizes), exc)
+
+
+def _before_optimizer_step(ref: weakref.ref[Overlap], optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    overlap = ref()
+    if overlap is not None:
+        overlap._before_optimizer_step(optimizer)
+
+
+def _after_optimizer_step(ref: weakref.ref[Overlap], optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    overlap = ref()
+    if overlap is not None:
+        overlap._after_optimizer_step(optimizer)
 
 
 def copy_sizes(values: Mapping[str, Any]) -> list[tuple[int, bool]]:

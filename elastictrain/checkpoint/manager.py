@@ -19,28 +19,24 @@ One save, called by every rank with the same step:
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import pickle
 import secrets
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils.hooks import RemovableHandle
 
 from elastictrain.errors import CheckpointError, ConfigError, CorruptCheckpointError
 
 from . import _manifest as fmt
 from . import _snapshot as snap
-from ._overlap import SideStreams, SnapshotCopy, copy_sizes
+from ._overlap import Overlap, SnapshotCopy
 from .coordinator import Coordinator, default_coordinator
 from .storage import LocalStorage, Storage
 
@@ -88,14 +84,6 @@ class _Payload:
     replicated: dict[str, Any] | None  # rank 0 only: {"stateful": {...}, "extras": {...}}
     local: dict[str, Any]  # {"rng": {...}}
     copy: SnapshotCopy | None = None  # overlapped: makes ``replicated``'s tensors CPU copies
-
-
-@dataclass(slots=True)
-class _Reservation:
-    """Copy buffers to allocate once the optimizers have built their state (overlapped saves)."""
-
-    state: dict[str, Any]
-    waiting: set[int] = field(default_factory=set)  # ids of the optimizers yet to step
 
 
 class CheckpointManager:
@@ -158,15 +146,10 @@ class CheckpointManager:
         self._keep_last = keep_last
         self._async = async_save
         self._coord = coordinator if coordinator is not None else default_coordinator(timeout)
-        self._overlap = overlap
         self._thread: threading.Thread | None = None
         self._pool = snap.CopyPool()
         self._error: tuple[int, Exception] | None = None
         self._closed = False
-        self._copy: SnapshotCopy | None = None  # overlapped: the copy training may have to wait for
-        self._streams = SideStreams()
-        self._reservation: _Reservation | None = None
-        self._reserver: threading.Thread | None = None
         # Test seam: called with each FAULT_STAGES name during a save, on every rank.
         self._fault_hook: Callable[[str], None] | None = None
         if self._coord.rank == 0:
@@ -174,15 +157,8 @@ class CheckpointManager:
                 self._storage.make_dir(self._prefix)
             except OSError as exc:
                 raise CheckpointError(f"cannot create checkpoint directory {self.location}: {exc}") from exc
-        # Global: a plain loop's optimizer may not be part of the save, its parameters
-        # are. Weak references: the hooks must not keep a forgotten manager alive.
-        self._optimizer_hooks: list[RemovableHandle] = []
-        if overlap:
-            ref = weakref.ref(self)
-            self._optimizer_hooks = [
-                register_optimizer_step_pre_hook(functools.partial(_before_optimizer_step, ref)),
-                register_optimizer_step_post_hook(functools.partial(_after_optimizer_step, ref)),
-            ]
+        # Rank 0 alone copies (the replicated state): the others have nothing to overlap.
+        self._overlap = Overlap(self._pool) if overlap and self._coord.rank == 0 else None
 
     @property
     def location(self) -> str:
@@ -214,7 +190,6 @@ class CheckpointManager:
         snap.check_step(step)
         snap.check_state(state)
         self.wait()
-        self._reservation = None  # this save allocates what it needs
         payload = self._collect(step, state)
         if not self._async:
             self._write_and_commit(payload)
@@ -226,7 +201,9 @@ class CheckpointManager:
             self._thread.start()
         except BaseException:
             self._thread = None
-            self.wait_snapshot()  # nothing will copy: release the guards
+            if payload.copy is not None:
+                payload.copy.abandon()  # nothing will copy: release the guards
+            self.wait_snapshot()
             raise
 
     def wait_snapshot(self) -> None:
@@ -241,10 +218,8 @@ class CheckpointManager:
         no save is in flight, or when the copy failed (the save's error is
         raised by ``wait`` or the next ``save``).
         """
-        copy, self._copy = self._copy, None
-        if copy is not None:
-            copy.wait_all()
-            copy.release()
+        if self._overlap is not None:
+            self._overlap.wait()
 
     def wait(self) -> None:
         """Block until the async save in flight (if any) has committed or failed.
@@ -306,7 +281,8 @@ class CheckpointManager:
         found = self._agree(step)
         if found is None:
             logger.info("no checkpoint in %s; starting from scratch", self.location)
-            self._plan_reservation(state)
+            if self._overlap is not None:
+                self._overlap.plan_reservation(state)
             return None
         step, manifest = found
         directory = fmt.join(self._prefix, fmt.step_dir(step))
@@ -326,7 +302,8 @@ class CheckpointManager:
             step, info.path, info.world_size, self._coord.world_size,
         )
         _events.info("checkpoint_restore", extra={"elastictrain_event": {"step": step, "path": info.path}})
-        self._plan_reservation(state)
+        if self._overlap is not None:
+            self._overlap.plan_reservation(state)
         return info
 
     def close(self) -> None:
@@ -341,11 +318,8 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
-            for hook in self._optimizer_hooks:
-                hook.remove()
-            self._optimizer_hooks, self._reservation = [], None
-            if self._reserver is not None:
-                self._reserver.join()
+            if self._overlap is not None:
+                self._overlap.close()
             self._pool.clear()
             self._coord.close()
 
@@ -363,49 +337,6 @@ class CheckpointManager:
         if self._fault_hook is not None:
             self._fault_hook(stage)
 
-    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        copy = self._copy
-        if copy is not None and copy.concerns(optimizer):
-            self.wait_snapshot()
-
-    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        reservation = self._reservation
-        if reservation is not None:
-            reservation.waiting.discard(id(optimizer))
-            if not reservation.waiting:
-                self._reserve()
-
-    def _plan_reservation(self, state: Mapping[str, Stateful | dict[str, Any]]) -> None:
-        # Only rank 0 copies, and a pool that has served a save is warm already.
-        if not self._overlap or self._coord.rank != 0 or not self._pool.empty():
-            return
-        # Optimizers build their state (most of a checkpoint) at their first step:
-        # size the buffers after it.
-        waiting = {id(obj) for obj in state.values() if isinstance(obj, torch.optim.Optimizer) and not obj.state}
-        self._reservation = _Reservation(state=dict(state), waiting=waiting)
-        if not waiting:
-            self._reserve()
-
-    def _reserve(self) -> None:
-        reservation, self._reservation = self._reservation, None
-        if reservation is None or self._reserver is not None:
-            return
-        try:
-            values = {name: obj if isinstance(obj, dict) else obj.state_dict() for name, obj in reservation.state.items()}
-            sizes = copy_sizes(values)
-        except ConfigError:
-            return  # save() will say what is wrong with the state
-        self._reserver = threading.Thread(
-            target=self._reserve_in_background, args=(sizes,), name="elastictrain-checkpoint-reserve", daemon=True
-        )
-        self._reserver.start()
-
-    def _reserve_in_background(self, sizes: list[tuple[int, bool]]) -> None:
-        try:
-            self._pool.reserve(sizes)
-        except Exception as exc:  # noqa: BLE001 - an optimization: the first save allocates instead
-            logger.warning("could not reserve checkpoint copy memory (%d bytes): %s", sum(n for n, _ in sizes), exc)
-
     def _collect(self, step: int, state: Mapping[str, Stateful | dict[str, Any]]) -> _Payload:
         # Every rank checks the replicated state (cheap, no copies) so that bad
         # input fails on all ranks before any collective, not on rank 0 alone.
@@ -418,21 +349,15 @@ class CheckpointManager:
             where = f"state[{name!r}]"
             if not rank0:
                 snap.validate(value, where=where)
-            elif self._overlap:
+            elif self._overlap is not None:
                 content[kind][name], found = snap.capture(value, pool=self._pool, where=where)
                 references += found
             else:
                 content[kind][name] = snap.snapshot(value, copy=self._async, pool=self._pool, where=where)
         local = snap.snapshot({"rng": snap.capture_rng()}, copy=False, pool=self._pool)  # fresh tensors already
         payload = _Payload(step=step, replicated=content if rank0 else None, local=local)
-        if references:
-            payload.copy = self._copy = SnapshotCopy(
-                references,
-                modules=[obj for obj in state.values() if isinstance(obj, torch.nn.Module)],
-                optimizers=[obj for obj in state.values() if isinstance(obj, torch.optim.Optimizer)],
-                pool=self._pool,
-                streams=self._streams,
-            )
+        if references and self._overlap is not None:
+            payload.copy = self._overlap.start(references, state)
         return payload
 
     def _save_in_background(self, payload: _Payload) -> None:
@@ -587,14 +512,3 @@ class CheckpointManager:
         snap.seed_rng(seed)
         logger.info("rank %d has no saved RNG state in step %d; seeded RNGs with %d", rank, step, seed)
 
-
-def _before_optimizer_step(ref: weakref.ref[CheckpointManager], optimizer: torch.optim.Optimizer, *_: Any) -> None:
-    manager = ref()
-    if manager is not None:
-        manager._before_optimizer_step(optimizer)
-
-
-def _after_optimizer_step(ref: weakref.ref[CheckpointManager], optimizer: torch.optim.Optimizer, *_: Any) -> None:
-    manager = ref()
-    if manager is not None:
-        manager._after_optimizer_step(optimizer)

@@ -33,16 +33,17 @@ class Net:
 
     BUFFER_STORAGES = 3  # BatchNorm1d: running_mean, running_var, num_batches_tracked
 
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu") -> None:
         torch.manual_seed(0)
+        self.device = device
         self.model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
-                                         torch.nn.Linear(16, 2))
+                                         torch.nn.Linear(16, 2)).to(device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=0.05)
         self.sched = torch.optim.lr_scheduler.StepLR(self.opt, step_size=1, gamma=0.5)
         self.progress: dict[str, Any] = {"step": 0, "seen": torch.zeros(2)}
 
     def forward_backward(self) -> None:
-        self.model(torch.randn(5, 6)).square().mean().backward()
+        self.model(torch.randn(5, 6, device=self.device)).square().mean().backward()
 
     def train(self, steps: int) -> None:
         for _ in range(steps):
@@ -57,10 +58,10 @@ class Net:
 
 
 class PauseCopy:
-    """A fault hook pausing the background copy before chosen storages until an event (or ``PAUSE`` s)."""
+    """A fault hook pausing the background copy before chosen storages until an event (or ``timeout`` s)."""
 
-    def __init__(self, pauses: dict[int, threading.Event]) -> None:
-        self.pauses = pauses
+    def __init__(self, pauses: dict[int, threading.Event], timeout: float = PAUSE) -> None:
+        self.pauses, self.timeout = pauses, timeout
         self.copied = 0  # storages whose copy has started
         self.timed_out: list[int] = []
 
@@ -68,9 +69,16 @@ class PauseCopy:
         if stage != COPY_STAGE:
             return
         event = self.pauses.get(self.copied)
-        if event is not None and not event.wait(PAUSE):
+        if event is not None and not event.wait(self.timeout):
             self.timed_out.append(self.copied)
         self.copied += 1
+
+
+def held_until_stepped(opt: torch.optim.Optimizer, at: int) -> PauseCopy:
+    """Pause the copy before storage ``at`` until ``opt`` has stepped."""
+    stepped = threading.Event()
+    opt.register_step_post_hook(lambda *_: stepped.set())
+    return PauseCopy({at: stepped})
 
 
 def seed_all(seed: int = 7) -> None:
@@ -80,15 +88,15 @@ def seed_all(seed: int = 7) -> None:
     random.seed(seed)
 
 
+def saved_bytes(directory: Path, step: int) -> dict[str, bytes]:
+    return {name: (directory / f"step_{step:08d}" / name).read_bytes() for name in FILES}
+
+
 def sync_reference(directory: Path, step: int, state: dict[str, Any]) -> dict[str, bytes]:
     seed_all()
     with CheckpointManager(directory) as mgr:
         mgr.save(step, state)
-    return {name: (directory / f"step_{step:08d}" / name).read_bytes() for name in FILES}
-
-
-def saved_bytes(directory: Path, step: int) -> dict[str, bytes]:
-    return {name: (directory / f"step_{step:08d}" / name).read_bytes() for name in FILES}
+    return saved_bytes(directory, step)
 
 
 def test_overlapped_save_is_byte_identical_to_a_sync_save_while_the_next_step_runs_during_the_copy(
@@ -163,9 +171,7 @@ def test_an_optimizer_left_out_of_the_save_still_waits_before_stepping_saved_par
     net = Net()
     net.train(1)
     expected = sync_reference(tmp_path / "sync", 1, {"model": net.model})
-    stepped = threading.Event()
-    net.opt.register_step_post_hook(lambda *_: stepped.set())
-    pause = PauseCopy({Net.BUFFER_STORAGES: stepped})
+    pause = held_until_stepped(net.opt, Net.BUFFER_STORAGES)
     with CheckpointManager(tmp_path / "overlap", async_save=True, overlap=True) as mgr:
         mgr._fault_hook = pause
         seed_all()
@@ -181,9 +187,9 @@ def test_an_optimizer_of_other_parameters_steps_without_waiting_for_the_copy(tmp
     other = torch.nn.Linear(3, 3)
     other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
     release = threading.Event()
-    pause = PauseCopy({0: release})
+    pause = PauseCopy({0: release}, timeout=30)  # were the step to wait, it would wait this long
     with CheckpointManager(tmp_path, async_save=True, overlap=True) as mgr:
-        mgr._fault_hook = lambda stage: pause(stage) if stage == COPY_STAGE else None
+        mgr._fault_hook = pause
         mgr.save(1, net.state())
         other(torch.randn(2, 3)).sum().backward()
         other_opt.step()  # would block until the pause times out if it waited
@@ -222,10 +228,10 @@ def test_the_first_save_copies_into_memory_reserved_after_the_first_step_and_lat
     net = Net()
     with CheckpointManager(tmp_path, async_save=True, overlap=True) as mgr:
         assert mgr.restore(net.state()) is None
-        assert mgr._reserver is None  # AdamW has no state before its first step: nothing to size yet
+        assert mgr._overlap._reserver is None  # AdamW has no state before its first step: nothing to size yet
         net.train(1)
-        assert mgr._reserver is not None
-        mgr._reserver.join()
+        assert mgr._overlap._reserver is not None
+        mgr._overlap._reserver.join()
         reserved = {storage.data_ptr() for _, _, storage in mgr._pool._taken}
         # The model's state, AdamW's step, exp_avg and exp_avg_sq per parameter, the extras' tensor.
         assert len(reserved) == len(net.model.state_dict()) + 3 * len(list(net.model.parameters())) + 1
@@ -247,33 +253,22 @@ def test_overlap_needs_async_save(tmp_path: Path) -> None:
 def test_overlapped_save_of_a_cuda_model_copies_through_pinned_memory_and_matches_a_sync_save(
     tmp_path: Path,
 ) -> None:
-    net = Net()
-    net.model.cuda()
-    net.opt = torch.optim.AdamW(net.model.parameters(), lr=0.05)
-    net.sched = torch.optim.lr_scheduler.StepLR(net.opt, step_size=1, gamma=0.5)
-
-    def train(steps: int) -> None:
-        for _ in range(steps):
-            net.opt.zero_grad()
-            net.model(torch.randn(5, 6, device="cuda")).square().mean().backward()
-            net.opt.step()
-            net.sched.step()
-
-    train(2)
+    net = Net("cuda")
+    net.train(2)
     expected = sync_reference(tmp_path / "sync", 2, net.state())
-    stepped = threading.Event()
-    net.opt.register_step_post_hook(lambda *_: stepped.set())
-    pause = PauseCopy({Net.BUFFER_STORAGES: stepped})
+    pause = held_until_stepped(net.opt, Net.BUFFER_STORAGES)
     with CheckpointManager(tmp_path / "overlap", async_save=True, overlap=True) as mgr:
         mgr._fault_hook = pause
         seed_all()
         mgr.save(2, net.state())
-        train(3)
+        net.train(3)  # its first optimizer step waits on the side stream's copies
         mgr.wait()
-        assert all(storage.is_pinned() for storage in mgr._pool._memo.values() if storage.nbytes() > 8)
+        # Device tensors went through pinned memory (AdamW's step counts live on the CPU).
+        assert all(copy.is_pinned() == key[0].startswith("cuda") for key, copy in mgr._pool._memo.items())
         first = _copy_pointers(mgr)
         mgr.save(3, net.state())
-        train(1)
+        net.train(1)
         mgr.wait()
         assert _copy_pointers(mgr) == first
     assert saved_bytes(tmp_path / "overlap", 2) == expected
+    assert pause.timed_out == [Net.BUFFER_STORAGES]
