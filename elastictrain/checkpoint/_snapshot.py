@@ -267,7 +267,12 @@ def _walk(obj: Any, where: str, leaf: Callable[[torch.Tensor], Any] | None) -> A
             out[key] = _walk(value, f"{where}[{key!r}]", leaf)
         return out
     if kind in _SEQUENCES:
-        return kind(_walk(value, f"{where}[{i}]", leaf) for i, value in enumerate(obj))
+        items = [_walk(value, f"{where}[{i}]", leaf) for i, value in enumerate(obj)]
+        if kind is set and all(new is old for new, old in zip(items, obj, strict=True)):
+            # A copy of the table keeps the iteration (so pickling) order, walk after walk; a
+            # set rebuilt element by element may not (colliding hashes land elsewhere).
+            return set(obj)
+        return kind(items)
     raise ConfigError(
         f"{where}: a value of type {kind.__module__}.{kind.__qualname__} cannot be loaded back with "
         "torch.load(weights_only=True); store tensors, plain containers and int/float/str/bool/None "

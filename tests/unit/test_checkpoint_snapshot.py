@@ -97,6 +97,18 @@ def test_a_capture_copied_later_saves_the_bytes_of_a_snapshot_taken_at_capture_t
     assert saved_bytes(materialize(captured, pool)) == expected
 
 
+def test_a_set_saves_in_its_own_order_whether_snapshotted_or_captured_and_materialized() -> None:
+    seen: set[int] = set()
+    seen.add(-19)
+    seen.add(-11)  # collides with -19: iterates first here, second in a set rebuilt element by element
+    pool = CopyPool()
+    pool.begin()
+    expected = saved_bytes(snapshot({"seen": seen}, copy=True, pool=pool))
+    pool.begin()
+    captured, _ = capture({"seen": seen}, pool=pool)
+    assert saved_bytes(materialize(captured, pool)) == expected == saved_bytes({"seen": seen})
+
+
 def test_a_capture_keeps_tied_tensors_tied_once_materialized() -> None:
     weight = torch.randn(4, 3)
     state = {"embed": weight, "head": weight.detach(), "row": weight[1], "sparse": weight.to_sparse()}
