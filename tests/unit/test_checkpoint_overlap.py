@@ -42,13 +42,10 @@ class Net:
         self.sched = torch.optim.lr_scheduler.StepLR(self.opt, step_size=1, gamma=0.5)
         self.progress: dict[str, Any] = {"step": 0, "seen": torch.zeros(2)}
 
-    def forward_backward(self) -> None:
-        self.model(torch.randn(5, 6, device=self.device)).square().mean().backward()
-
     def train(self, steps: int) -> None:
         for _ in range(steps):
             self.opt.zero_grad()
-            self.forward_backward()
+            self.model(torch.randn(5, 6, device=self.device)).square().mean().backward()
             self.opt.step()
             self.sched.step()
             self.progress["step"] += 1
