@@ -198,18 +198,20 @@ class PauseCopyUntilNextStep(elastictrain.Hooks):
     def __init__(self) -> None:
         self.session: elastictrain.Session | None = None
         self.timed_out: list[int] = []
+        self.stepped: threading.Event | None = None
 
     def before_save(self, *, step: int) -> None:
         assert self.session is not None and self.session.checkpoints is not None
+        if self.stepped is None:
+            self.session.optimizer.register_step_post_hook(lambda *_: self.stepped.set())  # type: ignore[union-attr]
         stepped, paused = threading.Event(), []
-        handle = self.session.optimizer.register_step_post_hook(lambda *_: stepped.set())
+        self.stepped = stepped
 
         def pause(stage: str) -> None:
             if stage == "during_copy" and not paused:
                 paused.append(True)
                 if not stepped.wait(1.0):
                     self.timed_out.append(step)
-                handle.remove()
 
         self.session.checkpoints._fault_hook = pause
 
