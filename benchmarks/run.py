@@ -7,9 +7,10 @@ runs, in one go and each interleaved with its stock counterpart:
    (``benchmarks/recovery.py``: elastictrain vs ``torchrun --rdzv-backend c10d``);
 4. rendezvous time against the number of participants, etcd3 vs c10d
    (``benchmarks/rendezvous_scale.py``);
-5. checkpoint stall, sync and async, vs ``torch.save`` and
+5. checkpoint stall, sync, async and overlapped, vs ``torch.save`` and
    ``torch.distributed.checkpoint`` (``benchmarks/checkpoint_compare.py``, on the
-   state of ``benchmarks/checkpoint_stall.py``);
+   state of ``benchmarks/checkpoint_stall.py``): around the save call, and as the
+   training time lost per checkpoint around a training loop;
 6. per-step overhead (``benchmarks/step_overhead.py`` when it exists, and the step
    time of the recovery runs' training script under each launcher);
 7. the load one job puts on etcd (measured inside the first elastictrain
@@ -148,7 +149,9 @@ def section_checkpoint(mode: Mode) -> dict[str, Any]:
                 _log(f"[checkpoint] {entry['checkpoint_mb']} MB: async stall "
                      f"{entry['async_stall']['median'] * 1e3:.1f} ms, torch.save "
                      f"{entry['torch_save']['median'] * 1e3:.1f} ms, DCP async stall "
-                     f"{entry['dcp_async_stall']['median'] * 1e3:.1f} ms")
+                     f"{entry['dcp_async_stall']['median'] * 1e3:.1f} ms; training time lost per overlapped save "
+                     f"{entry['loop']['overlapped_save']['lost_s']['median'] * 1e3:.1f} ms "
+                     f"(torch.save {entry['loop']['torch_save']['lost_s']['median'] * 1e3:.1f} ms)")
             else:
                 _log(f"[checkpoint] ~{state_mb} MB: FAILED: {entry.get('error')}")
             sizes.append(entry)

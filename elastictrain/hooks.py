@@ -63,7 +63,9 @@ class Hooks(Protocol):
         """The checkpoint of ``step`` is committed under ``directory``, which took ``seconds``.
 
         With ``async_save`` it is handed to a background writer instead, and
-        ``seconds`` is the time training was blocked.
+        ``seconds`` is the time training was blocked. With ``overlap_save`` the
+        copy to CPU memory goes on in the background too: ``seconds`` is the time
+        ``save`` took, and the next optimizer step may still wait for the copy.
         """
 
     def on_step_end(self, *, step: int, loss: float, throughput: float) -> None:

@@ -104,6 +104,12 @@ class SessionConfig:
     async_save: bool = False
     """Write checkpoints on a background thread; training waits only for the copy to CPU memory."""
 
+    overlap_save: bool = False
+    """With ``async_save``: make that copy in the background too, while the next step computes; its
+    optimizer step waits for the copy if it is not done. Training code must then not change
+    parameters or buffers in place outside the optimizer and the model's forward (see
+    ``CheckpointManager(overlap=True)``; ``session.checkpoints.wait_snapshot()`` makes it safe)."""
+
     precision: str = "auto"
     """``"auto"`` (bf16 or fp16 on GPU, fp32 on CPU), ``"fp32"``, ``"bf16"`` or ``"fp16"`` (with a GradScaler)."""
 
@@ -154,6 +160,8 @@ class SessionConfig:
             raise ConfigError(f"grad_clip_norm must be a positive number or None, got {self.grad_clip_norm!r}")
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
             raise ConfigError("checkpoint_every needs a checkpoint_dir")
+        if self.overlap_save and not self.async_save:
+            raise ConfigError("overlap_save needs async_save=True")
         if self.timeout is not None:
             object.__setattr__(self, "timeout", pg.resolve_timeout(self.timeout))
         if not isinstance(self.ddp_kwargs, Mapping):
@@ -525,7 +533,7 @@ class Session:
             coordinator = TorchDistributedCoordinator(self._group) if self._group is not None else None
             self.checkpoints = CheckpointManager(
                 config.checkpoint_dir, keep_last=config.keep_last, async_save=config.async_save,
-                coordinator=coordinator, timeout=self.placement.timeout,
+                overlap=config.overlap_save, coordinator=coordinator, timeout=self.placement.timeout,
             )
             self._restore()
         if self.restored is None:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
+import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -22,10 +23,16 @@ from elastictrain.errors import CheckpointMismatchError, ConfigError, CorruptChe
 
 __all__ = [
     "CopyPool",
+    "StorageKey",
+    "capture",
     "check_state",
     "check_step",
+    "deferred",
     "load_into",
+    "materialize",
     "snapshot",
+    "storage_key",
+    "tensors",
     "validate",
     "capture_rng",
     "restore_rng",
@@ -43,49 +50,109 @@ _MAPPINGS: tuple[type, ...] = (dict, OrderedDict)
 _SEQUENCES: tuple[type, ...] = (list, tuple, set)
 
 
+StorageKey = tuple[str, int, int]
+"""Identifies a storage: (device, data pointer, size in bytes)."""
+
+
+def storage_key(tensor: torch.Tensor) -> StorageKey:
+    """Return the key of ``tensor``'s storage; tensors that share a storage share a key."""
+    storage = tensor.untyped_storage()
+    return (str(tensor.device), storage.data_ptr(), storage.nbytes())
+
+
+def _storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """Return ``storage`` as a flat uint8 tensor on its device (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
 class CopyPool:
     """The CPU storages snapshots copy into, kept from one save to the next.
 
     A fresh allocation of hundreds of MB page-faults on first touch, which costs
-    more than the copy itself; refilling the previous snapshot's storages makes the
-    training stall of an async save a plain memcpy. The pool holds at most one
-    snapshot's worth of memory. Not thread-safe: the training thread owns it.
+    more than the copy itself (5x here); refilling the previous snapshot's
+    storages makes a copy a plain memcpy. The pool holds one snapshot's worth of
+    memory (briefly more if a ``reserve`` races the first snapshot).
+
+    Thread-safe: the training thread starts snapshots, a background thread may
+    copy (overlapped saves) or ``reserve`` at the same time. One snapshot at a
+    time: ``begin`` only once the previous snapshot is no longer read.
     """
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self._free: dict[tuple[int, bool], list[torch.UntypedStorage]] = {}
         self._taken: list[tuple[int, bool, torch.UntypedStorage]] = []
-        self._memo: dict[tuple[str, int, int], torch.UntypedStorage] = {}
+        self._memo: dict[StorageKey, torch.UntypedStorage] = {}
 
     def begin(self) -> None:
         """Start a snapshot: the previous snapshot's storages (no longer read) become reusable."""
-        self._free = {}
-        for nbytes, pinned, storage in self._taken:
-            self._free.setdefault((nbytes, pinned), []).append(storage)
-        self._taken, self._memo = [], {}
+        with self._lock:
+            self._free = {}
+            for nbytes, pinned, storage in self._taken:
+                self._free.setdefault((nbytes, pinned), []).append(storage)
+            self._taken, self._memo = [], {}
 
     def clear(self) -> None:
         """Drop every storage."""
-        self._free, self._taken, self._memo = {}, [], {}
+        with self._lock:
+            self._free, self._taken, self._memo = {}, [], {}
 
-    def copy_of(self, tensor: torch.Tensor) -> torch.UntypedStorage:
-        """Return a CPU copy of ``tensor``'s whole storage, made once per snapshot."""
-        storage = tensor.untyped_storage()
-        key = (str(tensor.device), storage.data_ptr(), storage.nbytes())
-        copy = self._memo.get(key)
-        if copy is None:
-            # Pinned memory makes device-to-host copies fast; allocating it is slow,
-            # which the reuse amortizes.
-            nbytes, pinned = storage.nbytes(), tensor.is_cuda
+    def empty(self) -> bool:
+        """Return whether the pool holds no storage at all."""
+        with self._lock:
+            return not self._free and not self._taken
+
+    def reserve(self, sizes: list[tuple[int, bool]]) -> None:
+        """Allocate storages of these (bytes, pinned) sizes ahead of a snapshot, and fault their pages in.
+
+        They serve the next snapshot as if a previous one had used them, so that
+        the first save of a run copies into warm memory. Call it from a
+        background thread: it costs about as much as the copy into fresh memory.
+        """
+        for nbytes, pinned in sizes:
+            storage = _allocate(nbytes, pinned)
+            with self._lock:
+                self._taken.append((nbytes, pinned, storage))
+
+    def copy_of(self, tensor: torch.Tensor, *, non_blocking: bool = False) -> torch.UntypedStorage:
+        """Return a CPU copy of ``tensor``'s whole storage, made once per snapshot.
+
+        Args:
+            tensor: A CPU or device tensor.
+            non_blocking: Enqueue a device-to-host copy on the current stream
+                and return before it is done (the caller synchronizes).
+        """
+        key = storage_key(tensor)
+        with self._lock:
+            copy = self._memo.get(key)
+            if copy is not None:
+                return copy
+            # Pinned memory makes device-to-host copies fast (and asynchronous);
+            # allocating it is slow, which the reuse amortizes.
+            nbytes, pinned = tensor.untyped_storage().nbytes(), tensor.is_cuda
             free = self._free.get((nbytes, pinned))
-            if free:
-                copy = free.pop()
-            else:
-                copy = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).untyped_storage()
-            copy.copy_(storage)
+            copy = free.pop() if free else None
+        if copy is None:
+            copy = _allocate(nbytes, pinned, touch=False)  # the copy touches it
+        # Through uint8 tensors, not UntypedStorage.copy_: a tensor copy releases the
+        # GIL, so a copy on a background thread does not stall the training thread.
+        _storage_bytes(copy).copy_(_storage_bytes(tensor.untyped_storage()), non_blocking=non_blocking)
+        with self._lock:
             self._taken.append((nbytes, pinned, copy))
             self._memo[key] = copy
         return copy
+
+    def copied(self, tensor: torch.Tensor) -> torch.UntypedStorage | None:
+        """Return the copy of ``tensor``'s storage made in this snapshot, if any."""
+        with self._lock:
+            return self._memo.get(storage_key(tensor))
+
+
+def _allocate(nbytes: int, pinned: bool, *, touch: bool = True) -> torch.UntypedStorage:
+    buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    if touch and not pinned:  # pinned memory is resident from the start
+        buffer.zero_()
+    return buffer.untyped_storage()
 
 
 def snapshot(obj: Any, *, copy: bool, pool: CopyPool, where: str = "state") -> Any:
@@ -106,7 +173,7 @@ def snapshot(obj: Any, *, copy: bool, pool: CopyPool, where: str = "state") -> A
     Raises:
         ConfigError: ``obj`` holds something ``torch.load(weights_only=True)`` refuses.
     """
-    return _walk(obj, where, pool, copy)
+    return _walk(obj, where, lambda tensor: _to_cpu(tensor, pool, copy))
 
 
 def validate(obj: Any, *, where: str = "state") -> None:
@@ -115,19 +182,81 @@ def validate(obj: Any, *, where: str = "state") -> None:
     Raises:
         ConfigError: ``obj`` holds something ``torch.load(weights_only=True)`` refuses.
     """
-    _walk(obj, where, None, None)
+    _walk(obj, where, None)
 
 
-def _walk(obj: Any, where: str, pool: CopyPool | None, copy: bool | None) -> Any:
-    # pool=None, copy=None: validate only.
+def capture(obj: Any, *, pool: CopyPool, where: str = "state") -> tuple[Any, list[torch.Tensor]]:
+    """Check ``obj`` and capture its structure now, leaving the tensor copies for later (an overlapped save).
+
+    Containers and scalars are copied now; strided CPU and CUDA tensors are kept
+    as references, to be copied by ``pool.copy_of`` before ``materialize``. Other
+    tensors (sparse, other devices) are copied now, as ``snapshot`` would.
+
+    Args:
+        obj: As for ``snapshot``.
+        pool: Where copies go; call ``pool.begin()`` once per snapshot, before.
+        where: How to name ``obj`` in error messages.
+
+    Returns:
+        The captured structure, and the tensors it still references.
+
+    Raises:
+        ConfigError: ``obj`` holds something ``torch.load(weights_only=True)`` refuses.
+    """
+    references: list[torch.Tensor] = []
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        if deferred(tensor):
+            references.append(tensor)
+            return tensor
+        return _to_cpu(tensor, pool, True)
+
+    return _walk(obj, where, keep), references
+
+
+def deferred(tensor: torch.Tensor) -> bool:
+    """Return whether ``capture`` leaves ``tensor`` to be copied later.
+
+    Strided CPU and CUDA tensors only: their copy can be ordered against later
+    changes (CPU work is done when issued; CUDA work is ordered by streams and
+    events). Other devices and layouts are copied at once.
+    """
+    return tensor.layout == torch.strided and tensor.device.type in ("cpu", "cuda")
+
+
+def materialize(captured: Any, pool: CopyPool) -> Any:
+    """Return what ``capture`` returned with every reference replaced by its copy in ``pool``.
+
+    The copies must be complete (device-to-host copies synchronized) before the
+    result is read.
+    """
+
+    def copied(tensor: torch.Tensor) -> torch.Tensor:
+        copy = pool.copied(tensor) if deferred(tensor) else None  # else copied by capture already
+        return tensor if copy is None else _view(copy, tensor)
+
+    return _walk(captured, "state", copied)
+
+
+def tensors(obj: Any) -> list[torch.Tensor]:
+    """Return the tensors in ``obj`` (a structure ``snapshot`` accepts), in walk order.
+
+    Raises:
+        ConfigError: ``obj`` holds something ``torch.load(weights_only=True)`` refuses.
+    """
+    found: list[torch.Tensor] = []
+    _walk(obj, "state", found.append)
+    return found
+
+
+def _walk(obj: Any, where: str, leaf: Callable[[torch.Tensor], Any] | None) -> Any:
+    # leaf=None: validate only.
     kind = type(obj)
     if kind in _SCALARS:
         return obj
     if isinstance(obj, torch.Tensor):
-        if pool is None or copy is None:
-            _check_tensor(obj, where)
-            return None
-        return _to_cpu(obj, where, pool, copy)
+        _check_tensor(obj, where)
+        return None if leaf is None else leaf(obj.detach())
     if kind is torch.Size:
         return obj
     if kind in _MAPPINGS:
@@ -135,10 +264,15 @@ def _walk(obj: Any, where: str, pool: CopyPool | None, copy: bool | None) -> Any
         for key, value in obj.items():
             if type(key) not in _SCALARS:
                 raise ConfigError(f"{where}: key {key!r} of type {type(key).__name__} cannot be saved")
-            out[key] = _walk(value, f"{where}[{key!r}]", pool, copy)
+            out[key] = _walk(value, f"{where}[{key!r}]", leaf)
         return out
     if kind in _SEQUENCES:
-        return kind(_walk(value, f"{where}[{i}]", pool, copy) for i, value in enumerate(obj))
+        items = [_walk(value, f"{where}[{i}]", leaf) for i, value in enumerate(obj)]
+        if kind is set and all(new is old for new, old in zip(items, obj, strict=True)):
+            # A copy of the table keeps the iteration (so pickling) order, walk after walk; a
+            # set rebuilt element by element may not (colliding hashes land elsewhere).
+            return set(obj)
+        return kind(items)
     raise ConfigError(
         f"{where}: a value of type {kind.__module__}.{kind.__qualname__} cannot be loaded back with "
         "torch.load(weights_only=True); store tensors, plain containers and int/float/str/bool/None "
@@ -156,9 +290,7 @@ def _check_tensor(tensor: torch.Tensor, where: str) -> None:
         )
 
 
-def _to_cpu(tensor: torch.Tensor, where: str, pool: CopyPool, copy: bool) -> torch.Tensor:
-    _check_tensor(tensor, where)
-    tensor = tensor.detach()
+def _to_cpu(tensor: torch.Tensor, pool: CopyPool, copy: bool) -> torch.Tensor:
     if tensor.layout != torch.strided:
         return tensor.clone().cpu() if copy else tensor.cpu()
     if not copy and tensor.device.type == "cpu":
@@ -166,8 +298,12 @@ def _to_cpu(tensor: torch.Tensor, where: str, pool: CopyPool, copy: bool) -> tor
     # Copy whole storages, once each, and rebuild views onto the copies: two state
     # dict entries that alias (tied weights) stay aliased, exactly as torch.save
     # would have written the originals.
-    out = torch.empty((), dtype=tensor.dtype)
-    out.set_(pool.copy_of(tensor), tensor.storage_offset(), tensor.size(), tensor.stride())
+    return _view(pool.copy_of(tensor), tensor)
+
+
+def _view(storage: torch.UntypedStorage, like: torch.Tensor) -> torch.Tensor:
+    out = torch.empty((), dtype=like.dtype)
+    out.set_(storage, like.storage_offset(), like.size(), like.stride())
     return out
 
 

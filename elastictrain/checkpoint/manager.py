@@ -3,7 +3,9 @@
 One save, called by every rank with the same step:
 
 1. Snapshot (training thread): ``state_dict()`` of every object; rank 0 keeps the
-   replicated state, every rank its RNG states. Async saves copy tensors to CPU.
+   replicated state, every rank its RNG states. Async saves copy tensors to CPU;
+   overlapped saves leave that copy to the background thread (``_overlap``), and
+   the next step waits for it only where it would change a tensor not yet copied.
 2. Agree on a staging directory ``step_<N>.tmp-<nonce>`` (rank 0's nonce).
 3. Each rank writes and fsyncs its files there (rank 0: ``replicated.pt`` too).
 4. Barrier: every rank reports its files (name, size, sha256) or its failure.
@@ -34,6 +36,7 @@ from elastictrain.errors import CheckpointError, ConfigError, CorruptCheckpointE
 
 from . import _manifest as fmt
 from . import _snapshot as snap
+from ._overlap import Overlap, SnapshotCopy
 from .coordinator import Coordinator, default_coordinator
 from .storage import LocalStorage, Storage
 
@@ -44,6 +47,8 @@ _events = logging.getLogger("elastictrain.events")
 
 FAULT_STAGES = ("before_write", "during_write", "before_barrier", "before_commit", "after_commit")
 """Where ``CheckpointManager._fault_hook`` is called during a save (a test seam for crash injection)."""
+COPY_STAGE = "during_copy"
+"""Where ``_fault_hook`` is also called in an overlapped save: on rank 0, before each storage's copy."""
 
 
 @runtime_checkable
@@ -78,6 +83,7 @@ class _Payload:
     step: int
     replicated: dict[str, Any] | None  # rank 0 only: {"stateful": {...}, "extras": {...}}
     local: dict[str, Any]  # {"rng": {...}}
+    copy: SnapshotCopy | None = None  # overlapped: makes ``replicated``'s tensors CPU copies
 
 
 class CheckpointManager:
@@ -94,6 +100,15 @@ class CheckpointManager:
         async_save: Return from ``save`` once the state is copied to CPU memory,
             writing and committing on a background thread. The copy's memory
             (one checkpoint's worth, on rank 0) is kept and reused by the next save.
+        overlap: With ``async_save``, return from ``save`` at once and copy the
+            state on the background thread too (CUDA tensors on a side stream
+            into pinned memory), while the next step computes. The next
+            ``torch.optim`` optimizer step over saved parameters waits for the
+            copy, and a saved module's forward waits for its buffers' copies;
+            anything else that changes a saved tensor in place must call
+            ``wait_snapshot()`` first. ``restore`` allocates the copy memory in
+            the background once every saved optimizer has stepped, so that the
+            first save copies into warm memory too.
         storage: Where bytes go; ``None`` uses ``LocalStorage(directory)``. With
             more than one rank it must be shared by all of them.
         coordinator: How ranks agree; ``None`` uses a dedicated gloo group when
@@ -103,7 +118,8 @@ class CheckpointManager:
             keeps torch's default. It must cover the slowest rank's file write.
 
     Raises:
-        ConfigError: ``keep_last`` is not a positive integer.
+        ConfigError: ``keep_last`` is not a positive integer, or ``overlap``
+            without ``async_save``.
         CheckpointError: The directory cannot be created or written (checked on rank 0).
     """
 
@@ -113,12 +129,15 @@ class CheckpointManager:
         *,
         keep_last: int = 3,
         async_save: bool = False,
+        overlap: bool = False,
         storage: Storage | None = None,
         coordinator: Coordinator | None = None,
         timeout: timedelta | None = None,
     ) -> None:
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise ConfigError(f"keep_last must be a positive integer, got {keep_last!r}")
+        if overlap and not async_save:
+            raise ConfigError("overlap=True needs async_save=True: a synchronous save has nothing to overlap")
         if storage is None:
             storage, self._prefix = LocalStorage(directory), ""
         else:
@@ -147,6 +166,8 @@ class CheckpointManager:
             except OSError as exc:
                 raise CheckpointError(f"checkpoint directory {self.location} is not writable: "
                                       f"{exc.strerror or exc}") from exc
+        # Rank 0 alone copies (the replicated state): the others have nothing to overlap.
+        self._overlap = Overlap(self._pool) if overlap and self._coord.rank == 0 else None
 
     @property
     def location(self) -> str:
@@ -158,7 +179,10 @@ class CheckpointManager:
 
         Waits for a save still in flight first. Synchronously, returns once the
         checkpoint is committed on every rank; with ``async_save``, once the state
-        is copied, so the caller may change it right away.
+        is copied, so the caller may change it right away; with ``overlap`` too,
+        at once: the copy goes on in the background, and until ``wait_snapshot``
+        returns only optimizer steps and forwards of saved modules may change the
+        saved tensors (they wait for their copies).
 
         Args:
             step: The training step, a non-negative int; every rank passes the same.
@@ -182,7 +206,29 @@ class CheckpointManager:
         self._thread = threading.Thread(
             target=self._save_in_background, args=(payload,), name=f"elastictrain-checkpoint-{step}"
         )
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:
+            self._thread = None
+            if payload.copy is not None:
+                payload.copy.abandon()  # nothing will copy: release the guards
+            self.wait_snapshot()
+            raise
+
+    def wait_snapshot(self) -> None:
+        """Block until the state of the overlapped save in flight is copied; then it may change.
+
+        Call it before changing a saved tensor in place other than by an
+        optimizer step or a saved module's forward (which wait by themselves):
+        e.g. ``p.mul_(0.5)`` under ``no_grad``, a manual SGD update, loading new
+        weights. On CUDA it returns once the copy is queued and the current
+        stream ordered after it: changes queued afterwards on that stream are
+        safe. Does nothing without ``overlap`` (``save`` copied already), when
+        no save is in flight, or when the copy failed (the save's error is
+        raised by ``wait`` or the next ``save``).
+        """
+        if self._overlap is not None:
+            self._overlap.wait()
 
     def wait(self) -> None:
         """Block until the async save in flight (if any) has committed or failed.
@@ -191,6 +237,7 @@ class CheckpointManager:
             CheckpointError: The background save failed; it was not committed.
                 The failure is raised once.
         """
+        self.wait_snapshot()
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
@@ -243,6 +290,8 @@ class CheckpointManager:
         found = self._agree(step)
         if found is None:
             logger.info("no checkpoint in %s; starting from scratch", self.location)
+            if self._overlap is not None:
+                self._overlap.plan_reservation(state)
             return None
         step, manifest = found
         directory = fmt.join(self._prefix, fmt.step_dir(step))
@@ -262,6 +311,8 @@ class CheckpointManager:
             step, info.path, info.world_size, self._coord.world_size,
         )
         _events.info("checkpoint_restore", extra={"elastictrain_event": {"step": step, "path": info.path}})
+        if self._overlap is not None:
+            self._overlap.plan_reservation(state)
         return info
 
     def close(self) -> None:
@@ -276,6 +327,8 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            if self._overlap is not None:
+                self._overlap.close()
             self._pool.clear()
             self._coord.close()
 
@@ -298,15 +351,23 @@ class CheckpointManager:
         # input fails on all ranks before any collective, not on rank 0 alone.
         rank0 = self._coord.rank == 0
         content: dict[str, Any] = {"stateful": {}, "extras": {}}
+        references: list[torch.Tensor] = []
         self._pool.begin()  # the previous save is done (save() waited): its copies are free
         for name, obj in state.items():
             kind, value = ("extras", obj) if isinstance(obj, dict) else ("stateful", obj.state_dict())
-            if rank0:
-                content[kind][name] = snap.snapshot(value, copy=self._async, pool=self._pool, where=f"state[{name!r}]")
+            where = f"state[{name!r}]"
+            if not rank0:
+                snap.validate(value, where=where)
+            elif self._overlap is not None:
+                content[kind][name], found = snap.capture(value, pool=self._pool, where=where)
+                references += found
             else:
-                snap.validate(value, where=f"state[{name!r}]")
+                content[kind][name] = snap.snapshot(value, copy=self._async, pool=self._pool, where=where)
         local = snap.snapshot({"rng": snap.capture_rng()}, copy=False, pool=self._pool)  # fresh tensors already
-        return _Payload(step=step, replicated=content if rank0 else None, local=local)
+        payload = _Payload(step=step, replicated=content if rank0 else None, local=local)
+        if references and self._overlap is not None:
+            payload.copy = self._overlap.start(references, state)
+        return payload
 
     def _save_in_background(self, payload: _Payload) -> None:
         try:
@@ -318,6 +379,16 @@ class CheckpointManager:
     def _write_and_commit(self, payload: _Payload) -> None:
         started = time.monotonic()
         step, rank = payload.step, self._coord.rank
+        # Copy first, before any collective: the others wait for it anyway, and a
+        # failure is reported at the barrier like a failed write.
+        copy_error: Exception | None = None
+        if payload.copy is not None:
+            try:
+                payload.copy.run(lambda: self._fault(COPY_STAGE))
+                payload.replicated = snap.materialize(payload.replicated, self._pool)
+            except Exception as exc:  # noqa: BLE001 - reported at the barrier below
+                copy_error = CheckpointError(f"copying the state to CPU memory failed: {exc!r}")
+            payload.copy = None
         proposals = self._coord.all_gather((step, secrets.token_hex(4)))
         if len({s for s, _ in proposals}) != 1:
             raise CheckpointError(f"ranks disagree on the step to save: {[s for s, _ in proposals]}")
@@ -327,6 +398,8 @@ class CheckpointManager:
         written: list[tuple[str, int, str]] = []
         error: str | None = None
         try:
+            if copy_error is not None:
+                raise copy_error
             self._fault("before_write")
             self._storage.make_dir(staging)
             if payload.replicated is not None:
@@ -447,3 +520,4 @@ class CheckpointManager:
         seed = snap.fallback_seed(manifest["files"][fmt.rank_file(0)]["sha256"], rank)
         snap.seed_rng(seed)
         logger.info("rank %d has no saved RNG state in step %d; seeded RNGs with %d", rank, step, seed)
+

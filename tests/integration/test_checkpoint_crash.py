@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from elastictrain.checkpoint import CheckpointManager
-from elastictrain.checkpoint.manager import FAULT_STAGES
+from elastictrain.checkpoint.manager import COPY_STAGE, FAULT_STAGES
 from elastictrain.errors import CheckpointError
 
 pytestmark = pytest.mark.timeout(60)
@@ -46,13 +46,18 @@ def restored_step(ckpt: Path) -> int:
     return info.step
 
 
-CASES = [(stage, False) for stage in FAULT_STAGES] + [("during_write", True), ("before_commit", True)]
+CASES = (
+    [(stage, "sync") for stage in FAULT_STAGES]
+    + [("during_write", "async"), ("before_commit", "async")]
+    # Overlapped: killed while the copy runs in the background, the training loop going on.
+    + [(stage, "overlap") for stage in (COPY_STAGE, "during_write", "before_commit", COMMITTED_BY)]
+)
 
 
-@pytest.mark.parametrize(("stage", "async_save"), CASES, ids=[f"{s}-{'async' if a else 'sync'}" for s, a in CASES])
-def test_save_killed_at_any_stage_restores_a_complete_checkpoint(tmp_path: Path, stage: str, async_save: bool) -> None:
+@pytest.mark.parametrize(("stage", "mode"), CASES, ids=[f"{s}-{m}" for s, m in CASES])
+def test_save_killed_at_any_stage_restores_a_complete_checkpoint(tmp_path: Path, stage: str, mode: str) -> None:
     ckpt = tmp_path / "ckpt"
-    proc = run(str(ckpt), stage, "async" if async_save else "sync")
+    proc = run(str(ckpt), stage, mode)
     assert proc.wait(timeout=45) == -signal.SIGKILL
     # The kill really landed mid-save: a staging dir exists from the first write on until the rename.
     staging = [p for p in ckpt.iterdir() if ".tmp-" in p.name]
@@ -94,14 +99,14 @@ def _filled(value: float) -> torch.nn.Linear:
 
 
 def _main(argv: list[str]) -> None:
-    """``CKPT STAGE sync|async [RANK WORLD_SIZE STORE KILLED_RANK]``: commit step 1, die saving step 2."""
+    """``CKPT STAGE sync|async|overlap [RANK WORLD_SIZE STORE KILLED_RANK]``: commit step 1, die saving step 2."""
     import torch.distributed as dist
 
     ckpt, stage, mode = argv[:3]
     rank, world_size, killed = (int(argv[3]), int(argv[4]), int(argv[6])) if len(argv) > 3 else (0, 1, 0)
     if world_size > 1:
         dist.init_process_group("gloo", init_method=f"file://{argv[5]}", rank=rank, world_size=world_size)
-    mgr = CheckpointManager(ckpt, async_save=mode == "async", timeout=timedelta(seconds=30))
+    mgr = CheckpointManager(ckpt, async_save=mode != "sync", overlap=mode == "overlap", timeout=timedelta(seconds=30))
     mgr.save(1, {"model": _filled(1.0), "progress": {"step": 1}})
     mgr.wait()
     if rank == killed:

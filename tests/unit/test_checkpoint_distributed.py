@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from elastictrain.checkpoint import CheckpointManager, Coordinator, LocalStorage
+from elastictrain.checkpoint.manager import COPY_STAGE
 from elastictrain.errors import CheckpointError
 
 pytestmark = pytest.mark.timeout(60)
@@ -107,6 +108,20 @@ def test_a_write_failure_on_one_rank_aborts_the_commit_on_every_rank(tmp_path: P
     assert list(tmp_path.iterdir()) == []  # no checkpoint, and the staging dir is gone
 
 
+def test_a_copy_failure_on_rank_0_of_an_overlapped_save_aborts_the_commit_on_every_rank(tmp_path: Path) -> None:
+    def body(rank: int, hub: ThreadHub) -> None:
+        coordinator = ThreadCoordinator(hub, rank)
+        with CheckpointManager(tmp_path, coordinator=coordinator, async_save=True, overlap=True) as mgr:
+            if rank == 0:  # only rank 0 copies: it holds the replicated state
+                mgr._fault_hook = lambda stage: _raise(MemoryError("out of pinned memory")) if stage == COPY_STAGE else None
+            mgr.save(1, {"model": torch.nn.Linear(3, 2)})
+
+    results = run_ranks(2, body)
+    for result in results:
+        assert isinstance(result, CheckpointError) and "rank 0" in str(result) and "out of pinned memory" in str(result)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_ranks_that_disagree_on_the_step_fail_together(tmp_path: Path) -> None:
     def body(rank: int, hub: ThreadHub) -> None:
         with CheckpointManager(tmp_path, coordinator=ThreadCoordinator(hub, rank)) as mgr:
@@ -156,7 +171,7 @@ def join(procs: list[subprocess.Popen[bytes]]) -> None:
 def test_checkpoint_of_two_ddp_ranks_restores_the_same_model_on_three_ranks_and_on_one(tmp_path: Path) -> None:
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
-    join(spawn("save", 2, str(tmp_path / "store-save"), str(ckpt), str(out)))
+    join(spawn("save", 2, str(tmp_path / "store-save"), str(ckpt), str(out), "async"))
     join(spawn("restore", 3, str(tmp_path / "store-restore"), str(ckpt), str(out)))
 
     expected = torch.load(out / "expected.pt", weights_only=True)
@@ -180,7 +195,23 @@ def test_checkpoint_of_two_ddp_ranks_restores_the_same_model_on_three_ranks_and_
     assert torch.equal(torch.rand(4), saved_draws[0])
 
 
-def _worker(role: str, rank: int, world_size: int, store: str, ckpt: str, out: str) -> None:
+def test_overlapped_saves_of_two_ddp_ranks_hold_the_state_of_their_step(tmp_path: Path) -> None:
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    # DDP all-reduces on the training thread while rank 0's copy and the commit run in the background.
+    join(spawn("save", 2, str(tmp_path / "store"), str(ckpt), str(out), "overlap"))
+    for step in (2, 4):  # keep_last=2: both are there
+        expected = torch.load(out / f"at{step}.pt", weights_only=True)
+        model = torch.nn.Linear(8, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        with CheckpointManager(ckpt) as mgr:
+            info = mgr.restore({"model": model, "optimizer": opt}, step=step)
+        assert info is not None and info.world_size == 2
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in expected["model"].items())
+        assert str(opt.state_dict()) == str(expected["optimizer"])
+
+
+def _worker(role: str, rank: int, world_size: int, store: str, ckpt: str, out: str, mode: str = "async") -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -198,11 +229,14 @@ def _worker(role: str, rank: int, world_size: int, store: str, ckpt: str, out: s
 
     if role == "save":
         # Async: the background commit's collectives run while DDP all-reduces on the main thread.
-        with CheckpointManager(ckpt, async_save=True, keep_last=2) as mgr:
+        with CheckpointManager(ckpt, async_save=True, overlap=mode == "overlap", keep_last=2) as mgr:
             for step in range(1, 5):
                 train_step()
                 if step % 2 == 0:
                     mgr.save(step, {"model": model, "optimizer": opt, "progress": {"step": step}})
+                    if rank == 0:  # the state of this step, as training goes on
+                        saved = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+                        torch.save(copy.deepcopy(saved), Path(out) / f"at{step}.pt")
             torch.save(torch.rand(4), Path(out) / f"draw{rank}.pt")
         if rank == 0:
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, Path(out) / "expected.pt")
@@ -223,4 +257,4 @@ def _worker(role: str, rank: int, world_size: int, store: str, ckpt: str, out: s
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:7])
+    _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:8])

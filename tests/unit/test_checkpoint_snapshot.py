@@ -13,7 +13,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elastictrain.checkpoint._snapshot import CopyPool, capture_rng, fallback_seed, restore_rng, snapshot
+from elastictrain.checkpoint._snapshot import (
+    CopyPool,
+    capture,
+    capture_rng,
+    fallback_seed,
+    materialize,
+    restore_rng,
+    snapshot,
+)
 from elastictrain.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(30)
@@ -68,6 +76,54 @@ def test_whatever_snapshot_accepts_loads_back_with_weights_only(state: Any) -> N
     assert same(round_trip(copied), state)
 
 
+def saved_bytes(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+@settings(max_examples=40, deadline=None)
+@given(plain_state)
+def test_a_capture_copied_later_saves_the_bytes_of_a_snapshot_taken_at_capture_time(state: Any) -> None:
+    pool = CopyPool()
+    pool.begin()
+    expected = saved_bytes(snapshot(state, copy=True, pool=pool))
+    pool.begin()
+    captured, references = capture(state, pool=pool)
+    for tensor in references:
+        pool.copy_of(tensor)
+    for tensor in references:  # the originals change once copied: the copies must not
+        tensor.add_(1)
+    assert saved_bytes(materialize(captured, pool)) == expected
+
+
+def test_a_set_saves_in_its_own_order_whether_snapshotted_or_captured_and_materialized() -> None:
+    seen: set[int] = set()
+    seen.add(-19)
+    seen.add(-11)  # collides with -19: iterates first here, second in a set rebuilt element by element
+    pool = CopyPool()
+    pool.begin()
+    expected = saved_bytes(snapshot({"seen": seen}, copy=True, pool=pool))
+    pool.begin()
+    captured, _ = capture({"seen": seen}, pool=pool)
+    assert saved_bytes(materialize(captured, pool)) == expected == saved_bytes({"seen": seen})
+
+
+def test_a_capture_keeps_tied_tensors_tied_once_materialized() -> None:
+    weight = torch.randn(4, 3)
+    state = {"embed": weight, "head": weight.detach(), "row": weight[1], "sparse": weight.to_sparse()}
+    pool = CopyPool()
+    pool.begin()
+    captured, references = capture(state, pool=pool)
+    assert len(references) == 3 and not any(t.is_sparse for t in references)  # sparse: copied at once
+    for tensor in references:
+        pool.copy_of(tensor)
+    copied = materialize(captured, pool)
+    assert copied["embed"].untyped_storage().data_ptr() == copied["row"].untyped_storage().data_ptr()
+    assert copied["embed"].untyped_storage().data_ptr() != weight.untyped_storage().data_ptr()
+    assert copied["row"].storage_offset() == 3 and torch.equal(copied["sparse"].to_dense(), weight)
+
+
 def test_snapshot_copy_keeps_tied_tensors_tied_and_is_independent_of_the_originals() -> None:
     weight = torch.randn(4, 3)
     state = {"embed": weight, "head": weight.detach(), "row": weight[1]}
@@ -89,6 +145,17 @@ def test_copy_pool_reuses_the_previous_snapshots_memory() -> None:
     first = snapshot(state, copy=True, pool=pool)["w"].untyped_storage().data_ptr()
     pool.begin()
     assert snapshot(state, copy=True, pool=pool)["w"].untyped_storage().data_ptr() == first
+
+
+def test_copy_pool_serves_the_first_snapshot_from_reserved_memory() -> None:
+    state = {"w": torch.randn(256, 256), "b": torch.randn(3)}
+    pool = CopyPool()
+    pool.reserve([(256 * 256 * 4, False), (3 * 4, False)])
+    reserved = {storage.data_ptr() for _, _, storage in pool._taken}
+    pool.begin()
+    copied = snapshot(state, copy=True, pool=pool)
+    assert {t.untyped_storage().data_ptr() for t in copied.values()} == reserved
+    assert torch.equal(copied["w"], state["w"])
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -159,7 +160,8 @@ def test_micro_step_backward_wants_a_scalar_loss() -> None:
 
 
 def run_to_end(tmp: Path | None, *, crash_at: int | None = None, hooks: tuple[object, ...] = (),
-               precision: str = "fp32") -> tuple[torch.nn.Module, elastictrain.Session]:
+               precision: str = "fp32", on_session: Callable[[elastictrain.Session], None] | None = None,
+               **options: Any) -> tuple[torch.nn.Module, elastictrain.Session]:
     model = make_model(dropout=0.2)  # dropout: the RNG states must be restored too
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
@@ -167,8 +169,10 @@ def run_to_end(tmp: Path | None, *, crash_at: int | None = None, hooks: tuple[ob
     session = elastictrain.Session(
         model, optimizer, dataset(), global_batch_size=8, micro_batch_size=3, epochs=2, scheduler=scheduler,
         checkpoint_dir=None if tmp is None else str(tmp), checkpoint_every=None if tmp is None else 3,
-        hooks=hooks, extra_state=extras, log_every=None, precision=precision,
+        hooks=hooks, extra_state=extras, log_every=None, precision=precision, **options,
     )
+    if on_session is not None:
+        on_session(session)
     try:
         with session:
             train(session, stop_after=crash_at)
@@ -186,6 +190,46 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path: Path) -> N
     assert session.step == 10
     for a, b in zip(resumed.state_dict().values(), reference.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, atol=0, rtol=0)  # same process, same order: bit-identical
+
+
+class PauseCopyUntilNextStep(elastictrain.Hooks):
+    """Holds each overlapped save's copy until the next optimizer step has run (or 1 s has passed)."""
+
+    def __init__(self) -> None:
+        self.session: elastictrain.Session | None = None
+        self.timed_out: list[int] = []
+        self.stepped: threading.Event | None = None
+
+    def before_save(self, *, step: int) -> None:
+        assert self.session is not None and self.session.checkpoints is not None
+        if self.stepped is None:
+            self.session.optimizer.register_step_post_hook(lambda *_: self.stepped.set())  # type: ignore[union-attr]
+        stepped, paused = threading.Event(), []
+        self.stepped = stepped
+
+        def pause(stage: str) -> None:
+            if stage == "during_copy" and not paused:
+                paused.append(True)
+                if not stepped.wait(1.0):
+                    self.timed_out.append(step)
+
+        self.session.checkpoints._fault_hook = pause
+
+
+def test_overlapped_saves_hold_their_step_while_the_next_one_runs_and_resume_like_an_uninterrupted_run(
+    tmp_path: Path,
+) -> None:
+    reference, _ = run_to_end(None)
+    pause = PauseCopyUntilNextStep()
+    _, crashed = run_to_end(tmp_path, crash_at=8, hooks=(pause,), async_save=True, overlap_save=True,
+                            on_session=lambda session: setattr(pause, "session", session))
+    assert crashed.step == 7
+    # Both saves' copies were still held when the next optimizer step came: it waited for them.
+    assert pause.timed_out == [3, 6]
+    resumed, session = run_to_end(tmp_path, async_save=True, overlap_save=True)
+    assert session.restored is not None and session.restored.step == 6
+    for a, b in zip(resumed.state_dict().values(), reference.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
 def test_hooks_see_a_fresh_run_and_a_resumed_run_in_order(tmp_path: Path) -> None:
