@@ -12,6 +12,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastictrain.etcd import kv
@@ -96,10 +97,11 @@ def test_200ms_to_etcd_and_a_clock_30s_off_drop_no_live_node(etcd_server: Any, r
     assert len(status.participants) == 3 and all(p["alive"] for p in status.participants)
 
 
-def test_store_add_counts_once_when_etcds_reply_is_lost(etcd_server: Any, run_id: str) -> None:
+@pytest.mark.parametrize("after", [0, 1, 2, 3])
+def test_store_add_counts_once_when_etcds_reply_is_lost(etcd_server: Any, run_id: str, after: int) -> None:
     # A leader change or a broken connection loses a reply after etcd applied the
     # request: retrying a read-modify-write would count the add twice (torch's exit
-    # barrier counts agents with add).
+    # barrier counts agents with add). ``after`` aims the loss at each reply in turn.
     host, port = etcd_server.endpoint.rsplit(":", 1)
     with TcpProxy(host, int(port)) as proxy:
         client = make_client(proxy.endpoint, retry_deadline=20)
@@ -107,7 +109,7 @@ def test_store_add_counts_once_when_etcds_reply_is_lost(etcd_server: Any, run_id
         store = Etcd3Store(client, RunKeys.of(run_id).store(1, 0), lease, timeout=timedelta(seconds=10))
         assert store.add("agents", 1) == 1  # the connection and the lease exist before the drop
         time.sleep(0.5)
-        proxy.drop_next_response()
+        proxy.drop_next_response(after=after)
         assert store.add("agents", 1) == 2
         assert store.add("agents", 0) == 2
         assert store.get("agents") == b"2"

@@ -121,6 +121,7 @@ class TcpProxy:
         self._delay = float(delay_s)
         self._lock = threading.Lock()
         self._drop = False
+        self._drop_after = 0
         self._links: list[_Link] = []
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -154,18 +155,22 @@ class TcpProxy:
             raise ValueError(f"delay must be >= 0, got {seconds}")
         self._delay = float(seconds)
 
-    def drop_next_response(self) -> None:
-        """Lose the next chunk any server connection sends, and close that connection.
+    def drop_next_response(self, after: int = 0) -> None:
+        """Lose the next chunk any server connection sends (after letting ``after`` chunks
+        through, to aim at a later reply of a multi-request operation), and close that connection.
 
         Everything that server connection sends for a second more is lost too, and
         only then is the connection closed: a cut right at the first chunk (often an
         HTTP/2 ping or window update sent before the reply) would cancel the request
         on the server as well."""
         with self._lock:
-            self._drop = True
+            self._drop, self._drop_after = True, after
 
     def _take_drop(self) -> bool:
         with self._lock:
+            if self._drop and self._drop_after > 0:
+                self._drop_after -= 1
+                return False
             drop, self._drop = self._drop, False
             return drop
 
