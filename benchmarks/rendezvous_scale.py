@@ -185,6 +185,7 @@ def trial(backend: str, n: int, etcd_endpoint: str | None, procs: int | None = N
             proc.stdin.flush()  # type: ignore[union-attr]
         reports = [json.loads(proc.stdout.readline()) for proc in children]  # type: ignore[union-attr]
         finished = time.time()
+        after_round = scrape_metrics(str(etcd_endpoint)) if before is not None else None
         at_rest = None
         if before is not None and hold > 0 and all("done" in p for r in reports for p in r["participants"]):
             rest_from, rest_t0 = scrape_metrics(str(etcd_endpoint)), time.time()
@@ -213,7 +214,7 @@ def trial(backend: str, n: int, etcd_endpoint: str | None, procs: int | None = N
         "procs": procs,
     }
     if before is not None:
-        load = metrics_delta(before, scrape_metrics(str(etcd_endpoint)), finished - start_at)
+        load = metrics_delta(before, after_round, finished - start_at)  # the round alone, not the hold
         out["etcd"] = {k: load[k] for k in ("requests", "received_bytes", "sent_bytes", "txns", "writes",
                                            "requests_by_method")}
         kv_requests = sum(v for k, v in load["requests_by_method"].items() if k in KV_METHODS)

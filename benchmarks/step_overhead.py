@@ -6,7 +6,11 @@ same data both ways, alternating which goes first in each repetition:
 - hand: ``DistributedSampler`` + ``DataLoader(batch_size=G/2)``, ``zero_grad``,
   forward, loss, ``backward``, ``optimizer.step()``;
 - session: ``Session(global_batch_size=G)`` over the already-formed group, no
-  checkpoints or logging, the loop from docs/session.md.
+  checkpoints or logging, the loop from docs/session.md;
+- inprocess: the same session with an agent's control channel, as under
+  ``elastictrain run --recovery in-process``: the stop-after-this-step flag rides on
+  each step's gradient all-reduce (a DDP comm hook), the agent's assignment is checked
+  and the progress slot written at every step.
 
 Each run times ``--steps`` steps after ``--warmup``; rank 0's time counts (DDP
 keeps the ranks in lockstep). Reported: median steps/s over ``--reps`` runs,
@@ -39,6 +43,7 @@ DEFAULT_OUT = ROOT / "benchmarks" / "results" / "step_overhead.json"
 MODELS = {  # name: (input width, hidden width, hidden layers)
     "tiny": (32, 64, 1),
     "medium": (256, 1024, 2),
+    "large": (1024, 2048, 2),  # about 50 ms a step on one core of the 2-core development machine
 }
 WORLD_SIZE = 2
 
@@ -102,6 +107,28 @@ def _session(name: str, dataset: Any, global_batch: int, warmup: int, steps: int
     return steps / elapsed, used / steps * 1e6
 
 
+def _session_inprocess(name: str, dataset: Any, global_batch: int, warmup: int, steps: int) -> tuple[float, float]:
+    import torch.distributed as dist
+
+    from elastictrain._control import CONTROL_DIR_ENV, Assignment, ProgressTable, write_assignment
+
+    # What an in-process agent prepares for its worker: a control directory with the
+    # current generation's assignment and a progress table.
+    with tempfile.TemporaryDirectory() as directory:
+        ProgressTable(directory, 1, create=True).close()
+        write_assignment(directory, Assignment(generation=1, round=0, world_size=dist.get_world_size(),
+                                               master_addr="127.0.0.1", master_port=1,
+                                               ranks={"0": dist.get_rank()}))
+        os.environ[CONTROL_DIR_ENV] = directory
+        try:
+            return _session(name, dataset, global_batch, warmup, steps)
+        finally:
+            del os.environ[CONTROL_DIR_ENV]
+
+
+KINDS = {"hand": _hand, "session": _session, "inprocess": _session_inprocess}
+
+
 def worker(rank: int, port: int, args: argparse.Namespace, result: Path) -> None:
     import torch
     import torch.distributed as dist
@@ -118,12 +145,11 @@ def worker(rank: int, port: int, args: argparse.Namespace, result: Path) -> None
         data = torch.Generator().manual_seed(1)
         samples = args.global_batch * (args.warmup + args.steps + 1)
         dataset = TensorDataset(torch.randn(samples, width, generator=data), torch.randn(samples, 1, generator=data))
-        runs: dict[str, list[float]] = {"hand": [], "session": [], "hand_cpu": [], "session_cpu": []}
+        runs: dict[str, list[float]] = {k: [] for kind in KINDS for k in (kind, f"{kind}_cpu")}
         for rep in range(args.reps):
-            order = ("hand", "session") if rep % 2 == 0 else ("session", "hand")
+            order = list(KINDS)[rep % len(KINDS):] + list(KINDS)[:rep % len(KINDS)]  # rotate who goes first
             for kind in order:
-                run = _hand if kind == "hand" else _session
-                rate, cpu_us = run(name, dataset, args.global_batch, args.warmup, args.steps)
+                rate, cpu_us = KINDS[kind](name, dataset, args.global_batch, args.warmup, args.steps)
                 runs[kind].append(rate)
                 runs[f"{kind}_cpu"].append(cpu_us)
         out[name] = runs
@@ -144,7 +170,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--global-batch", type=int, default=64)
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=["tiny", "medium"], choices=list(MODELS))
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
@@ -171,8 +197,10 @@ def main() -> int:
 
     results: dict[str, Any] = {}
     print(f"{'model':8} {'hand steps/s':>13} {'session steps/s':>16} {'overhead':>9} {'paired':>8}"
-          f" {'hand CPU us':>12} {'session CPU us':>15} {'CPU overhead':>13}")
+          f" {'hand CPU us':>12} {'session CPU us':>15} {'CPU overhead':>13}"
+          f" {'in-process steps/s':>19} {'overhead':>9} {'paired':>8}")
     for name, runs in raw.items():
+        inproc = statistics.median(runs["inprocess"])
         hand, session = statistics.median(runs["hand"]), statistics.median(runs["session"])
         overhead = (hand / session - 1.0) * 100.0
         # Each repetition ran both loops back to back: their ratio cancels most
@@ -190,9 +218,17 @@ def main() -> int:
             "hand_cpu_us_per_step": {"median": hand_cpu, "samples": runs["hand_cpu"]},
             "session_cpu_us_per_step": {"median": session_cpu, "samples": runs["session_cpu"]},
             "cpu_overhead_pct": cpu_overhead,
+            "inprocess_steps_per_s": {"median": inproc, "samples": runs["inprocess"]},
+            "inprocess_overhead_pct": (hand / inproc - 1.0) * 100.0,
+            "inprocess_paired_overhead_pct": statistics.median(
+                (h / s - 1.0) * 100.0 for h, s in zip(runs["hand"], runs["inprocess"], strict=True)),
+            "inprocess_cpu_us_per_step": {"median": statistics.median(runs["inprocess_cpu"]),
+                                          "samples": runs["inprocess_cpu"]},
         }
+        r = results[name]
         print(f"{name:8} {hand:13.1f} {session:16.1f} {overhead:8.1f}% {paired:7.1f}%"
-              f" {hand_cpu:12.0f} {session_cpu:15.0f} {cpu_overhead:12.1f}%")
+              f" {hand_cpu:12.0f} {session_cpu:15.0f} {cpu_overhead:12.1f}%"
+              f" {inproc:19.1f} {r['inprocess_overhead_pct']:8.1f}% {r['inprocess_paired_overhead_pct']:7.1f}%")
     record = {
         "benchmark": "step_overhead",
         "world_size": WORLD_SIZE,

@@ -12,7 +12,8 @@ from elastictrain.precision import MixedPrecision
 from elastictrain.process_group import Placement, destroy_process_group, init_process_group, process_group_scope
 from elastictrain.rank_logging import RankLoggerAdapter, get_logger, setup_logging
 from elastictrain.sampler import ElasticBatchSampler, ElasticSampler, MicroBatch, StepPlan
-from elastictrain.session import MicroStep, Session, SessionConfig, Step
+from elastictrain.train.elastic import ElasticState, run_elastic
+from elastictrain.train.session import MicroStep, Session, SessionConfig, Step
 from elastictrain.worker import WorkerContext
 
 __version__ = "0.1.0"
@@ -21,6 +22,7 @@ __all__ = [
     "CheckpointManager",
     "ElasticBatchSampler",
     "ElasticSampler",
+    "ElasticState",
     "ElasticTrainError",
     "HookDispatcher",
     "Hooks",
@@ -43,5 +45,6 @@ __all__ = [
     "init_process_group",
     "no_sync",
     "process_group_scope",
+    "run_elastic",
     "setup_logging",
 ]

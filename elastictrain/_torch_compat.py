@@ -21,16 +21,19 @@ from typing import Any
 
 import torch
 from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.events import handlers as _event_handlers
 
 __all__ = [
     "AGENT_OVERRIDES",
     "DYNAMIC_STATE_GLOBALS",
     "FORKSERVER_PRELOAD",
+    "LOCAL_AGENT_OVERRIDES",
     "PINNED_TORCH",
     "TorchCompatError",
     "event_log_handlers",
     "remaining_restarts",
+    "set_local_rank_env",
     "worker_group",
 ]
 
@@ -46,6 +49,18 @@ AGENT_OVERRIDES: dict[str, tuple[str, ...]] = {
     "_restart_workers": ("self", "worker_group"),
     "_stop_workers": ("self", "worker_group"),
     "_exit_barrier": ("self",),
+    "_invoke_run": ("self", "role"),
+    "_initialize_workers": ("self", "worker_group"),
+}
+
+LOCAL_AGENT_OVERRIDES: dict[str, tuple[str, ...]] = {
+    # LocalElasticAgent's, for the in-process agent's one process context per worker.
+    "_start_workers": ("self", "worker_group"),
+    "_stop_workers": ("self", "worker_group"),
+    "_shutdown": ("self", "death_sig", "timeout"),
+    "_monitor_workers": ("self", "worker_group"),
+    # Called, not overridden: LOCAL_RANK and CUDA_VISIBLE_DEVICES of one worker.
+    "_set_local_rank_env": ("self", "worker_env", "local_rank", "spec"),
 }
 
 DYNAMIC_STATE_GLOBALS = frozenset({
@@ -85,6 +100,13 @@ def _check() -> None:
         found = tuple(inspect.signature(method).parameters)
         if found != params:
             raise _fail(f"changed SimpleElasticAgent.{name}{params} to {found}")
+    for name, params in LOCAL_AGENT_OVERRIDES.items():
+        method = getattr(LocalElasticAgent, name, None)
+        if method is None:
+            raise _fail(f"has no LocalElasticAgent.{name}")
+        found = tuple(inspect.signature(method).parameters)
+        if found != params:
+            raise _fail(f"changed LocalElasticAgent.{name}{params} to {found}")
     init = inspect.getsource(SimpleElasticAgent.__init__)
     for attr in _AGENT_STATE:
         if f"self.{attr}" not in init:
@@ -110,6 +132,12 @@ def remaining_restarts(agent: SimpleElasticAgent) -> int:
 def worker_group(agent: SimpleElasticAgent) -> Any:
     """The agent's ``WorkerGroup``."""
     return agent._worker_group  # noqa: SLF001 - checked above
+
+
+def set_local_rank_env(agent: LocalElasticAgent, env: dict[str, str | None], local_rank: int, spec: Any) -> None:
+    """Set ``LOCAL_RANK`` (and ``CUDA_VISIBLE_DEVICES`` in torch's virtual-local-rank mode) in
+    ``env`` as ``LocalElasticAgent._start_workers`` does for a worker."""
+    agent._set_local_rank_env(env, local_rank, spec)  # noqa: SLF001 - checked above
 
 
 def event_log_handlers() -> dict[str, Any]:

@@ -1,48 +1,52 @@
-"""One node's elastic agent: torch's ``LocalElasticAgent`` on the etcd3 rendezvous.
+"""Node agents: torch's ``LocalElasticAgent`` on the etcd3 rendezvous, in two recovery modes.
 
-:func:`launch` is torch's ``launch_agent`` with three differences: the rendezvous
-is ours (``etcd3``), every worker runs under ``elastictrain._worker_boot`` (it
-dies with its agent and records its root-cause error), and the outcome comes
-back as a :class:`JobOutcome` with an exit code and a one-line summary instead
-of an exception. The agent overrides torch's extension points listed (and
-checked against the installed torch) in :mod:`elastictrain._torch_compat`.
+- :class:`ElasticAgent` (``--recovery restart``): torch's behaviour. Any fault or
+  membership change stops every worker of the node and starts them again; they
+  resume from the last checkpoint.
+- :class:`InProcessAgent` (``--recovery in-process``, the default): workers keep
+  their processes. The agent re-rendezvouses while they train, hands them the next
+  generation's assignment through the control channel (:mod:`elastictrain._control`),
+  and replaces only a worker that died, alone. A hung worker is killed so that its
+  peers' collectives fail at once. Only this node's own worker failures spend the
+  failure budget (``--max-restarts`` within ``--restart-window``).
+
+Both override torch's agent extension points listed (and checked against the
+installed torch) in :mod:`elastictrain._torch_compat`.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import multiprocessing.forkserver
 import os
-import socket
+import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
-from torch.distributed.elastic.agent.server.api import RunResult, Worker, WorkerGroup, WorkerSpec, WorkerState
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-from torch.distributed.elastic.multiprocessing.api import Std
-from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-from torch.distributed.elastic.rendezvous import (
-    RendezvousClosedError,
-    RendezvousParameters,
-    RendezvousTimeoutError,
+from torch.distributed.elastic.agent.server.api import (
+    DEFAULT_ROLE,
+    RunResult,
+    Worker,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
 )
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+from torch.distributed.elastic.utils import macros
 
 from elastictrain import _torch_compat
-from elastictrain._worker_boot import AGENT_PID_ENV, run_script
-from elastictrain.config import RunConfig, take_etcd_password
-from elastictrain.errors import ElasticTrainError, RunIdInUseError
-from elastictrain.events import EVENT_LOG_ENV, NODE_ENV, EventLog, route_torch_events
-from elastictrain.rendezvous import BACKEND_NAME, register
-from elastictrain.rendezvous.handler import LOCAL_WORLD_SIZE_KEY, Etcd3RendezvousHandler, create_handler
-from elastictrain.run_state import NodeRecord, RunPublisher, read_status, stop_requested, this_host
+from elastictrain._control import Assignment, WorkerState as SlotState
+from elastictrain.errors import ElasticTrainError
+from elastictrain.events import EventLog
+from elastictrain.rendezvous.handler import Etcd3RendezvousHandler
+from elastictrain.run_state import RunPublisher
+from elastictrain.worker_group import Channel, FailureBudget, HangDetector, WorkerProcesses
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ElasticAgent", "JobOutcome", "launch"]
+__all__ = ["ElasticAgent", "InProcessAgent"]
 
 
 class ElasticAgent(LocalElasticAgent):
@@ -115,16 +119,20 @@ class ElasticAgent(LocalElasticAgent):
                 rank: {"exitcode": f.exitcode, "pid": f.pid, "signal": f.signal_name() if f.exitcode < 0 else None}
                 for rank, f in result.failures.items()
             })
-        elif (result.state == WorkerState.HEALTHY and getattr(worker_group.spec.rdzv_handler, "closed_seen", False)
-              and self._stop_requested()):
-            logger.info("run closed by `elastictrain stop`: stopping workers")
-            self._events.emit("stop_requested")
-            self._stop_workers(worker_group)
-            self.stopped_by_request = True
-            # torch records an event per worker and wants each one's return value.
-            return RunResult(state=WorkerState.SUCCEEDED,
-                             return_values={w.global_rank: None for w in worker_group.workers})
+        elif result.state == WorkerState.HEALTHY:
+            return self._check_stop(worker_group) or result
         return result
+
+    def _check_stop(self, worker_group: WorkerGroup) -> RunResult | None:
+        """A run closed by ``elastictrain stop``: stop the workers and succeed."""
+        if not (getattr(worker_group.spec.rdzv_handler, "closed_seen", False) and self._stop_requested()):
+            return None
+        logger.info("run closed by `elastictrain stop`: stopping workers")
+        self._events.emit("stop_requested")
+        self._stop_workers(worker_group)
+        self.stopped_by_request = True
+        # torch records an event per worker and wants each one's return value.
+        return RunResult(state=WorkerState.SUCCEEDED, return_values={w.global_rank: None for w in worker_group.workers})
 
     def _exit_barrier(self) -> None:
         # torch's exit barrier keeps the agent that hosts the c10d store alive until
@@ -143,187 +151,209 @@ class ElasticAgent(LocalElasticAgent):
         super()._restart_workers(worker_group)
 
 
-@dataclass(frozen=True, slots=True)
-class JobOutcome:
-    """How one node's part of the job ended."""
-
-    exit_code: int
-    """0 on success; the failing worker's exit code (or 1) otherwise."""
-
-    summary: str
-    """One line for the user."""
-
-
-def _failure_summary(failures: dict[int, ProcessFailure], restarts: int) -> tuple[int, str]:
-    rank, failure = min(failures.items(), key=lambda item: item[1].timestamp)
-    code = failure.exitcode
-    if code < 0:
-        how = f"was killed by signal {failure.signal_name()}"
-        exit_code = 128 - code
-    else:
-        how = f"exited with code {code}"
-        exit_code = code or 1
-    message = failure.message if isinstance(failure.message, str) else str(failure.message)
-    detail = ""
-    if message and not message.startswith("To enable traceback"):
-        detail = f": {message.strip().splitlines()[-1][:300]}"
-    return exit_code, (
-        f"worker rank {rank} (pid {failure.pid}) {how}{detail}; "
-        f"job failed after {restarts} restart(s)"
-    )
-
-
-# Imported once by the forkserver, then inherited by every worker it forks.
-_FORKSERVER_PRELOAD = [*_torch_compat.FORKSERVER_PRELOAD, "elastictrain", "elastictrain._worker_boot"]
-
-
-def _start_forkserver() -> None:
-    """Start the forkserver now, so that its torch import overlaps the rendezvous.
-
-    Every worker of every round is forked from it: a restart costs a fork, not a
-    Python start plus a torch import. It does not touch CUDA, so forking is safe.
-    """
-    multiprocessing.set_forkserver_preload(_FORKSERVER_PRELOAD)
-    multiprocessing.forkserver.ensure_running()
-
-
-def launch(config: RunConfig, endpoint: str) -> JobOutcome:
-    """Run this node's agent until the job ends.
+class InProcessAgent(ElasticAgent):
+    """An agent whose workers survive faults and membership changes in their own processes.
 
     Args:
-        config: The validated run configuration.
-        endpoint: etcd endpoints (``host:port[,...]``) of the rendezvous.
-
-    Returns:
-        The node's outcome; never raises for a failed job or an ended rendezvous.
-
-    Raises:
-        ElasticTrainError: Rendezvous set-up failed (e.g. etcd unreachable).
+        channel: The control channel its workers were told of (``ELASTICTRAIN_CONTROL_DIR``).
+        budget: This node's own worker failures the job survives.
+        hangs: Decides which workers are hung.
+        **kwargs: As :class:`ElasticAgent`.
     """
-    # The password goes into the settings and leaves the environment before any worker is started.
-    etcd_options = take_etcd_password(config.etcd_options)
-    params = RendezvousParameters(
-        backend=BACKEND_NAME,
-        endpoint=endpoint,
-        run_id=config.run_id,
-        min_nodes=config.min_nodes,
-        max_nodes=config.max_nodes,
-        local_addr=config.local_addr,
-        **config.rendezvous.as_mapping(),
-        **etcd_options,
-        **{LOCAL_WORLD_SIZE_KEY: config.nproc_per_node},
-    )
-    events = EventLog(config.event_log, config.run_id, config.node_name)
-    # Workers inherit these through the forkserver: they must be set before it starts.
-    # The agent pid lets a worker catch an agent that died before the worker could
-    # ask to die along with it (see _worker_boot).
-    os.environ[AGENT_PID_ENV] = str(os.getpid())
-    if config.event_log:
-        os.environ[EVENT_LOG_ENV] = os.path.abspath(config.event_log)
-    if config.node_name:
-        os.environ[NODE_ENV] = config.node_name
-    _start_forkserver()
-    register()
-    handler = create_handler(params)
-    try:
-        _check_run_id(handler, config)
-    except RunIdInUseError:
-        handler.leave()
-        raise
-    publisher = RunPublisher(handler.client, handler.keys, handler.run_lease, NodeRecord(
-        node_id=handler.node_id, host=this_host(), addr=config.local_addr or socket.getfqdn(), pid=os.getpid()))
-    publisher.publish_meta(**_job_signature(config))
-    publisher.update(state="starting")
-    spec = WorkerSpec(
-        role="trainer",
-        local_world_size=config.nproc_per_node,
-        entrypoint=run_script,
-        args=(config.script, tuple(config.script_args)),
-        rdzv_handler=handler,
-        max_restarts=config.max_restarts,
-        monitor_interval=config.monitor_interval.total_seconds(),
-        local_addr=config.local_addr,
-        event_log_handler=route_torch_events(events),
-    )
-    logs = DefaultLogsSpecs(log_dir=config.log_dir, redirects=Std.NONE, tee=Std.NONE)
-    agent = ElasticAgent(
-        spec=spec, logs_specs=logs, start_method="forkserver", events=events, publisher=publisher,
-        stop_requested=lambda: stop_requested(handler.client, config.run_id),
-    )
-    outcome = _run_agent(agent, handler, config)
-    events.emit("job_end", exit_code=outcome.exit_code, summary=outcome.summary)
-    agent._publish(state="succeeded" if outcome.exit_code == 0 else "failed")  # noqa: SLF001
-    events.close()
-    return outcome
 
+    def __init__(self, *, channel: Channel, budget: FailureBudget, hangs: HangDetector | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._channel = channel
+        self._budget = budget
+        self._hangs = hangs or HangDetector()
+        self._start_method = kwargs.get("start_method", "spawn")
+        self._log_root = kwargs["logs_specs"].root_log_dir
+        self._logs: dict[int, DefaultLogsSpecs] = {}
+        self._workers = WorkerProcesses(self._start_one)
+        self._finished: set[int] = set()
+        self._dead: set[int] = set()
+        self._generation = 0
+        self._replacements = 0
+        self.recoveries = 0
 
-def _job_signature(config: RunConfig) -> dict[str, Any]:
-    """What nodes of one job share; published in the run's meta by its first node."""
-    return {"min_nodes": config.min_nodes, "max_nodes": config.max_nodes,
-            "nproc_per_node": config.nproc_per_node, "script": os.path.basename(config.script)}
+    @property
+    def restarts(self) -> int:
+        """This node's own worker failures within the budget's window."""
+        return self._budget.used(time.monotonic())
 
+    # --- processes: one torch process context per worker ------------------------------------
 
-def _check_run_id(handler: Etcd3RendezvousHandler, config: RunConfig) -> None:
-    """Refuse to start a second job under a run id that is in use, unless told to join it."""
-    status = read_status(handler.client, config.run_id, lease_ttls=False)
-    run = f"run id {config.run_id!r}"
-    if status.closed:
-        if stop_requested(handler.client, config.run_id):
-            raise RunIdInUseError(f"{run} was stopped with `elastictrain stop`; choose another --run-id, "
-                                  f"or clear it with `elastictrain stop --run-id {config.run_id} --purge`")
-        raise RunIdInUseError(f"{run} belongs to a job that has ended; choose another --run-id, or clear it "
-                              f"with `elastictrain stop --run-id {config.run_id} --purge`")
-    alive = [p for p in status.participants if p["alive"]]
-    signature = _job_signature(config)
-    if status.complete and alive and not config.join:
-        if all(status.meta.get(key) == value for key, value in signature.items()):
-            # Same script and node counts: a node of this job that started after the
-            # others formed round 0 (schedulers start nodes seconds apart). Let it in.
-            logger.info("run %r is training; joining it as a late node of the same job", config.run_id)
+    def _start_one(self, local_rank: int) -> Any:
+        """Start the worker of ``local_rank`` in a process context of its own.
+
+        Its environment is the one torch's ``LocalElasticAgent._start_workers`` gives a
+        worker; ``TORCHELASTIC_RESTART_COUNT`` counts this node's worker replacements.
+        Its logs and error file go to ``<log dir>/local_rank_<n>/``, each start in an
+        ``attempt_<k>`` of its own (torch's layout would put every single-worker
+        context under ``0/``).
+        """
+        group = _torch_compat.worker_group(self)
+        spec = group.spec
+        worker = next(w for w in group.workers if w.local_rank == local_rank)
+        env: dict[str, str | None] = {
+            "RANK": str(worker.global_rank),
+            "GROUP_RANK": str(group.group_rank),
+            "ROLE_RANK": str(worker.role_rank),
+            "ROLE_NAME": spec.role,
+            "LOCAL_WORLD_SIZE": str(spec.local_world_size),
+            "WORLD_SIZE": str(worker.world_size),
+            "GROUP_WORLD_SIZE": str(group.group_world_size),
+            "ROLE_WORLD_SIZE": str(worker.role_world_size),
+            "MASTER_ADDR": group.master_addr,
+            "MASTER_PORT": str(group.master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(self._replacements),
+            "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+            "TORCHELASTIC_RUN_ID": spec.rdzv_handler.get_run_id(),
+            "TORCHELASTIC_USE_AGENT_STORE": str(spec.rdzv_handler.use_agent_store),
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        }
+        _torch_compat.set_local_rank_env(self, env, local_rank, spec)
+        if "OMP_NUM_THREADS" in os.environ:
+            env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
+        if local_rank not in self._logs:
+            self._logs[local_rank] = DefaultLogsSpecs(log_dir=os.path.join(self._log_root, f"local_rank_{local_rank}"))
+        assert spec.entrypoint is not None  # noqa: S101 - set by the launcher
+        return start_processes(
+            name=f"{spec.role}{local_rank}", entrypoint=spec.entrypoint,
+            args={0: tuple(macros.substitute(list(spec.args), str(local_rank)))}, envs={0: env},
+            logs_specs=self._logs[local_rank], start_method=self._start_method)
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        self._publish_generation(worker_group, cause="start")
+        self._finished.clear()
+        return self._workers.start([w.local_rank for w in worker_group.workers])
+
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        self._workers.close()
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        if self._channel.assignment is not None:
+            self._channel.publish(replace(self._channel.assignment, closed=True, cause="the agent stopped"))
+        self._workers.close(death_sig, timeout)
+        super()._shutdown(death_sig, timeout)
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        ended = self._workers.poll()
+        by_local = {w.local_rank: w for w in worker_group.workers}
+        failures = {}
+        for local_rank, result in ended.items():
+            self._workers.forget(local_rank)
+            if result.is_failed():
+                failures[by_local[local_rank].global_rank] = result.failures[0]  # each context holds one worker
+            else:
+                self._finished.add(local_rank)
+        if failures:
+            self._dead |= {lr for lr in ended if lr not in self._finished}
+            self._events.emit("worker_failure", failures={
+                rank: {"exitcode": f.exitcode, "pid": f.pid, "signal": f.signal_name() if f.exitcode < 0 else None}
+                for rank, f in failures.items()})
+            return RunResult(state=WorkerState.FAILED, failures=failures)
+        if len(self._finished) == len(worker_group.workers):
+            return RunResult(state=WorkerState.SUCCEEDED,
+                             return_values={by_local[lr].global_rank: None for lr in self._finished})
+        return self._check_stop(worker_group) or RunResult(state=WorkerState.HEALTHY)
+
+    # --- the loop -------------------------------------------------------------------------------
+
+    def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        group = _torch_compat.worker_group(self)
+        spec = group.spec
+        self._initialize_workers(group)
+        while True:
+            time.sleep(spec.monitor_interval)
+            result = self._monitor_workers(group)
+            group.state = result.state
+            if result.state == WorkerState.SUCCEEDED:
+                self._exit_barrier()
+                return result
+            now = time.monotonic()
+            cause = None
+            if result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
+                backoff = self._budget.spend(now)
+                if backoff is None:
+                    logger.error("this node's workers failed %d times within %gs, more than --max-restarts %d "
+                                 "allows: the job fails", self._budget.limit + 1, self._budget.window_s,
+                                 self._budget.limit)
+                    self._stop_workers(group)
+                    group.state = WorkerState.FAILED
+                    return result
+                cause = "worker(s) " + ", ".join(str(r) for r in sorted(result.failures)) + " failed"
+                if backoff:
+                    logger.warning("%s: waiting %.0fs before replacing (failure %d of %d in the window)", cause,
+                                   backoff, self._budget.used(now), self._budget.limit)
+                    time.sleep(backoff)
+            progress = self._channel.progress()
+            for slot in self._hangs.hung(progress, now):
+                frozen = now - progress[slot].alive_at
+                logger.warning("worker %d (pid %d) is hung: its process has not run for %.1fs (deadline %.1fs, "
+                               "from its step time): killing it", slot, progress[slot].pid, frozen,
+                               self._hangs.deadline(progress[slot]))
+                self._events.emit("hang", local_rank=slot, pid=progress[slot].pid, frozen_s=round(frozen, 3),
+                                  step=progress[slot].step)
+                self._workers.kill(slot)
+            if cause is None and any(p.state == SlotState.RECOVERING and p.generation == self._generation
+                                     and p.pid for p in progress):
+                cause = "a worker's collective failed (a peer is gone)"
+            if cause is None:
+                waiting = spec.rdzv_handler.num_nodes_waiting()
+                if waiting > 0:
+                    cause = f"membership change ({waiting} node(s) waiting, gone or re-joining)"
+            if cause is not None:
+                self._recover(group, cause)
+
+    def _in_process_capable(self, group: WorkerGroup) -> bool:
+        """Whether every live worker of this node recovers in place: it opened its control slot
+        (a ``Session`` or ``run_elastic`` loop does; a plain script does not)."""
+        progress = self._channel.progress()
+        pids = self._workers.pids()
+        return bool(pids) and all(progress[local_rank].pid == pid for local_rank, pid in pids.items())
+
+    def _recover(self, group: WorkerGroup, cause: str) -> None:
+        if self._dead:
+            self._replacements += 1  # the workers started from now on see it as their restart count
+        if not self._in_process_capable(group):
+            # Plain scripts cannot re-form in place: restart every local worker (torch's way).
+            self._events.emit("restart", reason=cause, restarts=self.restarts)
+            self._publish(state="restarting", restarts=self.restarts)
+            self._workers.close()
+            self._dead = set()
+            self._initialize_workers(group)
             return
-        hosts = ", ".join(sorted({p["addr"] for p in alive}))
-        raise RunIdInUseError(
-            f"{run} is live: round {status.round} trains with {len(alive)} node(s) on {hosts}; "
-            "pass --join to add this node to it, or choose another --run-id (it runs "
-            f"{status.meta.get('script', '?')} on {status.meta.get('min_nodes', '?')}-"
-            f"{status.meta.get('max_nodes', '?')} nodes x {status.meta.get('nproc_per_node', '?')})"
-        )
+        started = time.monotonic()
+        self._channel.mark_pending(cause)
+        alive = {w.local_rank: w.id for w in group.workers if w.local_rank not in self._dead}
+        self._rendezvous(group)
+        for worker in group.workers:
+            worker.id = alive.get(worker.local_rank)
+        self._publish_generation(group, cause=cause)
+        dead = sorted(self._dead)
+        self._dead = set()
+        if dead:
+            pids = self._workers.start(dead)
+            for worker in group.workers:
+                if worker.local_rank in pids:
+                    worker.id = pids[worker.local_rank]
+        self.recoveries += 1
+        duration = time.monotonic() - started
+        self._events.emit("recovery", cause=cause, generation=self._generation, duration_s=round(duration, 3),
+                          replaced_local_ranks=dead, world_size=group.workers[0].world_size if group.workers else None)
+        self._publish(state="running", generation=self._generation, last_recovery=cause,
+                      restarts=self.restarts)
+        logger.info("generation %d ready in %.3fs (%s)%s", self._generation, duration, cause,
+                    f"; replaced local worker(s) {dead}" if dead else "; every worker kept its process")
 
-
-def _run_agent(agent: ElasticAgent, handler: Etcd3RendezvousHandler, config: RunConfig) -> JobOutcome:
-    shutdown_rendezvous = True
-    try:
-        result: RunResult | None = agent.run()
-    except RendezvousClosedError:
-        if stop_requested(handler.client, config.run_id):
-            return JobOutcome(0, f"run {config.run_id!r} was stopped by `elastictrain stop`")
-        return JobOutcome(1, f"run {config.run_id!r} is closed: the job it named has already ended")
-    except RendezvousTimeoutError:
-        return JobOutcome(
-            1,
-            f"rendezvous of run {config.run_id!r} timed out after "
-            f"{config.rendezvous.join_timeout.total_seconds():g}s waiting for "
-            f"{config.min_nodes} node(s); the last committed checkpoint is untouched, and the run is "
-            f"now closed: to resume from that checkpoint, start the job under a new --run-id, or after "
-            f"`elastictrain stop --run-id {config.run_id} --purge`",
-        )
-    except ElasticTrainError:
-        raise
-    except BaseException:
-        # A signal (Ctrl-C, SIGTERM): leave the rendezvous open so that the other
-        # nodes can carry on without us (torch does the same), but say at once that
-        # this node is gone rather than let its lease run out.
-        shutdown_rendezvous = False
-        handler.leave()
-        raise
-    finally:
-        if shutdown_rendezvous:
-            handler.shutdown()
-    if result is None:  # torch's agent returns nothing after RendezvousGracefulExitError
-        return JobOutcome(0, f"run {config.run_id!r} ended while this node waited as a spare "
-                             f"(it had --max-nodes {config.max_nodes} already)")
-    if result.is_failed():
-        return JobOutcome(*_failure_summary(result.failures, agent.restarts))
-    if agent.stopped_by_request:
-        return JobOutcome(0, f"run {config.run_id!r} was stopped by `elastictrain stop`")
-    return JobOutcome(0, f"run {config.run_id!r} finished")
+    def _publish_generation(self, group: WorkerGroup, *, cause: str) -> None:
+        self._generation += 1
+        handler = group.spec.rdzv_handler
+        self._channel.publish(Assignment(
+            generation=self._generation, round=getattr(handler, "round", None) or 0,
+            world_size=group.workers[0].world_size if group.workers else 0,
+            master_addr=group.master_addr or "", master_port=int(group.master_port or 0),
+            ranks={str(w.local_rank): w.global_rank for w in group.workers},
+            group_rank=group.group_rank or 0, group_world_size=group.group_world_size or 1, cause=cause))

@@ -144,7 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add(run, "--etcd", default=None, help="etcd endpoints host:port[,host:port...]; none starts a private etcd on this machine")
     _add_switch(run, "--standalone", help="force a private etcd even if ELASTICTRAIN_ETCD is set")
     _add(run, "--run-id", default=None, help="job name shared by all its nodes; namespaces its etcd keys (required with --etcd)")
-    _add(run, "--max-restarts", default=3, type=_non_negative_int, help="worker-group restarts after failures before the job fails")
+    _add(run, "--max-restarts", default=3, type=_non_negative_int, help="failures of this node's own workers the job survives (within --restart-window; with --recovery restart, torch's group restarts)")
+    _add(run, "--recovery", default="in-process", choices=("in-process", "restart"), help="in-process: workers keep their processes through faults and resizes; restart: every worker restarts from the last checkpoint")
+    _add(run, "--restart-window", default=3600.0, type=float, help="seconds over which --max-restarts counts this node's failures (in-process recovery)")
     _add(run, "--local-nodes", default=None, type=_positive_int, help="start this many node agents on this machine (a multi-node job without several hosts)")
     _add(run, "--local-addr", default=None, help="address other nodes reach this node at (default: this host's address on its route to etcd, 127.0.0.1 with a private etcd)")
     _add(run, "--monitor-interval", default=0.1, type=float, help="seconds between the agent's checks of its workers")
@@ -208,6 +210,8 @@ def _run_config(args: argparse.Namespace, *, etcd: str, run_id: str, local_addr:
         run_id=run_id,
         etcd=etcd,
         max_restarts=int(args.max_restarts),
+        recovery=args.recovery,
+        restart_window=parse_duration("--restart-window", args.restart_window, minimum=1),
         monitor_interval=parse_duration("--monitor-interval", args.monitor_interval, minimum=0.01),
         local_addr=local_addr,
         rendezvous=RendezvousConfig.from_mapping(rdzv_conf),
@@ -293,7 +297,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
             node_args = _node_args(args.run_parser, args, endpoint=endpoint, run_id=run_id, local_addr=local_addr)
             return run_local_nodes(args.local_nodes, node_args)
-        from elastictrain.agent import launch
+        from elastictrain.launcher import launch
 
         started = time.monotonic()
         outcome = launch(config, endpoint)

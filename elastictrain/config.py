@@ -37,6 +37,10 @@ ETCD_PASSWORD_ENV = "ELASTICTRAIN_ETCD_PASSWORD"
 MAX_DURATION_S = 1e9
 
 
+RECOVERY_MODES = ("in-process", "restart")
+"""How a node's agent recovers (``--recovery``)."""
+
+
 def parse_duration(name: str, value: Any, *, minimum: float = 0.0) -> timedelta:
     """Read a duration in seconds (``int``/``float``/``str``/``timedelta``).
 
@@ -312,6 +316,16 @@ class RunConfig:
     """``host:port[,host:port]`` of an etcd cluster; ``None`` starts a private one."""
 
     max_restarts: int = 3
+    """In-process recovery: this node's own worker failures survived within ``restart_window``
+    (peers' failures and membership changes never count). Restart recovery: torch's count of
+    worker-group restarts after a failure, including one caused by a peer."""
+
+    recovery: str = "in-process"
+    """``in-process``: workers keep their processes through faults and membership changes;
+    ``restart``: torch's way, every worker restarts from the last checkpoint."""
+
+    restart_window: timedelta = timedelta(hours=1)
+    """The window of ``max_restarts`` under in-process recovery."""
     """Worker-group restarts allowed after failures (joins do not count)."""
 
     monitor_interval: timedelta = timedelta(seconds=0.1)
@@ -349,6 +363,8 @@ class RunConfig:
             )
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be a non-negative integer, got {self.max_restarts!r}")
+        if self.recovery not in RECOVERY_MODES:
+            raise ConfigError(f"--recovery must be one of {', '.join(RECOVERY_MODES)}, got {self.recovery!r}")
         validate_run_id(self.run_id)
         if os.path.isdir(self.script):
             raise ConfigError(f"training script {self.script!r} is a directory, not a Python file (.py)")

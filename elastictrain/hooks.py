@@ -10,11 +10,17 @@ that accept ``**kwargs``.
 A hook that raises is logged, with the hook's name and the event, and
 training continues: a broken metrics exporter must not cost a training run.
 
-Order of events in one worker process (one rendezvous round)::
+Order of events in one worker process::
 
-    on_start -> on_rendezvous -> [on_restore -> [on_world_change]]
-      -> (on_step_end, [before_save -> after_save])* -> [before_save -> after_save] -> on_end
+    on_start -> on_rendezvous -> [on_restore -> [on_world_change] | on_recovery]
+      -> (on_step_end, [before_save -> after_save],
+          [on_rendezvous -> on_recovery -> [on_world_change]])*
+      -> [before_save -> after_save] -> on_end
     any exception from on_start on: on_failure, then the process group is destroyed
+
+Under in-process recovery a worker lives through several process groups: each
+re-formation dispatches ``on_rendezvous`` and ``on_recovery`` (also in a worker that
+joined a live group and received its state).
 """
 
 from __future__ import annotations
@@ -47,6 +53,17 @@ class Hooks(Protocol):
 
     def on_restore(self, *, step: int, path: str) -> None:
         """A checkpoint was restored: training resumes after optimizer step ``step``."""
+
+    def on_recovery(self, *, step: int, cause: str, generation: int, world_size: int, seconds: float) -> None:
+        """The process group re-formed in place (in-process recovery) and training goes on after ``step``.
+
+        Args:
+            step: The committed step the group continues from (none is redone).
+            cause: Why it re-formed (a peer failed, a node joined or left, ...).
+            generation: The agent's generation number of the new group.
+            world_size: Workers in the new group.
+            seconds: How long the re-formation took on this worker.
+        """
 
     def on_world_change(self, *, old_world_size: int, new_world_size: int) -> None:
         """The restored checkpoint was saved by ``old_world_size`` workers, and this round has ``new_world_size``.
@@ -85,8 +102,8 @@ class Hooks(Protocol):
         """An exception is leaving the session; the worker will exit and the agent decide what follows."""
 
 
-EVENTS = ("on_start", "on_rendezvous", "on_restore", "on_world_change", "before_save", "after_save",
-          "on_step_end", "on_end", "on_failure")
+EVENTS = ("on_start", "on_rendezvous", "on_restore", "on_recovery", "on_world_change", "before_save",
+          "after_save", "on_step_end", "on_end", "on_failure")
 """Every event :class:`Hooks` defines."""
 
 

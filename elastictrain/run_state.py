@@ -59,6 +59,10 @@ class NodeRecord:
     nodes: int | None = None
     world_size: int | None = None
     restarts: int = 0
+    generation: int | None = None
+    """In-process recovery: the generation its workers train in (one per re-formation)."""
+    last_recovery: str | None = None
+    """In-process recovery: why the group last re-formed."""
     updated_at: float = field(default_factory=time.time)
 
 

@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pg-timeout", type=float, default=20.0, help="collective timeout of the workers, seconds (default 20)")
     p.add_argument("--join-timeout", type=float, default=60.0, help="--join-timeout of the nodes, seconds (default 60)")
     p.add_argument("--max-restarts", type=int, default=1000, help="--max-restarts of the nodes (default 1000)")
+    p.add_argument("--recovery", choices=("in-process", "restart"), default="in-process",
+                   help="--recovery of the nodes (default in-process)")
     p.add_argument("--recovery-bound", type=float, default=None, help="seconds a fault may go without training "
                    "before the run counts as hung (default: 120 + pg timeout + the fault's own duration)")
     p.add_argument("--deadline", type=float, default=1800.0, help="seconds before the whole run is stopped (default 1800)")
@@ -118,7 +120,8 @@ def config_from(args: argparse.Namespace) -> ChaosConfig:
         etcd_members=args.etcd_members, etcd_down=args.etcd_down, hang=args.hang,
         hang_then_kill=args.hang_then_kill, netns=args.netns, partition=args.partition_duration,
         rejoin_after=args.rejoin_after, pg_timeout=args.pg_timeout,
-        join_timeout=args.join_timeout, max_restarts=args.max_restarts, recovery_bound=args.recovery_bound,
+        join_timeout=args.join_timeout, max_restarts=args.max_restarts, recovery=args.recovery,
+        recovery_bound=args.recovery_bound,
         deadline=args.deadline, reference=not args.no_reference, atol=args.atol, rtol=args.rtol,
         run_args=tuple(args.run_arg),
     )

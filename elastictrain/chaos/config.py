@@ -92,7 +92,11 @@ class ChaosConfig:
     """``--join-timeout``: how long survivors below min-nodes wait for nodes to return."""
 
     max_restarts: int = 1000
-    """``--max-restarts``: every fault that fails workers uses one on each surviving node."""
+    """``--max-restarts`` of the nodes (their own worker failures; with ``recovery="restart"``,
+    every fault that fails workers uses one on each surviving node)."""
+
+    recovery: str = "in-process"
+    """``--recovery`` of the nodes: ``in-process`` (survivors keep their processes) or ``restart``."""
 
     recovery_bound: timedelta | None = None
     """Longest a fault may go without the job training again before the run counts as hung.

@@ -30,7 +30,7 @@ import os
 import random
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from elastictrain.errors import ConfigError
@@ -187,6 +187,9 @@ class FaultRecord:
     """The fault must end the training process group (False for etcd, or a node that was not training)."""
     below_min: bool = False
     """It left fewer than min-nodes for good: the job is expected to give up, not to recover."""
+    target_pids: list[int] = field(default_factory=list)
+    """The worker processes the fault touched (killed, stopped, cut off); every other worker of
+    the group keeps its process under in-process recovery."""
 
     def to_json(self, start: float) -> dict[str, Any]:
         def rel(t: float | None) -> float | None:
@@ -197,7 +200,8 @@ class FaultRecord:
                 "recovered_s": rel(self.recovered),
                 "recovery_s": None if self.recovered is None or self.injected is None
                 else round(self.recovered - self.injected, 3),
-                "restarted": self.restarted, "hung": self.hung, "note": self.note}
+                "restarted": self.restarted, "hung": self.hung, "note": self.note,
+                "target_pids": list(self.target_pids)}
 
 
 # --- processes --------------------------------------------------------------------------------

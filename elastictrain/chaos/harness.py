@@ -188,6 +188,7 @@ class _Harness:
             sys.executable, "-m", "elastictrain", "run", "--etcd", self.etcd.endpoints, "--run-id", self.run_id,
             "--node-name", name, "--min-nodes", str(config.min_nodes), "--max-nodes", str(config.max_nodes),
             "--nproc-per-node", str(config.nproc_per_node), "--max-restarts", str(config.max_restarts),
+            "--recovery", config.recovery,
             "--local-addr", local_addr, "--event-log", str(self.run_dir / "events.jsonl"),
             "--join-timeout", f"{config.join_timeout.total_seconds():g}",
             *(["--join"] if join else []), *config.run_args, config.script, *self._args(self.run_dir),
@@ -261,6 +262,7 @@ class _Harness:
                 return False
             node, pid = picked
             fault.target = f"{node.name} worker pid {pid}"
+            fault.target_pids = [pid]
             if kind is FaultKind.KILL_WORKER:
                 os.kill(pid, signal.SIGKILL)
                 fault.ended = now
@@ -282,6 +284,7 @@ class _Harness:
             node, training = picked
             alive = len(self.alive_nodes())
             fault.target = node.name if training else f"{node.name} (waiting to join: not training)"
+            fault.target_pids = worker_pids(node.pid)
             # A node outside the training group leaves it untouched (a bounce still
             # brings a node that joins, and so a new group).
             fault.expects_restart = training or kind is FaultKind.BOUNCE_NODE
@@ -308,6 +311,7 @@ class _Harness:
                 return False
             node, training = picked
             fault.note = ""
+            fault.target_pids = worker_pids(node.pid)
             index = self.nodes.index(node)
             fault.target = node.name if training else f"{node.name} (waiting to join: not training)"
             fault.expects_restart = training
@@ -531,9 +535,20 @@ class _Harness:
                                        else "no training") + f" within {self._bound(current):g}s")
                     return
                 else:
-                    # A restarted group must be able to train one step past its checkpoint
-                    # (committed even when the save then failed, so restores count too).
-                    self._set_gate(progress.newest_checkpoint() + 1)
+                    # A new group must be able to train one step past where it starts: its
+                    # checkpoint (restart; committed even when the save then failed, so
+                    # restores count too), or in-process the step the survivors stopped at:
+                    # the step in flight when the fault struck (a join lets it finish) until
+                    # the new group formed, then the last step applied before it formed.
+                    start = progress.newest_checkpoint()
+                    if config.recovery == "in-process":
+                        formed = [g for g in progress.segments if g["t"] > (current.injected or now)]
+                        if formed:
+                            applied = [s["step"] for s in progress.steps if s["t"] < formed[-1]["t"]]
+                            start = max(start, max(applied, default=0))
+                        else:
+                            start = max(start, (current.step_before or 0) + 1)
+                    self._set_gate(start + 1)
                     new = [g for g in progress.segments if g["t"] > (current.injected or now)]
                     if new and now - new[-1]["t"] > 10 and progress.first_step_of(new[-1]["seg"]) is None:
                         # Belt and braces: a group held at the gate cannot show that it trains.

@@ -50,7 +50,8 @@ from elastictrain.chaos.recorder import MARKER
 
 __all__ = [
     "Checkpoint", "Evidence", "History", "InvariantResult", "check_checkpoints_intact", "check_committed_history",
-    "check_exactly_once", "check_final_parameters", "check_restores", "check_world_sizes", "checkpoint_dirs",
+    "check_exactly_once", "check_final_parameters", "check_restores", "check_survivors_kept", "check_world_sizes",
+    "checkpoint_dirs",
     "committed_history", "read_checkpoint", "read_lines", "total_steps", "verify_checkpoint",
 ]
 
@@ -404,3 +405,36 @@ def check_world_sizes(evidence: Evidence, agent_events: Iterable[dict[str, Any]]
     worlds = sorted({w for _, w in seen})
     return InvariantResult("world_size_bounds", not bad,
                            "; ".join(bad[:5]) or f"world sizes {worlds} within [{low}, {high}]")
+
+
+def check_survivors_kept(evidence: Evidence, faults: Iterable[Any], *, in_process: bool) -> InvariantResult:
+    """Under in-process recovery, a worker that a fault did not touch keeps its process.
+
+    For each recovered fault: every worker process of the last group formed before it
+    (``workers.jsonl``), except the fault's targets, must be a worker of the first group
+    formed after it.
+    """
+    if not in_process:
+        return InvariantResult("survivors_kept", None, "restart recovery: every worker restarts by design")
+    starts: dict[str, float] = {}
+    members: dict[str, set[int]] = {}
+    for worker in evidence.workers:
+        starts[worker["seg"]] = min(starts.get(worker["seg"], worker["t"]), worker["t"])
+        members.setdefault(worker["seg"], set()).add(worker["pid"])
+    ordered = sorted(starts, key=starts.__getitem__)
+    problems, checked = [], 0
+    for fault in faults:
+        if fault.injected is None or fault.recovered is None or fault.below_min:
+            continue
+        before = [seg for seg in ordered if starts[seg] < fault.injected]
+        after = [seg for seg in ordered if fault.injected < starts[seg] <= fault.recovered]
+        if not before or not after:
+            continue  # no new group: nobody had to survive anything
+        survivors = members[before[-1]] - set(fault.target_pids)
+        lost = sorted(survivors - members[after[-1]])
+        checked += 1
+        if lost:
+            problems.append(f"fault {fault.index} ({fault.kind.value}): worker(s) {lost} did not carry on in the "
+                            "next group")
+    return InvariantResult("survivors_kept", not problems, "; ".join(problems[:5]) or
+                           f"{checked} re-formation(s): every untouched worker kept its process")

@@ -124,6 +124,8 @@ class Recorder(Hooks):
         self.rank = 0
         self.world_size = 1
         self._lineage: list[dict[str, Any]] = []
+        self._continued: list[dict[str, Any]] = []
+        self._linked = False
         self._events: _Lines | None = None
         self._steps: _Lines | None = None
         self._config_written = False
@@ -137,7 +139,10 @@ class Recorder(Hooks):
 
     def state_dict(self) -> dict[str, Any]:
         """The lineage: ``[{"seg": id, "base": restored step}, ...]``, oldest first."""
-        return {MARKER: 1, "lineage": [dict(link) for link in self._lineage]}
+        # Between a survivor's re-rendezvous and its recovery its new segment is not linked
+        # yet: the state it sends to new workers carries the lineage it continues.
+        lineage = self._continued if self._continued and not self._linked else self._lineage
+        return {MARKER: 1, "lineage": [dict(link) for link in lineage]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take the restored checkpoint's lineage; :meth:`on_restore` then appends this segment."""
@@ -155,7 +160,11 @@ class Recorder(Hooks):
             # One id per process group: the ranks of a round must agree on it.
             dist.broadcast_object_list(ident, src=0)
         self.segment = ident[0]
+        # A restore (restart) or a recovery (in-process) then links this segment to the
+        # lineage it continues; a fresh start keeps this one link.
+        self._continued = [dict(link) for link in self._lineage]
         self._lineage = [{"seg": self.segment, "base": 0}]
+        self._linked = False
         assert self.directory is not None  # noqa: S101 - enabled
         self._steps = _Lines(os.path.join(self.directory, "steps", f"{self.segment}.r{rank}.jsonl"))
         _Lines(os.path.join(self.directory, "workers.jsonl")).write(
@@ -173,8 +182,22 @@ class Recorder(Hooks):
         # load_state_dict ran just before: the lineage is the checkpoint's; its last link made it.
         producer = self._lineage[-1]["seg"] if self._lineage else None
         self._lineage.append({"seg": self.segment, "base": step})
+        self._linked = True
         self._emit("restored", step=step, path=path, producer=producer,
                    fp=fingerprint(self.model) if self.rank == 0 else None)
+
+    def on_recovery(self, *, step: int, cause: str, generation: int, world_size: int, seconds: float) -> None:
+        """See base class. The group re-formed in place: this segment continues the lineage
+        the state carries (a survivor's own, or the one a new worker received) from ``step``."""
+        if not self.enabled or self.segment is None:
+            return
+        previous = self._continued if self._continued else []
+        if self._lineage and self._lineage[0]["seg"] != self.segment:  # received with the state just now
+            previous = self._lineage
+        self._lineage = [*previous, {"seg": self.segment, "base": step}]
+        self._linked = True
+        self._emit("recovered", step=step, cause=cause[:300], generation=generation, world=world_size,
+                   seconds=round(seconds, 4), fp=fingerprint(self.model) if self.rank == 0 else None)
 
     def before_save(self, *, step: int) -> None:
         """See base class."""
@@ -213,12 +236,22 @@ class Recorder(Hooks):
         """Like :meth:`track`, without recording: for scripts that call :meth:`record` themselves."""
         self._write_config(session)
         for step in session.steps():
-            self._wait_for_gate(step.number)
+            self._wait_for_gate(step.number, session)
             yield step
 
-    def _wait_for_gate(self, number: int) -> None:
+    def _wait_for_gate(self, number: int, session: Any) -> None:
         path = os.environ.get(GATE_ENV)
         if not self.enabled or not path:
+            return
+        if getattr(session, "recovers_in_process", False):
+            # Every rank reads the gate itself (the harness runs every node here). No
+            # collective: a dead or hung peer is the agents' to notice, and a re-formation
+            # they start must not wait for the gate, so it ends the wait; the step then
+            # fails against the dead peer (and is discarded) or carries the flag.
+            while not _gate_allows(path, number):
+                if session.reform_due():
+                    return
+                time.sleep(0.05)
             return
         distributed = dist.is_available() and dist.is_initialized() and self.world_size > 1
         if distributed:
@@ -245,8 +278,8 @@ class Recorder(Hooks):
             indices: The dataset indices this rank trained on in it, padding
                 excluded; default: those of ``step.plan``.
         """
-        if self._steps is None:
-            return
+        if self._steps is None or getattr(step, "discarded", False):
+            return  # a discarded step (its collective failed) runs again and is recorded then
         if indices is None:
             indices = [i for micro in step.plan.micro_batches for i in micro.indices]
         self._steps.write(seg=self.segment, rank=self.rank, world=self.world_size, step=step.number,

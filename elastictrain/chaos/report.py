@@ -85,7 +85,7 @@ def write_plot(path: Path, *, start: float, steps: Sequence[dict[str, Any]], seg
 
 def _steps_redone(fault: FaultRecord, steps: Sequence[dict[str, Any]], segments: Sequence[dict[str, Any]],
                   restored: Mapping[str, int]) -> int:
-    """Applied steps the fault cost: the last step before the next group formed, minus the step it restored."""
+    """Applied steps the fault cost: the last step before the next group formed, minus the step it started from."""
     if fault.injected is None or fault.restarted is False:
         return 0
     new = next((s for s in segments if s["t"] > fault.injected), None)
@@ -101,7 +101,9 @@ def build_report(config: ChaosConfig, verdict: Verdict, *, run_id: str, run_dir:
     """Write ``report.json`` (and ``report.png``) into ``run_dir`` and return the report."""
     evidence = verdict.evidence
     steps, segments = evidence.of("step"), evidence.of("segment")
-    restored = {e["seg"]: e["step"] for e in evidence.of("restored")}
+    # Where each group started: the checkpoint it restored (restart) or the step it
+    # re-formed at (in-process).
+    restored = {e["seg"]: e["step"] for e in [*evidence.of("recovered"), *evidence.of("restored")]}
     items = []
     for fault in faults:
         item = fault.to_json(start)

@@ -26,7 +26,7 @@ JOB_ARGS = ("--ckpt", "{run_dir}/ckpt", "--samples", "192", "--epochs", "2", "--
 TOTAL_STEPS = 24
 
 EVERY_INVARIANT = ("exit_status", "committed_history", "exactly_once", "final_parameters", "restores_committed",
-                   "checkpoints_intact", "world_size_bounds", "no_hang", "no_ghost_workers")
+                   "checkpoints_intact", "world_size_bounds", "no_hang", "no_ghost_workers", "survivors_kept")
 
 
 def _show(result: ChaosResult) -> None:
@@ -97,7 +97,7 @@ def test_etcd_leader_loss_and_a_hang_are_survived_then_below_min_nodes_the_job_g
     assert len(survivors) == 1 and all(code not in (0, None) for code in survivors.values()), survivors
     # exit_status holds because the harness expected this failure and found the reason in the log.
     _assert_holds(result, "exit_status", "committed_history", "exactly_once", "restores_committed",
-                  "checkpoints_intact", "world_size_bounds", "no_ghost_workers")
+                  "checkpoints_intact", "world_size_bounds", "no_ghost_workers", "survivors_kept")
     assert report["invariants"]["final_parameters"]["ok"] is None  # the job did not finish
     log = (result.run_dir / "nodes" / f"{next(iter(survivors))}.log").read_text()
     assert "timed out after 40s waiting for 2 node(s)" in log, log[-2000:]

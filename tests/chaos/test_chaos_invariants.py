@@ -290,3 +290,21 @@ def test_only_a_node_cut_off_until_the_job_ended_may_exit_non_zero(tmp_path: Pat
     assert _exit_status([node("node0", 1, partitioned=None)], True, None).ok is False
     log.write_text("Traceback: something else\n")
     assert _exit_status([node("node0", 1, partitioned=5.0)], True, None).ok is False
+
+
+def _fault(index: int, kind: FaultKind, injected: float, recovered: float, targets: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(index=index, kind=kind, injected=injected, recovered=recovered, below_min=False,
+                           target_pids=targets)
+
+
+def test_survivors_kept_holds_when_only_the_targets_changed_process_and_fails_otherwise() -> None:
+    evidence = inv.Evidence(Path("/nonexistent"))
+    for seg, t, pids in (("a", 1.0, (10, 11, 12)), ("b", 5.0, (10, 11, 13)), ("c", 9.0, (10, 14, 13))):
+        evidence.workers += [{"seg": seg, "rank": r, "pid": pid, "t": t} for r, pid in enumerate(pids)]
+    kept = [_fault(0, FaultKind.KILL_WORKER, 4.0, 6.0, [12]),   # 12 killed, 13 replaces it
+            _fault(1, FaultKind.JOIN, 8.0, 10.0, [])]          # nobody touched... but 11 is gone
+    result = inv.check_survivors_kept(evidence, kept[:1], in_process=True)
+    assert result.ok, result.detail
+    result = inv.check_survivors_kept(evidence, kept, in_process=True)
+    assert result.ok is False and "fault 1 (join): worker(s) [11]" in result.detail
+    assert inv.check_survivors_kept(evidence, kept, in_process=False).ok is None

@@ -1,4 +1,7 @@
-"""A session job resized 2 -> 3 -> 2 by real node agents trains like an uninterrupted one.
+"""Restart mode (``--recovery restart``): a session job resized 2 -> 3 -> 2 by real node agents
+trains like an uninterrupted one.
+
+In-process recovery (the default) has its own tests in test_inprocess_recovery.py.
 
 The job (tests/scripts/session_job.py) holds at known steps, so the test
 changes membership while it waits: a node joins after step 10 (the last
@@ -111,7 +114,7 @@ def elastic_run(etcd_server: Any, tmp_path_factory: pytest.TempPathFactory) -> I
     out = tmp_path_factory.mktemp("elastic")
     run_id = f"session-{os.getpid()}-{time.monotonic_ns() % 10**6}"
     node = [sys.executable, "-m", "elastictrain", "run", "--etcd", etcd_server.endpoint, "--run-id", run_id,
-            "--min-nodes", "2", "--max-nodes", "3", "--local-addr", "127.0.0.1",
+            "--min-nodes", "2", "--max-nodes", "3", "--local-addr", "127.0.0.1", "--recovery", "restart",
             JOB, str(out), "--hold", "10:2", "--hold", "18:3"]
     env = subprocess_env(OMP_NUM_THREADS="1")
     logs_dir = out / "logs"
@@ -201,7 +204,7 @@ def test_a_failed_worker_destroys_its_group_and_restarts_with_the_count_in_its_l
     out = tmp_path / "out"
     result = subprocess.run(
         [sys.executable, "-m", "elastictrain", "run", "--nproc-per-node", "2", "--max-restarts", "1",
-         JOB, str(out), "--epochs", "1", "--fail", "1:3"],
+         "--recovery", "restart", JOB, str(out), "--epochs", "1", "--fail", "1:3"],
         capture_output=True, text=True, timeout=110, env=subprocess_env(OMP_NUM_THREADS="1"), cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -16,7 +16,7 @@ EXPECTED = {
                    "--event-log", "--help", "--join", "--join-timeout", "--keep-alive-interval",
                    "--last-call-timeout", "--local-addr", "--local-nodes", "--log-dir", "--max-nodes",
                    "--max-restarts", "--min-nodes", "--monitor-interval", "--no-progress", "--node-name", "--nproc-per-node",
-                   "--rdzv-conf", "--run-id", "--standalone"]),
+                   "--rdzv-conf", "--recovery", "--restart-window", "--run-id", "--standalone"]),
     "status": sorted([*ETCD_CLIENT, "--all", "--checkpoint-dir", "--json"]),
     "stop": sorted([*ETCD_CLIENT, "--purge"]),
     "etcd": sorted(["--cert-file", "--client-cert-auth", "--data-dir", "--help", "--host", "--insecure", "--key-file",

@@ -22,7 +22,6 @@ runs all of this again and carries on from the last checkpoint.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import hashlib
 import itertools
@@ -42,14 +41,19 @@ from torch.utils.data import DataLoader
 
 from elastictrain import events
 from elastictrain import process_group as pg
-from elastictrain.accumulation import accumulate
+from elastictrain._control import WorkerState
+from elastictrain.config import RECOVERY_MODES, parse_duration
 from elastictrain.checkpoint import CheckpointManager, RestoreInfo, TorchDistributedCoordinator
-from elastictrain.errors import ConfigError, SessionError
+from elastictrain.errors import CheckpointError, ConfigError, SessionError
 from elastictrain.hooks import HookDispatcher
 from elastictrain.precision import PRECISIONS, MixedPrecision
 from elastictrain.progress import ProgressHook, progress_wanted
 from elastictrain.rank_logging import RankLoggerAdapter, get_logger, setup_logging
-from elastictrain.sampler import ElasticBatchSampler, ElasticSampler, MicroBatch, StepPlan
+from elastictrain.sampler import ElasticSampler
+from elastictrain.train.control import JobEnded, WorkerControl
+from elastictrain.train.recovery import BoundaryFlag, is_collective_failure, wait_for_generation
+from elastictrain.train.state_transfer import agree, transfer
+from elastictrain.train.steps import END, MicroStep, PlanFeed, Step, to_device
 from elastictrain.worker import WorkerContext
 
 __all__ = ["MicroStep", "Session", "SessionConfig", "Step"]
@@ -141,6 +145,15 @@ class SessionConfig:
     ddp_kwargs: Mapping[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of ``DistributedDataParallel`` (e.g. ``find_unused_parameters``)."""
 
+    recovery: str = "in-process"
+    """``"in-process"``: under ``elastictrain run``, survive faults and membership changes in this
+    process (the group re-forms in place, state comes from live peers); ``"restart"``: leave
+    that to the agent, which restarts the workers from the last checkpoint. Without an
+    in-process agent (torchrun, ``--recovery restart``) the session restarts either way."""
+
+    recovery_timeout: timedelta = timedelta(seconds=600)
+    """How long a recovering worker waits for its agent's next assignment."""
+
     def __post_init__(self) -> None:
         _positive("global_batch_size", self.global_batch_size)
         _positive("micro_batch_size", self.micro_batch_size, allow_none=True)
@@ -166,18 +179,25 @@ class SessionConfig:
             object.__setattr__(self, "timeout", pg.resolve_timeout(self.timeout))
         if not isinstance(self.ddp_kwargs, Mapping):
             raise ConfigError(f"ddp_kwargs must be a mapping, got {type(self.ddp_kwargs).__name__}")
+        if self.recovery not in RECOVERY_MODES:
+            raise ConfigError(f"recovery must be one of {RECOVERY_MODES}, got {self.recovery!r}")
+        if not isinstance(self.recovery_timeout, timedelta):
+            object.__setattr__(self, "recovery_timeout", parse_duration("recovery_timeout", self.recovery_timeout,
+                                                                        minimum=1))
 
 
-def _to_device(obj: Any, device: torch.device, non_blocking: bool) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=non_blocking)
-    if isinstance(obj, dict):
-        return type(obj)((k, _to_device(v, device, non_blocking)) for k, v in obj.items())
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_to_device(v, device, non_blocking) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(v, device, non_blocking) for v in obj)
-    return obj
+def _abort_default_group() -> None:
+    """Abort the NCCL communicators of the default group: a collective stuck on a peer that is
+    gone fails at once, and the worker re-forms (called from the liveness thread)."""
+    group = dist.group.WORLD
+    if group is not None and dist.is_initialized():
+        logging.getLogger(__name__).warning("a collective is stuck on a peer that is gone: aborting NCCL")
+        group.abort()
+
+
+def _short(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[-1][:200] if lines else ''}"
 
 
 def _rank_seed(seed: int, rank: int) -> int:
@@ -189,141 +209,6 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also every CUDA device
     random.seed(seed)
     np.random.seed(seed % 2**32)
-
-
-_END = object()
-
-
-class _PlanFeed(ElasticBatchSampler):
-    """``ElasticBatchSampler`` that also queues each plan for the session, so it is computed once.
-
-    The DataLoader pulls index lists from it (ahead of time with workers); the
-    plan of a step is queued before its first micro-batch is handed out, so it
-    is there once the session has fetched that micro-batch.
-    """
-
-    def __init__(self, sampler: ElasticSampler) -> None:
-        super().__init__(sampler, pad_empty=True)
-        self.plans: collections.deque[StepPlan] = collections.deque()
-
-    def __iter__(self) -> Iterator[list[int]]:
-        """See base class."""
-        for plan in self.sampler.iter_steps():
-            self.plans.append(plan)
-            for micro in plan.micro_batches:
-                yield list(micro.indices) if micro.indices else [plan.pad_index]
-
-
-class MicroStep:
-    """One micro-batch of a step on this rank: its data (on the device) and how to weight its loss.
-
-    Attributes:
-        batch: The collated micro-batch, already on the session's device.
-        index: Position in the step, from 0.
-        is_last: True for the micro-batch whose backward all-reduces the gradients.
-        loss_scale: What :meth:`backward` multiplies the loss by (see :class:`~elastictrain.sampler.MicroBatch`).
-        weight: This micro-batch's share of the global batch, ``len / step_size``.
-        is_padding: True when this rank's share was empty and ``batch`` is a stand-in
-            sample whose loss counts for nothing (``loss_scale == 0``).
-    """
-
-    __slots__ = ("_step", "batch", "index", "is_last", "is_padding", "loss_scale", "weight", "_micro")
-
-    def __init__(self, step: Step, micro: MicroBatch, batch: Any, index: int, is_last: bool) -> None:
-        self._step, self._micro = step, micro
-        self.batch, self.index, self.is_last = batch, index, is_last
-        self.loss_scale, self.weight = micro.loss_scale, micro.weight
-        self.is_padding = not micro.indices
-
-    @property
-    def indices(self) -> tuple[int, ...]:
-        """Dataset indices of this micro-batch (empty when padding)."""
-        return self._micro.indices
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate this micro-batch's *mean* loss, scaled for the global batch.
-
-        Multiplies by :attr:`loss_scale` (and the GradScaler's scale in fp16) and
-        runs backward outside autocast. Call it once per micro-batch.
-
-        Raises:
-            ConfigError: ``loss`` is not a scalar tensor.
-        """
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            raise ConfigError("backward() takes the micro-batch's mean loss, a scalar tensor")
-        # A scale of exactly 1 (even shares, one micro-batch) needs no extra op in the graph.
-        scaled = loss if self.loss_scale == 1.0 else loss * self.loss_scale
-        self._step._session._precision.backward(scaled)
-        self._step._record(self, loss)
-
-
-class Step:
-    """One optimizer step: iterate over it to get its :class:`MicroStep` s.
-
-    Each micro-batch but the last runs inside DDP's ``no_sync()`` and all of
-    them inside autocast; the optimizer step, sampler commit, hooks and
-    checkpointing happen when the session's ``steps()`` loop moves on.
-
-    Attributes:
-        number: This step's number, from 1 (the first step of the run).
-        epoch: The epoch it belongs to.
-        plan: This rank's :class:`~elastictrain.sampler.StepPlan`.
-        loss: The step's mean loss once it is applied, if hooks, logging or
-            ``sync_loss`` asked for it (see ``SessionConfig.sync_loss``); else None.
-    """
-
-    def __init__(self, session: Session, plan: StepPlan, batches: Iterator[Any], number: int) -> None:
-        self._session, self._batches = session, batches
-        self.plan, self.number, self.epoch = plan, number, plan.epoch
-        self._iterated = False
-        self._done = 0  # micro-batches whose backward ran
-        self._last_backward = False
-        self._losses: list[tuple[torch.Tensor, float]] = []  # (detached mean loss, weight); summed only if needed
-        self.loss: float | None = None
-
-    def __len__(self) -> int:
-        """Micro-batches in this step (the same on every rank)."""
-        return len(self.plan.micro_batches)
-
-    @property
-    def step_size(self) -> int:
-        """Samples this step consumes over all ranks."""
-        return self.plan.step_size
-
-    def __iter__(self) -> Iterator[MicroStep]:
-        """The micro-batches, each with its DDP sync and autocast context active while it is current."""
-        if self._iterated:
-            raise SessionError(f"step {self.number}'s micro-batches can be iterated only once")
-        self._iterated = True
-        session = self._session
-        count = len(self.plan.micro_batches)
-        for index, micro in enumerate(accumulate(session.model, self.plan.micro_batches)):
-            try:
-                batch = next(self._batches)
-            except StopIteration:
-                raise SessionError(f"the DataLoader ran out in step {self.number}") from None
-            session._forwards = 0
-            with session._precision.autocast():
-                yield MicroStep(self, micro, session.to_device(batch), index, index == count - 1)
-            if index == count - 1 and session._ddp is not None and session._forwards == 0:
-                raise SessionError(
-                    f"step {self.number}: the last micro-batch ran no forward pass through session.model, "
-                    "so DDP did not synchronize gradients; call session.model, not the unwrapped module"
-                )
-
-    def _record(self, micro: MicroStep, loss: torch.Tensor) -> None:
-        self._done += 1
-        if micro.is_last:
-            self._last_backward = True
-        if micro.weight:
-            self._losses.append((loss.detach(), micro.weight))
-
-    def _check_complete(self) -> None:
-        if not self._last_backward:
-            raise SessionError(
-                f"step {self.number}: {self._done} of {len(self)} micro-batches ran backward(); iterate over "
-                "every micro-batch of a step and call micro.backward(loss) (the last one synchronizes gradients)"
-            )
 
 
 class Session:
@@ -413,6 +298,11 @@ class Session:
         self.restored: RestoreInfo | None = None
         self._precision = MixedPrecision("fp32")
         self._ddp: DistributedDataParallel | None = None
+        self._control: WorkerControl | None = None
+        self._flag: BoundaryFlag | None = None
+        self._gloo: Any = None
+        self._sync_buffers = False
+        self._recoveries = 0
         self._progress: dict[str, int] = {"version": _PROGRESS_VERSION, "step": 0, "world_size": 1}
         self._step = 0
         self._saved_step: int | None = None
@@ -493,28 +383,13 @@ class Session:
             setup_logging(self.context, logger="elastictrain")
             logging.getLogger("elastictrain").propagate = False
         self.hooks.dispatch("on_start", context=self.context)
-
-        if self._group is not None:
-            rank, world = dist.get_rank(self._group), dist.get_world_size(self._group)
-            self.context = dataclasses.replace(self.context, rank=rank, world_size=world)
-            self.log = get_logger(__name__, self.context)
-            device = torch.device(config.device) if config.device else pg.device_for(
-                self.context, dist.get_backend(self._group))
-            self.placement = pg.Placement(device, dist.get_backend(self._group), pg.resolve_timeout(config.timeout),
-                                          rank, world, owned=False)
-        else:
-            self.placement = pg.init_process_group(self.context, backend=config.backend, timeout=config.timeout,
-                                                   device=config.device)
-            if self.placement.distributed and (self.placement.rank, self.placement.world_size) != (
-                    self.context.rank, self.context.world_size):
-                # An existing group (someone else's init) defines the world.
-                self.context = dataclasses.replace(self.context, rank=self.placement.rank,
-                                                   world_size=self.placement.world_size)
-                self.log = get_logger(__name__, self.context)
+        if config.recovery == "in-process" and self._group is None:
+            self._control = WorkerControl.from_env(self.context.local_rank, self.context.local_world_size)
+        self._join_group()
         self.hooks.dispatch("on_rendezvous", rank=self.context.rank, world_size=self.context.world_size,
                             restart_count=self.context.restart_count)
 
-        device = self.placement.device
+        device = self.device
         self.module.to(device)
         self._precision = MixedPrecision(config.precision, device)
         self.sampler = ElasticSampler(
@@ -529,36 +404,186 @@ class Session:
                                    restart_count=self.context.restart_count)
             self.hooks.add(progress)
         self._progress["world_size"] = self.context.world_size
+        received = self._form_generation(holds_state=False)
+        if self._control is not None:
+            self._control.set_state(WorkerState.TRAINING)
+        if received:
+            assert self._control is not None  # noqa: S101 - only in-process
+            self.hooks.dispatch("on_recovery", step=self._step, cause="joined a live group and received its state",
+                                generation=self._control.generation, world_size=self.context.world_size, seconds=0.0)
+        self.log.info(
+            "session started: world size %d, device %s, backend %s, precision %s, global batch %d "
+            "(%d micro-batch(es) per step), %s, %s recovery",
+            self.context.world_size, device, self.placement.backend or "none", self._precision.precision,
+            config.global_batch_size, self._micro_count(),
+            "state from a live peer at step %d" % self._step if received else (
+                f"resumed at step {self._step}" if self.restored else "fresh start"),
+            "in-process" if self.recovers_in_process else "restart",
+        )
+
+    @property
+    def recovers_in_process(self) -> bool:
+        """Whether faults and membership changes are handled in this process (see ``SessionConfig.recovery``)."""
+        return self._control is not None and self.placement is not None and self.placement.distributed
+
+    def reform_due(self) -> bool:
+        """Whether this worker's agent wants the group re-formed (in-process recovery): a loop that
+        waits between steps of its own accord should stop waiting and let the next step run."""
+        return self._control is not None and self._control.due() is not None
+
+    def _join_group(self) -> None:
+        """Join this generation's process group (or adopt the one given)."""
+        config = self.config
+        if self._group is not None:
+            rank, world = dist.get_rank(self._group), dist.get_world_size(self._group)
+            self.context = dataclasses.replace(self.context, rank=rank, world_size=world)
+            self.log = get_logger(__name__, self.context)
+            device = torch.device(config.device) if config.device else pg.device_for(
+                self.context, dist.get_backend(self._group))
+            self.placement = pg.Placement(device, dist.get_backend(self._group), pg.resolve_timeout(config.timeout),
+                                          rank, world, owned=False)
+            return
+        self.placement = pg.init_process_group(self.context, backend=config.backend, timeout=config.timeout,
+                                               device=config.device)
+        if self.placement.distributed and (self.placement.rank, self.placement.world_size) != (
+                self.context.rank, self.context.world_size):
+            # An existing group (someone else's init) defines the world.
+            self.context = dataclasses.replace(self.context, rank=self.placement.rank,
+                                               world_size=self.placement.world_size)
+            self.log = get_logger(__name__, self.context)
+
+    def _cpu_group(self) -> Any:
+        """A gloo group of this generation (the default one when it is gloo), for state transfer."""
+        assert self.placement is not None  # noqa: S101 - private invariant
+        if self._group is not None:
+            return self._group
+        if self.placement.backend == "gloo":
+            return None
+        if self._gloo is None:
+            self._gloo = dist.new_group(backend="gloo", timeout=self.placement.timeout)
+        return self._gloo
+
+    def _form_generation(self, *, holds_state: bool) -> bool:
+        """Make this generation's training state and wrappers; a collective.
+
+        The ranks agree on the newest state any of them holds; ranks without it receive
+        it from a live peer. When no rank holds state (the job starts or restarts as a
+        whole), every rank reads the newest checkpoint instead.
+
+        Returns:
+            Whether this rank received the state from a peer.
+        """
+        config, placement = self.config, self.placement
+        assert placement is not None and self.sampler is not None  # noqa: S101 - private invariant
+        received = peer_state = False
+        if self.recovers_in_process:
+            group = self._cpu_group()
+            agreement = agree(group, holds=holds_state, step=self._step)
+            if agreement.source is not None:
+                peer_state = True
+                received = transfer(group, agreement, self._state(), step=self._step)
+                if received:
+                    self._step = agreement.step or 0
+        self.sampler.set_world(self.context.rank, self.context.world_size)
+        self._progress.update(step=self._step, world_size=self.context.world_size)
         if config.checkpoint_dir is not None:
             coordinator = TorchDistributedCoordinator(self._group) if self._group is not None else None
             self.checkpoints = CheckpointManager(
                 config.checkpoint_dir, keep_last=config.keep_last, async_save=config.async_save,
-                overlap=config.overlap_save, coordinator=coordinator, timeout=self.placement.timeout,
+                overlap=config.overlap_save, coordinator=coordinator, timeout=placement.timeout,
             )
-            self._restore()
-        if self.restored is None:
-            # Distinct, reproducible streams per rank (dropout, augmentation); a
-            # restore brings back the saved ones instead.
+            if not peer_state:
+                self._restore()
+        if received:
+            # Its peers' RNG streams are theirs: a worker that received the state seeds
+            # streams of its own, from its rank and generation.
+            assert self._control is not None  # noqa: S101 - only in-process
+            _seed_everything(_rank_seed(config.seed ^ self._control.generation, self.context.rank))
+        elif not holds_state and self.restored is None:
+            # Distinct, reproducible streams per rank (dropout, augmentation); a restore
+            # brings back the saved ones instead.
             _seed_everything(_rank_seed(config.seed, self.context.rank))
-
-        if self.placement.distributed:
+        if placement.distributed:
             kwargs = dict(config.ddp_kwargs)
-            if device.type == "cuda":
-                kwargs.setdefault("device_ids", [device.index])
-                kwargs.setdefault("output_device", device.index)
+            if placement.device.type == "cuda":
+                kwargs.setdefault("device_ids", [placement.device.index])
+                kwargs.setdefault("output_device", placement.device.index)
             if self._group is not None:
                 kwargs["process_group"] = self._group
+            if self.recovers_in_process:
+                # No collective inside a forward, where a failure would escape the step
+                # loop: rank 0's buffers are broadcast at each step boundary instead.
+                self._sync_buffers = kwargs.setdefault("broadcast_buffers", False) is False and any(
+                    True for _ in self.module.buffers())
+                kwargs["broadcast_buffers"] = False
             # DDP broadcasts rank 0's parameters and buffers here: identical
-            # replicas whether they were initialized or restored.
+            # replicas whether they were initialized, restored or received.
             self._ddp = DistributedDataParallel(self.module, **kwargs)
             self._ddp.register_forward_pre_hook(self._count_forward)
-        self.log.info(
-            "session started: world size %d, device %s, backend %s, precision %s, global batch %d "
-            "(%d micro-batch(es) per step), %s",
-            self.context.world_size, device, self.placement.backend or "none", self._precision.precision,
-            config.global_batch_size, self._micro_count(),
-            f"resumed at step {self._step}" if self.restored else "fresh start",
-        )
+            if self.recovers_in_process:
+                self._flag = BoundaryFlag(self._group)
+                self._ddp.register_comm_hook(self._flag, BoundaryFlag.hook)
+                if "nccl" in (placement.backend or "") and self._control is not None:
+                    self._control.on_stuck(_abort_default_group)
+        return received
+
+    def _leave_generation(self) -> None:
+        """Drop this generation's group and what was built on it; no collective (peers may be dead)."""
+        self._ddp, self._flag = None, None
+        if self.checkpoints is not None:
+            try:
+                self.checkpoints.close()  # a save in flight fails at its barrier: nothing commits
+            except CheckpointError as exc:
+                self.log.info("checkpoint save abandoned by the re-formation: %s", exc)
+            self.checkpoints = None
+        self._gloo = None
+        pg.destroy_process_group()
+
+    def _recover(self, cause: str) -> None:
+        """Re-form the group in place after ``cause``; the committed state is kept.
+
+        Raises:
+            JobEnded: The agent closed the group (the job is over).
+            TimeoutError: The agent sent no new generation in ``recovery_timeout``.
+        """
+        assert self._control is not None  # noqa: S101 - only in-process
+        started = time.perf_counter()
+        old_world = self.context.world_size
+        while True:
+            self._leave_generation()
+            assignment = wait_for_generation(self._control, self.config.recovery_timeout.total_seconds())
+            rank = assignment.rank_of(self.context.local_rank)
+            if rank is None:
+                raise SessionError(f"the agent's generation {assignment.generation} has no rank for local rank "
+                                   f"{self.context.local_rank}")
+            self.context = dataclasses.replace(
+                self.context, rank=rank, world_size=assignment.world_size, node_rank=assignment.group_rank,
+                master_addr=assignment.master_addr, master_port=assignment.master_port)
+            self.log = get_logger(__name__, self.context)
+            try:
+                self._join_group()
+                # The same order of collectives as a worker that starts in this generation
+                # (Session._start): hooks' on_rendezvous, then the state agreement.
+                self.hooks.dispatch("on_rendezvous", rank=self.context.rank, world_size=self.context.world_size,
+                                    restart_count=self.context.restart_count)
+                self._form_generation(holds_state=True)
+                break
+            except Exception as exc:
+                if not is_collective_failure(exc):
+                    raise
+                cause = f"{cause}; then the new group failed to form ({_short(exc)})"
+        self._control.set_state(WorkerState.TRAINING)
+        self._recoveries += 1
+        seconds = time.perf_counter() - started
+        self.log.info("recovered in %.2fs (%s): generation %d, world size %d -> %d, step %d", seconds, cause,
+                      self._control.generation, old_world, self.context.world_size, self._step)
+        if self.context.rank == 0:
+            events.emit("recovery", cause=cause, generation=self._control.generation, seconds=round(seconds, 4),
+                        old_world_size=old_world, world_size=self.context.world_size, step=self._step)
+        self.hooks.dispatch("on_recovery", step=self._step, cause=cause, generation=self._control.generation,
+                            world_size=self.context.world_size, seconds=seconds)
+        if old_world != self.context.world_size:
+            self.hooks.dispatch("on_world_change", old_world_size=old_world, new_world_size=self.context.world_size)
 
     def _count_forward(self, *_: Any) -> None:
         self._forwards += 1
@@ -621,9 +646,11 @@ class Session:
         if self._closed:
             return
         self._closed = True
-        self._ddp = None
+        self._ddp = self._flag = None
         if self.placement is not None and self.placement.owned:
             pg.destroy_process_group()
+        if self._control is not None:
+            self._control.close()
 
     def _require_entered(self) -> None:
         if not self._entered or self.placement is None:
@@ -638,13 +665,13 @@ class Session:
         device = self.device
         if device.type == "cpu":
             return obj
-        return _to_device(obj, device, non_blocking=self._pin_memory())
+        return to_device(obj, device, non_blocking=self._pin_memory())
 
     def _pin_memory(self) -> bool:
         pin = self.config.pin_memory
         return self.device.type == "cuda" if pin is None else pin
 
-    def _loader(self, feed: _PlanFeed) -> DataLoader:  # type: ignore[type-arg]
+    def _loader(self, feed: PlanFeed) -> DataLoader:  # type: ignore[type-arg]
         sampler = self.sampler
         assert sampler is not None  # noqa: S101 - private invariant
         workers = self.config.num_workers
@@ -676,6 +703,11 @@ class Session:
         Leaving the loop early (``break``) abandons the current step: it is not
         applied, and the final checkpoint holds the steps before it.
 
+        Under in-process recovery a step whose collective failed is discarded and
+        planned again once the group has re-formed, and a membership change takes
+        effect after the step every rank agreed on: the loop goes on, at the new
+        world size, without the caller doing anything.
+
         Raises:
             SessionError: Used outside ``with``, or a step left incomplete.
         """
@@ -688,17 +720,40 @@ class Session:
                 self.log.info("epoch %d done at step %d", sampler.epoch, self._step)
                 sampler.set_epoch(sampler.epoch + 1)
                 continue
-            feed = _PlanFeed(sampler)
+            feed = PlanFeed(sampler)
             batches = iter(self._loader(feed))
             while self.config.max_steps is None or self._step < self.config.max_steps:
                 # Fetching a step's first micro-batch makes the feed hand over its plan.
-                first = next(batches, _END)
-                if first is _END:
+                first = next(batches, END)
+                if first is END:
                     break
                 self.optimizer.zero_grad(set_to_none=True)
+                if self._flag is not None:
+                    assert self._control is not None  # noqa: S101 - set together
+                    self._flag.arm(self._control.due() is not None)
                 step = Step(self, feed.plans.popleft(), itertools.chain((first,), batches), self._step + 1)
                 yield step
-                self._apply(step)
+                cause = self._finish_step(step)
+                if cause is not None:
+                    self._recover(cause)
+                    self._clock = time.perf_counter()
+                    break  # plan again from the committed cursor, at the new world size
+
+    def _finish_step(self, step: Step) -> str | None:
+        """Apply ``step`` unless a collective failed; returns why the group must re-form now, if it must."""
+        if step.failure is not None:
+            return f"a collective failed in step {step.number} ({_short(step.failure)}); the step was discarded"
+        try:
+            self._apply(step)
+        except Exception as exc:
+            if not (self.recovers_in_process and is_collective_failure(exc)):
+                raise
+            return f"a collective failed after step {step.number} was applied ({_short(exc)})"
+        if self._flag is not None and self._flag.raised:
+            due = self._control.due() if self._control is not None else None
+            return (due.cause if due is not None and due.cause else "the agent re-forms the group") + \
+                f" (at the boundary after step {step.number})"
+        return None
 
     def _apply(self, step: Step) -> None:
         step._check_complete()
@@ -710,6 +765,11 @@ class Session:
         self.sampler.commit_step(step.plan)
         self._step = step.number
         self._progress["step"] = self._step
+        if self._control is not None:
+            self._control.step_done(self._step)
+        if self._sync_buffers:
+            for buffer in self.module.buffers():
+                dist.broadcast(buffer, src=0, group=self._group)
 
         now = time.perf_counter()
         elapsed, self._clock = now - self._clock, now

@@ -1,0 +1,178 @@
+"""The channel between a node agent and its workers during in-process recovery.
+
+A directory per agent (``ELASTICTRAIN_CONTROL_DIR``) holds:
+
+- ``assignment.json``: what the agent tells its workers, rewritten atomically: the
+  current *generation* (one per rendezvous round the agent joined), each local
+  worker's rank, the world size, where rank 0's store listens, and ``pending`` once
+  the agent knows the group must be re-formed (a node left or waits to join). A
+  worker reads it at each step boundary (one ``stat`` while nothing changed).
+- ``progress``: a small shared-memory table, one slot per local worker, that each
+  worker writes and the agent reads: its pid, its step count, when it last
+  finished a step and its typical step time, when its liveness thread last ran, and what it is doing (training,
+  recovering, busy in a long operation). Writing a slot is a ``struct`` pack into an
+  ``mmap``: nothing measurable per step.
+
+Nothing here imports torch: the agent and the workers both use it.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "CONTROL_DIR_ENV",
+    "Assignment",
+    "ProgressTable",
+    "WorkerState",
+    "read_assignment",
+    "write_assignment",
+]
+
+CONTROL_DIR_ENV = "ELASTICTRAIN_CONTROL_DIR"
+"""Environment variable naming the control directory (set by the agent for its workers)."""
+
+_ASSIGNMENT = "assignment.json"
+_PROGRESS = "progress"
+_SCHEMA = 1
+
+
+class WorkerState:
+    """What a worker says it is doing (the ``state`` of its progress slot)."""
+
+    STARTING = 0
+    TRAINING = 1
+    RECOVERING = 2
+    """Its group broke (a collective failed) or was told to re-form: it waits for the next generation."""
+    BUSY = 3
+    """In a long operation (checkpoint, state transfer) that is not a hang."""
+    DONE = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """One generation of the agent's worker group."""
+
+    generation: int
+    round: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    ranks: dict[str, int] = field(default_factory=dict)
+    """Global rank of each local rank (JSON keys are strings)."""
+    group_rank: int = 0
+    group_world_size: int = 1
+    pending: bool = False
+    """The agent re-forms the group soon: stop at the next step boundary."""
+    cause: str = ""
+    """Why the last (or pending) re-formation happens, for events and logs."""
+    closed: bool = False
+    """The job is over (stopped, or the rendezvous closed): leave."""
+
+    def rank_of(self, local_rank: int) -> int | None:
+        return self.ranks.get(str(local_rank))
+
+
+def write_assignment(directory: str | os.PathLike[str], assignment: Assignment) -> None:
+    """Publish ``assignment`` atomically (readers see the old or the new one, never half)."""
+    path = Path(directory)
+    fd, tmp = tempfile.mkstemp(dir=path, prefix=".assignment-")
+    with os.fdopen(fd, "w") as out:
+        json.dump({"schema": _SCHEMA, **asdict(assignment)}, out)
+    os.replace(tmp, path / _ASSIGNMENT)
+
+
+def read_assignment(directory: str | os.PathLike[str]) -> Assignment | None:
+    """The current assignment, or ``None`` if the agent has published none yet."""
+    try:
+        raw: dict[str, Any] = json.loads((Path(directory) / _ASSIGNMENT).read_text())
+    except FileNotFoundError:
+        return None
+    if raw.pop("schema", None) != _SCHEMA:
+        raise ValueError(f"{Path(directory) / _ASSIGNMENT} is not an assignment of this elastictrain version")
+    return Assignment(**raw)
+
+
+class AssignmentWatch:
+    """Reads the assignment again only when its file changed (one ``stat`` per call otherwise)."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self._path = Path(directory) / _ASSIGNMENT
+        self._directory = directory
+        self._stamp: tuple[int, int] | None = None
+        self._current: Assignment | None = None
+
+    def current(self) -> Assignment | None:
+        try:
+            stat = self._path.stat()
+        except FileNotFoundError:
+            return None
+        stamp = (stat.st_ino, stat.st_mtime_ns)
+        if stamp != self._stamp:
+            self._current = read_assignment(self._directory)
+            self._stamp = stamp
+        return self._current
+
+
+# One slot per local worker: pid, step, step_at, step_s, alive_at, state, generation.
+_SLOT = struct.Struct("<qqdddqq")
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """One worker's slot, as last written."""
+
+    pid: int
+    step: int
+    step_at: float
+    """``time.monotonic()`` when it last finished a step (0: none yet)."""
+    step_s: float
+    """Its typical step: the median of its recent intervals between steps (0: fewer than two steps)."""
+    alive_at: float
+    """``time.monotonic()`` when its liveness thread last ran."""
+    state: int
+    generation: int
+    """The generation it trains in (or recovers from)."""
+
+
+class ProgressTable:
+    """The shared progress slots of a node's workers (an ``mmap`` of a file in the control directory).
+
+    Args:
+        directory: The control directory.
+        slots: Local workers of the node.
+        create: The agent creates (and zeroes) the table; workers open it.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], slots: int, *, create: bool = False) -> None:
+        path = Path(directory) / _PROGRESS
+        size = _SLOT.size * max(1, slots)
+        if create:
+            path.write_bytes(b"\0" * size)
+        self._file = open(path, "r+b")  # noqa: SIM115 - lives as long as the table
+        self._map = mmap.mmap(self._file.fileno(), size)
+        self.slots = slots
+
+    def write(self, slot: int, *, pid: int, step: int, step_at: float, step_s: float, alive_at: float, state: int,
+              generation: int) -> None:
+        _SLOT.pack_into(self._map, slot * _SLOT.size, pid, step, step_at, step_s, alive_at, state, generation)
+
+    def read(self, slot: int) -> Progress:
+        return Progress(*_SLOT.unpack_from(self._map, slot * _SLOT.size))
+
+    def close(self) -> None:
+        self._map.close()
+        self._file.close()
+
+
+def now() -> float:
+    """The clock progress slots use (system-wide monotonic, the same for agent and workers)."""
+    return time.monotonic()

@@ -1,0 +1,259 @@
+"""``elastictrain run`` on one node: set up and run its agent until the job ends.
+
+:func:`launch` is torch's ``launch_agent`` with these differences: the rendezvous is
+ours (``etcd3``), every worker runs under ``elastictrain._worker_boot`` (it dies with
+its agent and records its root-cause error), the agent recovers in place by default
+(:class:`~elastictrain.agent.InProcessAgent`), and the outcome comes back as a
+:class:`JobOutcome` with an exit code and a one-line summary instead of an exception.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.api import Std
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousParameters,
+    RendezvousTimeoutError,
+)
+
+from elastictrain import _torch_compat
+from elastictrain._control import CONTROL_DIR_ENV
+from elastictrain._worker_boot import AGENT_PID_ENV, run_script
+from elastictrain.agent import ElasticAgent, InProcessAgent
+from elastictrain.config import RunConfig, take_etcd_password
+from elastictrain.errors import ElasticTrainError, RunIdInUseError
+from elastictrain.events import EVENT_LOG_ENV, NODE_ENV, EventLog, route_torch_events
+from elastictrain.rendezvous import BACKEND_NAME, register
+from elastictrain.rendezvous.handler import LOCAL_WORLD_SIZE_KEY, Etcd3RendezvousHandler, create_handler
+from elastictrain.run_state import NodeRecord, RunPublisher, read_status, stop_requested, this_host
+from elastictrain.worker_group import Channel, FailureBudget
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["JobOutcome", "launch"]
+
+
+@dataclass(frozen=True, slots=True)
+class JobOutcome:
+    """How one node's part of the job ended."""
+
+    exit_code: int
+    """0 on success; the failing worker's exit code (or 1) otherwise."""
+
+    summary: str
+    """One line for the user."""
+
+
+def _failure_summary(failures: dict[int, ProcessFailure], restarts: int) -> tuple[int, str]:
+    rank, failure = min(failures.items(), key=lambda item: item[1].timestamp)
+    code = failure.exitcode
+    if code < 0:
+        how = f"was killed by signal {failure.signal_name()}"
+        exit_code = 128 - code
+    else:
+        how = f"exited with code {code}"
+        exit_code = code or 1
+    message = failure.message if isinstance(failure.message, str) else str(failure.message)
+    detail = ""
+    if message and not message.startswith("To enable traceback"):
+        detail = f": {message.strip().splitlines()[-1][:300]}"
+    return exit_code, (
+        f"worker rank {rank} (pid {failure.pid}) {how}{detail}; "
+        f"job failed after {restarts} restart(s)"
+    )
+
+
+# Imported once by the forkserver, then inherited by every worker it forks.
+_FORKSERVER_PRELOAD = [*_torch_compat.FORKSERVER_PRELOAD, "elastictrain", "elastictrain._worker_boot"]
+
+
+def _start_forkserver() -> None:
+    """Start the forkserver now, so that its torch import overlaps the rendezvous.
+
+    Every worker of every round is forked from it: a restart costs a fork, not a
+    Python start plus a torch import. It does not touch CUDA, so forking is safe.
+    """
+    multiprocessing.set_forkserver_preload(_FORKSERVER_PRELOAD)
+    multiprocessing.forkserver.ensure_running()
+
+
+def _warm_forkserver() -> None:
+    """Wait until the forkserver has imported what it preloads (its first fork waits for that)."""
+    context = multiprocessing.get_context("forkserver")
+    process = context.Process(target=os.getpid, name="elastictrain-warm-up")
+    process.start()
+    process.join()
+
+
+def launch(config: RunConfig, endpoint: str) -> JobOutcome:
+    """Run this node's agent until the job ends.
+
+    Args:
+        config: The validated run configuration.
+        endpoint: etcd endpoints (``host:port[,...]``) of the rendezvous.
+
+    Returns:
+        The node's outcome; never raises for a failed job or an ended rendezvous.
+
+    Raises:
+        ElasticTrainError: Rendezvous set-up failed (e.g. etcd unreachable).
+    """
+    # The password goes into the settings and leaves the environment before any worker is started.
+    etcd_options = take_etcd_password(config.etcd_options)
+    params = RendezvousParameters(
+        backend=BACKEND_NAME,
+        endpoint=endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **config.rendezvous.as_mapping(),
+        **etcd_options,
+        **{LOCAL_WORLD_SIZE_KEY: config.nproc_per_node},
+    )
+    events = EventLog(config.event_log, config.run_id, config.node_name)
+    # Workers inherit these through the forkserver: they must be set before it starts.
+    # The agent pid lets a worker catch an agent that died before the worker could
+    # ask to die along with it (see _worker_boot).
+    os.environ[AGENT_PID_ENV] = str(os.getpid())
+    if config.event_log:
+        os.environ[EVENT_LOG_ENV] = os.path.abspath(config.event_log)
+    if config.node_name:
+        os.environ[NODE_ENV] = config.node_name
+    channel = Channel(config.nproc_per_node) if config.recovery == "in-process" else None
+    if channel is not None:
+        os.environ[CONTROL_DIR_ENV] = channel.directory
+    _start_forkserver()
+    register()
+    handler = create_handler(params)
+    try:
+        joining_live_job = _check_run_id(handler, config)
+    except RunIdInUseError:
+        handler.leave()
+        raise
+    if joining_live_job and channel is not None:
+        # The survivors pause from the moment this node asks to join until its workers are in
+        # the group: have the forkserver's imports done before asking, not during the pause.
+        _warm_forkserver()
+    publisher = RunPublisher(handler.client, handler.keys, handler.run_lease, NodeRecord(
+        node_id=handler.node_id, host=this_host(), addr=config.local_addr or socket.getfqdn(), pid=os.getpid()))
+    publisher.publish_meta(**_job_signature(config))
+    publisher.update(state="starting")
+    spec = WorkerSpec(
+        role="trainer",
+        local_world_size=config.nproc_per_node,
+        entrypoint=run_script,
+        args=(config.script, tuple(config.script_args)),
+        rdzv_handler=handler,
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval.total_seconds(),
+        local_addr=config.local_addr,
+        event_log_handler=route_torch_events(events),
+    )
+    logs = DefaultLogsSpecs(log_dir=config.log_dir, redirects=Std.NONE, tee=Std.NONE)
+    common: dict[str, Any] = dict(spec=spec, logs_specs=logs, start_method="forkserver", events=events,
+                                  publisher=publisher,
+                                  stop_requested=lambda: stop_requested(handler.client, config.run_id))
+    agent: ElasticAgent
+    if channel is not None:
+        agent = InProcessAgent(channel=channel, budget=FailureBudget(
+            limit=config.max_restarts, window_s=config.restart_window.total_seconds()), **common)
+    else:
+        agent = ElasticAgent(**common)
+    try:
+        outcome = _run_agent(agent, handler, config)
+    finally:
+        if channel is not None:
+            channel.close()
+    events.emit("job_end", exit_code=outcome.exit_code, summary=outcome.summary)
+    agent._publish(state="succeeded" if outcome.exit_code == 0 else "failed")  # noqa: SLF001
+    events.close()
+    return outcome
+
+
+def _job_signature(config: RunConfig) -> dict[str, Any]:
+    """What nodes of one job share; published in the run's meta by its first node."""
+    return {"min_nodes": config.min_nodes, "max_nodes": config.max_nodes,
+            "nproc_per_node": config.nproc_per_node, "script": os.path.basename(config.script)}
+
+
+def _check_run_id(handler: Etcd3RendezvousHandler, config: RunConfig) -> bool:
+    """Refuse to start a second job under a run id that is in use, unless told to join it.
+
+    Returns:
+        Whether this node joins a job that is training now.
+    """
+    status = read_status(handler.client, config.run_id, lease_ttls=False)
+    run = f"run id {config.run_id!r}"
+    if status.closed:
+        if stop_requested(handler.client, config.run_id):
+            raise RunIdInUseError(f"{run} was stopped with `elastictrain stop`; choose another --run-id, "
+                                  f"or clear it with `elastictrain stop --run-id {config.run_id} --purge`")
+        raise RunIdInUseError(f"{run} belongs to a job that has ended; choose another --run-id, or clear it "
+                              f"with `elastictrain stop --run-id {config.run_id} --purge`")
+    alive = [p for p in status.participants if p["alive"]]
+    signature = _job_signature(config)
+    if status.complete and alive and not config.join:
+        if all(status.meta.get(key) == value for key, value in signature.items()):
+            # Same script and node counts: a node of this job that started after the
+            # others formed round 0 (schedulers start nodes seconds apart). Let it in.
+            logger.info("run %r is training; joining it as a late node of the same job", config.run_id)
+            return True
+        hosts = ", ".join(sorted({p["addr"] for p in alive}))
+        raise RunIdInUseError(
+            f"{run} is live: round {status.round} trains with {len(alive)} node(s) on {hosts}; "
+            "pass --join to add this node to it, or choose another --run-id (it runs "
+            f"{status.meta.get('script', '?')} on {status.meta.get('min_nodes', '?')}-"
+            f"{status.meta.get('max_nodes', '?')} nodes x {status.meta.get('nproc_per_node', '?')})"
+        )
+    return bool(status.live)
+
+
+def _run_agent(agent: ElasticAgent, handler: Etcd3RendezvousHandler, config: RunConfig) -> JobOutcome:
+    shutdown_rendezvous = True
+    try:
+        result: RunResult | None = agent.run()
+    except RendezvousClosedError:
+        if stop_requested(handler.client, config.run_id):
+            return JobOutcome(0, f"run {config.run_id!r} was stopped by `elastictrain stop`")
+        return JobOutcome(1, f"run {config.run_id!r} is closed: the job it named has already ended")
+    except RendezvousTimeoutError:
+        return JobOutcome(
+            1,
+            f"rendezvous of run {config.run_id!r} timed out after "
+            f"{config.rendezvous.join_timeout.total_seconds():g}s waiting for "
+            f"{config.min_nodes} node(s); the last committed checkpoint is untouched, and the run is "
+            f"now closed: to resume from that checkpoint, start the job under a new --run-id, or after "
+            f"`elastictrain stop --run-id {config.run_id} --purge`",
+        )
+    except ElasticTrainError:
+        raise
+    except BaseException:
+        # A signal (Ctrl-C, SIGTERM): leave the rendezvous open so that the other
+        # nodes can carry on without us (torch does the same), but say at once that
+        # this node is gone rather than let its lease run out.
+        shutdown_rendezvous = False
+        handler.leave()
+        raise
+    finally:
+        if shutdown_rendezvous:
+            handler.shutdown()
+    if result is None:  # torch's agent returns nothing after RendezvousGracefulExitError
+        return JobOutcome(0, f"run {config.run_id!r} ended while this node waited as a spare "
+                             f"(it had --max-nodes {config.max_nodes} already)")
+    if result.is_failed():
+        return JobOutcome(*_failure_summary(result.failures, agent.restarts))
+    if agent.stopped_by_request:
+        return JobOutcome(0, f"run {config.run_id!r} was stopped by `elastictrain stop`")
+    return JobOutcome(0, f"run {config.run_id!r} finished")

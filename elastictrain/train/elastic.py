@@ -1,0 +1,201 @@
+"""In-process recovery for a training loop you keep (in the spirit of Horovod's ``hvd.elastic.run``).
+
+Name the objects that make up the training state, mark each step's end with
+:meth:`ElasticState.commit`, and run the loop through :func:`run_elastic`::
+
+    state = elastictrain.ElasticState(model=model, optimizer=optimizer, sampler=sampler)
+
+    def train(state):
+        ddp = DistributedDataParallel(state.model)            # made again after each re-formation
+        while state.step < total_steps:
+            loss_fn(ddp(batch_for(state))).backward()
+            state.optimizer.step(); state.optimizer.zero_grad()
+            state.commit()                                      # right after the optimizer step
+
+    elastictrain.run_elastic(train, state)
+
+A collective that fails inside ``train`` (a peer died), or a membership change agreed at
+a ``commit``, makes :func:`run_elastic` re-form the process group in place, give ranks without
+the state (new and replacement workers) the newest one from a live peer, and call
+``train(state)`` again. Only when no rank holds state (the whole job starts or
+restarts) is ``restore`` called, to read a checkpoint.
+
+The contract: ``commit()`` right after each ``optimizer.step()``, with no collective
+in between (the step counter is what the ranks compare); build DDP (and anything else
+holding the process group) inside ``train``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from elastictrain import events
+from elastictrain import process_group as pg
+from elastictrain._control import WorkerState
+from elastictrain.errors import ConfigError
+from elastictrain.sampler import ElasticSampler
+from elastictrain.train.control import WorkerControl
+from elastictrain.train.recovery import is_collective_failure, wait_for_generation
+from elastictrain.train.state_transfer import agree, transfer
+from elastictrain.worker import WorkerContext
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ElasticState", "run_elastic"]
+
+_T = TypeVar("_T")
+
+
+class _Reform(Exception):  # noqa: N818 - a signal, caught by run_elastic()
+    def __init__(self, cause: str) -> None:
+        super().__init__(cause)
+        self.cause = cause
+
+
+class ElasticState:
+    """The objects of a training loop's state, by name, and its step counter.
+
+    Args:
+        **objects: Objects with ``state_dict()``/``load_state_dict()`` (model, optimizer,
+            scheduler, GradScaler, :class:`~elastictrain.sampler.ElasticSampler`) or dicts
+            of plain data (updated in place). Each is also an attribute (``state.model``).
+    """
+
+    def __init__(self, **objects: Any) -> None:
+        if "progress" in objects:
+            raise ConfigError("'progress' is reserved: it holds the step counter")
+        for name, obj in objects.items():
+            if not isinstance(obj, dict) and not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise ConfigError(f"state {name!r} must be a dict or have state_dict()/load_state_dict(), "
+                                  f"got {type(obj).__name__}")
+        self._objects = dict(objects)
+        self._progress: dict[str, int] = {"step": 0}
+        self._control: WorkerControl | None = None
+        self.context = WorkerContext()
+        self.generation = 0
+        """The generation of the group this rank trains in (1 at the first formation)."""
+
+    def __getattr__(self, name: str) -> Any:
+        objects = self.__dict__.get("_objects", {})
+        if name in objects:
+            return objects[name]
+        raise AttributeError(name)
+
+    @property
+    def step(self) -> int:
+        """Steps committed so far (received from a peer after a re-formation)."""
+        return self._progress["step"]
+
+    @property
+    def rank(self) -> int:
+        return self.context.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.context.world_size
+
+    def objects(self) -> dict[str, Any]:
+        """What is transferred between ranks: the named objects and the step counter."""
+        return {**self._objects, "progress": self._progress}
+
+    def commit(self) -> None:
+        """Mark the end of a step (call it right after ``optimizer.step()``); a collective.
+
+        Raises (caught by :func:`run_elastic`): a re-formation is due after this step, agreed by
+        every rank through one small all-reduce.
+        """
+        self._progress["step"] += 1  # before any collective: this rank applied the step
+        control = self._control
+        if control is None:
+            return
+        control.step_done(self.step)
+        if not dist.is_initialized():
+            return
+        flag = torch.tensor([1.0 if control.due() is not None else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0:
+            due = control.due()
+            raise _Reform((due.cause if due is not None and due.cause else "the agent re-forms the group")
+                          + f" (at the boundary after step {self.step})")
+
+
+def run_elastic(train: Callable[[ElasticState], _T], state: ElasticState, *, restore: Callable[[], None] | None = None,
+        backend: str | None = None, timeout: timedelta | float | None = None,
+        recovery_timeout: float = 600.0) -> _T:
+    """Form the process group, then run ``train(state)``, re-forming in place after faults.
+
+    Args:
+        train: The training loop; called again after each re-formation.
+        state: The training state (see :class:`ElasticState`).
+        restore: Called on every rank when no live rank holds state (the job starts or
+            restarts as a whole): read a checkpoint into ``state`` here.
+        backend: Process-group backend (default as :func:`elastictrain.init_process_group`).
+        timeout: Collective timeout.
+        recovery_timeout: How long to wait for the agent's next generation.
+
+    Returns:
+        What ``train`` returned.
+
+    Raises:
+        Whatever ``train`` raises that is not a failed collective.
+    """
+    state.context = WorkerContext.from_env()
+    state._control = WorkerControl.from_env(state.context.local_rank, state.context.local_world_size)  # noqa: SLF001
+    control = state._control  # noqa: SLF001
+    holds = False
+    try:
+        while True:
+            placement = pg.init_process_group(state.context, backend=backend, timeout=timeout)
+            try:
+                _form(state, holds=holds, restore=restore, placement=placement)
+                if control is not None:
+                    control.set_state(WorkerState.TRAINING)
+                return train(state)
+            except _Reform as reform:
+                cause = reform.cause
+            except Exception as exc:
+                if control is None or not is_collective_failure(exc):
+                    raise
+                cause = f"a collective failed ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]})"
+            logger.info("re-forming the group in place: %s", cause)
+            holds = True
+            pg.destroy_process_group()
+            assignment = wait_for_generation(control, recovery_timeout)
+            rank = assignment.rank_of(state.context.local_rank)
+            if rank is None:
+                raise ConfigError(f"generation {assignment.generation} has no rank for local rank "
+                                  f"{state.context.local_rank}")
+            state.context = dataclasses.replace(
+                state.context, rank=rank, world_size=assignment.world_size, node_rank=assignment.group_rank,
+                master_addr=assignment.master_addr, master_port=assignment.master_port)
+            if state.context.rank == 0:
+                events.emit("recovery", cause=cause, generation=assignment.generation, step=state.step,
+                            world_size=assignment.world_size)
+    finally:
+        if control is not None:
+            control.close()
+        pg.destroy_process_group()
+
+
+def _form(state: ElasticState, *, holds: bool, restore: Callable[[], None] | None, placement: pg.Placement) -> None:
+    if state._control is not None:  # noqa: SLF001
+        state.generation = state._control.generation  # noqa: SLF001
+    received_or_held = holds
+    if placement.distributed and state._control is not None:  # noqa: SLF001
+        group = None if placement.backend == "gloo" else dist.new_group(backend="gloo")
+        agreement = agree(group, holds=holds, step=state.step)
+        if agreement.source is not None:
+            transfer(group, agreement, state.objects(), step=state.step)
+            received_or_held = True
+    if not received_or_held and restore is not None:
+        restore()
+    for obj in state.objects().values():
+        if isinstance(obj, ElasticSampler):
+            obj.set_world(state.context.rank, state.context.world_size)

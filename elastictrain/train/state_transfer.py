@@ -1,0 +1,119 @@
+"""Live replicas hand their state to the ranks that lack it, instead of a checkpoint.
+
+When a group forms (at start, or re-formed in place after a fault), every rank says
+whether it holds the training state and at which step. The newest step any rank
+holds is the group's; one rank holding it (the lowest) broadcasts it to every rank
+that does not: new and replacement workers, and a survivor that did not apply the
+last step (a collective that failed on some ranks and not on others). Applying an
+optimizer step is deterministic given the all-reduced gradients, so every rank that
+holds the newest step holds the same state: none is redone and none is lost.
+
+Only when no rank holds state (the whole job starts, or restarts) does the caller
+read the checkpoint.
+
+The state travels as ``torch.save`` bytes over a gloo group and is read back with
+``torch.load(weights_only=True)``: a peer's bytes cannot run code here either.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastictrain.checkpoint import _snapshot as snap
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Agreement", "agree", "transfer"]
+
+
+@dataclass(frozen=True, slots=True)
+class Agreement:
+    """What the ranks of a group hold, and who sends what to whom."""
+
+    step: int | None
+    """The newest step any rank holds; ``None`` when no rank holds state (read the checkpoint)."""
+    source: int | None
+    """The rank that sends it (the lowest holding it)."""
+    receivers: tuple[int, ...]
+    """Ranks that do not hold it and receive it."""
+
+    @property
+    def needed(self) -> bool:
+        return self.source is not None and bool(self.receivers)
+
+
+def agree(group: Any, *, holds: bool, step: int) -> Agreement:
+    """Every rank's (holds, step), gathered over ``group`` (a CPU/gloo group); a collective.
+
+    Raises:
+        RuntimeError: The collective failed (a peer died).
+    """
+    mine = torch.tensor([1 if holds else 0, step], dtype=torch.int64)
+    world = dist.get_world_size(group)
+    everyone = [torch.zeros(2, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(everyone, mine, group=group)
+    held = [(rank, int(t[1])) for rank, t in enumerate(everyone) if int(t[0])]
+    if not held:
+        return Agreement(None, None, ())
+    newest = max(s for _, s in held)
+    source = min(rank for rank, s in held if s == newest)
+    receivers = tuple(rank for rank, t in enumerate(everyone) if not int(t[0]) or int(t[1]) != newest)
+    return Agreement(newest, source, receivers)
+
+
+def _encode(state: Mapping[str, Any], step: int) -> bytes:
+    content: dict[str, Any] = {"step": step, "stateful": {}, "extras": {}}
+    for name, obj in state.items():
+        if isinstance(obj, dict):
+            content["extras"][name] = obj
+        else:
+            content["stateful"][name] = obj.state_dict()
+    buffer = io.BytesIO()
+    torch.save(content, buffer)
+    return buffer.getvalue()
+
+
+def transfer(group: Any, agreement: Agreement, state: Mapping[str, Any], *, step: int) -> bool:
+    """Broadcast ``state`` from the agreement's source to its receivers; a collective.
+
+    Args:
+        group: A CPU (gloo) group of every rank.
+        agreement: From :func:`agree`.
+        state: The objects that make up the training state (``state_dict()``/
+            ``load_state_dict()`` objects, or dicts of plain data updated in place).
+        step: This rank's step (what the source sends).
+
+    Returns:
+        Whether this rank received (and loaded) the state.
+
+    Raises:
+        RuntimeError: The collective failed.
+        CheckpointMismatchError: The state does not fit this rank's objects.
+    """
+    if not agreement.needed:
+        return False
+    rank = dist.get_rank(group)
+    src = agreement.source
+    assert src is not None  # noqa: S101 - needed implies a source
+    if rank == src:
+        payload = torch.frombuffer(bytearray(_encode(state, step)), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+    else:
+        size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, src=dist.get_global_rank(group, src) if group is not None else src, group=group)
+    if rank != src:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(payload, src=dist.get_global_rank(group, src) if group is not None else src, group=group)
+    if rank not in agreement.receivers:
+        return False
+    content = torch.load(io.BytesIO(payload.numpy().tobytes()), map_location="cpu", weights_only=True)
+    snap.load_into(state, content["stateful"], content["extras"], int(content["step"]))
+    logger.debug("received step %d from rank %d (%d bytes)", content["step"], src, payload.numel())
+    return True

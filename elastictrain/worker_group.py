@@ -1,0 +1,181 @@
+"""A node's workers under in-process recovery: each its own process, restarted alone.
+
+torch's agent runs a node's workers as one process context: one failure ends them
+all, and a membership change restarts them all. For in-process recovery the agent
+needs the opposite, and this module gives it:
+
+- :class:`WorkerProcesses`: one torch process context per local worker, so that a
+  dead worker is replaced alone and its healthy siblings keep their processes.
+- :class:`Channel`: the agent's end of :mod:`elastictrain._control`: it publishes
+  each generation's assignment and reads the workers' progress slots.
+- :class:`HangDetector`: a worker whose process stopped running (its liveness thread
+  is silent) while its steps stalled past a deadline that follows its measured step
+  time is hung. Killing it makes its peers' collectives fail at once instead of at
+  their timeout (gloo cannot abort a blocked collective).
+- :class:`FailureBudget`: how many of this node's own worker failures a job survives
+  within a time window, and how long to back off before replacing one.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import shutil
+import signal
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from elastictrain._control import Assignment, Progress, ProgressTable, WorkerState, write_assignment
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Channel", "FailureBudget", "HangDetector", "WorkerProcesses"]
+
+
+class WorkerProcesses:
+    """The process contexts of a node's workers, one per local rank.
+
+    Args:
+        start: Starts the worker of one local rank and returns its process context
+            (torch's ``PContext``).
+    """
+
+    def __init__(self, start: Callable[[int], Any]) -> None:
+        self._start = start
+        self.contexts: dict[int, Any] = {}
+
+    def start(self, local_ranks: list[int]) -> dict[int, int]:
+        """Start the workers of ``local_ranks`` (each in a context of its own); returns their pids."""
+        pids: dict[int, int] = {}
+        for local_rank in local_ranks:
+            context = self._start(local_rank)
+            self.contexts[local_rank] = context
+            pids[local_rank] = context.pids()[0]
+        return pids
+
+    def poll(self) -> dict[int, Any]:
+        """The result of every worker that ended since it was started, by local rank."""
+        ended = {}
+        for local_rank, context in list(self.contexts.items()):
+            result = context.wait(0)
+            if result is not None:
+                ended[local_rank] = result
+        return ended
+
+    def pids(self) -> dict[int, int]:
+        """The pid of each running worker, by local rank."""
+        return {local_rank: context.pids()[0] for local_rank, context in self.contexts.items()}
+
+    def forget(self, local_rank: int) -> None:
+        """Drop an ended worker's context (its process is gone)."""
+        context = self.contexts.pop(local_rank, None)
+        if context is not None:
+            context.close()
+
+    def kill(self, local_rank: int) -> None:
+        """SIGKILL one worker (a hung one): its peers' collectives fail at once."""
+        pid = self.contexts[local_rank].pids()[0] if local_rank in self.contexts else None
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def close(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        for context in self.contexts.values():
+            context.close(death_sig, timeout)
+        self.contexts.clear()
+
+
+class Channel:
+    """The agent's end of the control channel (:mod:`elastictrain._control`)."""
+
+    def __init__(self, local_world_size: int) -> None:
+        self.directory = tempfile.mkdtemp(prefix="elastictrain-control-")
+        self.table = ProgressTable(self.directory, local_world_size, create=True)
+        self.local_world_size = local_world_size
+        self.assignment: Assignment | None = None
+
+    def publish(self, assignment: Assignment) -> None:
+        self.assignment = assignment
+        write_assignment(self.directory, assignment)
+
+    def mark_pending(self, cause: str) -> None:
+        """Tell the workers to stop at their next step boundary: the group is about to re-form."""
+        if self.assignment is not None and not self.assignment.pending:
+            self.publish(replace(self.assignment, pending=True, cause=cause))
+
+    def progress(self) -> list[Progress]:
+        return [self.table.read(i) for i in range(self.local_world_size)]
+
+    def close(self) -> None:
+        self.table.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class HangDetector:
+    """Decides which workers are hung, from their progress slots.
+
+    A worker is hung when it trains and its process has not run for longer than its
+    deadline: its liveness thread (which runs every 0.2 s whatever the training loop
+    does) has been silent that long, because the process is stopped or something
+    holds the interpreter. The deadline is ``factor`` times the worker's typical step
+    (the median of its recent intervals between steps, which it measures itself, so
+    that a pause between steps does not stretch it), at least ``floor_s``; before its
+    second step (imports, model building, restoring) ``startup_s`` applies. A worker
+    blocked in a collective that waits for a hung peer is not frozen (its liveness
+    thread runs): it is left alone, and so is one that says it is busy (a checkpoint,
+    a state transfer) or recovering.
+    """
+
+    def __init__(self, *, floor_s: float = 2.0, factor: float = 10.0, startup_s: float = 120.0) -> None:
+        self.floor_s, self.factor, self.startup_s = floor_s, factor, startup_s
+
+    def deadline(self, progress: Progress) -> float:
+        if progress.step_s <= 0:
+            return self.startup_s
+        return max(self.floor_s, self.factor * progress.step_s)
+
+    def hung(self, progress: list[Progress], now: float) -> list[int]:
+        """The slots of hung workers."""
+        return [slot for slot, p in enumerate(progress)
+                if p.pid and p.state == WorkerState.TRAINING and now - p.alive_at > self.deadline(p)]
+
+
+@dataclass
+class FailureBudget:
+    """This node's own worker failures a job survives: ``limit`` within ``window_s`` seconds.
+
+    Peers' failures and membership changes never spend it (in-process recovery keeps
+    this node's workers running through them). Each failure beyond the first in the
+    window waits a back-off (doubling from ``backoff_first_s`` to ``backoff_max_s``)
+    before its worker is replaced, so that a crash loop does not spin.
+    """
+
+    limit: int
+    window_s: float = 3600.0
+    backoff_first_s: float = 1.0
+    backoff_max_s: float = 30.0
+    _failures: collections.deque[float] = field(default_factory=collections.deque)
+
+    def _trim(self, now: float) -> None:
+        while self._failures and now - self._failures[0] > self.window_s:
+            self._failures.popleft()
+
+    def spend(self, now: float) -> float | None:
+        """Record a failure; returns the back-off before replacing the worker, or ``None`` if
+        the budget is spent (the job should fail)."""
+        self._trim(now)
+        if len(self._failures) >= self.limit:
+            return None
+        self._failures.append(now)
+        n = len(self._failures)
+        return 0.0 if n <= 1 else min(self.backoff_max_s, self.backoff_first_s * 2 ** (n - 2))
+
+    def used(self, now: float) -> int:
+        self._trim(now)
+        return len(self._failures)
+

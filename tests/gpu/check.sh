@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The CUDA/NCCL paths, on a machine with a GPU: one prepared script for the `device` tool.
+#   bash tests/gpu/check.sh        (after the README's install, with a CUDA build of torch 2.13)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+python -c "import torch; assert torch.cuda.is_available(), 'no CUDA'; print(torch.__version__, torch.cuda.get_device_name(0))"
+python tests/gpu/nccl_reform.py
+# Every CUDA test of the suite (they skip on CPU): mixed precision, the overlapped snapshot's
+# side stream and pinned buffers, the NCCL process group, the session on a GPU.
+python -m pytest -q -p no:cacheprovider -k "cuda or CUDA or gpu" tests/unit

@@ -1,0 +1,236 @@
+"""In-process recovery with real agents and workers: survivors keep their processes, no step is redone.
+
+Each node is its own ``elastictrain run`` process (its own session, so a node can be
+killed whole). The job (``tests/scripts/inprocess_job.py``) writes one line per
+step on every rank; the tests read who trained which step in which process.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.conftest import REPO_ROOT, subprocess_env
+
+JOB = str(REPO_ROOT / "tests" / "scripts" / "inprocess_job.py")
+STEPS = 40
+
+
+def start_node(endpoint: str, run_id: str, out: Path, *job_args: str, min_nodes: int = 2, max_nodes: int = 2,
+               extra: tuple[str, ...] = ()) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "elastictrain", "run", "--etcd", endpoint, "--run-id", run_id, "--min-nodes",
+         str(min_nodes), "--max-nodes", str(max_nodes), "--local-addr", "127.0.0.1", "--join",
+         "--event-log", str(out / "events.jsonl"), *extra, JOB, str(out), "--steps", str(STEPS), *job_args],
+        env=subprocess_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+
+
+def records(out: Path) -> list[dict[str, Any]]:
+    path = out / "steps.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_until(predicate: Callable[[], bool], what: str, nodes: list[subprocess.Popen[str]],
+               timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        for node in nodes:
+            if node.poll() is not None:
+                output = node.stdout.read() if node.stdout else ""
+                raise AssertionError(f"a node exited ({node.returncode}) before {what}:\n{output[-3000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g}s: {what}")
+        time.sleep(0.05)
+
+
+def finish(nodes: list[subprocess.Popen[str]], timeout: float = 180) -> list[str]:
+    """Each node's output once it exits; a node still running after ``timeout`` fails the test with all output."""
+    deadline = time.monotonic() + timeout
+    outputs = []
+    try:
+        for node in nodes:
+            outputs.append(node.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+    except subprocess.TimeoutExpired:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+        everything = "\n".join(f"--- node {n.pid} ---\n{n.communicate()[0][-3000:]}" for n in nodes[len(outputs):])
+        raise AssertionError(f"a node still ran after {timeout:g}s:\n{everything}") from None
+    return outputs
+
+
+def steps_by_rank(out: Path) -> dict[int, list[dict[str, Any]]]:
+    by_rank: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
+    for record in records(out):
+        by_rank[record["rank"]].append(record)
+    return by_rank
+
+
+def latest_pid(out: Path, rank: int) -> int:
+    return [r for r in records(out) if r["rank"] == rank][-1]["pid"]
+
+
+def assert_every_step_once(out: Path, ranks: list[int]) -> None:
+    by_rank = steps_by_rank(out)
+    for rank in ranks:
+        steps = [r["step"] for r in by_rank[rank]]
+        duplicates = sorted({s for s in steps if steps.count(s) > 1})
+        assert not duplicates, f"rank {rank} trained steps {duplicates} twice"
+    assert {r["step"] for rs in by_rank.values() for r in rs} == set(range(1, STEPS + 1))
+
+
+def events(out: Path, kind: str) -> list[dict[str, Any]]:
+    path = out / "events.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [e for e in lines if e["kind"] == kind]
+
+
+def reference(tmp_path: Path, etcd_server: Any) -> dict[str, torch.Tensor]:
+    out = tmp_path / "reference"
+    run_id = f"ref-{os.getpid()}-{time.monotonic_ns()}"
+    nodes = [start_node(etcd_server.endpoint, run_id, out) for _ in range(2)]
+    outputs = finish(nodes)
+    assert [n.returncode for n in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    return torch.load(out / "final-0.pt", weights_only=True)
+
+
+def assert_same_parameters(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_worker_is_replaced_alone_its_peer_keeps_its_process_and_no_step_is_redone(
+        etcd_server: Any, run_id: str, tmp_path: Path) -> None:
+    out = tmp_path / "job"
+    nodes = [start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.1") for _ in range(2)]
+    wait_until(lambda: len({r["rank"] for r in records(out) if r["step"] >= 10}) == 2, "step 10", nodes)
+    os.kill(latest_pid(out, 1), signal.SIGKILL)
+    outputs = finish(nodes)
+    assert [n.returncode for n in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    by_rank = steps_by_rank(out)
+    assert len({r["pid"] for r in by_rank[0]}) == 1, "the survivor was restarted"
+    assert len({r["pid"] for r in by_rank[1]}) == 2, "the killed worker was not replaced once"
+    assert_every_step_once(out, [0, 1])
+    recoveries = events(out, "recovery")
+    assert recoveries and all(e["world_size"] == 2 for e in recoveries)
+    final = [torch.load(out / f"final-{r}.pt", weights_only=True) for r in (0, 1)]
+    assert_same_parameters(final[0], final[1])
+    assert_same_parameters(final[0], reference(tmp_path, etcd_server))
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_node_leaves_the_survivors_training_in_their_processes(etcd_server: Any, run_id: str,
+                                                                       tmp_path: Path) -> None:
+    out = tmp_path / "job"
+    nodes = [start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.1", min_nodes=2, max_nodes=3)
+             for _ in range(3)]
+    wait_until(lambda: len({r["rank"] for r in records(out) if r["step"] >= 10}) == 3, "step 10 on 3 ranks", nodes)
+    pids = {rank: latest_pid(out, rank) for rank in range(3)}
+    victim = nodes[2]
+    os.killpg(victim.pid, signal.SIGKILL)  # the node's agent and its worker: a machine dying
+    victim.wait()
+    seen = len(records(out))  # with --min-nodes 2 the job may have begun at world 2 before the third joined
+    outputs = finish(nodes[:2])
+    assert [n.returncode for n in nodes[:2]] == [0, 0], outputs[0][-3000:]
+    after = [r for r in records(out)[seen:] if r["world"] == 2]
+    assert after, "training did not go on at world size 2"
+    survivors = {r["pid"] for r in after}
+    assert survivors <= set(pids.values()) and len(survivors) == 2, "a survivor was restarted"
+    assert_every_step_once(out, [0, 1])
+
+
+@pytest.mark.timeout(300)
+def test_a_joining_node_enters_at_a_step_boundary_without_restarting_anyone(etcd_server: Any, run_id: str,
+                                                                            tmp_path: Path) -> None:
+    out = tmp_path / "job"
+    # Slow steps: the joining node's interpreter and torch take seconds to start.
+    nodes = [start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.25", min_nodes=2, max_nodes=3)
+             for _ in range(2)]
+    wait_until(lambda: len({r["rank"] for r in records(out) if r["step"] >= 4}) == 2, "step 4", nodes)
+    before = {latest_pid(out, rank) for rank in (0, 1)}
+    nodes.append(start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.25", min_nodes=2, max_nodes=3))
+    outputs = finish(nodes)
+    assert [n.returncode for n in nodes] == [0, 0, 0], "\n".join(o[-2000:] for o in outputs)
+    at_three = [r for r in records(out) if r["world"] == 3]
+    assert at_three, "the job never trained at world size 3"
+    assert before <= {r["pid"] for r in at_three}, "a node that was there before was restarted"
+    assert len({r["pid"] for r in records(out)}) == 3
+    by_rank = steps_by_rank(out)
+    for rank, rs in by_rank.items():
+        steps = [r["step"] for r in rs]
+        assert len(steps) == len(set(steps)), f"rank {rank} trained a step twice"
+
+
+@pytest.mark.timeout(300)
+def test_a_hung_worker_is_killed_and_replaced_long_before_the_collective_timeout(
+        etcd_server: Any, run_id: str, tmp_path: Path) -> None:
+    out = tmp_path / "job"
+    nodes = [start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.05") for _ in range(2)]
+    wait_until(lambda: len({r["rank"] for r in records(out) if r["step"] >= 10}) == 2, "step 10", nodes)
+    hung = latest_pid(out, 1)
+    os.kill(hung, signal.SIGSTOP)
+    stopped_at = time.time()
+    wait_until(lambda: any(r["rank"] == 1 and r["pid"] != hung for r in records(out)), "a replacement trains",
+               nodes, timeout=60)
+    recovered_at = min(r["t"] for r in records(out) if r["rank"] == 1 and r["pid"] != hung)
+    outputs = finish(nodes)
+    assert [n.returncode for n in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    # Far below the 60 s collective timeout a gloo peer would otherwise wait out.
+    assert recovered_at - stopped_at < 30
+    assert events(out, "hang"), "the hang was not reported"
+    assert len({r["pid"] for r in steps_by_rank(out)[0]}) == 1
+    assert_every_step_once(out, [0, 1])
+
+
+@pytest.mark.timeout(300)
+def test_a_plain_loop_recovers_in_place_through_run_elastic(etcd_server: Any, run_id: str, tmp_path: Path) -> None:
+    out = tmp_path / "job"
+    nodes = [start_node(etcd_server.endpoint, run_id, out, "--api", "elastic", "--step-sleep", "0.1")
+             for _ in range(2)]
+    wait_until(lambda: len({r["rank"] for r in records(out) if r["step"] >= 10}) == 2, "step 10", nodes)
+    os.kill(latest_pid(out, 1), signal.SIGKILL)
+    outputs = finish(nodes)
+    assert [n.returncode for n in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    by_rank = steps_by_rank(out)
+    assert len({r["pid"] for r in by_rank[0]}) == 1
+    assert_every_step_once(out, [0, 1])
+    final = [torch.load(out / f"final-{r}.pt", weights_only=True) for r in (0, 1)]
+    assert_same_parameters(final[0], final[1])
+
+
+@pytest.mark.timeout(300)
+def test_only_this_nodes_own_failures_spend_its_budget(etcd_server: Any, run_id: str, tmp_path: Path,
+                                                       etcd_client: Any) -> None:
+    # Rank 1 raises before step 5 in every process that gets there: a crash loop on node B.
+    # Node A (--max-restarts 0) sees its peer fail again and again; that must not spend
+    # its budget. Node B's own budget (2) runs out at the third failure, and B ends the job.
+    from elastictrain.etcd import kv
+    from elastictrain.rendezvous.keys import RunKeys
+
+    out = tmp_path / "job"
+    node_a = start_node(etcd_server.endpoint, run_id, out, "--fail-at", "1:5", extra=("--max-restarts", "0"))
+    members = RunKeys.of(run_id).members
+    wait_until(lambda: bool(kv.range_(etcd_client, members, prefix=True, keys_only=True, what="test")[1]),
+               "node A registers (so that it is rank 0)", [node_a], timeout=60)
+    node_b = start_node(etcd_server.endpoint, run_id, out, "--fail-at", "1:5", extra=("--max-restarts", "2"))
+    output_a, output_b = finish([node_a, node_b])
+    assert node_b.returncode != 0 and "--max-restarts 2 allows" in output_b, output_b[-3000:]
+    assert "allows: the job fails" not in output_a, output_a[-3000:]
+    assert len({r["pid"] for r in steps_by_rank(out)[0]}) == 1, "node A's worker was restarted for its peer's failures"
+    failures = events(out, "worker_failure")
+    assert not [e for e in failures if e["pid"] == node_a.pid], "node A saw a failure of its own"
+    failed_workers = {f["pid"] for e in failures if e["pid"] == node_b.pid for f in e["failures"].values()}
+    assert len(failed_workers) == 3, f"node B's worker failed in {len(failed_workers)} processes, not 3"

@@ -1,0 +1,110 @@
+"""Test job for in-process recovery: an MLP trained with ``elastictrain.Session``.
+
+Usage: inprocess_job.py OUT_DIR [--steps N] [--step-sleep S] [--fail-at RANK:STEP] [--api session|elastic]
+
+Every rank appends one line per applied step to ``OUT_DIR/steps.jsonl`` (rank, pid,
+step, world size, time) and, at the end, saves its parameters to ``final-<rank>.pt``.
+``--step-sleep`` slows each step down so that a test can inject a fault mid-run.
+``--fail-at RANK:STEP`` makes RANK raise before STEP in every process that reaches
+it (a crash loop). ``--api elastic`` trains through ``run_elastic`` instead of a Session.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import TensorDataset
+
+import elastictrain
+
+
+def _pair(text: str) -> tuple[int, int]:
+    a, _, b = text.partition(":")
+    return int(a), int(b)
+
+
+def _append(path: Path, record: dict) -> None:
+    with open(path, "a") as out:
+        out.write(json.dumps(record) + "\n")
+
+
+def _data(samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(samples, 16, generator=generator)
+    return x, torch.sin(x @ torch.randn(16, 1, generator=generator))
+
+
+def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def with_session(args: argparse.Namespace, out: Path) -> None:
+    x, y = _data(args.samples)
+    model, optimizer = _model()
+    session = elastictrain.Session(model, optimizer, TensorDataset(x, y), global_batch_size=32, micro_batch_size=8,
+                                   epochs=100, max_steps=args.steps, seed=7, log_every=None,
+                                   checkpoint_dir=str(out / "ckpt"), checkpoint_every=args.ckpt_every)
+    with session as s:
+        for step in s.steps():
+            if args.fail_at and (s.rank, step.number) == args.fail_at:
+                raise RuntimeError(f"injected failure on rank {s.rank} before step {step.number}")
+            time.sleep(args.step_sleep)
+            for micro in step:
+                inputs, targets = micro.batch
+                micro.backward(torch.nn.functional.mse_loss(s.model(inputs), targets))
+            if step.discarded:  # a peer died during it: it runs again in the re-formed group
+                continue
+            _append(out / "steps.jsonl", {"rank": s.rank, "pid": os.getpid(), "step": step.number,
+                                          "world": s.world_size, "t": time.time()})
+    torch.save(model.state_dict(), out / f"final-{session.rank}.pt")
+
+
+def with_run_elastic(args: argparse.Namespace, out: Path) -> None:
+    x, y = _data(args.samples)
+    model, optimizer = _model()
+    state = elastictrain.ElasticState(model=model, optimizer=optimizer)
+
+    def train(state: elastictrain.ElasticState) -> None:
+        ddp = torch.nn.parallel.DistributedDataParallel(state.model)
+        while state.step < args.steps:
+            step = state.step + 1
+            time.sleep(args.step_sleep)
+            # Each step trains on 32 samples, split evenly over the ranks (a world of 1, 2 or 4).
+            per_rank = 32 // state.world_size
+            start = ((step - 1) * 32) % args.samples + state.rank * per_rank
+            loss = torch.nn.functional.mse_loss(ddp(x[start:start + per_rank]), y[start:start + per_rank])
+            loss.backward()
+            state.optimizer.step()
+            state.optimizer.zero_grad()
+            state.commit()
+            _append(out / "steps.jsonl", {"rank": state.rank, "pid": os.getpid(), "step": state.step,
+                                          "world": state.world_size, "t": time.time()})
+
+    elastictrain.run_elastic(train, state)
+    torch.save(model.state_dict(), out / f"final-{state.rank}.pt")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out_dir")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--samples", type=int, default=384)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--ckpt-every", type=int, default=10)
+    parser.add_argument("--fail-at", type=_pair, default=None)
+    parser.add_argument("--api", choices=("session", "elastic"), default="session")
+    args = parser.parse_args()
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (with_session if args.api == "session" else with_run_elastic)(args, out)
+
+
+if __name__ == "__main__":
+    main()

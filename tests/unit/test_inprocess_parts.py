@@ -1,0 +1,250 @@
+"""The parts of in-process recovery, one at a time: control channel, hang detector, budget,
+the boundary flag in DDP's all-reduce, and the state transfer between live ranks."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from elastictrain._control import Assignment, AssignmentWatch, Progress, ProgressTable, WorkerState, write_assignment
+from elastictrain.train.control import JobEnded, WorkerControl
+from elastictrain.train.recovery import is_collective_failure
+from elastictrain.worker_group import FailureBudget, HangDetector
+
+
+def _assignment(generation: int, **changes: Any) -> Assignment:
+    return Assignment(generation=generation, round=generation - 1, world_size=2, master_addr="127.0.0.1",
+                      master_port=1234, ranks={"0": 1}, **changes)
+
+
+def test_an_assignment_is_read_again_only_when_it_changed(tmp_path: Path) -> None:
+    watch = AssignmentWatch(tmp_path)
+    assert watch.current() is None
+    write_assignment(tmp_path, _assignment(1))
+    first = watch.current()
+    assert first is not None and first.generation == 1 and first.rank_of(0) == 1 and first.rank_of(3) is None
+    assert watch.current() is first  # no change, no read
+    write_assignment(tmp_path, _assignment(2, pending=True, cause="a node joined"))
+    second = watch.current()
+    assert second is not None and second.generation == 2 and second.pending and second.cause == "a node joined"
+
+
+def test_progress_slots_written_by_a_worker_are_read_by_the_agent(tmp_path: Path) -> None:
+    agent = ProgressTable(tmp_path, 2, create=True)
+    worker = ProgressTable(tmp_path, 2)
+    worker.write(1, pid=42, step=7, step_at=1.5, step_s=0.05, alive_at=2.5, state=WorkerState.TRAINING, generation=3)
+    assert agent.read(1) == Progress(42, 7, 1.5, 0.05, 2.5, WorkerState.TRAINING, 3)
+    assert agent.read(0).pid == 0
+    worker.close()
+    agent.close()
+
+
+def test_worker_control_adopts_the_next_generation_and_refuses_a_closed_group(tmp_path: Path) -> None:
+    ProgressTable(tmp_path, 1, create=True).close()
+    write_assignment(tmp_path, _assignment(1))
+    control = WorkerControl(str(tmp_path), 0, 1)
+    try:
+        assert control.generation == 1 and control.due() is None
+        time.sleep(0.5)
+        table = ProgressTable(tmp_path, 1)
+        assert time.monotonic() - table.read(0).alive_at < 0.5  # the liveness thread runs
+        write_assignment(tmp_path, _assignment(1, pending=True, cause="x"))
+        assert control.due() is not None  # stop at the next boundary
+        with pytest.raises(TimeoutError):
+            control.wait_for_next(0.2)  # the same generation, still pending: nothing to adopt yet
+        write_assignment(tmp_path, _assignment(2))
+        adopted = control.wait_for_next(1.0)
+        assert adopted.generation == 2 and control.generation == 2 and table.read(0).state == WorkerState.BUSY
+        write_assignment(tmp_path, _assignment(3, closed=True, cause="stopped"))
+        with pytest.raises(JobEnded, match="stopped"):
+            control.wait_for_next(1.0)
+        table.close()
+    finally:
+        control.close()
+
+
+def _progress(step_s: float = 0.0, alive_at: float = 0.0, state: int = WorkerState.TRAINING,
+              pid: int = 10) -> Progress:
+    return Progress(pid, 5, alive_at, step_s, alive_at, state, 1)
+
+
+def test_a_stopped_worker_is_hung_one_waiting_in_a_collective_is_not() -> None:
+    detector = HangDetector(floor_s=2.0, factor=10.0, startup_s=60.0)
+    t = 100.0
+    # 50 ms steps: the deadline is the 2 s floor.
+    assert detector.deadline(_progress(step_s=0.05)) == 2.0
+    # Stopped (SIGSTOP): its liveness thread silent for 3 s.
+    assert detector.hung([_progress(step_s=0.05, alive_at=t)], t + 3.0) == [0]
+    assert detector.hung([_progress(step_s=0.05, alive_at=t)], t + 1.5) == []
+    # Blocked in a collective on a hung peer: no step, but its liveness thread runs.
+    assert detector.hung([_progress(step_s=0.05, alive_at=t + 2.9)], t + 3.0) == []
+    # Recovering or busy (a checkpoint, a state transfer): never judged.
+    assert detector.hung([_progress(step_s=0.05, alive_at=t, state=WorkerState.BUSY)], t + 30) == []
+    assert detector.hung([_progress(pid=0, step_s=0.05, alive_at=t)], t + 30) == []  # an empty slot
+
+
+def test_slow_steps_and_first_steps_get_more_time() -> None:
+    detector = HangDetector(floor_s=2.0, factor=10.0, startup_s=60.0)
+    assert detector.hung([_progress(alive_at=0.0)], 30.0) == []  # before its second step
+    assert detector.hung([_progress(alive_at=0.0)], 61.0) == [0]
+    assert detector.deadline(_progress(step_s=1.0)) == pytest.approx(10.0)  # 1 s steps
+    assert detector.hung([_progress(step_s=1.0, alive_at=0.0)], 9.0) == []
+    assert detector.hung([_progress(step_s=1.0, alive_at=0.0)], 11.0) == [0]
+
+
+def test_a_worker_measures_its_typical_step_and_pauses_do_not_stretch_it(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from elastictrain.train import control as control_module
+
+    ProgressTable(tmp_path, 1, create=True).close()
+    clock = [100.0]
+    monkeypatch.setattr(control_module, "now", lambda: clock[0])
+    control = WorkerControl(str(tmp_path), 0, 1)
+    table = ProgressTable(tmp_path, 1)
+    try:
+        control.step_done(1)
+        assert table.read(0).step_s == 0.0  # one step: no interval yet
+        for step in range(2, 9):  # 50 ms steps, with a 20 s pause (an evaluation) before step 5
+            clock[0] += 20.0 if step == 5 else 0.05
+            control.step_done(step)
+        assert table.read(0).step_s == pytest.approx(0.05)
+        clock[0] += 0.5
+        control.step_done(10)  # two steps at once (a slot read between them): 0.25 s each
+        assert table.read(0).step_s == pytest.approx(0.05)
+    finally:
+        control.close()
+        table.close()
+
+
+def test_the_budget_counts_failures_in_a_window_and_backs_off() -> None:
+    budget = FailureBudget(limit=3, window_s=60.0, backoff_first_s=1.0, backoff_max_s=3.0)
+    assert budget.spend(0.0) == 0.0  # the first failure: replaced at once
+    assert budget.spend(1.0) == 1.0
+    assert budget.spend(2.0) == 2.0
+    assert budget.spend(3.0) is None  # a fourth within the window: the job fails
+    assert budget.used(3.0) == 3
+    assert budget.spend(70.0) == 0.0  # the first three left the window
+    assert FailureBudget(limit=0).spend(0.0) is None
+
+
+def test_a_collective_failure_is_told_from_a_bug() -> None:
+    assert is_collective_failure(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error"))
+    assert is_collective_failure(dist.DistNetworkError("Connection closed by peer [127.0.0.1]:1234"))
+    wrapped = ValueError("save failed")
+    wrapped.__cause__ = RuntimeError("Connection reset by peer")
+    assert is_collective_failure(wrapped)
+    assert not is_collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 4x5)"))
+    assert not is_collective_failure(KeyError("gloo"))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _ddp_worker(rank: int, port: int, results: Any) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from elastictrain.train.recovery import BoundaryFlag
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    plain = DistributedDataParallel(model)
+    flagged_model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    flagged_model.load_state_dict(model.state_dict())
+    flagged = DistributedDataParallel(flagged_model, bucket_cap_mb=0.0001)  # several buckets
+    flag = BoundaryFlag()
+    flagged.register_comm_hook(flag, BoundaryFlag.hook)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    plain(x).sum().backward()
+    raised = []
+    for wanted in ((False, False), (rank == 1, rank == 1), (True, True)):
+        flag.arm(wanted[0])
+        flagged_model.zero_grad()
+        flagged(x).sum().backward()
+        raised.append(flag.raised)
+    same = all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), flagged_model.parameters()))
+    results.put((rank, same, raised))
+    dist.destroy_process_group()
+
+
+def test_the_boundary_flag_rides_on_ddps_all_reduce_and_leaves_the_gradients_as_ddps_own() -> None:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_ddp_worker, args=(rank, port, results)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    out = dict((r, (same, raised)) for r, same, raised in (results.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(timeout=30)
+    for rank in (0, 1):
+        same, raised = out[rank]
+        assert same, f"rank {rank}: gradients differ from DDP's default all-reduce"
+        assert raised == [0, 1, 2], f"rank {rank} saw flags {raised}"
+
+
+def _transfer_worker(rank: int, port: int, holds: bool, results: Any) -> None:
+    from elastictrain.sampler import ElasticSampler
+    from elastictrain.train.state_transfer import agree, transfer
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+    torch.manual_seed(rank)  # different weights on every rank
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    sampler = ElasticSampler(100, global_batch_size=10, rank=rank, world_size=3)
+    extras = {"note": f"rank {rank}"}
+    step = {0: 7, 1: 6, 2: 0}[rank]
+    if holds:
+        model(torch.ones(1, 4)).sum().backward()
+        optimizer.step()  # Adam state exists on holders only
+        sampler.commit_step()
+    state = {"model": model, "optimizer": optimizer, "sampler": sampler, "extras": extras}
+    agreement = agree(None, holds=holds, step=step)
+    received = transfer(None, agreement, state, step=step)
+    results.put((rank, agreement.step, agreement.source, agreement.receivers, received,
+                 [p.detach().tolist() for p in model.parameters()], sampler.cursor, dict(extras),
+                 len(optimizer.state_dict()["state"])))
+    dist.destroy_process_group()
+
+
+def test_the_newest_state_goes_from_a_live_holder_to_the_ranks_without_it() -> None:
+    # Rank 0 holds step 7, rank 1 holds step 6 (it missed the last step), rank 2 is new.
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    holds = {0: True, 1: True, 2: False}
+    procs = [ctx.Process(target=_transfer_worker, args=(rank, port, holds[rank], results)) for rank in range(3)]
+    for p in procs:
+        p.start()
+    out = {r[0]: r[1:] for r in (results.get(timeout=120) for _ in procs)}
+    for p in procs:
+        p.join(timeout=30)
+    for rank in range(3):
+        step, source, receivers, received, params, cursor, extras, optimizer_entries = out[rank]
+        assert (step, source, receivers) == (7, 0, (1, 2))
+        assert received == (rank != 0)
+        assert params == out[0][4], f"rank {rank} has other weights"
+        assert cursor == out[0][5] and extras == {"note": "rank 0"} and optimizer_entries == 2
+
+
+def test_nobody_holding_state_means_every_rank_reads_the_checkpoint() -> None:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_transfer_worker, args=(rank, port, False, results)) for rank in range(3)]
+    for p in procs:
+        p.start()
+    out = {r[0]: r[1:] for r in (results.get(timeout=120) for _ in procs)}
+    for p in procs:
+        p.join(timeout=30)
+    assert all(out[rank][:4] == (None, None, (), False) for rank in range(3))
