@@ -53,7 +53,8 @@ class WorkerState:
     RECOVERING = 2
     """Its group broke (a collective failed) or was told to re-form: it waits for the next generation."""
     BUSY = 3
-    """In a long operation (checkpoint, state transfer) that is not a hang."""
+    """Forming the next generation's group (waiting for its peers, agreeing on and receiving the
+    state): not a hang, and not a request for another generation."""
     DONE = 4
 
 

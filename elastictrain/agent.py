@@ -34,6 +34,7 @@ from torch.distributed.elastic.agent.server.api import (
 )
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+from torch.distributed.elastic.rendezvous import RendezvousClosedError
 from torch.distributed.elastic.utils import macros
 
 from elastictrain import _torch_compat
@@ -297,6 +298,13 @@ class InProcessAgent(ElasticAgent):
                 self._events.emit("hang", local_rank=slot, pid=progress[slot].pid, frozen_s=round(frozen, 3),
                                   step=progress[slot].step)
                 self._workers.kill(slot)
+            if (getattr(spec.rdzv_handler, "closed_seen", False) and not self._stop_requested()
+                    and any(p.pid and p.state in {SlotState.RECOVERING, SlotState.BUSY} for p in progress)):
+                # Another node ended the job (its budget ran out) while ours wait for peers that
+                # will not come: end now rather than after the group's timeout.
+                logger.info("the run was closed by another node while this node's workers re-formed: stopping them")
+                self._stop_workers(group)
+                raise RendezvousClosedError()
             if cause is None and any(p.state == SlotState.RECOVERING and p.generation == self._generation
                                      and p.pid for p in progress):
                 cause = "a worker's collective failed (a peer is gone)"

@@ -22,7 +22,9 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-from collections.abc import Iterator
+import socket
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -38,6 +40,7 @@ __all__ = [
     "BACKEND_ENV",
     "DEFAULT_TIMEOUT",
     "TIMEOUT_ENV",
+    "GroupSuperseded",
     "Placement",
     "default_backend",
     "destroy_process_group",
@@ -55,6 +58,13 @@ DEFAULT_TIMEOUT = timedelta(seconds=60)
 BACKEND_ENV = "ELASTICTRAIN_BACKEND"
 TIMEOUT_ENV = "ELASTICTRAIN_PG_TIMEOUT"
 _NCCL_ASYNC_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+_POLL = timedelta(milliseconds=250)
+
+
+class GroupSuperseded(Exception):  # noqa: N818 - a signal to follow the newer group, not an error
+    """A newer group was announced while this one was forming: join that one instead."""
+
 
 # True while this module's init_process_group created the default group that exists now.
 _owned = False
@@ -147,6 +157,7 @@ def init_process_group(
     backend: str | None = None,
     timeout: timedelta | float | None = None,
     device: torch.device | str | None = None,
+    generation: tuple[str, Callable[[], bool]] | None = None,
 ) -> Placement:
     """Form the default process group from the launcher's environment.
 
@@ -165,12 +176,17 @@ def init_process_group(
         timeout: Collective timeout (a ``timedelta`` or seconds); default
             ``ELASTICTRAIN_PG_TIMEOUT``, else 60 s.
         device: Overrides the device :func:`device_for` picks.
+        generation: ``(tag, superseded)`` for a group re-formed in place: the ranks
+            meet at a barrier under ``tag`` (unique to the round) before the group
+            forms, and give up as soon as ``superseded()`` says a newer group was
+            announced, instead of waiting ``timeout`` for peers that went there.
 
     Returns:
         The device, backend and world of this worker.
 
     Raises:
         ConfigError: A bad backend, timeout or device.
+        GroupSuperseded: ``superseded()`` turned true before every rank arrived.
         torch.distributed.DistError: The group could not be formed (e.g. a
             peer never arrived within ``timeout``).
     """
@@ -201,22 +217,71 @@ def init_process_group(
             os.environ.setdefault(_NCCL_ASYNC_ENV, "1")
             device_id = place  # eager NCCL init: errors surface here, not at the first step
     _register_atexit()
-    host = f"[{context.master_addr}]" if ":" in str(context.master_addr) else context.master_addr
-    dist.init_process_group(
-        backend=chosen,
-        # tcp:// from the context rather than env://, so that an explicit
-        # context is honoured; both share torch's store logic (rank 0 hosts
-        # it, or the agent does under TORCHELASTIC_USE_AGENT_STORE).
-        init_method=f"tcp://{host}:{context.master_port}",
-        rank=context.rank,
-        world_size=context.world_size,
-        timeout=resolved_timeout,
-        device_id=device_id,
-    )
+    if generation is not None:
+        dist.init_process_group(backend=chosen, store=_meet(context, resolved_timeout, *generation),
+                                rank=context.rank, world_size=context.world_size, timeout=resolved_timeout,
+                                device_id=device_id)
+    else:
+        host = f"[{context.master_addr}]" if ":" in str(context.master_addr) else context.master_addr
+        dist.init_process_group(
+            backend=chosen,
+            # tcp:// from the context rather than env://, so that an explicit
+            # context is honoured; both share torch's store logic (rank 0 hosts
+            # it, or the agent does under TORCHELASTIC_USE_AGENT_STORE).
+            init_method=f"tcp://{host}:{context.master_port}",
+            rank=context.rank,
+            world_size=context.world_size,
+            timeout=resolved_timeout,
+            device_id=device_id,
+        )
     _owned = True
     logger.debug("process group formed: backend %s, rank %d of %d, device %s, timeout %ss",
                  chosen, context.rank, context.world_size, place, resolved_timeout.total_seconds())
     return Placement(place, chosen, resolved_timeout, context.rank, context.world_size, owned=True)
+
+
+def _meet(context: WorkerContext, timeout: timedelta, tag: str, superseded: Callable[[], bool]) -> dist.Store:
+    """The round's store, once every rank of it has arrived; :class:`GroupSuperseded` as soon as
+    a newer group is announced.
+
+    torch's own store rendezvous blocks in C++ for the whole timeout: a worker that
+    joined a round its peers already left behind (two generations in quick
+    succession) would hold them all up that long. Here each wait is short and checks
+    ``superseded`` in between. Rank 0 hosts the store (torch's multi-tenant server, as
+    ``tcp://`` does); the tag keeps rounds that share a port apart.
+    """
+    assert context.master_addr is not None and context.master_port is not None  # noqa: S101 - launched
+    deadline = time.monotonic() + timeout.total_seconds()
+
+    def check(waiting_for: str) -> None:
+        if superseded():
+            raise GroupSuperseded(f"a newer group was announced while waiting for {waiting_for}")
+        if time.monotonic() > deadline:
+            raise dist.DistStoreError(f"{waiting_for} did not arrive within {timeout.total_seconds():g}s")
+
+    if context.rank == 0:
+        server: dist.Store = dist.TCPStore(context.master_addr, context.master_port, None, True, timeout,
+                                           wait_for_workers=False, multi_tenant=True)
+    else:
+        # Probe with a plain socket: a TCPStore client that cannot connect yet logs a C++ stack per try.
+        while True:
+            try:
+                socket.create_connection((context.master_addr, context.master_port),
+                                         timeout=_POLL.total_seconds()).close()
+                break
+            except OSError:
+                check(f"rank 0's store at {context.master_addr}:{context.master_port}")
+                time.sleep(0.05)
+        server = dist.TCPStore(context.master_addr, context.master_port, None, False, timeout)
+    store = dist.PrefixStore(f"elastictrain/{tag}", server)
+    if store.add("arrived", 1) == context.world_size:
+        store.set("all", b"1")
+    while True:
+        try:
+            store.wait(["all"], _POLL)
+            return store
+        except dist.DistError:
+            check(f"{context.world_size - store.add('arrived', 0)} rank(s) of {context.world_size}")
 
 
 def destroy_process_group() -> None:

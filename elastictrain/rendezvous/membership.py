@@ -102,6 +102,7 @@ class ControlView:
         self.loaded = False
         """Whether the view was read from etcd yet."""
         self._loaded_at = 0  # the revision of the last full read: older events are in it
+        self._seen = 0  # the newest revision this view reflects (a read's, or the watch's last event's)
         self._watch: Watch | None = None
 
     def touch(self) -> None:
@@ -120,11 +121,16 @@ class ControlView:
         """Replace the view with a read of the control prefix made at ``revision``, and keep it
         current from there on (starting the watch on first use)."""
         with self.cond:
-            self.round = self.round_kv = self.closer = self.closer_kv = self.closed = None
-            self.problem = None
-            for item in kvs:
-                self._apply(item, deleted=False)
-            self._loaded_at = revision
+            # A read made before the watch's newest event is older than this view: the watch
+            # has applied every change up to that event, so the read is taken as seen. (A node
+            # that joins reads here, and the round formed just after its read may already
+            # have arrived by the watch: replacing the view would lose it for good.)
+            if revision >= self._seen:
+                self.round = self.round_kv = self.closer = self.closer_kv = self.closed = None
+                self.problem = None
+                for item in kvs:
+                    self._apply(item, deleted=False)
+                self._loaded_at = self._seen = revision
             self.loaded = True
             self.version += 1
             self.cond.notify_all()
@@ -142,6 +148,7 @@ class ControlView:
             for event in events:
                 if event.revision > self._loaded_at:  # older ones are in the last load already
                     self._apply(event.kv, deleted=event.deleted)
+                    self._seen = max(self._seen, event.revision)
             self.version += 1
             self.cond.notify_all()
 

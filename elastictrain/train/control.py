@@ -118,6 +118,15 @@ class WorkerControl:
             return current
         return None
 
+    def current(self) -> Assignment | None:
+        """The agent's newest assignment."""
+        return self._assignments.current()
+
+    def superseded(self) -> bool:
+        """Whether the agent announced a generation newer than this worker's (or closed the group)."""
+        current = self._assignments.current()
+        return current is not None and (current.closed or current.generation > self.generation)
+
     def wait_for_next(self, timeout: float) -> Assignment:
         """Wait for a generation newer than this worker's; adopt it.
 

@@ -27,7 +27,6 @@ holding the process group) inside ``train``.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from datetime import timedelta
@@ -42,7 +41,7 @@ from elastictrain._control import WorkerState
 from elastictrain.errors import ConfigError
 from elastictrain.sampler import ElasticSampler
 from elastictrain.train.control import WorkerControl
-from elastictrain.train.recovery import is_collective_failure, wait_for_generation
+from elastictrain.train.recovery import context_for, is_collective_failure, join_generation, wait_for_generation
 from elastictrain.train.state_transfer import agree, transfer
 from elastictrain.worker import WorkerContext
 
@@ -150,9 +149,14 @@ def run_elastic(train: Callable[[ElasticState], _T], state: ElasticState, *, res
     state._control = WorkerControl.from_env(state.context.local_rank, state.context.local_world_size)  # noqa: SLF001
     control = state._control  # noqa: SLF001
     holds = False
+    assignment = control.current() if control is not None else None
+    if assignment is not None:
+        state.context = context_for(state.context, assignment)  # the agent's newest word
     try:
         while True:
-            placement = pg.init_process_group(state.context, backend=backend, timeout=timeout)
+            placement, state.context, assignment = join_generation(
+                state.context, control, assignment, backend=backend, timeout=timeout,
+                recovery_timeout=recovery_timeout)
             try:
                 _form(state, holds=holds, restore=restore, placement=placement)
                 if control is not None:
@@ -168,13 +172,7 @@ def run_elastic(train: Callable[[ElasticState], _T], state: ElasticState, *, res
             holds = True
             pg.destroy_process_group()
             assignment = wait_for_generation(control, recovery_timeout)
-            rank = assignment.rank_of(state.context.local_rank)
-            if rank is None:
-                raise ConfigError(f"generation {assignment.generation} has no rank for local rank "
-                                  f"{state.context.local_rank}")
-            state.context = dataclasses.replace(
-                state.context, rank=rank, world_size=assignment.world_size, node_rank=assignment.group_rank,
-                master_addr=assignment.master_addr, master_port=assignment.master_port)
+            state.context = context_for(state.context, assignment)
             if state.context.rank == 0:
                 events.emit("recovery", cause=cause, generation=assignment.generation, step=state.step,
                             world_size=assignment.world_size)

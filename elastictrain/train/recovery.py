@@ -25,18 +25,23 @@ the collectives waiting for it fail at once.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from elastictrain import process_group as pg
 from elastictrain._control import Assignment, WorkerState
+from elastictrain.errors import SessionError
 from elastictrain.train.control import WorkerControl
+from elastictrain.worker import WorkerContext
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BoundaryFlag", "is_collective_failure"]
+__all__ = ["BoundaryFlag", "context_for", "is_collective_failure", "join_generation", "wait_for_generation"]
 
 # What gloo and NCCL say when a peer or the network is gone, besides torch's DistError types.
 _MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe", "connection refused",
@@ -108,3 +113,41 @@ def wait_for_generation(control: WorkerControl, timeout: float) -> Assignment:
     """
     control.set_state(WorkerState.RECOVERING)
     return control.wait_for_next(timeout)
+
+
+def context_for(context: WorkerContext, assignment: Assignment) -> WorkerContext:
+    """``context`` with the rank, world and store address the agent's ``assignment`` gives it.
+
+    Raises:
+        SessionError: The assignment has no rank for this worker's local rank.
+    """
+    rank = assignment.rank_of(context.local_rank)
+    if rank is None:
+        raise SessionError(f"the agent's generation {assignment.generation} has no rank for local rank "
+                           f"{context.local_rank}")
+    return dataclasses.replace(context, rank=rank, world_size=assignment.world_size, node_rank=assignment.group_rank,
+                               master_addr=assignment.master_addr, master_port=assignment.master_port)
+
+
+def join_generation(context: WorkerContext, control: WorkerControl | None, assignment: Assignment | None, *,
+                    backend: str | None, timeout: timedelta | float | None, device: Any = None,
+                    recovery_timeout: float) -> tuple[pg.Placement, WorkerContext, Assignment | None]:
+    """Form the process group of ``assignment``, following the agent to a newer generation
+    announced while it forms (two generations in quick succession: the peers went on).
+
+    Returns:
+        The placement, and the context and assignment it was formed with.
+    """
+    while True:
+        tag = None
+        if control is not None and assignment is not None:
+            tag = (f"round{assignment.round}-world{assignment.world_size}-{assignment.master_addr}:"
+                   f"{assignment.master_port}", control.superseded)
+        try:
+            return pg.init_process_group(context, backend=backend, timeout=timeout, device=device,
+                                         generation=tag), context, assignment
+        except pg.GroupSuperseded as exc:
+            assert control is not None  # noqa: S101 - only an in-process join can be superseded
+            logger.info("%s: joining the newer one", exc)
+            assignment = wait_for_generation(control, recovery_timeout)
+            context = context_for(context, assignment)

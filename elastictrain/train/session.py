@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader
 
 from elastictrain import events
 from elastictrain import process_group as pg
-from elastictrain._control import WorkerState
+from elastictrain._control import Assignment, WorkerState
 from elastictrain.config import RECOVERY_MODES, parse_duration
 from elastictrain.checkpoint import CheckpointManager, RestoreInfo, TorchDistributedCoordinator
 from elastictrain.errors import CheckpointError, ConfigError, SessionError
@@ -51,7 +51,13 @@ from elastictrain.progress import ProgressHook, progress_wanted
 from elastictrain.rank_logging import RankLoggerAdapter, get_logger, setup_logging
 from elastictrain.sampler import ElasticSampler
 from elastictrain.train.control import JobEnded, WorkerControl
-from elastictrain.train.recovery import BoundaryFlag, is_collective_failure, wait_for_generation
+from elastictrain.train.recovery import (
+    BoundaryFlag,
+    context_for,
+    is_collective_failure,
+    join_generation,
+    wait_for_generation,
+)
 from elastictrain.train.state_transfer import agree, transfer
 from elastictrain.train.steps import END, MicroStep, PlanFeed, Step, to_device
 from elastictrain.worker import WorkerContext
@@ -299,6 +305,7 @@ class Session:
         self._precision = MixedPrecision("fp32")
         self._ddp: DistributedDataParallel | None = None
         self._control: WorkerControl | None = None
+        self._assignment: Assignment | None = None
         self._flag: BoundaryFlag | None = None
         self._gloo: Any = None
         self._sync_buffers = False
@@ -385,6 +392,8 @@ class Session:
         self.hooks.dispatch("on_start", context=self.context)
         if config.recovery == "in-process" and self._group is None:
             self._control = WorkerControl.from_env(self.context.local_rank, self.context.local_world_size)
+            if self._control is not None and (current := self._control.current()) is not None:
+                self._adopt(current)  # the agent's newest word, which may be newer than this process's env
         self._join_group()
         self.hooks.dispatch("on_rendezvous", rank=self.context.rank, world_size=self.context.world_size,
                             restart_count=self.context.restart_count)
@@ -443,14 +452,24 @@ class Session:
             self.placement = pg.Placement(device, dist.get_backend(self._group), pg.resolve_timeout(config.timeout),
                                           rank, world, owned=False)
             return
-        self.placement = pg.init_process_group(self.context, backend=config.backend, timeout=config.timeout,
-                                               device=config.device)
+        self.placement, context, self._assignment = join_generation(
+            self.context, self._control, self._assignment, backend=config.backend, timeout=config.timeout,
+            device=config.device, recovery_timeout=config.recovery_timeout.total_seconds())
+        if context is not self.context:
+            self.context = context
+            self.log = get_logger(__name__, self.context)
         if self.placement.distributed and (self.placement.rank, self.placement.world_size) != (
                 self.context.rank, self.context.world_size):
             # An existing group (someone else's init) defines the world.
             self.context = dataclasses.replace(self.context, rank=self.placement.rank,
                                                world_size=self.placement.world_size)
             self.log = get_logger(__name__, self.context)
+
+    def _adopt(self, assignment: Assignment) -> None:
+        """Take this worker's rank, world and store address from the agent's ``assignment``."""
+        self._assignment = assignment
+        self.context = context_for(self.context, assignment)
+        self.log = get_logger(__name__, self.context)
 
     def _cpu_group(self) -> Any:
         """A gloo group of this generation (the default one when it is gloo), for state transfer."""
@@ -551,15 +570,7 @@ class Session:
         old_world = self.context.world_size
         while True:
             self._leave_generation()
-            assignment = wait_for_generation(self._control, self.config.recovery_timeout.total_seconds())
-            rank = assignment.rank_of(self.context.local_rank)
-            if rank is None:
-                raise SessionError(f"the agent's generation {assignment.generation} has no rank for local rank "
-                                   f"{self.context.local_rank}")
-            self.context = dataclasses.replace(
-                self.context, rank=rank, world_size=assignment.world_size, node_rank=assignment.group_rank,
-                master_addr=assignment.master_addr, master_port=assignment.master_port)
-            self.log = get_logger(__name__, self.context)
+            self._adopt(wait_for_generation(self._control, self.config.recovery_timeout.total_seconds()))
             try:
                 self._join_group()
                 # The same order of collectives as a worker that starts in this generation

@@ -281,3 +281,27 @@ def test_a_node_whose_lease_expires_while_it_waits_registers_again(etcd_server: 
     infos = [second.next_rendezvous(), waiting.result(timeout=10)]
     assert {i.world_size for i in infos} == {2}
     _shutdown(first, second)
+
+
+def test_a_read_older_than_the_watchs_last_event_does_not_undo_it(etcd_server: Any, run_id: str,
+                                                                   etcd_client: Any) -> None:
+    # A node that joins reads the control keys in its join transaction; a round formed right
+    # after that read can arrive by the watch before the node applies the read. The older read
+    # must not replace the newer round: the node would wait for it forever.
+    from elastictrain.rendezvous.membership import ControlView
+    from elastictrain.rendezvous.records import encode
+
+    keys = RunKeys.of(run_id)
+    view = ControlView(etcd_client, keys)
+    revision, kvs = kv.range_(etcd_client, keys.ctl, prefix=True, what="test")
+    view.load(kvs, revision)  # starts the watch
+    stale_revision, stale = kv.range_(etcd_client, keys.ctl, prefix=True, what="test")  # the join's read
+    record = RoundRecord(round=0, nodes=["a"], nproc=[1], master_addr="127.0.0.1", master_port=1, snapshot=0,
+                         min_nodes=1, max_nodes=1, formed_at=time.time())
+    kv.txn(etcd_client, [], [kv.put(keys.round, encode(record))], what="test")
+    _eventually(lambda: view.round is not None, 10, "the watch delivers the round")
+    view.load(stale, stale_revision)
+    try:
+        assert view.round is not None and view.round.round == 0, "the older read undid the round the watch delivered"
+    finally:
+        view.close()
