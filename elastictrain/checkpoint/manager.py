@@ -176,7 +176,11 @@ class CheckpointManager:
         self._stall = (timeout or _DEFAULT_STALL).total_seconds()
         self._host = socket.gethostname()
         self._fence: int | None = None
-        self._check_directory(claim=fence)
+        try:
+            self._check_directory(claim=fence)
+        except BaseException:
+            self._coord.close()  # every rank raises: none keeps the group it will never use
+            raise
         # Rank 0 alone copies (the replicated state): the others have nothing to overlap.
         self._overlap = Overlap(self._pool) if overlap and self._coord.rank == 0 else None
 
