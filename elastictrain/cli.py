@@ -323,6 +323,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from elastictrain import status_report
     from elastictrain.run_state import list_runs, read_status
 
+    if args.verify_checksums and not args.checkpoint_dir:
+        raise ConfigError("--verify-checksums needs --checkpoint-dir (the directory whose checkpoint to verify)")
     client = _client_for(args)
     if args.all:
         runs = [read_status(client, run_id, lease_ttls=False) for run_id in list_runs(client)]

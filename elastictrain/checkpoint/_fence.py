@@ -85,7 +85,7 @@ def claim(storage: Storage, prefix: str) -> int:
                 f.write(json.dumps({"token": token, **holder}).encode())
         except FileExistsError:
             continue  # another world took this number first: take the next
-        for old in tokens[:-_KEEP]:
+        for old in tokens[: max(0, len(tokens) - (_KEEP - 1))]:  # _KEEP tokens remain, this one included
             try:
                 storage.delete(_join(prefix, _name(old)))
             except OSError:

@@ -164,6 +164,15 @@ def test_a_session_claims_its_checkpoint_directory_before_it_restores(tmp_path: 
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == ["step_00000000"]  # the session's, at exit
 
 
+def test_each_world_claims_the_next_token_and_only_the_newest_four_remain(tmp_path: Path) -> None:
+    tokens = []
+    for _ in range(6):
+        with CheckpointManager(tmp_path, fence=True) as mgr:
+            tokens.append(mgr.fence)
+    assert tokens == [1, 2, 3, 4, 5, 6]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".fence-{t:012d}" for t in (3, 4, 5, 6)]
+
+
 # --- 4. readers racing the writer's retention -------------------------------------------------
 
 
@@ -209,6 +218,16 @@ def test_status_checks_manifests_and_sizes_and_checksums_only_when_asked(tmp_pat
     truncated.write_bytes(truncated.read_bytes()[:-1])
     with pytest.raises(CheckpointError, match="none of the 2"):
         status_report.newest_checkpoint(str(tmp_path))
+
+
+def test_status_verify_checksums_without_a_checkpoint_dir_is_one_line_and_a_usage_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from elastictrain.cli import main
+
+    code = main(["status", "--etcd", "127.0.0.1:1", "--run-id", "x", "--verify-checksums"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip().splitlines() == [
+        "elastictrain: error: --verify-checksums needs --checkpoint-dir (the directory whose checkpoint to verify)"]
 
 
 # --- 2. a save is never cut short for being large ---------------------------------------------
