@@ -168,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Show what etcd knows about a run (or, with --all, list runs).")
     _add_etcd_client(status)
     _add_switch(status, "--all", help="list every run id on this etcd")
-    _add(status, "--checkpoint-dir", default=None, help="also show the newest committed checkpoint in this directory")
+    _add(status, "--checkpoint-dir", default=None, help="also show the newest committed checkpoint in this directory (its manifest and file sizes checked)")
+    _add_switch(status, "--verify-checksums", help="with --checkpoint-dir: also check the sha256 of every file of that checkpoint (reads every byte)")
     _add_switch(status, "--json", help="print JSON instead of a table")
 
     stop = sub.add_parser("stop", help="close a run so that every node exits 0",
@@ -322,6 +323,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from elastictrain import status_report
     from elastictrain.run_state import list_runs, read_status
 
+    if args.verify_checksums and not args.checkpoint_dir:
+        raise ConfigError("--verify-checksums needs --checkpoint-dir (the directory whose checkpoint to verify)")
     client = _client_for(args)
     if args.all:
         runs = [read_status(client, run_id, lease_ttls=False) for run_id in list_runs(client)]
@@ -330,7 +333,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
     if not args.run_id:
         raise ConfigError("--run-id is required (or --all)")
     status = read_status(client, args.run_id)
-    checkpoint = status_report.newest_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else None
+    checkpoint = status_report.newest_checkpoint(
+        args.checkpoint_dir, checksums=args.verify_checksums) if args.checkpoint_dir else None
     if args.json:
         print(json.dumps({**status.to_json(), "checkpoint": checkpoint}, indent=2))
     else:

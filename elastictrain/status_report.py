@@ -11,8 +11,16 @@ from elastictrain.run_state import RunStatus
 __all__ = ["newest_checkpoint", "run_table", "runs_table"]
 
 
-def newest_checkpoint(directory: str) -> dict[str, Any] | None:
+def newest_checkpoint(directory: str, *, checksums: bool = False) -> dict[str, Any] | None:
     """Step, time, world size and path of the newest checkpoint in ``directory`` that verifies.
+
+    A status call runs while the trainer writes and retires checkpoints: by default it
+    checks each candidate's manifest and file sizes (a few ``stat`` calls, whatever
+    the checkpoint's size), and a checkpoint retired while it is read is not corrupt
+    (the directory is listed again).
+
+    Args:
+        checksums: Also read every file of the candidate to check its sha256.
 
     Raises:
         CheckpointError: The directory cannot be read, or no checkpoint in it verifies.
@@ -21,12 +29,12 @@ def newest_checkpoint(directory: str) -> dict[str, Any] | None:
     from elastictrain.checkpoint.storage import LocalStorage
 
     storage = LocalStorage(directory)
-    found = _manifest.find(storage, "", None)
+    found = _manifest.find(storage, "", None, checksums=checksums)
     if found is None:
         return None
     step, manifest = found
     return {"step": step, "time": manifest["time"], "world_size": manifest["world_size"],
-            "path": storage.location(_manifest.step_dir(step))}
+            "path": storage.location(_manifest.step_dir(step)), "checksums_verified": checksums}
 
 
 def _age(seconds: float | None) -> str:

@@ -10,7 +10,13 @@ Layout under the checkpoint directory::
     step_00000124.tmp-3f9a0c1e/     a save in progress, or left by a crash: never read
 
 A checkpoint directory is trusted only if its manifest parses, names this step and
-format, and every file it lists exists with the recorded size and SHA-256.
+format, and every file it lists exists with the recorded size and SHA-256. Checking the
+sizes is cheap (one ``stat`` per file); the SHA-256 reads every byte, so each rank checks
+it on the files it loads (``verify_file``), and ``status`` only when asked.
+
+A reader that is not the writer (an eval job, ``status``) races with retention: a
+checkpoint listed a moment ago may be deleted before its files are read. That is
+``VanishedCheckpointError``, never corruption: ``find`` lists again and moves on.
 """
 
 from __future__ import annotations
@@ -45,6 +51,9 @@ __all__ = [
     "write_manifest",
     "verify",
     "find",
+    "verify_file",
+    "newest_listed",
+    "VanishedCheckpointError",
 ]
 
 logger = logging.getLogger(__name__)
@@ -56,6 +65,13 @@ REPLICATED = "replicated.pt"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _STAGING_RE = re.compile(r"^step_\d+\.tmp-.+$")
 _CHUNK = 8 << 20
+_RELISTS = 20
+"""How many times ``find`` lists again when checkpoints vanish under it (each time, retention
+deleted what it had listed; a writer retires at most one checkpoint per save)."""
+
+
+class VanishedCheckpointError(CheckpointError):
+    """A checkpoint was deleted (retired by its writer) while it was being read: not corruption."""
 
 
 def join(*parts: str) -> str:
@@ -150,7 +166,8 @@ def write_file(
 
 
 def write_manifest(
-    storage: Storage, directory: str, *, step: int, world_size: int, saved_at: float, files: list[FileEntry]
+    storage: Storage, directory: str, *, step: int, world_size: int, saved_at: float, files: list[FileEntry],
+    fence: int | None = None,
 ) -> None:
     """Write the manifest of a checkpoint into ``directory`` (durably).
 
@@ -163,18 +180,22 @@ def write_manifest(
         "world_size": world_size,
         "time": saved_at,
         "torch_version": torch.__version__,
+        "fence": fence,
         "files": {f.name: {"size": f.size, "sha256": f.sha256} for f in sorted(files, key=lambda f: f.name)},
     }
     with storage.open_write(join(directory, MANIFEST)) as f:
         f.write(json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n")
 
 
-def verify(storage: Storage, directory: str, step: int) -> dict[str, Any]:
+def verify(storage: Storage, directory: str, step: int, *, checksums: bool = True) -> dict[str, Any]:
     """Check a committed checkpoint against its manifest and return the manifest.
 
-    Reads every file once to recompute its checksum.
+    Args:
+        checksums: Also read every file to recompute its SHA-256; otherwise only the
+            manifest and each file's size are checked (one ``stat`` per file).
 
     Raises:
+        VanishedCheckpointError: The checkpoint directory was deleted meanwhile.
         CorruptCheckpointError: The manifest is missing or malformed, or a file is
             missing, has the wrong size or the wrong checksum.
         OSError: The storage failed in a way that is not the checkpoint's fault.
@@ -184,6 +205,7 @@ def verify(storage: Storage, directory: str, step: int) -> dict[str, Any]:
         with storage.open_read(join(directory, MANIFEST)) as f:
             raw = f.read()
     except FileNotFoundError as exc:
+        _raise_if_vanished(storage, directory, exc)
         raise CorruptCheckpointError(f"checkpoint {where} has no {MANIFEST}") from exc
     try:
         manifest = json.loads(raw)
@@ -202,14 +224,52 @@ def verify(storage: Storage, directory: str, step: int) -> dict[str, Any]:
     if missing:
         raise CorruptCheckpointError(f"checkpoint {where}: manifest does not list {sorted(missing)}")
     for entry in entries:
-        _verify_file(storage, directory, entry, where)
+        _verify_file(storage, directory, entry, where, checksums=checksums)
     return manifest
 
 
-def find(storage: Storage, prefix: str, step: int | None) -> tuple[int, dict[str, Any]] | None:
+def _raise_if_vanished(storage: Storage, directory: str, exc: BaseException) -> None:
+    if not storage.exists(directory):
+        raise VanishedCheckpointError(f"checkpoint {storage.location(directory)} was deleted while it was read") \
+            from exc
+
+
+def newest_listed(storage: Storage, prefix: str) -> int | None:
+    """The highest step with a committed directory name under ``prefix`` (no verification).
+
+    Raises:
+        OSError: ``prefix`` exists but cannot be listed.
+    """
+    try:
+        names = storage.list_dir(prefix)
+    except FileNotFoundError:
+        return None
+    return max((s for n in names if (s := parse_step_dir(n)) is not None), default=None)
+
+
+def verify_file(storage: Storage, directory: str, entry: FileEntry) -> None:
+    """Check one file of a checkpoint: its size and SHA-256 against ``entry`` (reads it once).
+
+    Raises:
+        VanishedCheckpointError: The checkpoint directory was deleted meanwhile.
+        CorruptCheckpointError: The file is missing, or its size or checksum differ.
+        OSError: The storage failed.
+    """
+    _verify_file(storage, directory, entry, storage.location(directory), checksums=True)
+
+
+def find(
+    storage: Storage, prefix: str, step: int | None, *, checksums: bool = True, skip: frozenset[int] = frozenset()
+) -> tuple[int, dict[str, Any]] | None:
     """Return (step, manifest) of the checkpoint to restore: ``step``, or the newest that verifies.
 
-    Checkpoints that do not verify are skipped with a warning naming them.
+    Checkpoints that do not verify are skipped with a warning naming them. A checkpoint
+    deleted while it is read (its writer retired it) is not corrupt: the directory is
+    listed again, and the newest checkpoint then present is tried.
+
+    Args:
+        checksums: See ``verify``.
+        skip: Steps not to consider (found corrupt by a rank that read them).
 
     Returns:
         None if ``step`` is None and there are no checkpoints at all.
@@ -219,37 +279,56 @@ def find(storage: Storage, prefix: str, step: int | None) -> tuple[int, dict[str
         NoCheckpointError: ``step`` has no committed checkpoint.
         CorruptCheckpointError: ``step`` does not verify, or checkpoints exist and none verifies.
     """
+    for _ in range(_RELISTS):
+        steps = [s for s in _list_steps(storage, prefix) if s not in skip]
+        if step is not None:
+            if step not in steps:
+                raise NoCheckpointError(f"no committed checkpoint of step {step} in {storage.location(prefix)}")
+            try:
+                return step, _verify_readable(storage, prefix, step, checksums)
+            except VanishedCheckpointError as exc:
+                raise NoCheckpointError(f"the checkpoint of step {step} was deleted while it was read") from exc
+        vanished = corrupt = 0
+        for candidate in steps:
+            try:
+                return candidate, _verify_readable(storage, prefix, candidate, checksums)
+            except VanishedCheckpointError:
+                logger.debug("checkpoint of step %d was retired while it was read", candidate)
+                vanished += 1
+                break  # the older ones are likely gone too: list again
+            except CorruptCheckpointError as exc:
+                logger.warning("skipping checkpoint of step %d: %s", candidate, exc)
+                corrupt += 1
+        if not vanished:
+            if corrupt or skip:
+                raise CorruptCheckpointError(
+                    f"none of the {corrupt + len(skip)} checkpoints in {storage.location(prefix)} verifies")
+            return None
+    raise CheckpointError(f"checkpoints in {storage.location(prefix)} kept vanishing while they were read "
+                          f"({_RELISTS} listings): is another job deleting them?")
+
+
+def _list_steps(storage: Storage, prefix: str) -> list[int]:
     try:
         names = storage.list_dir(prefix)
     except FileNotFoundError:
         names = []
     except OSError as exc:
         raise CheckpointError(f"cannot read checkpoint directory {storage.location(prefix)}: {exc}") from exc
-    steps = sorted((s for n in names if (s := parse_step_dir(n)) is not None), reverse=True)
-    if step is not None:
-        if step not in steps:
-            raise NoCheckpointError(f"no committed checkpoint of step {step} in {storage.location(prefix)}")
-        return step, _verify_readable(storage, prefix, step)
-    for candidate in steps:
-        try:
-            return candidate, _verify_readable(storage, prefix, candidate)
-        except CorruptCheckpointError as exc:
-            logger.warning("skipping checkpoint of step %d: %s", candidate, exc)
-    if steps:
-        raise CorruptCheckpointError(f"none of the {len(steps)} checkpoints in {storage.location(prefix)} verifies")
-    return None
+    return sorted((s for n in names if (s := parse_step_dir(n)) is not None), reverse=True)
 
 
-def _verify_readable(storage: Storage, prefix: str, step: int) -> dict[str, Any]:
+def _verify_readable(storage: Storage, prefix: str, step: int, checksums: bool) -> dict[str, Any]:
     directory = join(prefix, step_dir(step))
     try:
-        return verify(storage, directory, step)
+        return verify(storage, directory, step, checksums=checksums)
     except OSError as exc:
+        _raise_if_vanished(storage, directory, exc)
         # An unreadable checkpoint is as unusable as a corrupt one; the one before may be fine.
         raise CorruptCheckpointError(f"checkpoint {storage.location(directory)} cannot be read: {exc}") from exc
 
 
-def _verify_file(storage: Storage, directory: str, entry: FileEntry, where: str) -> None:
+def _verify_file(storage: Storage, directory: str, entry: FileEntry, where: str, *, checksums: bool) -> None:
     path = join(directory, entry.name)
     try:
         size = storage.size(path)
@@ -257,11 +336,14 @@ def _verify_file(storage: Storage, directory: str, entry: FileEntry, where: str)
             raise CorruptCheckpointError(
                 f"checkpoint {where}: {entry.name} has {size} bytes, manifest says {entry.size}"
             )
+        if not checksums:
+            return
         digest = hashlib.sha256()
         with storage.open_read(path) as f:
             while chunk := f.read(_CHUNK):
                 digest.update(chunk)
     except FileNotFoundError as exc:
+        _raise_if_vanished(storage, directory, exc)
         raise CorruptCheckpointError(f"checkpoint {where}: {entry.name} is missing") from exc
     if digest.hexdigest() != entry.sha256:
         raise CorruptCheckpointError(f"checkpoint {where}: {entry.name} does not match its sha256 checksum")

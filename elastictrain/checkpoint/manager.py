@@ -7,12 +7,17 @@ One save, called by every rank with the same step:
    overlapped saves leave that copy to the background thread (``_overlap``), and
    the next step waits for it only where it would change a tensor not yet copied.
 2. Agree on a staging directory ``step_<N>.tmp-<nonce>`` (rank 0's nonce).
-3. Each rank writes and fsyncs its files there (rank 0: ``replicated.pt`` too).
+3. Each rank writes and fsyncs its files there (rank 0: ``replicated.pt`` too), then
+   marks its part written (``.written-<rank>``). Ranks wait for each other's marks
+   outside any collective, with a deadline that moves while the staging directory
+   grows: a large checkpoint takes as long as it takes to write, a stalled writer
+   still fails the save.
 4. Barrier: every rank reports its files (name, size, sha256) or its failure.
-5. Rank 0 checks the files, writes ``MANIFEST.json``, fsyncs, and commits by renaming
-   the staging directory to ``step_<N>`` (then fsyncs the parent). The rename is
-   the commit point: a crash before it leaves only a staging dir that is never
-   read; a crash after it leaves a complete checkpoint.
+5. Rank 0 checks the files and its fencing token (``_fence``), writes
+   ``MANIFEST.json``, fsyncs, and commits by renaming the staging directory to
+   ``step_<N>`` (then fsyncs the parent). The rename is the commit point: a crash
+   before it leaves only a staging dir that is never read; a crash after it leaves a
+   complete checkpoint.
 6. Rank 0 broadcasts the outcome (every rank fails or succeeds together), then
    deletes checkpoints beyond ``keep_last`` and stale staging dirs.
 """
@@ -23,6 +28,7 @@ import logging
 import os
 import pickle
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -34,6 +40,7 @@ import torch
 
 from elastictrain.errors import CheckpointError, ConfigError, CorruptCheckpointError
 
+from . import _fence
 from . import _manifest as fmt
 from . import _snapshot as snap
 from ._overlap import Overlap, SnapshotCopy
@@ -49,6 +56,10 @@ FAULT_STAGES = ("before_write", "during_write", "before_barrier", "before_commit
 """Where ``CheckpointManager._fault_hook`` is called during a save (a test seam for crash injection)."""
 COPY_STAGE = "during_copy"
 """Where ``_fault_hook`` is also called in an overlapped save: on rank 0, before each storage's copy."""
+_DEFAULT_STALL = timedelta(minutes=5)
+"""Without ``timeout``: how long ranks wait for a peer's part while its files do not grow."""
+_AGREE_ATTEMPTS = 5
+_LOAD_ATTEMPTS = 20
 
 
 @runtime_checkable
@@ -110,17 +121,26 @@ class CheckpointManager:
             the background once every saved optimizer has stepped, so that the
             first save copies into warm memory too.
         storage: Where bytes go; ``None`` uses ``LocalStorage(directory)``. With
-            more than one rank it must be shared by all of them.
+            more than one rank it must be shared by all of them: the constructor
+            checks that every rank sees a file rank 0 writes there.
         coordinator: How ranks agree; ``None`` uses a dedicated gloo group when
             ``torch.distributed`` is initialized (creating it is a collective),
             else a single process.
         timeout: Timeout of each collective of the created gloo group; ``None``
-            keeps torch's default. It must cover the slowest rank's file write.
+            keeps torch's default. While ranks wait for each other's files, it is
+            how long a peer's files may go without growing (default 5 minutes):
+            a large checkpoint is never cut short by it.
+        fence: Claim this world's fencing token now, before restoring (a training
+            job: ``Session`` does). Otherwise the token is claimed at the first
+            save, so a reader that only restores (an eval job) never fences off
+            the writer. A commit is refused once a newer world claimed the directory.
 
     Raises:
         ConfigError: ``keep_last`` is not a positive integer, or ``overlap``
             without ``async_save``.
-        CheckpointError: The directory cannot be created or written (checked on rank 0).
+        CheckpointError: The directory cannot be created or written (checked on
+            rank 0), or some rank cannot see it (it is not on a shared filesystem);
+            raised on every rank.
     """
 
     def __init__(
@@ -133,6 +153,7 @@ class CheckpointManager:
         storage: Storage | None = None,
         coordinator: Coordinator | None = None,
         timeout: timedelta | None = None,
+        fence: bool = False,
     ) -> None:
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise ConfigError(f"keep_last must be a positive integer, got {keep_last!r}")
@@ -152,20 +173,14 @@ class CheckpointManager:
         self._closed = False
         # Test seam: called with each FAULT_STAGES name during a save, on every rank.
         self._fault_hook: Callable[[str], None] | None = None
-        if self._coord.rank == 0:
-            try:
-                self._storage.make_dir(self._prefix)
-            except OSError as exc:
-                raise CheckpointError(f"cannot create checkpoint directory {self.location}: {exc}") from exc
-            # Now, not at the first save, steps (or hours) later: a directory we cannot write.
-            probe = fmt.join(self._prefix, f".write-probe-{os.getpid()}")
-            try:
-                with self._storage.open_write(probe):
-                    pass
-                self._storage.delete(probe)
-            except OSError as exc:
-                raise CheckpointError(f"checkpoint directory {self.location} is not writable: "
-                                      f"{exc.strerror or exc}") from exc
+        self._stall = (timeout or _DEFAULT_STALL).total_seconds()
+        self._host = socket.gethostname()
+        self._fence: int | None = None
+        try:
+            self._check_directory(claim=fence)
+        except BaseException:
+            self._coord.close()  # every rank raises: none keeps the group it will never use
+            raise
         # Rank 0 alone copies (the replicated state): the others have nothing to overlap.
         self._overlap = Overlap(self._pool) if overlap and self._coord.rank == 0 else None
 
@@ -173,6 +188,75 @@ class CheckpointManager:
     def location(self) -> str:
         """Where the checkpoints live, for humans."""
         return self._storage.location(self._prefix)
+
+    @property
+    def fence(self) -> int | None:
+        """This world's fencing token in the directory (None until claimed: see ``fence=``)."""
+        return self._fence
+
+    def _check_directory(self, *, claim: bool) -> None:
+        """Rank 0 creates the directory, writes a probe (and claims a token); every rank must read the probe.
+
+        Now, not at the first save, steps (or hours) later: a directory rank 0 cannot
+        write, or one that some node does not share (a node-local disk, a missing
+        mount) and that would make ranks restore different checkpoints, or none.
+        """
+        rank0 = self._coord.rank == 0
+        setup: tuple[str, str, int | None] | CheckpointError | None = None
+        if rank0:
+            setup = self._write_probe(claim)
+        try:
+            setup = self._coord.broadcast(setup)
+        except CheckpointError:
+            if rank0 and not isinstance(setup, CheckpointError) and setup is not None:
+                self._delete_quietly(setup[0])
+            raise
+        if isinstance(setup, CheckpointError):
+            raise setup
+        assert setup is not None  # noqa: S101 - rank 0 always sends a setup or an error
+        probe, nonce, token = setup
+        seen = True
+        if not rank0:
+            try:
+                with self._storage.open_read(probe) as f:
+                    seen = f.read() == nonce.encode()
+            except OSError:
+                seen = False
+        views = self._coord.all_gather((seen, self._host))
+        if rank0:
+            self._delete_quietly(probe)
+        blind = [(rank, host) for rank, (ok, host) in enumerate(views) if not ok]
+        if blind:
+            hosts = ", ".join(sorted({host for _, host in blind}))
+            ranks = ", ".join(str(rank) for rank, _ in blind)
+            raise CheckpointError(
+                f"checkpoint directory {self.location} is not on a filesystem shared by all ranks: host(s) {hosts} "
+                f"(rank(s) {ranks}) cannot see the file rank 0 (host {views[0][1]}) wrote there; mount one shared "
+                "filesystem (NFS, Lustre, a ReadWriteMany volume) at this path on every node"
+            )
+        self._fence = token
+
+    def _write_probe(self, claim: bool) -> tuple[str, str, int | None] | CheckpointError:
+        try:
+            self._storage.make_dir(self._prefix)
+        except OSError as exc:
+            return CheckpointError(f"cannot create checkpoint directory {self.location}: {exc}")
+        nonce = secrets.token_hex(8)
+        probe = fmt.join(self._prefix, f".probe-{nonce}")
+        try:
+            with self._storage.open_write(probe) as f:
+                f.write(nonce.encode())
+        except OSError as exc:
+            return CheckpointError(f"checkpoint directory {self.location} is not writable: {exc.strerror or exc}")
+        try:
+            token = _fence.claim(self._storage, self._prefix) if claim else None
+        except OSError as exc:
+            self._delete_quietly(probe)
+            return CheckpointError(f"cannot claim a fencing token in {self.location}: {exc}")
+        except CheckpointError as exc:
+            self._delete_quietly(probe)
+            return exc
+        return probe, nonce, token
 
     def save(self, step: int, state: Mapping[str, Stateful | dict[str, Any]]) -> None:
         """Save ``state`` as the checkpoint of ``step``; a collective.
@@ -249,6 +333,9 @@ class CheckpointManager:
     def latest_step(self) -> int | None:
         """Return the newest step whose checkpoint verifies, agreed by all ranks; a collective.
 
+        Checks each candidate's manifest and file sizes (cheap); checksums are checked
+        by the ranks that load it (``restore``).
+
         Raises:
             CheckpointError: The directory cannot be read, or a failed async save.
             CorruptCheckpointError: Checkpoints exist but none verifies.
@@ -261,8 +348,11 @@ class CheckpointManager:
     def restore(self, state: Mapping[str, Stateful | dict[str, Any]], step: int | None = None) -> RestoreInfo | None:
         """Load a checkpoint into ``state``'s objects; a collective.
 
-        Rank 0 picks the newest checkpoint that verifies (skipping, with a warning,
-        any whose manifest or checksums do not) and every rank loads it. Dict
+        Rank 0 picks the newest checkpoint whose manifest and file sizes check out;
+        every rank checks the checksums of the files it loads, and if one does not
+        match on any rank, every rank skips that checkpoint (with a warning) and
+        tries the one before. A checkpoint deleted while it is read (a separate
+        reader racing its writer's retention) is not corrupt: the ranks agree again. Dict
         entries are updated in place. Rank ``r`` restores its own saved RNG
         states; a rank the saved job did not have (the world grew) seeds its RNGs
         with ``fallback_seed`` instead, which is deterministic and distinct per rank.
@@ -287,19 +377,41 @@ class CheckpointManager:
         if step is not None:
             snap.check_step(step)
         self.wait()
-        found = self._agree(step)
-        if found is None:
-            logger.info("no checkpoint in %s; starting from scratch", self.location)
-            if self._overlap is not None:
-                self._overlap.plan_reservation(state)
-            return None
-        step, manifest = found
-        directory = fmt.join(self._prefix, fmt.step_dir(step))
-        content = self._load(directory, fmt.REPLICATED)
-        if not isinstance(content, dict) or not {"stateful", "extras"} <= content.keys():
-            raise CorruptCheckpointError(f"{self._storage.location(directory)}: {fmt.REPLICATED} has no state")
+        skip: set[int] = set()
+        for _ in range(_LOAD_ATTEMPTS):
+            found = self._agree(step, frozenset(skip))
+            if found is None:
+                logger.info("no checkpoint in %s; starting from scratch", self.location)
+                if self._overlap is not None:
+                    self._overlap.plan_reservation(state)
+                return None
+            chosen, manifest = found
+            directory = fmt.join(self._prefix, fmt.step_dir(chosen))
+            # Every rank checks the checksums of what it loads, before anything changes:
+            # rank 0's view of the directory is not proof of another node's.
+            loaded, problem = self._load_verified(directory, manifest)
+            problems = [(r, p) for r, p in enumerate(self._coord.all_gather(problem)) if p is not None]
+            if not problems:
+                break
+            fatal = [p for _, (kind, p) in problems if kind == "fatal"]
+            if fatal:
+                raise CorruptCheckpointError(fatal[0])
+            corrupt = [f"rank {r} ({p})" for r, (kind, p) in problems if kind == "corrupt"]
+            if corrupt:
+                message = f"checkpoint of step {chosen} does not verify on " + "; ".join(corrupt)
+                if step is not None:
+                    raise CorruptCheckpointError(message)
+                logger.warning("skipping %s", message)
+                skip.add(chosen)
+            # Otherwise it vanished under a rank (retired by its writer): agree again.
+        else:
+            raise CheckpointError(f"could not load a checkpoint from {self.location} in {_LOAD_ATTEMPTS} attempts: "
+                                  "they kept vanishing or failing verification")
+        step = chosen
+        assert loaded is not None  # noqa: S101 - no problem reported on this rank
+        content, rng = loaded
         snap.load_into(state, content["stateful"], content["extras"], step)
-        self._restore_rng(directory, manifest, step)
+        self._restore_rng(rng, manifest, step)
         info = RestoreInfo(
             step=step,
             path=self._storage.location(directory),
@@ -411,6 +523,8 @@ class CheckpointManager:
             logger.error("rank %d could not write its part of step %d: %s", rank, step, exc)
             error = f"rank {rank}: {exc!r}"
 
+        # Wait for the slowest writer outside the collective, whose timeout is fixed.
+        self._await_writers(staging)
         # The barrier: nobody commits until every rank's files are durable.
         reports = self._coord.all_gather((written, error))
         outcome: str | None = None
@@ -419,6 +533,8 @@ class CheckpointManager:
             try:
                 if errors:
                     raise CheckpointError("; ".join(errors))
+                if self._fence is None:
+                    self._fence = _fence.claim(self._storage, self._prefix)
                 self._commit(step, staging, nonce, [f for files, _ in reports for f in files])
             except Exception as exc:
                 outcome = str(exc)
@@ -431,6 +547,52 @@ class CheckpointManager:
             elapsed = time.monotonic() - started
             logger.info("committed step %d to %s in %.2fs", step, self.location, elapsed)
             _events.info("checkpoint_commit", extra={"elastictrain_event": {"step": step, "seconds": elapsed}})
+
+    def _await_writers(self, staging: str) -> None:
+        """Mark this rank's part of ``staging`` written, then wait until every rank has.
+
+        No collective: the deadline is ``_stall`` seconds without the staging
+        directory's files growing, so rank 0 writing many GB keeps the others
+        waiting as long as it makes progress. On a stall, a storage error, or a
+        rank that could not write its mark, stop waiting: the barrier collective
+        that follows reports the failure (or times out).
+        """
+        world = self._coord.world_size
+        if world == 1:
+            return
+        try:
+            # Also after a failure (even before this rank made the directory): the others
+            # stop waiting for this rank, and the barrier reports its error.
+            self._storage.make_dir(staging)
+            with self._storage.open_write(fmt.join(staging, _written_mark(self._coord.rank))):
+                pass
+        except OSError as exc:
+            logger.warning("could not mark rank %d's part written: %s", self._coord.rank, exc)
+            return
+        wanted = {_written_mark(r) for r in range(world)}
+        deadline = time.monotonic() + self._stall
+        progress: int | None = None
+        delay = 0.005
+        while True:
+            try:
+                names = set(self._storage.list_dir(staging))
+                if wanted <= names:
+                    return
+                grown = sum(self._storage.size(fmt.join(staging, n)) for n in names if not n.startswith("."))
+            except OSError as exc:
+                logger.warning("stopped waiting for the other ranks' files in %s: %s",
+                               self._storage.location(staging), exc)
+                return
+            now = time.monotonic()
+            if grown != progress:
+                progress, deadline = grown, now + self._stall
+            elif now > deadline:
+                logger.warning("ranks %s have not written their part of %s, which has not grown for %.0fs",
+                               sorted(int(n.rsplit("-", 1)[1]) for n in wanted - names),
+                               self._storage.location(staging), self._stall)
+                return
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
 
     def _write(self, directory: str, name: str, obj: Any) -> tuple[str, int, str]:
         entry = fmt.write_file(self._storage, directory, name, obj, on_write=lambda: self._fault("during_write"))
@@ -448,11 +610,17 @@ class CheckpointManager:
                     f"{self._storage.location(path)} has {size} bytes where {entry.size} were written; "
                     "is the checkpoint directory on a filesystem shared by all ranks?"
                 )
+        if self._coord.world_size > 1:
+            for rank in range(self._coord.world_size):
+                self._storage.delete(fmt.join(staging, _written_mark(rank)))
         fmt.write_manifest(
-            self._storage, staging, step=step, world_size=self._coord.world_size, saved_at=time.time(), files=entries
+            self._storage, staging, step=step, world_size=self._coord.world_size, saved_at=time.time(), files=entries,
+            fence=self._fence,
         )
         self._storage.sync_dir(staging)
         self._fault("before_commit")
+        assert self._fence is not None  # noqa: S101 - claimed before the commit
+        _fence.check(self._storage, self._prefix, self._fence, what=f"the commit of step {step}")
         final = fmt.join(self._prefix, fmt.step_dir(step))
         if self._storage.exists(final):
             # Saving a step again (after restoring to it): park the old one under a
@@ -465,7 +633,13 @@ class CheckpointManager:
 
     def _retain(self, committed: int) -> None:
         try:
+            if self._fence is not None:
+                # A newer world that claimed the directory since our commit owns what is in it.
+                _fence.check(self._storage, self._prefix, self._fence, what="retention")
             names = self._storage.list_dir(self._prefix)
+        except _fence.FencedError as exc:
+            logger.warning("%s", exc)
+            return
         except OSError as exc:
             logger.warning("retention skipped: cannot list %s: %s", self.location, exc)
             return
@@ -484,20 +658,83 @@ class CheckpointManager:
             # A failed deletion costs disk space, not correctness; it must not fail the save.
             logger.warning("could not delete %s: %s", self._storage.location(path), exc)
 
-    def _agree(self, step: int | None) -> tuple[int, dict[str, Any]] | None:
-        found: tuple[int, dict[str, Any]] | CheckpointError | None = None
-        if self._coord.rank == 0:
+    def _agree(self, step: int | None, skip: frozenset[int] = frozenset()) -> tuple[int, dict[str, Any]] | None:
+        """Rank 0's choice of checkpoint (manifest and sizes checked), on every rank; a collective.
+
+        Every rank also lists the directory: a rank that sees a newer step than rank
+        0 (its node's directory is not the one rank 0 reads) makes every rank fail,
+        rather than restore an older step, or start from scratch, silently.
+        """
+        for _ in range(_AGREE_ATTEMPTS):
+            found: tuple[int, dict[str, Any]] | CheckpointError | None = None
+            if self._coord.rank == 0:
+                try:
+                    found = fmt.find(self._storage, self._prefix, step, checksums=False, skip=skip)
+                except CheckpointError as exc:
+                    found = exc
+            listed: int | None | str
             try:
-                found = fmt.find(self._storage, self._prefix, step)
-            except CheckpointError as exc:
-                found = exc
-        reply = self._coord.broadcast(found)
-        # Every rank raises rank 0's error, so none is left waiting in a collective.
-        if isinstance(found, CheckpointError):
-            raise found
-        if isinstance(reply, CheckpointError):
-            raise reply
-        return reply
+                listed = fmt.newest_listed(self._storage, self._prefix)
+            except OSError as exc:
+                listed = f"cannot list it: {exc}"
+            reply = self._coord.broadcast(found)
+            views = self._coord.all_gather((listed, self._host))
+            # Every rank raises rank 0's error, so none is left waiting in a collective.
+            if isinstance(reply, CheckpointError):
+                raise reply
+            mine = views[0][0]
+            ahead = [(r, s, host) for r, (s, host) in enumerate(views)
+                     if isinstance(s, str) or (s is not None and (not isinstance(mine, int) or s > mine))]
+            if not ahead:
+                return reply
+            newer = [s for _, s, _ in ahead if isinstance(s, int)]
+            # A writer may have committed between the listings (this is a reader): look again.
+            raced = False
+            if self._coord.rank == 0:
+                raced = len(newer) == len(ahead) and all(
+                    self._storage.exists(fmt.join(self._prefix, fmt.step_dir(s))) for s in newer)
+            if self._coord.broadcast(raced):
+                continue
+            what = "; ".join(f"rank {r} on host {host} sees " + (s if isinstance(s, str) else f"step {s}")
+                             for r, s, host in ahead)
+            raise CheckpointError(
+                f"ranks disagree on the checkpoints in {self.location}: {what}, but rank 0 on host {views[0][1]} "
+                f"sees {'newest step ' + str(mine) if mine is not None else 'none'}; the directory must be one "
+                "filesystem shared by every node (a node-local or missing mount would restore an older step or "
+                "start from scratch)"
+            )
+        raise CheckpointError(f"checkpoints in {self.location} kept changing while the ranks agreed on one")
+
+    def _load_verified(
+        self, directory: str, manifest: dict[str, Any]
+    ) -> tuple[tuple[Any, Any] | None, tuple[str, str] | None]:
+        """Check the checksums of this rank's files of a checkpoint, then load them.
+
+        Returns:
+            ``((replicated content, RNG state or None), None)``, or ``(None, (kind, message))``
+            where kind is ``"vanished"`` (retired meanwhile: agree again), ``"corrupt"``
+            (try an older one) or ``"fatal"`` (a file that is not plain data).
+        """
+        rank = self._coord.rank
+        names = [fmt.REPLICATED] + ([fmt.rank_file(rank)] if rank < manifest["world_size"] else [])
+        try:
+            loaded: list[Any] = []
+            for name in names:
+                entry = manifest["files"][name]
+                fmt.verify_file(self._storage, directory, fmt.FileEntry(name, int(entry["size"]), str(entry["sha256"])))
+                loaded.append(self._load(directory, name))
+        except fmt.VanishedCheckpointError as exc:
+            return None, ("vanished", str(exc))
+        except _NotPlainData as exc:
+            return None, ("fatal", str(exc))
+        except CorruptCheckpointError as exc:
+            return None, ("corrupt", str(exc))
+        except OSError as exc:
+            return None, ("corrupt", f"cannot read {self._storage.location(directory)}: {exc}")
+        content = loaded[0]
+        if not isinstance(content, dict) or not {"stateful", "extras"} <= content.keys():
+            return None, ("fatal", f"{self._storage.location(directory)}: {fmt.REPLICATED} has no state")
+        return (content, loaded[1] if len(loaded) > 1 else None), None
 
     def _load(self, directory: str, name: str) -> Any:
         path = fmt.join(directory, name)
@@ -506,18 +743,31 @@ class CheckpointManager:
                 # weights_only: a checkpoint file must never be a way to run code.
                 return torch.load(f, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
-            raise CorruptCheckpointError(
+            raise _NotPlainData(
                 f"refusing to load {self._storage.location(path)}: it holds more than tensors and plain data ({exc})"
             ) from exc
+        except FileNotFoundError as exc:
+            if not self._storage.exists(directory):
+                raise fmt.VanishedCheckpointError(f"{self._storage.location(directory)} was deleted while it was "
+                                                  "read") from exc
+            raise CorruptCheckpointError(f"cannot load {self._storage.location(path)}: {exc}") from exc
         except (OSError, RuntimeError, EOFError) as exc:
             raise CorruptCheckpointError(f"cannot load {self._storage.location(path)}: {exc}") from exc
 
-    def _restore_rng(self, directory: str, manifest: dict[str, Any], step: int) -> None:
+    def _restore_rng(self, rng: Any, manifest: dict[str, Any], step: int) -> None:
         rank = self._coord.rank
-        if rank < manifest["world_size"]:
-            snap.restore_rng(self._load(directory, fmt.rank_file(rank)), where=f"step {step} {fmt.rank_file(rank)}")
+        if rng is not None:
+            snap.restore_rng(rng, where=f"step {step} {fmt.rank_file(rank)}")
             return
         seed = snap.fallback_seed(manifest["files"][fmt.rank_file(0)]["sha256"], rank)
         snap.seed_rng(seed)
         logger.info("rank %d has no saved RNG state in step %d; seeded RNGs with %d", rank, step, seed)
 
+
+class _NotPlainData(CorruptCheckpointError):
+    """A checkpoint file that ``torch.load(weights_only=True)`` refuses: never skipped silently."""
+
+
+def _written_mark(rank: int) -> str:
+    """The empty file that says ``rank``'s part of a staging directory is written and durable."""
+    return f".written-{rank:05d}"

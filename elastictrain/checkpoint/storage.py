@@ -52,6 +52,10 @@ class Storage(Protocol):
 
         When the context exits without an exception the bytes are durable (flushed
         and fsynced). When it exits with one, the partial file is removed.
+
+        Raises:
+            FileExistsError: ``path`` exists. Creation is exclusive: of two writers
+                of one name exactly one succeeds (fencing tokens rely on it).
         """
         ...
 

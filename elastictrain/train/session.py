@@ -507,9 +507,11 @@ class Session:
         self._progress.update(step=self._step, world_size=self.context.world_size)
         if config.checkpoint_dir is not None:
             coordinator = TorchDistributedCoordinator(self._group) if self._group is not None else None
+            # fence=True: this world claims the directory before it restores, so a stale world
+            # (cut off from etcd while this round formed) can no longer commit there.
             self.checkpoints = CheckpointManager(
                 config.checkpoint_dir, keep_last=config.keep_last, async_save=config.async_save,
-                overlap=config.overlap_save, coordinator=coordinator, timeout=placement.timeout,
+                overlap=config.overlap_save, coordinator=coordinator, timeout=placement.timeout, fence=True,
             )
             if not peer_state:
                 self._restore()

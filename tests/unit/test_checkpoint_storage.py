@@ -145,7 +145,7 @@ def test_manager_round_trips_through_any_storage(storage: Storage) -> None:
     with CheckpointManager("runs/ckpt", storage=storage, keep_last=1) as mgr:
         mgr.save(1, {"model": model})
         mgr.save(2, {"model": model, "progress": {"epoch": 4}})
-        assert storage.list_dir("runs/ckpt") == ["step_00000002"]
+        assert [n for n in storage.list_dir("runs/ckpt") if not n.startswith(".")] == ["step_00000002"]
     fresh = torch.nn.Linear(3, 2)
     with CheckpointManager("runs/ckpt", storage=storage) as mgr:
         info = mgr.restore({"model": fresh})

@@ -17,7 +17,7 @@ EXPECTED = {
                    "--last-call-timeout", "--local-addr", "--local-nodes", "--log-dir", "--max-nodes",
                    "--max-restarts", "--min-nodes", "--monitor-interval", "--no-progress", "--node-name", "--nproc-per-node",
                    "--rdzv-conf", "--recovery", "--restart-window", "--run-id", "--standalone"]),
-    "status": sorted([*ETCD_CLIENT, "--all", "--checkpoint-dir", "--json"]),
+    "status": sorted([*ETCD_CLIENT, "--all", "--checkpoint-dir", "--json", "--verify-checksums"]),
     "stop": sorted([*ETCD_CLIENT, "--purge"]),
     "etcd": sorted(["--cert-file", "--client-cert-auth", "--data-dir", "--help", "--host", "--insecure", "--key-file",
                     "--port", "--trusted-ca-file"]),
