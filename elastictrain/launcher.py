@@ -134,6 +134,8 @@ def launch(config: RunConfig, endpoint: str) -> JobOutcome:
     channel = Channel(config.nproc_per_node) if config.recovery == "in-process" else None
     if channel is not None:
         os.environ[CONTROL_DIR_ENV] = channel.directory
+    else:  # a channel of an earlier launch in this process must not reach these workers
+        os.environ.pop(CONTROL_DIR_ENV, None)
     _start_forkserver()
     register()
     handler = create_handler(params)

@@ -153,6 +153,45 @@ def test_a_lost_node_leaves_the_survivors_training_in_their_processes(etcd_serve
 
 
 @pytest.mark.timeout(300)
+def test_a_hot_spare_takes_a_lost_nodes_place_and_the_survivor_keeps_its_process(etcd_server: Any, run_id: str,
+                                                                                  tmp_path: Path) -> None:
+    out = tmp_path / "job"
+    nodes = [start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.1") for _ in range(2)]
+    wait_until(lambda: len({r["rank"] for r in records(out) if r["step"] >= 3}) == 2, "step 3", nodes)
+    # A third node of a job of at most 2 waits as a spare; the two keep training.
+    spare = start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.1")
+    wait_until(lambda: max(r["step"] for r in records(out)) >= 12, "step 12 with the spare waiting", nodes + [spare])
+    assert {r["world"] for r in records(out)} == {2}
+    survivor_pid = latest_pid(out, 0)
+    victim = next(n for n in nodes if survivor_pid not in _descendants(n.pid))
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    seen = len(records(out))
+    rest = [n for n in nodes if n is not victim] + [spare]
+    outputs = finish(rest)
+    assert [n.returncode for n in rest] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    after = records(out)[seen:]
+    assert after and {r["world"] for r in after} == {2}, "the spare did not take the lost node's place"
+    assert survivor_pid in {r["pid"] for r in after if r["rank"] == 0}, "the survivor was restarted"
+    assert len({r["pid"] for r in after}) == 2, "the survivor and the spare's worker trained on"
+    assert_every_step_once(out, [0, 1])
+
+
+def _descendants(pid: int) -> set[int]:
+    """``pid`` and every process under it."""
+    found, todo = {pid}, [pid]
+    while todo:
+        children = Path(f"/proc/{todo.pop()}/task")
+        for task in children.iterdir() if children.exists() else []:
+            kids = (task / "children").read_text().split() if (task / "children").exists() else []
+            for kid in map(int, kids):
+                if kid not in found:
+                    found.add(kid)
+                    todo.append(kid)
+    return found
+
+
+@pytest.mark.timeout(300)
 def test_a_joining_node_enters_at_a_step_boundary_without_restarting_anyone(etcd_server: Any, run_id: str,
                                                                             tmp_path: Path) -> None:
     out = tmp_path / "job"
