@@ -301,12 +301,38 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
         started = time.monotonic()
         outcome = launch(config, endpoint)
-        level = logging.INFO if outcome.exit_code == 0 else logging.ERROR
-        logger.log(level, "%s (%.1fs)", outcome.summary, time.monotonic() - started)
+        elapsed = time.monotonic() - started
+        _report_outcome(outcome, elapsed)
         return outcome.exit_code
     finally:
         if server is not None:
             server.stop()
+
+
+def _report_outcome(outcome: Any, elapsed: float) -> None:
+    """Say how this node's part of the job ended: one line, after the root cause's traceback.
+
+    Under a ``--local-nodes`` launcher a failure goes to the launcher instead (it reports
+    the whole job once, with the root cause among every node's failures)."""
+    from elastictrain import failure_report
+
+    outcome_file = os.environ.get(failure_report.OUTCOME_FILE_ENV)
+    if outcome_file and outcome.exit_code != 0:
+        failure_report.write_outcome(outcome_file, exit_code=outcome.exit_code, summary=outcome.summary,
+                                     restarts=outcome.restarts, failures=outcome.failures)
+        logger.debug("%s (%.1fs)", outcome.summary, elapsed)
+        return
+    if outcome.exit_code == 0:
+        logger.info("%s (%.1fs)", outcome.summary, elapsed)
+        return
+    if outcome.failures:
+        text = failure_report.report(list(outcome.failures), outcome.restarts)
+        head, _, last = text.rpartition("\n")
+        if head:
+            print(head, file=sys.stderr, flush=True)
+        logger.error("%s (%.1fs)", last, elapsed)
+        return
+    logger.error("%s (%.1fs)", outcome.summary, elapsed)
 
 
 def _client_for(args: argparse.Namespace) -> Any:

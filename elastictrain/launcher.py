@@ -34,6 +34,7 @@ from elastictrain.agent import ElasticAgent, InProcessAgent
 from elastictrain.config import RunConfig, take_etcd_password
 from elastictrain.errors import ElasticTrainError, RunIdInUseError
 from elastictrain.events import EVENT_LOG_ENV, NODE_ENV, EventLog, route_torch_events
+from elastictrain.failure_report import WorkerFailure, from_process_failure, job_line, root_cause
 from elastictrain.rendezvous import BACKEND_NAME, register
 from elastictrain.rendezvous.handler import LOCAL_WORLD_SIZE_KEY, Etcd3RendezvousHandler, create_handler
 from elastictrain.run_state import NodeRecord, RunPublisher, read_status, stop_requested, this_host
@@ -54,24 +55,21 @@ class JobOutcome:
     summary: str
     """One line for the user."""
 
+    failures: tuple[WorkerFailure, ...] = ()
+    """This node's failed workers, when the job failed because of them."""
 
-def _failure_summary(failures: dict[int, ProcessFailure], restarts: int) -> tuple[int, str]:
-    rank, failure = min(failures.items(), key=lambda item: item[1].timestamp)
-    code = failure.exitcode
-    if code < 0:
-        how = f"was killed by signal {failure.signal_name()}"
-        exit_code = 128 - code
-    else:
-        how = f"exited with code {code}"
-        exit_code = code or 1
-    message = failure.message if isinstance(failure.message, str) else str(failure.message)
-    detail = ""
-    if message and not message.startswith("To enable traceback"):
-        detail = f": {message.strip().splitlines()[-1][:300]}"
-    return exit_code, (
-        f"worker rank {rank} (pid {failure.pid}) {how}{detail}; "
-        f"job failed after {restarts} restart(s)"
-    )
+    restarts: int = 0
+    """This node's restarts (or replacements) after its own workers' failures."""
+
+
+def _failure_outcome(failures: dict[int, ProcessFailure], restarts: int, node: str) -> JobOutcome:
+    """The outcome of this node's failed workers: the root cause in one line, its traceback kept
+    for the report (see :mod:`elastictrain.failure_report`)."""
+    reports = [from_process_failure(rank, failure, node) for rank, failure in failures.items()]
+    root = root_cause(reports)
+    code = root.exit_code if root is not None else 1
+    exit_code = 128 - code if code < 0 else (code or 1)
+    return JobOutcome(exit_code, job_line(reports, restarts), failures=tuple(reports), restarts=restarts)
 
 
 # Imported once by the forkserver, then inherited by every worker it forks.
@@ -253,7 +251,7 @@ def _run_agent(agent: ElasticAgent, handler: Etcd3RendezvousHandler, config: Run
         return JobOutcome(0, f"run {config.run_id!r} ended while this node waited as a spare "
                              f"(it had --max-nodes {config.max_nodes} already)")
     if result.is_failed():
-        return JobOutcome(*_failure_summary(result.failures, agent.restarts))
+        return _failure_outcome(result.failures, agent.restarts, config.node_name or this_host())
     if agent.stopped_by_request:
         return JobOutcome(0, f"run {config.run_id!r} was stopped by `elastictrain stop`")
     return JobOutcome(0, f"run {config.run_id!r} finished")

@@ -65,8 +65,22 @@ def test_failing_worker_exhausts_restarts_and_job_exits_with_its_code(tmp_path: 
     result = elastictrain("run", "--max-restarts", "1", SCRIPT, str(out), "--fail-rank", "0", "--fail-exit-code", "7")
     assert result.returncode == 7
     last = result.stderr.strip().splitlines()[-1]
-    assert "worker rank 0" in last and "exited with code 7" in last and "1 restart" in last
+    assert "rank 0 on " in last and "exited with code 7" in last and "1 restart" in last
     assert sorted(p.name for p in out.glob("pid-0-*")) == ["pid-0-0", "pid-0-1"]
+
+
+def test_a_raising_rank_is_reported_once_root_cause_first(tmp_path: Path) -> None:
+    result = elastictrain("run", "--local-nodes", "2", "--min-nodes", "2", "--max-restarts", "0", SCRIPT,
+                          str(tmp_path / "out"), "--steps", "50", "--raise-rank", "1")
+    assert result.returncode == 1
+    err = result.stderr
+    last = err.strip().splitlines()[-1]
+    assert "rank 1 on node" in last and "failed: ValueError: bad batch 1234 in shard 7 (ddp_steps.py:" in last
+    assert "job failed after 0 restart(s)" in last
+    assert err.count("Traceback (most recent call last)") == 1, err  # the root cause's, once
+    assert err.count("ValueError: bad batch") == 2  # in the traceback and in the one line
+    assert "'message'" not in err and "GLHF" not in err and "Connection closed" not in err, err
+    assert "_worker_boot" not in err and "ProcessRaisedException" not in err
 
 
 def _alive(pid: int) -> bool:
