@@ -12,8 +12,12 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.util
 import os
+import shutil
 import socket
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +33,7 @@ from torch.distributed.elastic.rendezvous import (
 
 from elastictrain import _torch_compat
 from elastictrain._control import CONTROL_DIR_ENV
-from elastictrain._worker_boot import AGENT_PID_ENV, run_script
+from elastictrain._worker_boot import AGENT_PID_ENV, TERMINAL_ENV, run_script, terminal_identity
 from elastictrain.agent import ElasticAgent, InProcessAgent
 from elastictrain.config import RunConfig, take_etcd_password
 from elastictrain.errors import ElasticTrainError, RunIdInUseError
@@ -94,7 +98,65 @@ def _warm_forkserver() -> None:
     process.join()
 
 
+def _worker_logs(config: RunConfig, root: str) -> Callable[[int], DefaultLogsSpecs]:
+    """Each worker's logs under in-process recovery (one process context per worker):
+    ``--redirects``/``--tee`` for its local rank; a rank outside ``--local-ranks-filter``
+    writes to its files only."""
+    redirects, tee = Std.from_str(config.redirects), Std.from_str(config.tee)
+
+    def for_rank(local_rank: int) -> DefaultLogsSpecs:
+        out, both = (s if isinstance(s, Std) else s.get(local_rank, Std.NONE) for s in (redirects, tee))
+        if config.local_ranks_filter and local_rank not in config.local_ranks_filter:
+            out, both = Std.ALL, Std.NONE
+        return DefaultLogsSpecs(log_dir=os.path.join(root, f"local_rank_{local_rank}"), redirects=out, tee=both)
+
+    return for_rank
+
+
+_TEMP_PREFIX = "elastictrain-node-"
+
+
+def _node_temp_dir() -> str:
+    """A temporary directory for this node's process (worker logs and error files when there
+    is no ``--log-dir``, torch's ``pytorch-errorfile-*``, multiprocessing's ``pymp-*``),
+    removed when the node ends. Those of nodes that were killed are removed here, at the next
+    start: their names carry the pid of the node that made them."""
+    base = tempfile.gettempdir()
+    for name in os.listdir(base):
+        if not name.startswith(_TEMP_PREFIX):
+            continue
+        try:
+            pid = int(name[len(_TEMP_PREFIX):].split("-", 1)[0])
+            os.kill(pid, 0)
+        except ValueError:
+            continue
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+        except PermissionError:
+            pass  # someone else's live process
+    return tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{os.getpid()}-", dir=base)
+
+
 def launch(config: RunConfig, endpoint: str) -> JobOutcome:
+    """Run this node's agent until the job ends (see :func:`_launch`); its temporary files go
+    into a directory of its own, removed at the end."""
+    temp = _node_temp_dir()
+    previous = tempfile.tempdir
+    tempfile.tempdir = temp  # this process's own temporary files (torch's, multiprocessing's)
+    try:
+        return _launch(config, endpoint, temp)
+    finally:
+        tempfile.tempdir = previous
+        # multiprocessing removes its own pymp-* directory (the forkserver's socket) at exit,
+        # and fails loudly if it is gone: remove the rest now, the directory after that.
+        for name in os.listdir(temp):
+            if not name.startswith("pymp-"):
+                shutil.rmtree(os.path.join(temp, name), ignore_errors=True)
+        multiprocessing.util.Finalize(None, shutil.rmtree, args=(temp,), kwargs={"ignore_errors": True},
+                                      exitpriority=-101)  # after multiprocessing's own (-100)
+
+
+def _launch(config: RunConfig, endpoint: str, temp: str) -> JobOutcome:
     """Run this node's agent until the job ends.
 
     Args:
@@ -107,6 +169,7 @@ def launch(config: RunConfig, endpoint: str) -> JobOutcome:
     Raises:
         ElasticTrainError: Rendezvous set-up failed (e.g. etcd unreachable).
     """
+    log_root = config.log_dir or os.path.join(temp, "logs")
     # The password goes into the settings and leaves the environment before any worker is started.
     etcd_options = take_etcd_password(config.etcd_options)
     params = RendezvousParameters(
@@ -125,6 +188,7 @@ def launch(config: RunConfig, endpoint: str) -> JobOutcome:
     # The agent pid lets a worker catch an agent that died before the worker could
     # ask to die along with it (see _worker_boot).
     os.environ[AGENT_PID_ENV] = str(os.getpid())
+    os.environ[TERMINAL_ENV] = terminal_identity()
     if config.event_log:
         os.environ[EVENT_LOG_ENV] = os.path.abspath(config.event_log)
     if config.node_name:
@@ -149,23 +213,24 @@ def launch(config: RunConfig, endpoint: str) -> JobOutcome:
     publisher.publish_meta(**_job_signature(config))
     publisher.update(state="starting")
     spec = WorkerSpec(
-        role="trainer",
+        role=config.role,
         local_world_size=config.nproc_per_node,
         entrypoint=run_script,
-        args=(config.script, tuple(config.script_args)),
+        args=(config.script, tuple(config.script_args), config.entry),
         rdzv_handler=handler,
         max_restarts=config.max_restarts,
         monitor_interval=config.monitor_interval.total_seconds(),
         local_addr=config.local_addr,
         event_log_handler=route_torch_events(events),
     )
-    logs = DefaultLogsSpecs(log_dir=config.log_dir, redirects=Std.NONE, tee=Std.NONE)
+    logs = DefaultLogsSpecs(log_dir=log_root, redirects=Std.from_str(config.redirects),
+                            tee=Std.from_str(config.tee), local_ranks_filter=set(config.local_ranks_filter) or None)
     common: dict[str, Any] = dict(spec=spec, logs_specs=logs, start_method="forkserver", events=events,
                                   publisher=publisher,
                                   stop_requested=lambda: stop_requested(handler.client, config.run_id))
     agent: ElasticAgent
     if channel is not None:
-        agent = InProcessAgent(channel=channel, budget=FailureBudget(
+        agent = InProcessAgent(channel=channel, worker_logs=_worker_logs(config, log_root), budget=FailureBudget(
             limit=config.max_restarts, window_s=config.restart_window.total_seconds()), **common)
     else:
         agent = ElasticAgent(**common)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -134,3 +135,23 @@ def test_etcd_subcommand_serves_until_sigterm(tmp_path: Path) -> None:
     assert proc.wait(timeout=30) == 0
     with pytest.raises(Exception):
         make_client(f"127.0.0.1:{port}", retry_deadline=0.5).call(lambda c: c.get("/probe"))
+
+
+def test_torchrun_spellings_run_a_module_with_prefixed_output_titles_and_a_rank_filter(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    result = elastictrain("run", "--nproc_per_node", "2", "--local-ranks-filter", "1", "--log_dir", str(logs),
+                          "--role", "probe", "-m", "tests.scripts.print_probe", "--flag")
+    assert result.returncode == 0, result.stderr[-3000:]
+    shown = [line for line in result.stdout.splitlines() if "probe rank=" in line]
+    # Rank 1 on the terminal with a [node rank] prefix, its title naming the module; rank 0 only in its file.
+    assert len(shown) == 1 and shown[0].startswith(f"[{socket.gethostname()} 1] probe rank=1 role=probe"), shown
+    assert "argv=['--flag']" in shown[0] and "title=elastictrain worker rank 1: tests.scripts.print_probe --flag" \
+        in shown[0]
+    rank0 = [p.read_text() for p in logs.glob("local_rank_0/**/stdout.log")]
+    assert len(rank0) == 1 and "probe rank=0" in rank0[0] and not rank0[0].startswith("[")
+
+
+def test_no_python_runs_a_program(tmp_path: Path) -> None:
+    result = elastictrain("run", "--no-python", "sh", "-c", "echo from-$RANK; exit 5")
+    assert result.returncode == 5 and "from-0" in result.stdout
+    assert "rank 0 on " in result.stderr and "exited with code 5" in result.stderr
