@@ -71,9 +71,13 @@ def test_failing_worker_exhausts_restarts_and_job_exits_with_its_code(tmp_path: 
 
 
 def test_a_raising_rank_is_reported_once_root_cause_first(tmp_path: Path) -> None:
+    temp = tmp_path / "tmp"
+    temp.mkdir()
     result = elastictrain("run", "--local-nodes", "2", "--min-nodes", "2", "--max-restarts", "0", SCRIPT,
-                          str(tmp_path / "out"), "--steps", "50", "--raise-rank", "1")
+                          str(tmp_path / "out"), "--steps", "50", "--raise-rank", "1", TMPDIR=str(temp))
     assert result.returncode == 1
+    # No torchelastic_* log dirs, pytorch-errorfile-*, pymp-*, elastictrain-node-* left behind.
+    assert sorted(p.name for p in temp.iterdir()) == [], result.stderr[-2000:]
     err = result.stderr
     last = err.strip().splitlines()[-1]
     assert "rank 1 on node" in last and "failed: ValueError: bad batch 1234 in shard 7 (ddp_steps.py:" in last

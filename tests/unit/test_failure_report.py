@@ -82,3 +82,22 @@ def test_an_outcome_file_round_trips_for_the_local_launcher(tmp_path: Path) -> N
     data = failure_report.read_outcome(path)
     assert data is not None and data["failures"] == [raised]
     assert failure_report.read_outcome(str(tmp_path / "missing.json")) is None
+
+
+def test_a_killed_nodes_temp_dir_is_removed_at_the_next_start(tmp_path: Path, monkeypatch) -> None:
+    import subprocess
+    import sys
+    import tempfile
+
+    from elastictrain import launcher
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"elastictrain-node-{dead.pid}-abc"
+    (stale / "logs").mkdir(parents=True)
+    live = tmp_path / "elastictrain-node-1-xyz"  # pid 1 is alive
+    live.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    made = launcher._node_temp_dir()
+    assert not stale.exists() and live.exists()
+    assert Path(made).name.startswith(f"elastictrain-node-{__import__('os').getpid()}-")
