@@ -16,6 +16,7 @@ import multiprocessing.util
 import os
 import shutil
 import socket
+import stat
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -123,6 +124,8 @@ def _node_temp_dir() -> str:
     start: their names carry the pid of the node that made them."""
     base = tempfile.gettempdir()
     for name in os.listdir(base):
+        if name.startswith("pymp-") and _stale_pymp(os.path.join(base, name)):
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
         if not name.startswith(_TEMP_PREFIX):
             continue
         try:
@@ -137,23 +140,34 @@ def _node_temp_dir() -> str:
     return tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{os.getpid()}-", dir=base)
 
 
+def _stale_pymp(path: str) -> bool:
+    """Whether a multiprocessing ``pymp-*`` directory was left by a killed process: it holds a
+    forkserver's socket that no process has bound any more (Linux lists bound unix sockets in
+    ``/proc/net/unix``; connecting to find out would crash a live forkserver)."""
+    try:
+        sockets = {os.path.join(path, n) for n in os.listdir(path)
+                   if stat.S_ISSOCK(os.lstat(os.path.join(path, n)).st_mode)}
+        with open("/proc/net/unix", encoding="utf-8", errors="replace") as fh:
+            bound = {line.split()[-1] for line in fh.readlines()[1:] if len(line.split()) >= 8}
+    except OSError:
+        return False
+    return bool(sockets) and not (sockets & bound)
+
+
 def launch(config: RunConfig, endpoint: str) -> JobOutcome:
     """Run this node's agent until the job ends (see :func:`_launch`); its temporary files go
     into a directory of its own, removed at the end."""
     temp = _node_temp_dir()
+    # multiprocessing's own directory (the forkserver's socket) stays where it was: a unix
+    # socket path must be short. It removes it at exit; a killed node's goes at the next start.
+    multiprocessing.util.get_temp_dir()
     previous = tempfile.tempdir
     tempfile.tempdir = temp  # this process's own temporary files (torch's, multiprocessing's)
     try:
         return _launch(config, endpoint, temp)
     finally:
         tempfile.tempdir = previous
-        # multiprocessing removes its own pymp-* directory (the forkserver's socket) at exit,
-        # and fails loudly if it is gone: remove the rest now, the directory after that.
-        for name in os.listdir(temp):
-            if not name.startswith("pymp-"):
-                shutil.rmtree(os.path.join(temp, name), ignore_errors=True)
-        multiprocessing.util.Finalize(None, shutil.rmtree, args=(temp,), kwargs={"ignore_errors": True},
-                                      exitpriority=-101)  # after multiprocessing's own (-100)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def _launch(config: RunConfig, endpoint: str, temp: str) -> JobOutcome:

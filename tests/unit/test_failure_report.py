@@ -101,3 +101,26 @@ def test_a_killed_nodes_temp_dir_is_removed_at_the_next_start(tmp_path: Path, mo
     made = launcher._node_temp_dir()
     assert not stale.exists() and live.exists()
     assert Path(made).name.startswith(f"elastictrain-node-{__import__('os').getpid()}-")
+
+
+def test_a_killed_forkservers_pymp_dir_is_removed_and_a_live_one_kept(tmp_path: Path, monkeypatch) -> None:
+    import socket
+    import tempfile
+
+    from elastictrain import launcher
+
+    stale, live = tmp_path / "pymp-stale", tmp_path / "pymp-live"
+    stale.mkdir()
+    live.mkdir()
+    dead_sock = socket.socket(socket.AF_UNIX)
+    dead_sock.bind(str(stale / "listener-1"))
+    dead_sock.close()  # bound, never listening: what a killed forkserver leaves
+    live_sock = socket.socket(socket.AF_UNIX)
+    live_sock.bind(str(live / "listener-2"))
+    live_sock.listen()
+    try:
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+        launcher._node_temp_dir()
+        assert not stale.exists() and live.exists()
+    finally:
+        live_sock.close()
