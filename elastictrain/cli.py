@@ -54,19 +54,28 @@ def _env(dest: str, default: Any) -> Any:
 
 def _add(parser: argparse.ArgumentParser, flag: str, *aliases: str, default: Any, help: str, **kwargs: Any) -> None:
     """A flag (and its torchrun spellings in ``aliases``) falling back to ``ELASTICTRAIN_<FLAG>``."""
-    dest = next(f for f in (flag, *aliases) if f.startswith("--")).lstrip("-").replace("-", "_")
+    dest = flag.lstrip("-").replace("-", "_")
     value = _env(dest, default)
     shown = "none" if default is None else default
-    parser.add_argument(flag, *aliases, dest=dest, default=value,
+    parser.add_argument(flag, dest=dest, default=value,
                         help=f"{help} (default: {shown}; env ELASTICTRAIN_{dest.upper()})", **kwargs)
+    _add_aliases(parser, aliases, dest, **kwargs)
+
+
+def _add_aliases(parser: argparse.ArgumentParser, aliases: Sequence[str], dest: str, **kwargs: Any) -> None:
+    """torchrun's other spellings of a flag: the same ``dest``, not in ``--help``, and an error
+    names the spelling the user typed."""
+    for alias in aliases:
+        parser.add_argument(alias, dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
 
 
 def _add_switch(parser: argparse.ArgumentParser, flag: str, *aliases: str, help: str) -> None:
     """An on/off flag that ``ELASTICTRAIN_<FLAG>=1`` (or true/yes) also turns on."""
-    dest = next(f for f in (flag, *aliases) if f.startswith("--")).lstrip("-").replace("-", "_")
+    dest = flag.lstrip("-").replace("-", "_")
     default = _env(dest, "").strip().lower() in {"1", "true", "yes", "on"}
-    parser.add_argument(flag, *aliases, dest=dest, action="store_true", default=default,
+    parser.add_argument(flag, dest=dest, action="store_true", default=default,
                         help=f"{help} (env ELASTICTRAIN_{dest.upper()}=1)")
+    _add_aliases(parser, aliases, dest, action="store_true")
 
 
 # torchrun flags that have no meaning here, and why: refused in one line each.
@@ -235,13 +244,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add(run, "--rdzv-conf", "--rdzv_conf", default="", type=_kv_pairs, help="more rendezvous/etcd settings as key=value,... (e.g. ca_cert=...,request_timeout=5)")
     _add(run, "--log-dir", "--log_dir", default=None, help="directory for per-worker logs and error files (kept; "
          "without it a temporary one, removed when the node ends)")
-    _add(run, "-r", "--redirects", default="0", type=_std, help="worker streams into per-rank files under "
+    _add(run, "--redirects", "-r", default="0", type=_std, help="worker streams into per-rank files under "
          "--log-dir instead of the terminal: 0 none, 1 stdout, 2 stderr, 3 both, or LOCAL_RANK:N,...")
-    _add(run, "-t", "--tee", default="0", type=_std, help="as --redirects, but to the files and the terminal")
+    _add(run, "--tee", "-t", default="0", type=_std, help="as --redirects, but to the files and the terminal")
     _add(run, "--local-ranks-filter", "--local_ranks_filter", default=None, type=_int_set,
          help="only these local ranks (N[,N...]) print on the terminal; the others only to their files")
     _add(run, "--role", default="trainer", help="the workers' role name (ROLE_NAME)")
-    _add_switch(run, "-m", "--module", help="SCRIPT is a module name, run as python -m SCRIPT")
+    _add_switch(run, "--module", "-m", help="SCRIPT is a module name, run as python -m SCRIPT")
     _add_switch(run, "--no-python", "--no_python", help="SCRIPT is a program, executed as is (not by python)")
     _add_switch(run, "--no-progress", help="no progress line on rank 0 (it only shows on a terminal anyway)")
     _add_switch(run, "--join", help="join a job already training under --run-id (without it, a live run id is refused)")
@@ -394,7 +403,7 @@ def _node_args(run_parser: argparse.ArgumentParser, args: argparse.Namespace, *,
     if local_addr:
         out += ["--local-addr", local_addr]
     for action in run_parser._actions:  # noqa: SLF001 - argparse offers no public list
-        if not action.option_strings or action.dest in _PARENT_ONLY:
+        if not action.option_strings or action.dest in _PARENT_ONLY or action.default is argparse.SUPPRESS:
             continue
         value = getattr(args, action.dest)
         flag = next(o for o in action.option_strings if o.startswith("--"))
