@@ -20,6 +20,7 @@ import os
 import socket
 import ssl
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +36,9 @@ if TYPE_CHECKING:
     import etcd3 as etcd3_module
 
 logger = logging.getLogger(__name__)
+
+_RETRY_NOTICE_EVERY = 5.0
+"""Seconds between warnings that a request is being retried because etcd does not answer."""
 
 __all__ = [
     "Endpoint",
@@ -390,8 +394,24 @@ class EtcdClient:
                     self._discard(index, client, exc)
                 raise
 
+        said_at: list[float] = []
+
+        def say_retrying(state: Any) -> None:
+            # An unreachable etcd is said at once (and every few seconds), not only when the
+            # retry deadline gives up.
+            now = time.monotonic()
+            if not last or (said_at and now - said_at[-1] < _RETRY_NOTICE_EVERY):
+                return
+            said_at.append(now)
+            endpoint, exc = last[-1]
+            others = len(self._settings.endpoints) > 1
+            logger.warning("etcd at %s does not answer %s (%s); retrying%s for up to %gs", endpoint, what,
+                           _describe(exc), " on the next endpoint" if others else "",
+                           self._settings.retry_deadline.total_seconds())
+
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(self._is_transient),
+            before_sleep=None if once else say_retrying,
             wait=tenacity.wait_random_exponential(multiplier=0.05, max=2.0),
             stop=(tenacity.stop_after_attempt(1) if once
                   else tenacity.stop_before_delay(self._settings.retry_deadline.total_seconds())),
