@@ -250,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(run, "--local-ranks-filter", "--local_ranks_filter", default=None, type=_int_set,
          help="only these local ranks (N[,N...]) print on the terminal; the others only to their files")
     _add(run, "--role", default="trainer", help="the workers' role name (ROLE_NAME)")
+    _add(run, "--metrics-port", default=None, type=_positive_int, help="serve this node agent's Prometheus "
+         "metrics on this port (with --local-nodes N: PORT..PORT+N-1); needs prometheus_client")
     _add_switch(run, "--module", "-m", help="SCRIPT is a module name, run as python -m SCRIPT")
     _add_switch(run, "--no-python", "--no_python", help="SCRIPT is a program, executed as is (not by python)")
     _add_switch(run, "--no-progress", help="no progress line on rank 0 (it only shows on a terminal anyway)")
@@ -311,6 +313,7 @@ def _run_config(args: argparse.Namespace, *, etcd: str, run_id: str, local_addr:
         tee=args.tee,
         local_ranks_filter=tuple(args.local_ranks_filter or ()),
         role=args.role,
+        metrics_port=args.metrics_port,
         min_nodes=int(args.min_nodes),
         max_nodes=int(args.max_nodes or args.min_nodes),
         nproc_per_node=int(args.nproc_per_node),
@@ -332,7 +335,8 @@ def _run_config(args: argparse.Namespace, *, etcd: str, run_id: str, local_addr:
 
 # Flags a --local-nodes child must not inherit: the parent decides them for it (--nnodes is
 # resolved into --min-nodes/--max-nodes first).
-_PARENT_ONLY = {"local_nodes", "standalone", "etcd", "run_id", "local_addr", "node_name", "help", "nnodes"}
+_PARENT_ONLY = {"local_nodes", "standalone", "etcd", "run_id", "local_addr", "node_name", "help", "nnodes",
+                "metrics_port"}
 
 
 def _resolve_torchrun_spellings(args: argparse.Namespace) -> None:
@@ -466,7 +470,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
             from elastictrain.local_cluster import run_local_nodes
 
             node_args = _node_args(args.run_parser, args, endpoint=endpoint, run_id=run_id, local_addr=local_addr)
-            return run_local_nodes(args.local_nodes, node_args)
+            port = args.metrics_port
+            return run_local_nodes(args.local_nodes, node_args,
+                                   per_node=(lambda i: [f"--metrics-port={port + i}"]) if port else None)
         from elastictrain.launcher import launch
 
         started = time.monotonic()

@@ -362,6 +362,9 @@ class RunConfig:
     role: str = "trainer"
     """The workers' role name (``ROLE_NAME``)."""
 
+    metrics_port: int | None = None
+    """Serve this agent's Prometheus metrics on this port; ``None``: no endpoint."""
+
     join: bool = False
     """Whether this node may join a job already training under ``run_id``."""
 

@@ -183,7 +183,6 @@ def _launch(config: RunConfig, endpoint: str, temp: str) -> JobOutcome:
     Raises:
         ElasticTrainError: Rendezvous set-up failed (e.g. etcd unreachable).
     """
-    log_root = config.log_dir or os.path.join(temp, "logs")
     # The password goes into the settings and leaves the environment before any worker is started.
     etcd_options = take_etcd_password(config.etcd_options)
     params = RendezvousParameters(
@@ -210,6 +209,23 @@ def _launch(config: RunConfig, endpoint: str, temp: str) -> JobOutcome:
     channel = Channel(config.nproc_per_node) if config.recovery == "in-process" else None
     if channel is not None:
         os.environ[CONTROL_DIR_ENV] = channel.directory
+    metrics = None
+    if config.metrics_port:
+        from elastictrain.metrics import AgentMetrics
+
+        metrics = AgentMetrics(config.metrics_port, run_id=config.run_id, node=events.node,
+                               event_log=config.event_log, progress=channel.progress if channel else None)
+        events.add_listener(metrics.observe)
+    try:
+        return _run_node(config, params, events, channel, temp)
+    finally:
+        if metrics is not None:
+            metrics.close()
+
+
+def _run_node(config: RunConfig, params: RendezvousParameters, events: EventLog, channel: Channel | None,
+              temp: str) -> JobOutcome:
+    log_root = config.log_dir or os.path.join(temp, "logs")
     _start_forkserver()
     register()
     handler = create_handler(params)

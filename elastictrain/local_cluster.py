@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from elastictrain import failure_report
 from elastictrain._process import dying_with_us
@@ -26,13 +26,15 @@ logger = logging.getLogger(__name__)
 __all__ = ["run_local_nodes"]
 
 
-def run_local_nodes(count: int, node_args: Sequence[str], *, grace_seconds: float = 30.0) -> int:
+def run_local_nodes(count: int, node_args: Sequence[str], *, grace_seconds: float = 30.0,
+                    per_node: Callable[[int], list[str]] | None = None) -> int:
     """Start ``count`` node agents with ``elastictrain run <node_args>`` and wait for all.
 
     Args:
         count: Number of node processes.
         node_args: Arguments of ``elastictrain run`` for each node (no ``--local-nodes``).
         grace_seconds: After a signal, how long nodes get to stop before SIGKILL.
+        per_node: Flags of node ``i`` alone (put before ``node_args``), e.g. its metrics port.
 
     Returns:
         0 if every node exited 0, else the first non-zero exit code seen.
@@ -50,7 +52,8 @@ def run_local_nodes(count: int, node_args: Sequence[str], *, grace_seconds: floa
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         for index in range(count):
-            cmd = [sys.executable, "-m", "elastictrain", "run", "--node-name", f"node{index}", *node_args]
+            own = per_node(index) if per_node else []
+            cmd = [sys.executable, "-m", "elastictrain", "run", "--node-name", f"node{index}", *own, *node_args]
             env = {**os.environ, failure_report.OUTCOME_FILE_ENV: os.path.join(outcomes, f"node{index}.json")}
             # A node outlives neither this launcher nor, through its own agent, its workers.
             procs.append(subprocess.Popen(dying_with_us(cmd), env=env))

@@ -23,7 +23,7 @@ EXPECTED = {
                    "--local_addr", "--log_dir", "--redirects", "--tee", "--local-ranks-filter",
                    "--local_ranks_filter", "--role", "--module", "--no-python", "--no_python",
                    "--master-addr", "--master_addr", "--master-port", "--master_port", "--node-rank", "--node_rank",
-                   ]),
+                   "--metrics-port"]),
     "status": sorted([*ETCD_CLIENT, "--all", "--checkpoint-dir", "--json"]),
     "stop": sorted([*ETCD_CLIENT, "--purge"]),
     "etcd": sorted(["--cert-file", "--client-cert-auth", "--data-dir", "--help", "--host", "--insecure", "--key-file",
