@@ -1,8 +1,8 @@
 """A one-line progress display for rank 0: step, epoch, loss, throughput, world size.
 
 It is a session hook (see :mod:`elastictrain.hooks`). The session adds it on rank 0
-when stderr is a terminal, unless ``ELASTICTRAIN_PROGRESS=0`` (``elastictrain run
---no-progress`` sets that for its workers). Off a terminal, logs say the same
+when stderr is a terminal, unless ``ELASTICTRAIN_PROGRESS=0`` or ``ELASTICTRAIN_NO_PROGRESS=1``
+(``elastictrain run --no-progress`` sets the first for its workers). Off a terminal, logs say the same
 every ``log_every`` steps, so nothing is lost.
 """
 
@@ -16,11 +16,16 @@ from typing import TextIO
 __all__ = ["PROGRESS_ENV", "ProgressHook", "progress_wanted"]
 
 PROGRESS_ENV = "ELASTICTRAIN_PROGRESS"
+NO_PROGRESS_ENV = "ELASTICTRAIN_NO_PROGRESS"
+"""The variable of ``elastictrain run --no-progress`` (``=1``); honoured by workers too, so the
+two spellings agree wherever the script runs."""
 
 
 def progress_wanted(rank: int, stream: TextIO = sys.stderr) -> bool:
     """Whether this worker should show a progress line."""
     if os.environ.get(PROGRESS_ENV, "1").strip().lower() in {"0", "false", "no", "off"}:
+        return False
+    if os.environ.get(NO_PROGRESS_ENV, "").strip().lower() in {"1", "true", "yes", "on"}:
         return False
     return rank == 0 and stream.isatty()
 

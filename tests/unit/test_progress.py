@@ -31,3 +31,19 @@ def test_progress_line_has_step_loss_throughput_and_world_size() -> None:
     text = out.getvalue()
     assert text.startswith("\r[#####...............] 10/40  loss 0.5000  1,234 samples/s  world 3")
     assert text.endswith("\n")
+
+
+def test_both_spellings_of_no_progress_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from elastictrain.progress import progress_wanted
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.delenv("ELASTICTRAIN_PROGRESS", raising=False)
+    monkeypatch.setenv("ELASTICTRAIN_NO_PROGRESS", "1")  # what --no-progress's help names
+    assert not progress_wanted(0, Tty())
+    monkeypatch.setenv("ELASTICTRAIN_NO_PROGRESS", "0")
+    assert progress_wanted(0, Tty())
