@@ -215,6 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser(
         "run", allow_abbrev=False,
+        epilog="torchrun's spellings are accepted too: the _ forms (--nproc_per_node, --rdzv_conf, --max_restarts, "
+               "--monitor_interval, --local_addr, --log_dir, --local_ranks_filter, --no_python, --rdzv_backend), "
+               "--rdzv-endpoint/--rdzv_endpoint for --etcd, --rdzv-id/--rdzv_id for --run-id, -m for --module, "
+               "-r for --redirects, -t for --tee. --master-addr, --master-port and --node-rank are refused: the "
+               "rendezvous picks rank 0's address and every node's rank each round.",
         help="launch an elastic training job",
         description="Launch this node's elastic agent (or several local ones) for SCRIPT.",
     )
@@ -263,7 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--node-rank", "--node_rank", action=_Refused, help=argparse.SUPPRESS)
     run.add_argument("--node-name", default=None, help=argparse.SUPPRESS)
     run.set_defaults(run_parser=run)
-    run.add_argument("script", help="training script (.py) each worker runs")
+    run.add_argument("script", help="training script (.py) each worker runs; a module with -m, a program with "
+                     "--no-python")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
     status = sub.add_parser("status", help="show a run's rendezvous, nodes and checkpoints",
