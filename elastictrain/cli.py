@@ -441,6 +441,21 @@ def _check_event_log(path: str) -> None:
                           "path in a writable directory") from None
 
 
+def _check_metrics_ports(first: int, count: int) -> None:
+    """``--metrics-port`` (and the next ones, one per local node) free, and ``prometheus_client``
+    there, before any process starts."""
+    import importlib.util
+
+    if importlib.util.find_spec("prometheus_client") is None:
+        raise ConfigError("--metrics-port needs the prometheus_client package: pip install 'elastictrain[metrics]'")
+    for port in range(first, first + count):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("0.0.0.0", port))
+            except OSError as exc:
+                raise ConfigError(f"--metrics-port {port}: cannot serve metrics there: {exc.strerror or exc}") from None
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from elastictrain.etcd.server import EtcdServer
 
@@ -454,6 +469,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # Validate everything before starting any process; a private etcd's address comes later.
     config = _run_config(args, etcd=etcd or "127.0.0.1", run_id=run_id, local_addr=local_addr)
     _check_event_log(str(config.event_log))
+    if config.metrics_port:
+        _check_metrics_ports(config.metrics_port, args.local_nodes or 1)
     nodes_here = args.local_nodes or 1
     if embedded and nodes_here < config.min_nodes:
         raise ConfigError(

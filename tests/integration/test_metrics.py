@@ -53,17 +53,17 @@ def test_a_running_job_is_scraped_for_world_size_round_step_and_checkpoint(tmp_p
         job.wait(timeout=60)
 
 
-def test_metrics_port_without_a_free_port_is_one_line(tmp_path: Path) -> None:
+def test_a_metrics_port_in_use_is_one_line_before_anything_starts(tmp_path: Path, capsys) -> None:
     import socket
+
+    from elastictrain.cli import main
 
     with socket.socket() as busy:
         busy.bind(("0.0.0.0", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = subprocess.run(
-            [sys.executable, "-m", "elastictrain", "run", "--metrics-port", str(port), "--event-log",
-             str(tmp_path / "e.jsonl"), SCRIPT, str(tmp_path / "job")],
-            env=subprocess_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2
-    assert f"--metrics-port {port}: cannot serve metrics there" in result.stderr.strip().splitlines()[-1]
-    assert "Traceback" not in result.stderr
+        code = main(["run", "--metrics-port", str(port), "--event-log", str(tmp_path / "e.jsonl"), SCRIPT,
+                     str(tmp_path / "job")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith(f"elastictrain: error: --metrics-port {port}: cannot serve metrics there")
