@@ -1,20 +1,72 @@
 """elastictrain: fault-tolerant elastic training for PyTorch.
 
-What a training script imports. ``import elastictrain`` loads torch but not the
-etcd client (only the launcher needs that).
+What a training script imports. Names are imported on first use: ``import elastictrain``
+alone loads neither torch nor the etcd client.
 """
 
-from elastictrain.accumulation import accumulate, no_sync
-from elastictrain.checkpoint import CheckpointManager, RestoreInfo
-from elastictrain.errors import ElasticTrainError, SessionError
-from elastictrain.hooks import HookDispatcher, Hooks
-from elastictrain.precision import MixedPrecision
-from elastictrain.process_group import Placement, destroy_process_group, init_process_group, process_group_scope
-from elastictrain.rank_logging import RankLoggerAdapter, get_logger, setup_logging
-from elastictrain.sampler import ElasticBatchSampler, ElasticSampler, MicroBatch, StepPlan
-from elastictrain.train.elastic import ElasticState, run_elastic
-from elastictrain.train.session import MicroStep, Session, SessionConfig, Step
-from elastictrain.worker import WorkerContext
+from typing import TYPE_CHECKING
+
+# Each public name and the module that defines it, imported on first use (PEP 562): the
+# ``elastictrain`` command imports this package, and ``--help``, ``status`` and ``stop``
+# must not pay for importing torch.
+_EXPORTS = {
+    "accumulate": "elastictrain.accumulation",
+    "no_sync": "elastictrain.accumulation",
+    "CheckpointManager": "elastictrain.checkpoint",
+    "RestoreInfo": "elastictrain.checkpoint",
+    "ElasticTrainError": "elastictrain.errors",
+    "SessionError": "elastictrain.errors",
+    "HookDispatcher": "elastictrain.hooks",
+    "Hooks": "elastictrain.hooks",
+    "MixedPrecision": "elastictrain.precision",
+    "Placement": "elastictrain.process_group",
+    "destroy_process_group": "elastictrain.process_group",
+    "init_process_group": "elastictrain.process_group",
+    "process_group_scope": "elastictrain.process_group",
+    "RankLoggerAdapter": "elastictrain.rank_logging",
+    "get_logger": "elastictrain.rank_logging",
+    "setup_logging": "elastictrain.rank_logging",
+    "ElasticBatchSampler": "elastictrain.sampler",
+    "ElasticSampler": "elastictrain.sampler",
+    "MicroBatch": "elastictrain.sampler",
+    "StepPlan": "elastictrain.sampler",
+    "ElasticState": "elastictrain.train.elastic",
+    "run_elastic": "elastictrain.train.elastic",
+    "MicroStep": "elastictrain.train.session",
+    "Session": "elastictrain.train.session",
+    "SessionConfig": "elastictrain.train.session",
+    "Step": "elastictrain.train.session",
+    "WorkerContext": "elastictrain.worker",
+}
+
+if TYPE_CHECKING:
+    from elastictrain.accumulation import accumulate, no_sync
+    from elastictrain.checkpoint import CheckpointManager, RestoreInfo
+    from elastictrain.errors import ElasticTrainError, SessionError
+    from elastictrain.hooks import HookDispatcher, Hooks
+    from elastictrain.precision import MixedPrecision
+    from elastictrain.process_group import Placement, destroy_process_group, init_process_group, process_group_scope
+    from elastictrain.rank_logging import RankLoggerAdapter, get_logger, setup_logging
+    from elastictrain.sampler import ElasticBatchSampler, ElasticSampler, MicroBatch, StepPlan
+    from elastictrain.train.elastic import ElasticState, run_elastic
+    from elastictrain.train.session import MicroStep, Session, SessionConfig, Step
+    from elastictrain.worker import WorkerContext
+
+
+def __getattr__(name: str) -> object:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'elastictrain' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __version__ = "0.1.0"
 

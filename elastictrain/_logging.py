@@ -13,6 +13,17 @@ import sys
 __all__ = ["setup"]
 
 
+class _WorkerFailureFilter(logging.Filter):
+    """Drops torch's own report of a failed worker (``failed (exitcode: 1) ...`` with the
+    wrapped traceback of every failed rank, survivors' consequential errors included): the
+    launcher reports the failure itself, root cause first and its traceback once (see
+    :mod:`elastictrain.failure_report`). ``--debug`` keeps torch's report."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name == "torch.distributed.elastic.multiprocessing.api"
+                    and isinstance(record.msg, str) and record.msg.startswith("failed (exitcode"))
+
+
 def setup(*, debug: bool = False, node: str | None = None) -> None:
     """Send elastictrain's logs to stderr with a ``[elastictrain node=...]`` prefix."""
     level = logging.DEBUG if debug else getattr(logging, os.environ.get("ELASTICTRAIN_LOG_LEVEL", "INFO").upper(), logging.INFO)
@@ -30,6 +41,8 @@ def setup(*, debug: bool = False, node: str | None = None) -> None:
     elastic = logging.getLogger("torch.distributed.elastic")
     elastic_handler = logging.StreamHandler(sys.stderr)
     elastic_handler.setFormatter(logging.Formatter("%(levelname).1s%(asctime)s %(process)d %(name)s] %(message)s"))
+    if not debug:
+        elastic_handler.addFilter(_WorkerFailureFilter())
     elastic.handlers[:] = [elastic_handler]
     elastic.propagate = False
     # Events go to the run's JSON-lines file; on the terminal they would drown the

@@ -8,9 +8,10 @@ import signal
 import sys
 from collections.abc import Sequence
 
-__all__ = ["die_with_parent", "dying_with_us"]
+__all__ = ["die_with_parent", "dying_with_us", "set_process_title"]
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> bool:
@@ -42,3 +43,21 @@ def dying_with_us(cmd: Sequence[str], sig: int = signal.SIGTERM) -> list[str]:
     gRPC's threads (our etcd client) can deadlock or abort in gRPC's fork handlers.
     """
     return [sys.executable, "-S", "-c", _TRAMPOLINE, str(int(sig)), str(os.getpid()), *cmd]
+
+
+def set_process_title(title: str) -> None:
+    """Show ``title`` as this process's command line in ``ps`` (with the ``setproctitle``
+    package), and its first word's basename as the kernel's 15-character process name
+    (``ps -e``, ``top``) in any case."""
+    try:
+        import setproctitle  # a dependency, but a title is not worth failing a worker for
+
+        setproctitle.setproctitle(title)
+    except ImportError:
+        pass
+    words = title.split(":", 1)[-1].split()
+    name = os.path.basename(words[0]) if words else title
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass

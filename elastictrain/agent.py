@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -40,7 +41,7 @@ from torch.distributed.elastic.utils import macros
 from elastictrain import _torch_compat
 from elastictrain._control import Assignment, WorkerState as SlotState
 from elastictrain.errors import ElasticTrainError
-from elastictrain.events import EventLog
+from elastictrain.events import NODE_ENV, EventLog
 from elastictrain.rendezvous.handler import Etcd3RendezvousHandler
 from elastictrain.run_state import RunPublisher
 from elastictrain.worker_group import Channel, FailureBudget, HangDetector, WorkerProcesses
@@ -163,8 +164,9 @@ class InProcessAgent(ElasticAgent):
     """
 
     def __init__(self, *, channel: Channel, budget: FailureBudget, hangs: HangDetector | None = None,
-                 **kwargs: Any) -> None:
+                 worker_logs: Callable[[int], DefaultLogsSpecs] | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self._worker_logs = worker_logs
         self._channel = channel
         self._budget = budget
         self._hangs = hangs or HangDetector()
@@ -218,12 +220,15 @@ class InProcessAgent(ElasticAgent):
         if "OMP_NUM_THREADS" in os.environ:
             env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
         if local_rank not in self._logs:
-            self._logs[local_rank] = DefaultLogsSpecs(log_dir=os.path.join(self._log_root, f"local_rank_{local_rank}"))
+            self._logs[local_rank] = (self._worker_logs(local_rank) if self._worker_logs else DefaultLogsSpecs(
+                log_dir=os.path.join(self._log_root, f"local_rank_{local_rank}")))
         assert spec.entrypoint is not None  # noqa: S101 - set by the launcher
         return start_processes(
             name=f"{spec.role}{local_rank}", entrypoint=spec.entrypoint,
             args={0: tuple(macros.substitute(list(spec.args), str(local_rank)))}, envs={0: env},
-            logs_specs=self._logs[local_rank], start_method=self._start_method)
+            logs_specs=self._logs[local_rank], start_method=self._start_method,
+            # What --tee shows on the terminal: [node rank], as untee'd worker output (see _worker_boot).
+            log_line_prefixes={0: f"[{os.environ.get(NODE_ENV) or socket.gethostname()} {worker.global_rank}] "})
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self._publish_generation(worker_group, cause="start")

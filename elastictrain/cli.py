@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -51,19 +52,99 @@ def _env(dest: str, default: Any) -> Any:
     return os.environ.get(f"ELASTICTRAIN_{dest.upper()}", default)
 
 
-def _add(parser: argparse.ArgumentParser, flag: str, *, default: Any, help: str, **kwargs: Any) -> None:
+def _add(parser: argparse.ArgumentParser, flag: str, *aliases: str, default: Any, help: str, **kwargs: Any) -> None:
+    """A flag (and its torchrun spellings in ``aliases``) falling back to ``ELASTICTRAIN_<FLAG>``."""
     dest = flag.lstrip("-").replace("-", "_")
     value = _env(dest, default)
     shown = "none" if default is None else default
-    parser.add_argument(flag, dest=dest, default=value, help=f"{help} (default: {shown}; env ELASTICTRAIN_{dest.upper()})", **kwargs)
+    parser.add_argument(flag, dest=dest, default=value,
+                        help=f"{help} (default: {shown}; env ELASTICTRAIN_{dest.upper()})", **kwargs)
+    _add_aliases(parser, aliases, dest, **kwargs)
 
 
-def _add_switch(parser: argparse.ArgumentParser, flag: str, *, help: str) -> None:
+def _add_aliases(parser: argparse.ArgumentParser, aliases: Sequence[str], dest: str, **kwargs: Any) -> None:
+    """torchrun's other spellings of a flag: the same ``dest``, not in ``--help``, and an error
+    names the spelling the user typed."""
+    for alias in aliases:
+        parser.add_argument(alias, dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
+
+
+def _add_switch(parser: argparse.ArgumentParser, flag: str, *aliases: str, help: str) -> None:
     """An on/off flag that ``ELASTICTRAIN_<FLAG>=1`` (or true/yes) also turns on."""
     dest = flag.lstrip("-").replace("-", "_")
     default = _env(dest, "").strip().lower() in {"1", "true", "yes", "on"}
     parser.add_argument(flag, dest=dest, action="store_true", default=default,
                         help=f"{help} (env ELASTICTRAIN_{dest.upper()}=1)")
+    _add_aliases(parser, aliases, dest, action="store_true")
+
+
+# torchrun flags that have no meaning here, and why: refused in one line each.
+_REFUSED = {
+    "--master-addr": "--master-addr/--master-port: not needed, the rendezvous (etcd) picks rank 0's address "
+                     "and a free port every round",
+    "--node-rank": "--node-rank: node ranks are assigned by the rendezvous, in the order nodes join, anew "
+                   "every round",
+}
+_REFUSED_SPELLINGS = {"--master-addr": "--master-addr", "--master_addr": "--master-addr",
+                      "--master-port": "--master-addr", "--master_port": "--master-addr",
+                      "--node-rank": "--node-rank", "--node_rank": "--node-rank"}
+
+
+def _nnodes(text: str) -> tuple[int, int]:
+    """torchrun's ``--nnodes N`` or ``MIN:MAX``."""
+    low, sep, high = text.partition(":")
+    try:
+        bounds = (int(low), int(high) if sep else int(low))
+    except ValueError:
+        bounds = (0, 0)
+    if bounds[0] < 1 or bounds[1] < bounds[0]:
+        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX with 1 <= MIN <= MAX, got {text!r}")
+    return bounds
+
+
+def _nproc(text: str) -> int | str:
+    """torchrun's ``--nproc-per-node``: a positive integer, ``auto``, ``gpu`` or ``cpu``."""
+    if text in {"auto", "gpu", "cpu"}:
+        return text
+    try:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, auto, gpu or cpu, got {text!r}") from None
+
+
+def _std(text: str) -> str:
+    """torchrun's ``--redirects``/``--tee``: 0-3 (none, stdout, stderr, both), or per local rank
+    ``0:1,1:2``."""
+    if not re.fullmatch(r"[0-3]|\d+:[0-3](,\d+:[0-3])*", text.strip()):
+        raise argparse.ArgumentTypeError(f"expected 0 (none), 1 (stdout), 2 (stderr), 3 (both) or "
+                                         f"LOCAL_RANK:N,..., got {text!r}")
+    return text.strip()
+
+
+def _int_set(text: str) -> tuple[int, ...]:
+    try:
+        ranks = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        ranks = ()
+    if not ranks or ranks[0] < 0:
+        raise argparse.ArgumentTypeError(f"expected local ranks as N[,N...], got {text!r}")
+    return ranks
+
+
+def _rdzv_backend(text: str) -> str:
+    if text not in {"etcd3", "etcd-v3"}:
+        raise argparse.ArgumentTypeError(f"elastictrain run always uses its etcd3 rendezvous, got {text!r}; for "
+                                         "another backend use torchrun")
+    return text
+
+
+class _Refused(argparse.Action):
+    """A torchrun flag with no meaning here (see ``_REFUSED``); the pre-scan of ``run``'s
+    arguments reports it, with every other bad flag, in one line."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        raise ConfigError(_REFUSED[_REFUSED_SPELLINGS[option_string or ""]])
 
 
 def _int_at_least(minimum: int, kind: str) -> Callable[[str], int]:
@@ -133,35 +214,62 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     run = sub.add_parser(
-        "run",
+        "run", allow_abbrev=False,
+        epilog="torchrun's spellings are accepted too: the _ forms (--nproc_per_node, --rdzv_conf, --max_restarts, "
+               "--monitor_interval, --local_addr, --log_dir, --local_ranks_filter, --no_python, --rdzv_backend), "
+               "--rdzv-endpoint/--rdzv_endpoint for --etcd, --rdzv-id/--rdzv_id for --run-id, -m for --module, "
+               "-r for --redirects, -t for --tee. --master-addr, --master-port and --node-rank are refused: the "
+               "rendezvous picks rank 0's address and every node's rank each round.",
         help="launch an elastic training job",
         description="Launch this node's elastic agent (or several local ones) for SCRIPT.",
     )
     _add_switch(run, "--debug", help="show tracebacks and debug logs")
+    _add(run, "--nnodes", default=None, type=_nnodes, help="torchrun's spelling of the node counts: N, or "
+         "MIN:MAX (same as --min-nodes MIN --max-nodes MAX)")
     _add(run, "--min-nodes", default=1, type=_positive_int, help="fewest nodes the job trains with")
     _add(run, "--max-nodes", default=None, type=_positive_int, help="most nodes admitted; none means --min-nodes")
-    _add(run, "--nproc-per-node", default=1, type=_positive_int, help="workers (ranks) started on each node")
-    _add(run, "--etcd", default=None, help="etcd endpoints host:port[,host:port...]; none starts a private etcd on this machine")
+    _add(run, "--nproc-per-node", "--nproc_per_node", default=1, type=_nproc,
+         help="workers (ranks) started on each node: N, or auto (one per GPU, else per CPU), gpu, cpu")
+    _add(run, "--etcd", "--rdzv-endpoint", "--rdzv_endpoint", default=None,
+         help="etcd endpoints host:port[,host:port...]; none starts a private etcd on this machine")
+    _add(run, "--rdzv-backend", "--rdzv_backend", default="etcd3", type=_rdzv_backend,
+         help="accepted for torchrun's sake; only etcd3")
     _add_switch(run, "--standalone", help="force a private etcd even if ELASTICTRAIN_ETCD is set")
-    _add(run, "--run-id", default=None, help="job name shared by all its nodes; namespaces its etcd keys (required with --etcd)")
-    _add(run, "--max-restarts", default=3, type=_non_negative_int, help="failures of this node's own workers the job survives (within --restart-window; with --recovery restart, torch's group restarts)")
+    _add(run, "--run-id", "--rdzv-id", "--rdzv_id", default=None,
+         help="job name shared by all its nodes; namespaces its etcd keys (required with --etcd)")
+    _add(run, "--max-restarts", "--max_restarts", default=3, type=_non_negative_int, help="failures of this node's own workers the job survives (within --restart-window; with --recovery restart, torch's group restarts)")
     _add(run, "--recovery", default="in-process", choices=("in-process", "restart"), help="in-process: workers keep their processes through faults and resizes; restart: every worker restarts from the last checkpoint")
     _add(run, "--restart-window", default=3600.0, type=float, help="seconds over which --max-restarts counts this node's failures (in-process recovery)")
     _add(run, "--local-nodes", default=None, type=_positive_int, help="start this many node agents on this machine (a multi-node job without several hosts)")
-    _add(run, "--local-addr", default=None, help="address other nodes reach this node at (default: this host's address on its route to etcd, 127.0.0.1 with a private etcd)")
-    _add(run, "--monitor-interval", default=0.1, type=float, help="seconds between the agent's checks of its workers")
+    _add(run, "--local-addr", "--local_addr", default=None, help="address other nodes reach this node at (default: this host's address on its route to etcd, 127.0.0.1 with a private etcd)")
+    _add(run, "--monitor-interval", "--monitor_interval", default=0.1, type=float, help="seconds between the agent's checks of its workers")
     _add(run, "--join-timeout", default=defaults.join_timeout.total_seconds(), type=float, help="seconds to wait for --min-nodes to gather")
     _add(run, "--last-call-timeout", default=defaults.last_call_timeout.total_seconds(), type=float, help="extra seconds to wait for more nodes once --min-nodes are there")
     _add(run, "--keep-alive-interval", default=defaults.keep_alive_interval.total_seconds(), type=float, help="seconds between node heartbeats; a node silent for 5 of them is dead")
-    _add(run, "--rdzv-conf", default="", type=_kv_pairs, help="more rendezvous/etcd settings as key=value,... (e.g. ca_cert=...,request_timeout=5)")
-    _add(run, "--log-dir", default=None, help="directory for per-worker logs and error files")
+    _add(run, "--rdzv-conf", "--rdzv_conf", default="", type=_kv_pairs, help="more rendezvous/etcd settings as key=value,... (e.g. ca_cert=...,request_timeout=5)")
+    _add(run, "--log-dir", "--log_dir", default=None, help="directory for per-worker logs and error files (kept; "
+         "without it a temporary one, removed when the node ends)")
+    _add(run, "--redirects", "-r", default="0", type=_std, help="worker streams into per-rank files under "
+         "--log-dir instead of the terminal: 0 none, 1 stdout, 2 stderr, 3 both, or LOCAL_RANK:N,...")
+    _add(run, "--tee", "-t", default="0", type=_std, help="as --redirects, but to the files and the terminal")
+    _add(run, "--local-ranks-filter", "--local_ranks_filter", default=None, type=_int_set,
+         help="only these local ranks (N[,N...]) print on the terminal; the others only to their files")
+    _add(run, "--role", default="trainer", help="the workers' role name (ROLE_NAME)")
+    _add(run, "--metrics-port", default=None, type=_positive_int, help="serve this node agent's Prometheus "
+         "metrics on this port (with --local-nodes N: PORT..PORT+N-1); needs prometheus_client")
+    _add_switch(run, "--module", "-m", help="SCRIPT is a module name, run as python -m SCRIPT")
+    _add_switch(run, "--no-python", "--no_python", help="SCRIPT is a program, executed as is (not by python)")
     _add_switch(run, "--no-progress", help="no progress line on rank 0 (it only shows on a terminal anyway)")
     _add_switch(run, "--join", help="join a job already training under --run-id (without it, a live run id is refused)")
     _add(run, "--event-log", default=None, help="JSON-lines event file of this run (default: elastictrain-runs/RUN_ID/events.jsonl)")
     _add_etcd_security(run)
+    run.add_argument("--master-addr", "--master_addr", "--master-port", "--master_port", action=_Refused,
+                     help=argparse.SUPPRESS)
+    run.add_argument("--node-rank", "--node_rank", action=_Refused, help=argparse.SUPPRESS)
     run.add_argument("--node-name", default=None, help=argparse.SUPPRESS)
     run.set_defaults(run_parser=run)
-    run.add_argument("script", help="training script (.py) each worker runs")
+    run.add_argument("script", help="training script (.py) each worker runs; a module with -m, a program with "
+                     "--no-python")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
     status = sub.add_parser("status", help="show a run's rendezvous, nodes and checkpoints",
@@ -202,9 +310,17 @@ def _run_config(args: argparse.Namespace, *, etcd: str, run_id: str, local_addr:
     rdzv_conf.setdefault("join_timeout", args.join_timeout)
     rdzv_conf.setdefault("last_call_timeout", args.last_call_timeout)
     rdzv_conf.setdefault("keep_alive_interval", args.keep_alive_interval)
+    if args.module and args.no_python:
+        raise ConfigError("-m/--module and --no-python exclude each other: SCRIPT is a module or a program")
     return RunConfig(
         script=args.script,
         script_args=tuple(args.script_args),
+        entry="module" if args.module else "program" if args.no_python else "script",
+        redirects=args.redirects,
+        tee=args.tee,
+        local_ranks_filter=tuple(args.local_ranks_filter or ()),
+        role=args.role,
+        metrics_port=args.metrics_port,
         min_nodes=int(args.min_nodes),
         max_nodes=int(args.max_nodes or args.min_nodes),
         nproc_per_node=int(args.nproc_per_node),
@@ -224,8 +340,69 @@ def _run_config(args: argparse.Namespace, *, etcd: str, run_id: str, local_addr:
     )
 
 
-# Flags a --local-nodes child must not inherit: the parent decides them for it.
-_PARENT_ONLY = {"local_nodes", "standalone", "etcd", "run_id", "local_addr", "node_name", "help"}
+# Flags a --local-nodes child must not inherit: the parent decides them for it (--nnodes is
+# resolved into --min-nodes/--max-nodes first).
+_PARENT_ONLY = {"local_nodes", "standalone", "etcd", "run_id", "local_addr", "node_name", "help", "nnodes",
+                "metrics_port"}
+
+
+def _resolve_torchrun_spellings(args: argparse.Namespace) -> None:
+    """``--nnodes`` into ``--min-nodes``/``--max-nodes``, ``--nproc-per-node auto|gpu|cpu`` into a count."""
+    if args.nnodes is not None:
+        if args.max_nodes is not None or args.min_nodes != 1:
+            raise ConfigError("--nnodes and --min-nodes/--max-nodes say the same thing: pass one of them")
+        args.min_nodes, args.max_nodes = args.nnodes
+        args.nnodes = None
+    if isinstance(args.nproc_per_node, str):
+        args.nproc_per_node = _count_of(args.nproc_per_node)
+
+
+def _count_of(kind: str) -> int:
+    """Workers per node for torchrun's ``auto``, ``gpu`` and ``cpu``."""
+    cpus = os.cpu_count() or 1
+    if kind == "cpu":
+        return cpus
+    import torch  # only for these spellings: the CLI path does not import torch otherwise
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if kind == "gpu" and gpus == 0:
+        raise ConfigError("--nproc-per-node gpu: no CUDA device is visible on this node; pass a number, cpu or auto")
+    return gpus or cpus
+
+
+def _check_run_arguments(run_parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
+    """Report every unknown or refused flag before SCRIPT in one line.
+
+    argparse stops at the first unknown flag, and its value then passes for SCRIPT (so
+    ``--nnodes 2 --bad x.py`` said only ``unrecognized arguments: --nnodes``)."""
+    takes_value: dict[str, bool] = {}
+    for action in run_parser._actions:  # noqa: SLF001 - argparse offers no public list
+        for option in action.option_strings:
+            takes_value[option] = action.nargs != 0
+    unknown: list[str] = []
+    refused: list[str] = []
+    index = 0
+    while index < len(argv):
+        token = argv[index]
+        if token == "--" or not token.startswith("-") or token == "-":
+            break  # SCRIPT: what follows is the script's
+        flag, eq, _ = token.partition("=")
+        if flag in _REFUSED_SPELLINGS:
+            reason = _REFUSED[_REFUSED_SPELLINGS[flag]]
+            if reason not in refused:
+                refused.append(reason)
+            index += 1 if eq else 2
+        elif flag in takes_value:
+            index += 1 if (eq or not takes_value[flag]) else 2
+        else:
+            unknown.append(flag)
+            following = argv[index + 1] if index + 1 < len(argv) else ""
+            # Guess: an unknown flag followed by a word that is not a script takes it as its value.
+            index += 2 if (not eq and following and not following.startswith("-")
+                           and not following.endswith(".py") and index + 2 < len(argv)) else 1
+    problems = ([f"unrecognized arguments: {' '.join(unknown)}"] if unknown else []) + refused
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
 def _node_args(run_parser: argparse.ArgumentParser, args: argparse.Namespace, *,
@@ -237,16 +414,18 @@ def _node_args(run_parser: argparse.ArgumentParser, args: argparse.Namespace, *,
     if local_addr:
         out += ["--local-addr", local_addr]
     for action in run_parser._actions:  # noqa: SLF001 - argparse offers no public list
-        if not action.option_strings or action.dest in _PARENT_ONLY:
+        if not action.option_strings or action.dest in _PARENT_ONLY or action.default is argparse.SUPPRESS:
             continue
         value = getattr(args, action.dest)
-        flag = action.option_strings[-1]
+        flag = next(o for o in action.option_strings if o.startswith("--"))
         if isinstance(action, argparse._StoreTrueAction):  # noqa: SLF001
             if value:
                 out.append(flag)
         elif isinstance(value, dict):
             if value:
                 out.append(f"{flag}={','.join(f'{k}={v}' for k, v in value.items())}")
+        elif isinstance(value, tuple):
+            out.append(f"{flag}={','.join(str(v) for v in value)}")
         elif value is not None:
             out.append(f"{flag}={value}")
     return [*out, args.script, *args.script_args]
@@ -263,9 +442,25 @@ def _check_event_log(path: str) -> None:
                           "path in a writable directory") from None
 
 
+def _check_metrics_ports(first: int, count: int) -> None:
+    """``--metrics-port`` (and the next ones, one per local node) free, and ``prometheus_client``
+    there, before any process starts."""
+    import importlib.util
+
+    if importlib.util.find_spec("prometheus_client") is None:
+        raise ConfigError("--metrics-port needs the prometheus_client package: pip install 'elastictrain[metrics]'")
+    for port in range(first, first + count):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("0.0.0.0", port))
+            except OSError as exc:
+                raise ConfigError(f"--metrics-port {port}: cannot serve metrics there: {exc.strerror or exc}") from None
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from elastictrain.etcd.server import EtcdServer
 
+    _resolve_torchrun_spellings(args)
     embedded = args.standalone or not args.etcd
     etcd = None if embedded else args.etcd
     if not embedded and not args.run_id:
@@ -275,6 +470,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # Validate everything before starting any process; a private etcd's address comes later.
     config = _run_config(args, etcd=etcd or "127.0.0.1", run_id=run_id, local_addr=local_addr)
     _check_event_log(str(config.event_log))
+    if config.metrics_port:
+        _check_metrics_ports(config.metrics_port, args.local_nodes or 1)
     nodes_here = args.local_nodes or 1
     if embedded and nodes_here < config.min_nodes:
         raise ConfigError(
@@ -297,17 +494,45 @@ def _cmd_run(args: argparse.Namespace) -> int:
             from elastictrain.local_cluster import run_local_nodes
 
             node_args = _node_args(args.run_parser, args, endpoint=endpoint, run_id=run_id, local_addr=local_addr)
-            return run_local_nodes(args.local_nodes, node_args)
+            port = args.metrics_port
+            return run_local_nodes(args.local_nodes, node_args,
+                                   per_node=(lambda i: [f"--metrics-port={port + i}"]) if port else None)
         from elastictrain.launcher import launch
 
         started = time.monotonic()
         outcome = launch(config, endpoint)
-        level = logging.INFO if outcome.exit_code == 0 else logging.ERROR
-        logger.log(level, "%s (%.1fs)", outcome.summary, time.monotonic() - started)
+        elapsed = time.monotonic() - started
+        _report_outcome(outcome, elapsed)
         return outcome.exit_code
     finally:
         if server is not None:
             server.stop()
+
+
+def _report_outcome(outcome: Any, elapsed: float) -> None:
+    """Say how this node's part of the job ended: one line, after the root cause's traceback.
+
+    Under a ``--local-nodes`` launcher a failure goes to the launcher instead (it reports
+    the whole job once, with the root cause among every node's failures)."""
+    from elastictrain import failure_report
+
+    outcome_file = os.environ.get(failure_report.OUTCOME_FILE_ENV)
+    if outcome_file and outcome.exit_code != 0:
+        failure_report.write_outcome(outcome_file, exit_code=outcome.exit_code, summary=outcome.summary,
+                                     restarts=outcome.restarts, failures=outcome.failures)
+        logger.debug("%s (%.1fs)", outcome.summary, elapsed)
+        return
+    if outcome.exit_code == 0:
+        logger.info("%s (%.1fs)", outcome.summary, elapsed)
+        return
+    if outcome.failures:
+        text = failure_report.report(list(outcome.failures), outcome.restarts)
+        head, _, last = text.rpartition("\n")
+        if head:
+            print(head, file=sys.stderr, flush=True)
+        logger.error("%s (%.1fs)", last, elapsed)
+        return
+    logger.error("%s (%.1fs)", outcome.summary, elapsed)
 
 
 def _client_for(args: argparse.Namespace) -> Any:
@@ -445,6 +670,14 @@ def _command(args: argparse.Namespace) -> int:
     return _EXIT_USAGE
 
 
+def _precheck(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
+    """Check ``run``'s flags as a whole (see :func:`_check_run_arguments`)."""
+    words = [i for i, token in enumerate(argv) if not token.startswith("-")]
+    if words and argv[words[0]] == "run":
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+        _check_run_arguments(sub.choices["run"], argv[words[0] + 1:])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``elastictrain`` console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -454,7 +687,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return chaos_main(argv[1:])
     debug = os.environ.get("ELASTICTRAIN_DEBUG", "").strip().lower() in {"1", "true", "yes", "on"}
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        _precheck(parser, argv)
+        args = parser.parse_args(argv)
         debug = debug or args.debug
         _logging.setup(debug=debug, node=getattr(args, "node_name", None))
         code = _command(args)

@@ -14,6 +14,8 @@ workers started, and the other nodes dropped it from the rendezvous.)
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import socket
 import tempfile
 from dataclasses import dataclass, field
@@ -295,7 +297,11 @@ class RunConfig:
     """Everything ``elastictrain run`` needs to launch one node's agent."""
 
     script: str
-    """Path of the training script each worker runs."""
+    """What each worker runs: a script's path, a module name (``entry="module"``) or a program."""
+
+    entry: str = "script"
+    """``script``: run a ``.py`` file as ``__main__``; ``module``: ``python -m script``
+    (torchrun's ``-m``); ``program``: execute ``script`` itself (torchrun's ``--no-python``)."""
 
     script_args: tuple[str, ...] = ()
     """Arguments passed to the script."""
@@ -343,6 +349,22 @@ class RunConfig:
     log_dir: str | None = None
     """Where worker logs go; ``None``: inherit the terminal."""
 
+    redirects: str = "0"
+    """torch's ``Std`` spelling (``0``-``3``, or ``local_rank:std,...``): worker streams written
+    to per-rank files under ``log_dir`` instead of the terminal."""
+
+    tee: str = "0"
+    """As ``redirects``, but the streams go to the files and to the terminal."""
+
+    local_ranks_filter: tuple[int, ...] = ()
+    """Only these local ranks print on the terminal (the others to their files); empty: all."""
+
+    role: str = "trainer"
+    """The workers' role name (``ROLE_NAME``)."""
+
+    metrics_port: int | None = None
+    """Serve this agent's Prometheus metrics on this port; ``None``: no endpoint."""
+
     join: bool = False
     """Whether this node may join a job already training under ``run_id``."""
 
@@ -366,11 +388,23 @@ class RunConfig:
         if self.recovery not in RECOVERY_MODES:
             raise ConfigError(f"--recovery must be one of {', '.join(RECOVERY_MODES)}, got {self.recovery!r}")
         validate_run_id(self.run_id)
+        self._check_entry()
+        if self.etcd is not None:
+            etcd_settings_from(self.etcd_options, self.etcd)  # validates the endpoint list
+
+    def _check_entry(self) -> None:
+        if self.entry == "module":
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", self.script):
+                raise ConfigError(f"-m/--module takes a module name (pkg.mod), got {self.script!r}")
+            return
+        if self.entry == "program":
+            if not shutil.which(self.script):
+                raise ConfigError(f"--no-python: program {self.script!r} is not an executable file or on PATH")
+            return
         if os.path.isdir(self.script):
             raise ConfigError(f"training script {self.script!r} is a directory, not a Python file (.py)")
         if not os.path.isfile(self.script):
             raise ConfigError(f"training script {self.script!r} does not exist")
         if not self.script.endswith(".py"):
-            raise ConfigError(f"training script {self.script!r} is not a Python file (.py)")
-        if self.etcd is not None:
-            etcd_settings_from(self.etcd_options, self.etcd)  # validates the endpoint list
+            raise ConfigError(f"training script {self.script!r} is not a Python file (.py); for a module "
+                              "pass -m, for a program --no-python")

@@ -8,11 +8,7 @@ family, so torch's elastic agent handles them unchanged.
 
 from __future__ import annotations
 
-from torch.distributed.elastic.rendezvous.api import (
-    RendezvousConnectionError,
-    RendezvousError,
-    RendezvousStateError,
-)
+from typing import Any
 
 __all__ = [
     "ElasticTrainError",
@@ -53,28 +49,8 @@ class EtcdError(ElasticTrainError):
     """Talking to etcd failed."""
 
 
-class EtcdUnavailableError(EtcdError, RendezvousConnectionError):
-    """No etcd endpoint answered within the retry deadline."""
-
-
-class EtcdIndeterminateError(EtcdUnavailableError):
-    """A request's reply was lost: etcd may or may not have applied it (never retried blindly)."""
-
-
-class EtcdAuthError(EtcdError, RendezvousConnectionError):
-    """etcd refused our credentials or TLS setup; retrying would not help."""
-
-
 class EtcdServerError(ElasticTrainError):
     """The embedded etcd server could not be found, started or stopped."""
-
-
-class RendezvousBackendError(ElasticTrainError, RendezvousError):
-    """Base for rendezvous failures that are ours rather than etcd's."""
-
-
-class CorruptRendezvousStateError(RendezvousBackendError, RendezvousStateError):
-    """The rendezvous key holds bytes that elastictrain did not write."""
 
 
 class RunIdInUseError(ElasticTrainError):
@@ -99,3 +75,46 @@ class CheckpointMismatchError(CheckpointError):
 
 class SessionError(ElasticTrainError, RuntimeError):
     """A training session was driven out of order (e.g. a step left with micro-batches untrained)."""
+
+
+# The errors of the rendezvous subclass torch's RendezvousError family (torch's agent handles
+# them unchanged), so defining them imports torch. They are made on first use (PEP 562):
+# `elastictrain --help`, `status` and `stop` never need torch unless such an error is raised.
+_TORCH_FAMILY = ("EtcdUnavailableError", "EtcdIndeterminateError", "EtcdAuthError", "RendezvousBackendError",
+                 "CorruptRendezvousStateError")
+
+
+def _define_torch_family() -> dict[str, type]:
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousConnectionError,
+        RendezvousError,
+        RendezvousStateError,
+    )
+
+    class EtcdUnavailableError(EtcdError, RendezvousConnectionError):
+        """No etcd endpoint answered within the retry deadline."""
+
+    class EtcdIndeterminateError(EtcdUnavailableError):
+        """A request's reply was lost: etcd may or may not have applied it (never retried blindly)."""
+
+    class EtcdAuthError(EtcdError, RendezvousConnectionError):
+        """etcd refused our credentials or TLS setup; retrying would not help."""
+
+    class RendezvousBackendError(ElasticTrainError, RendezvousError):
+        """Base for rendezvous failures that are ours rather than etcd's."""
+
+    class CorruptRendezvousStateError(RendezvousBackendError, RendezvousStateError):
+        """The rendezvous key holds bytes that elastictrain did not write."""
+
+    classes = [EtcdUnavailableError, EtcdIndeterminateError, EtcdAuthError, RendezvousBackendError,
+               CorruptRendezvousStateError]
+    for cls in classes:
+        cls.__qualname__ = cls.__name__  # importable (and picklable) as elastictrain.errors.<name>
+    return {cls.__name__: cls for cls in classes}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TORCH_FAMILY:
+        globals().update(_define_torch_family())
+        return globals()[name]
+    raise AttributeError(f"module 'elastictrain.errors' has no attribute {name!r}")

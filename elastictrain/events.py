@@ -21,6 +21,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["EVENT_LOG_ENV", "EventLog", "emit", "event_log", "route_torch_events"]
@@ -46,6 +47,7 @@ class EventLog:
         self.node = node or os.environ.get(NODE_ENV) or socket.gethostname()
         self._lock = threading.Lock()
         self._fd: int | None = None
+        self._listeners: list[Callable[[dict[str, Any]], None]] = []
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -62,7 +64,16 @@ class EventLog:
                     os.write(self._fd, line.encode())
         except Exception:  # noqa: BLE001 - a full disk must not stop the job
             logger.debug("could not write event %s", kind, exc_info=True)
+        for listener in self._listeners:
+            try:
+                listener(event)
+            except Exception:  # noqa: BLE001 - nor a listener (metrics) that fails
+                logger.debug("event listener failed on %s", kind, exc_info=True)
         return event
+
+    def add_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        """Call ``listener`` with every event emitted from now on (e.g. the metrics endpoint)."""
+        self._listeners.append(listener)
 
     def close(self) -> None:
         with self._lock:

@@ -12,8 +12,13 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.util
 import os
+import shutil
 import socket
+import stat
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,11 +34,12 @@ from torch.distributed.elastic.rendezvous import (
 
 from elastictrain import _torch_compat
 from elastictrain._control import CONTROL_DIR_ENV
-from elastictrain._worker_boot import AGENT_PID_ENV, run_script
+from elastictrain._worker_boot import AGENT_PID_ENV, TERMINAL_ENV, run_script, terminal_identity
 from elastictrain.agent import ElasticAgent, InProcessAgent
 from elastictrain.config import RunConfig, take_etcd_password
 from elastictrain.errors import ElasticTrainError, RunIdInUseError
 from elastictrain.events import EVENT_LOG_ENV, NODE_ENV, EventLog, route_torch_events
+from elastictrain.failure_report import WorkerFailure, from_process_failure, job_line, root_cause
 from elastictrain.rendezvous import BACKEND_NAME, register
 from elastictrain.rendezvous.handler import LOCAL_WORLD_SIZE_KEY, Etcd3RendezvousHandler, create_handler
 from elastictrain.run_state import NodeRecord, RunPublisher, read_status, stop_requested, this_host
@@ -54,24 +60,21 @@ class JobOutcome:
     summary: str
     """One line for the user."""
 
+    failures: tuple[WorkerFailure, ...] = ()
+    """This node's failed workers, when the job failed because of them."""
 
-def _failure_summary(failures: dict[int, ProcessFailure], restarts: int) -> tuple[int, str]:
-    rank, failure = min(failures.items(), key=lambda item: item[1].timestamp)
-    code = failure.exitcode
-    if code < 0:
-        how = f"was killed by signal {failure.signal_name()}"
-        exit_code = 128 - code
-    else:
-        how = f"exited with code {code}"
-        exit_code = code or 1
-    message = failure.message if isinstance(failure.message, str) else str(failure.message)
-    detail = ""
-    if message and not message.startswith("To enable traceback"):
-        detail = f": {message.strip().splitlines()[-1][:300]}"
-    return exit_code, (
-        f"worker rank {rank} (pid {failure.pid}) {how}{detail}; "
-        f"job failed after {restarts} restart(s)"
-    )
+    restarts: int = 0
+    """This node's restarts (or replacements) after its own workers' failures."""
+
+
+def _failure_outcome(failures: dict[int, ProcessFailure], restarts: int, node: str) -> JobOutcome:
+    """The outcome of this node's failed workers: the root cause in one line, its traceback kept
+    for the report (see :mod:`elastictrain.failure_report`)."""
+    reports = [from_process_failure(rank, failure, node) for rank, failure in failures.items()]
+    root = root_cause(reports)
+    code = root.exit_code if root is not None else 1
+    exit_code = 128 - code if code < 0 else (code or 1)
+    return JobOutcome(exit_code, job_line(reports, restarts), failures=tuple(reports), restarts=restarts)
 
 
 # Imported once by the forkserver, then inherited by every worker it forks.
@@ -96,7 +99,78 @@ def _warm_forkserver() -> None:
     process.join()
 
 
+def _worker_logs(config: RunConfig, root: str) -> Callable[[int], DefaultLogsSpecs]:
+    """Each worker's logs under in-process recovery (one process context per worker):
+    ``--redirects``/``--tee`` for its local rank; a rank outside ``--local-ranks-filter``
+    writes to its files only."""
+    redirects, tee = Std.from_str(config.redirects), Std.from_str(config.tee)
+
+    def for_rank(local_rank: int) -> DefaultLogsSpecs:
+        out, both = (s if isinstance(s, Std) else s.get(local_rank, Std.NONE) for s in (redirects, tee))
+        if config.local_ranks_filter and local_rank not in config.local_ranks_filter:
+            out, both = Std.ALL, Std.NONE
+        return DefaultLogsSpecs(log_dir=os.path.join(root, f"local_rank_{local_rank}"), redirects=out, tee=both)
+
+    return for_rank
+
+
+_TEMP_PREFIX = "elastictrain-node-"
+
+
+def _node_temp_dir() -> str:
+    """A temporary directory for this node's process (worker logs and error files when there
+    is no ``--log-dir``, torch's ``pytorch-errorfile-*``, multiprocessing's ``pymp-*``),
+    removed when the node ends. Those of nodes that were killed are removed here, at the next
+    start: their names carry the pid of the node that made them."""
+    base = tempfile.gettempdir()
+    for name in os.listdir(base):
+        if name.startswith("pymp-") and _stale_pymp(os.path.join(base, name)):
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+        if not name.startswith(_TEMP_PREFIX):
+            continue
+        try:
+            pid = int(name[len(_TEMP_PREFIX):].split("-", 1)[0])
+            os.kill(pid, 0)
+        except ValueError:
+            continue
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+        except PermissionError:
+            pass  # someone else's live process
+    return tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{os.getpid()}-", dir=base)
+
+
+def _stale_pymp(path: str) -> bool:
+    """Whether a multiprocessing ``pymp-*`` directory was left by a killed process: it holds a
+    forkserver's socket that no process has bound any more (Linux lists bound unix sockets in
+    ``/proc/net/unix``; connecting to find out would crash a live forkserver)."""
+    try:
+        sockets = {os.path.join(path, n) for n in os.listdir(path)
+                   if stat.S_ISSOCK(os.lstat(os.path.join(path, n)).st_mode)}
+        with open("/proc/net/unix", encoding="utf-8", errors="replace") as fh:
+            bound = {line.split()[-1] for line in fh.readlines()[1:] if len(line.split()) >= 8}
+    except OSError:
+        return False
+    return bool(sockets) and not (sockets & bound)
+
+
 def launch(config: RunConfig, endpoint: str) -> JobOutcome:
+    """Run this node's agent until the job ends (see :func:`_launch`); its temporary files go
+    into a directory of its own, removed at the end."""
+    temp = _node_temp_dir()
+    # multiprocessing's own directory (the forkserver's socket) stays where it was: a unix
+    # socket path must be short. It removes it at exit; a killed node's goes at the next start.
+    multiprocessing.util.get_temp_dir()
+    previous = tempfile.tempdir
+    tempfile.tempdir = temp  # this process's own temporary files (torch's, multiprocessing's)
+    try:
+        return _launch(config, endpoint, temp)
+    finally:
+        tempfile.tempdir = previous
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _launch(config: RunConfig, endpoint: str, temp: str) -> JobOutcome:
     """Run this node's agent until the job ends.
 
     Args:
@@ -127,6 +201,7 @@ def launch(config: RunConfig, endpoint: str) -> JobOutcome:
     # The agent pid lets a worker catch an agent that died before the worker could
     # ask to die along with it (see _worker_boot).
     os.environ[AGENT_PID_ENV] = str(os.getpid())
+    os.environ[TERMINAL_ENV] = terminal_identity()
     if config.event_log:
         os.environ[EVENT_LOG_ENV] = os.path.abspath(config.event_log)
     if config.node_name:
@@ -136,6 +211,23 @@ def launch(config: RunConfig, endpoint: str) -> JobOutcome:
         os.environ[CONTROL_DIR_ENV] = channel.directory
     else:  # a channel of an earlier launch in this process must not reach these workers
         os.environ.pop(CONTROL_DIR_ENV, None)
+    metrics = None
+    if config.metrics_port:
+        from elastictrain.metrics import AgentMetrics
+
+        metrics = AgentMetrics(config.metrics_port, run_id=config.run_id, node=events.node,
+                               event_log=config.event_log, progress=channel.progress if channel else None)
+        events.add_listener(metrics.observe)
+    try:
+        return _run_node(config, params, events, channel, temp)
+    finally:
+        if metrics is not None:
+            metrics.close()
+
+
+def _run_node(config: RunConfig, params: RendezvousParameters, events: EventLog, channel: Channel | None,
+              temp: str) -> JobOutcome:
+    log_root = config.log_dir or os.path.join(temp, "logs")
     _start_forkserver()
     register()
     handler = create_handler(params)
@@ -153,23 +245,24 @@ def launch(config: RunConfig, endpoint: str) -> JobOutcome:
     publisher.publish_meta(**_job_signature(config))
     publisher.update(state="starting")
     spec = WorkerSpec(
-        role="trainer",
+        role=config.role,
         local_world_size=config.nproc_per_node,
         entrypoint=run_script,
-        args=(config.script, tuple(config.script_args)),
+        args=(config.script, tuple(config.script_args), config.entry),
         rdzv_handler=handler,
         max_restarts=config.max_restarts,
         monitor_interval=config.monitor_interval.total_seconds(),
         local_addr=config.local_addr,
         event_log_handler=route_torch_events(events),
     )
-    logs = DefaultLogsSpecs(log_dir=config.log_dir, redirects=Std.NONE, tee=Std.NONE)
+    logs = DefaultLogsSpecs(log_dir=log_root, redirects=Std.from_str(config.redirects),
+                            tee=Std.from_str(config.tee), local_ranks_filter=set(config.local_ranks_filter) or None)
     common: dict[str, Any] = dict(spec=spec, logs_specs=logs, start_method="forkserver", events=events,
                                   publisher=publisher,
                                   stop_requested=lambda: stop_requested(handler.client, config.run_id))
     agent: ElasticAgent
     if channel is not None:
-        agent = InProcessAgent(channel=channel, budget=FailureBudget(
+        agent = InProcessAgent(channel=channel, worker_logs=_worker_logs(config, log_root), budget=FailureBudget(
             limit=config.max_restarts, window_s=config.restart_window.total_seconds()), **common)
     else:
         agent = ElasticAgent(**common)
@@ -255,7 +348,7 @@ def _run_agent(agent: ElasticAgent, handler: Etcd3RendezvousHandler, config: Run
         return JobOutcome(0, f"run {config.run_id!r} ended while this node waited as a spare "
                              f"(it had --max-nodes {config.max_nodes} already)")
     if result.is_failed():
-        return JobOutcome(*_failure_summary(result.failures, agent.restarts))
+        return _failure_outcome(result.failures, agent.restarts, config.node_name or this_host())
     if agent.stopped_by_request:
         return JobOutcome(0, f"run {config.run_id!r} was stopped by `elastictrain stop`")
     return JobOutcome(0, f"run {config.run_id!r} finished")

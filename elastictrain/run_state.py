@@ -22,7 +22,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from elastictrain.errors import CorruptRendezvousStateError, EtcdError
+from elastictrain import errors
+from elastictrain.errors import EtcdError
 from elastictrain.etcd import kv
 from elastictrain.etcd.client import EtcdClient
 from elastictrain.etcd.lease import RunLease
@@ -153,7 +154,7 @@ def read_status(client: EtcdClient, run_id: str, *, lease_ttls: bool = True) -> 
                 status.meta = _json_object(item)
             elif item.key.startswith(keys.records):
                 records.append(_json_object(item, required=("node_id",)))
-        except CorruptRendezvousStateError as exc:
+        except errors.CorruptRendezvousStateError as exc:
             status.problems.append(str(exc))
     status.nodes = sorted(records, key=lambda n: (n.get("group_rank") is None, n.get("group_rank") or 0,
                                                   str(n["node_id"])))
@@ -182,7 +183,7 @@ def _json_object(item: kv.KeyValue, required: tuple[str, ...] = ()) -> dict[str,
     except (ValueError, UnicodeDecodeError):
         value = None
     if not isinstance(value, dict) or any(name not in value for name in required):
-        raise CorruptRendezvousStateError(
+        raise errors.CorruptRendezvousStateError(
             f"etcd key {item.key} does not hold an elastictrain record (not a JSON object"
             f"{' with ' + ', '.join(required) if required else ''}: {item.value[:16]!r}...); delete it")
     return value

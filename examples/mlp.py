@@ -24,6 +24,12 @@ from torch.utils.data import TensorDataset
 import elastictrain
 
 
+def epochs_for(steps: int, batch: int, samples: int) -> int:
+    """Epochs enough for ``steps`` steps of ``batch`` samples (the README's status demo runs
+    ``--steps 100000``; a fixed 100 epochs stopped it at 6,400)."""
+    return max(1, -(-steps * batch // samples))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps in total")
@@ -51,7 +57,7 @@ def main() -> None:
     with elastictrain.Session(
         model, optimizer, TensorDataset(x, y),
         global_batch_size=args.batch, micro_batch_size=args.micro_batch,
-        epochs=100, max_steps=args.steps,
+        epochs=epochs_for(args.steps, args.batch, len(x)), max_steps=args.steps,
         checkpoint_dir=checkpoint_dir, checkpoint_every=args.checkpoint_every, log_every=5,
     ) as session:
         for step in session.steps():

@@ -47,6 +47,9 @@ class EtcdCluster:
                 # Throwaway data: fsync only slows a loaded machine. A SIGKILLed
                 # member still finds its writes in the page cache on restart.
                 durable=False,
+                # etcd logs every slow request at info: a soak left a 123 MB log in the run's
+                # directory. Warnings and errors still say why a member fell over.
+                extra_args=["--log-level", "warn"],
             ))
             for i, (client, peer) in enumerate(ports)
         ]

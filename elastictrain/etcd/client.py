@@ -20,6 +20,7 @@ import os
 import socket
 import ssl
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,12 +29,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import tenacity
 
-from elastictrain.errors import DependencyError, EtcdAuthError, EtcdIndeterminateError, EtcdUnavailableError
+from elastictrain import errors
+from elastictrain.errors import DependencyError
 
 if TYPE_CHECKING:
     import etcd3 as etcd3_module
 
 logger = logging.getLogger(__name__)
+
+_RETRY_NOTICE_EVERY = 5.0
+"""Seconds between warnings that a request is being retried because etcd does not answer."""
 
 __all__ = [
     "Endpoint",
@@ -284,8 +289,8 @@ class EtcdClient:
             return True  # the channel is rebuilt, which authenticates anew
         if _is_auth_failure(exc):
             return False  # retrying a refused certificate or password only floods etcd
-        errors = self._etcd3.exceptions
-        if isinstance(exc, (errors.ConnectionFailedError, errors.ConnectionTimeoutError)):
+        etcd3_errors = self._etcd3.exceptions
+        if isinstance(exc, (etcd3_errors.ConnectionFailedError, etcd3_errors.ConnectionTimeoutError)):
             return True
         return _grpc_code_name(exc) in {"UNAVAILABLE", "DEADLINE_EXCEEDED"}
 
@@ -337,7 +342,7 @@ class EtcdClient:
         if self._is_transient(exc):
             self._discard(index, client, exc)
 
-    def _tls_mismatch(self, index: int, exc: BaseException) -> EtcdAuthError | None:
+    def _tls_mismatch(self, index: int, exc: BaseException) -> errors.EtcdAuthError | None:
         """An error if a failed handshake came from TLS on one side only (retrying would not help).
 
         gRPC reports both as transient (a TLS handshake that read nothing, a socket
@@ -347,10 +352,10 @@ class EtcdClient:
         text = _describe(exc).lower()
         timeout = min(2.0, self._settings.request_timeout.total_seconds())
         if self._settings.ca_cert and "handshake" in text and _serves_plaintext_etcd(endpoint, timeout):
-            return EtcdAuthError(f"etcd at {endpoint} serves plain text, not TLS: drop --etcd-ca-cert, --etcd-cert "
+            return errors.EtcdAuthError(f"etcd at {endpoint} serves plain text, not TLS: drop --etcd-ca-cert, --etcd-cert "
                                  "and --etcd-key, or serve etcd with TLS")
         if not self._settings.ca_cert and "socket closed" in text and _serves_tls(endpoint, timeout):
-            return EtcdAuthError(f"etcd at {endpoint} serves TLS: pass --etcd-ca-cert with the CA that signed "
+            return errors.EtcdAuthError(f"etcd at {endpoint} serves TLS: pass --etcd-ca-cert with the CA that signed "
                                  "its certificate")
         return None
 
@@ -367,10 +372,10 @@ class EtcdClient:
             Whatever ``operation`` returns.
 
         Raises:
-            EtcdIndeterminateError: With ``once``, the attempt failed transiently: etcd
+            errors.EtcdIndeterminateError: With ``once``, the attempt failed transiently: etcd
                 may or may not have applied it.
-            EtcdUnavailableError: No endpoint answered within ``retry_deadline``.
-            EtcdAuthError: etcd refused our credentials or TLS setup.
+            errors.EtcdUnavailableError: No endpoint answered within ``retry_deadline``.
+            errors.EtcdAuthError: etcd refused our credentials or TLS setup.
         """
         last: list[tuple[Endpoint, BaseException]] = []
 
@@ -389,8 +394,24 @@ class EtcdClient:
                     self._discard(index, client, exc)
                 raise
 
+        said_at: list[float] = []
+
+        def say_retrying(state: Any) -> None:
+            # An unreachable etcd is said at once (and every few seconds), not only when the
+            # retry deadline gives up.
+            now = time.monotonic()
+            if not last or (said_at and now - said_at[-1] < _RETRY_NOTICE_EVERY):
+                return
+            said_at.append(now)
+            endpoint, exc = last[-1]
+            others = len(self._settings.endpoints) > 1
+            logger.warning("etcd at %s does not answer %s (%s); retrying%s for up to %gs", endpoint, what,
+                           _describe(exc), " on the next endpoint" if others else "",
+                           self._settings.retry_deadline.total_seconds())
+
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(self._is_transient),
+            before_sleep=None if once else say_retrying,
             wait=tenacity.wait_random_exponential(multiplier=0.05, max=2.0),
             stop=(tenacity.stop_after_attempt(1) if once
                   else tenacity.stop_before_delay(self._settings.retry_deadline.total_seconds())),
@@ -400,23 +421,23 @@ class EtcdClient:
             return retrying(attempt)
         except Exception as exc:
             if _is_auth_failure(exc):
-                raise EtcdAuthError(
+                raise errors.EtcdAuthError(
                     f"etcd at {self.current_endpoint} refused {what}: {_describe(exc)} "
                     "(check the etcd user and password, and the TLS CA and client certificate)"
                 ) from exc
             if once and self._is_transient(exc):
-                raise EtcdIndeterminateError(
+                raise errors.EtcdIndeterminateError(
                     f"etcd at {last[-1][0] if last else self.current_endpoint} did not confirm {what} "
                     f"({_describe(exc)}): it may or may not have been applied"
                 ) from exc
             if self._is_transient(exc):
                 tried = ", ".join(sorted({f"{ep} ({_describe(e)})" for ep, e in last}))
-                raise EtcdUnavailableError(
+                raise errors.EtcdUnavailableError(
                     f"etcd unreachable for {what} after "
                     f"{self._settings.retry_deadline.total_seconds():g}s: {tried}"
                 ) from exc
             if isinstance(exc, self._etcd3.exceptions.Etcd3Exception) or _grpc_code_name(exc):
-                raise EtcdUnavailableError(
+                raise errors.EtcdUnavailableError(
                     f"etcd at {self.current_endpoint} failed {what}: {_describe(exc)}"
                 ) from exc
             raise
@@ -529,8 +550,8 @@ def connect(settings: EtcdSettings) -> EtcdClient:
     """Build an :class:`EtcdClient` and check that some endpoint answers.
 
     Raises:
-        EtcdUnavailableError: No endpoint answered within the retry deadline.
-        EtcdAuthError: etcd refused our credentials or TLS setup.
+        errors.EtcdUnavailableError: No endpoint answered within the retry deadline.
+        errors.EtcdAuthError: etcd refused our credentials or TLS setup.
     """
     client = EtcdClient(settings)
     client.call(lambda c: c.status(), what="a status check")

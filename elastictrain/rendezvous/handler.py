@@ -175,9 +175,8 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                     f"{self._config.join_timeout.total_seconds():g}s ({self._progress()})")
             if now - logged >= _LOG_EVERY:
                 logged = now
-                logger.info("waiting %.0fs for round %d of run '%s': %s; join timeout %gs", now - started,
-                            after + 1, self.keys.run_id, self._progress(),
-                            self._config.join_timeout.total_seconds())
+                logger.info("%s for %.0f s; join timeout %g s (round %d of run '%s')", self._waiting_for(),
+                            now - started, self._config.join_timeout.total_seconds(), after + 1, self.keys.run_id)
             timeout = min(1.0, deadline - now, (wake - now) if wake is not None else 1.0)
             with control.cond:
                 control.cond.wait_for(lambda: control.version != seen, max(0.0, timeout))
@@ -313,6 +312,20 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         closer, self._closer = self._closer, None
         if closer is not None:
             closer.close()
+
+    def _waiting_for(self) -> str:
+        """``waiting for 1 more node (1 of 2)``, as far as this node knows (the closer counts)."""
+        if self._closer is not None:
+            waiting, _alive = self._closer.summary()
+            more = self._min - waiting
+            if more > 0:
+                return f"waiting for {more} more node{'s' if more > 1 else ''} ({waiting} of {self._min})"
+            return f"{waiting} node(s) here (min {self._min}, max {self._max}): waiting for the last call"
+        with self._control.cond:
+            closer = self._control.closer
+        if closer is None:
+            return f"waiting for the round to form (min {self._min} node(s))"
+        return f"waiting for the round to form (min {self._min} node(s); node {closer} gathers it)"
 
     def _progress(self) -> str:
         if self._closer is not None:

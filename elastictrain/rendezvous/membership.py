@@ -30,7 +30,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from elastictrain.errors import CorruptRendezvousStateError
+from elastictrain import errors
 from elastictrain.etcd import kv
 from elastictrain.etcd.client import EtcdClient
 from elastictrain.etcd.lease import RunLease
@@ -96,7 +96,7 @@ class ControlView:
         self.closer: str | None = None
         self.closer_kv: kv.KeyValue | None = None
         self.closed: ClosedRecord | None = None
-        self.problem: CorruptRendezvousStateError | None = None
+        self.problem: errors.CorruptRendezvousStateError | None = None
         self.version = 0
         """Bumped on every change (and by :meth:`touch`): waiters wait for it to move."""
         self.loaded = False
@@ -176,7 +176,7 @@ class ControlView:
                 self.closer_kv = None if deleted else item
             elif item.key == self._keys.closed:
                 self.closed = None if deleted else decode(ClosedRecord, item.key, item.value)
-        except CorruptRendezvousStateError as exc:
+        except errors.CorruptRendezvousStateError as exc:
             self.problem = exc
 
     def close(self) -> None:
@@ -234,7 +234,7 @@ class Closer:
     def _put(self, item: kv.KeyValue) -> None:
         try:
             record = decode(MemberRecord, item.key, item.value)
-        except CorruptRendezvousStateError as exc:
+        except errors.CorruptRendezvousStateError as exc:
             if item.key not in self._reported:  # a foreign key among the members: left out, said once
                 self._reported.add(item.key)
                 logger.warning("ignoring %s", exc)
@@ -361,7 +361,7 @@ class RoundWatch:
                     continue
                 try:
                     record = decode(MemberRecord, event.key, event.kv.value)
-                except CorruptRendezvousStateError:
+                except errors.CorruptRendezvousStateError:
                     continue
                 if node in self._members:
                     if record.after >= self._joined.round:

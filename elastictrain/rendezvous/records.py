@@ -14,7 +14,7 @@ import time
 from dataclasses import MISSING, asdict, dataclass, field
 from typing import Any, TypeVar
 
-from elastictrain.errors import CorruptRendezvousStateError
+from elastictrain import errors
 
 __all__ = ["ClosedRecord", "CloserRecord", "MemberRecord", "RoundRecord", "decode", "encode"]
 
@@ -113,13 +113,13 @@ def decode(cls: type[_R], key: str, value: bytes) -> _R:
     """Parse ``value`` read from etcd ``key`` as a ``cls`` record.
 
     Raises:
-        CorruptRendezvousStateError: It is not JSON, not a ``cls`` document of our
+        errors.CorruptRendezvousStateError: It is not JSON, not a ``cls`` document of our
             schema, or a field has the wrong type; the message names the key.
     """
     kind = cls.kind  # type: ignore[attr-defined]
 
-    def corrupt(why: str) -> CorruptRendezvousStateError:
-        return CorruptRendezvousStateError(
+    def corrupt(why: str) -> errors.CorruptRendezvousStateError:
+        return errors.CorruptRendezvousStateError(
             f"etcd key {key} does not hold an elastictrain {kind} record ({why}); it was not written by "
             "this version of elastictrain: delete it, or use another run id"
         )

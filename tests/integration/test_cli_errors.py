@@ -65,9 +65,10 @@ def test_unreachable_etcd_names_the_endpoint_and_exits_one(capsys: pytest.Captur
     argv = ["run", "--etcd", f"127.0.0.1:{port}", "--run-id", "x", "--rdzv-conf", "retry_deadline=1", SCRIPT]
     assert main(argv) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1
-    assert f"etcd unreachable for connecting after 1s: 127.0.0.1:{port}" in err[0]
-    assert "Connection refused" in err[0]
+    # While it retries, the endpoint is named at once (issue 17); then one line for the error.
+    assert all(f"etcd at 127.0.0.1:{port} does not answer connecting" in line for line in err[:-1]), err
+    assert f"etcd unreachable for connecting after 1s: 127.0.0.1:{port}" in err[-1]
+    assert "Connection refused" in err[-1]
 
 
 def test_bad_input_in_a_real_process_shows_no_traceback(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -65,8 +66,28 @@ def test_failing_worker_exhausts_restarts_and_job_exits_with_its_code(tmp_path: 
     result = elastictrain("run", "--max-restarts", "1", SCRIPT, str(out), "--fail-rank", "0", "--fail-exit-code", "7")
     assert result.returncode == 7
     last = result.stderr.strip().splitlines()[-1]
-    assert "worker rank 0" in last and "exited with code 7" in last and "1 restart" in last
+    assert "rank 0 on " in last and "exited with code 7" in last and "1 restart" in last
     assert sorted(p.name for p in out.glob("pid-0-*")) == ["pid-0-0", "pid-0-1"]
+
+
+def test_a_raising_rank_is_reported_once_root_cause_first(tmp_path: Path) -> None:
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    result = elastictrain("run", "--local-nodes", "2", "--min-nodes", "2", "--max-restarts", "0", SCRIPT,
+                          str(tmp_path / "out"), "--steps", "50", "--raise-rank", "1", TMPDIR=str(temp))
+    assert result.returncode == 1
+    # No torchelastic_* log dirs, pytorch-errorfile-*, pymp-*, elastictrain-node-* left behind
+    # (torch's compiler cache, torchinductor_<user>, is meant to stay).
+    assert sorted(p.name for p in temp.iterdir() if not p.name.startswith("torchinductor_")) == [], \
+        result.stderr[-2000:]
+    err = result.stderr
+    last = err.strip().splitlines()[-1]
+    assert "rank 1 on node" in last and "failed: ValueError: bad batch 1234 in shard 7 (ddp_steps.py:" in last
+    assert "job failed after 0 restart(s)" in last
+    assert err.count("Traceback (most recent call last)") == 1, err  # the root cause's, once
+    assert err.count("ValueError: bad batch") == 2  # in the traceback and in the one line
+    assert "'message'" not in err and "GLHF" not in err and "Connection closed" not in err, err
+    assert "_worker_boot" not in err and "ProcessRaisedException" not in err
 
 
 def _alive(pid: int) -> bool:
@@ -120,3 +141,23 @@ def test_etcd_subcommand_serves_until_sigterm(tmp_path: Path) -> None:
     assert proc.wait(timeout=30) == 0
     with pytest.raises(Exception):
         make_client(f"127.0.0.1:{port}", retry_deadline=0.5).call(lambda c: c.get("/probe"))
+
+
+def test_torchrun_spellings_run_a_module_with_prefixed_output_titles_and_a_rank_filter(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    result = elastictrain("run", "--nproc_per_node", "2", "--local-ranks-filter", "1", "--log_dir", str(logs),
+                          "--role", "probe", "-m", "tests.scripts.print_probe", "--flag")
+    assert result.returncode == 0, result.stderr[-3000:]
+    shown = [line for line in result.stdout.splitlines() if "probe rank=" in line]
+    # Rank 1 on the terminal with a [node rank] prefix, its title naming the module; rank 0 only in its file.
+    assert len(shown) == 1 and shown[0].startswith(f"[{socket.gethostname()} 1] probe rank=1 role=probe"), shown
+    assert "argv=['--flag']" in shown[0] and "title=elastictrain worker rank 1: tests.scripts.print_probe --flag" \
+        in shown[0]
+    rank0 = [p.read_text() for p in logs.glob("local_rank_0/**/stdout.log")]
+    assert len(rank0) == 1 and "probe rank=0" in rank0[0] and not rank0[0].startswith("[")
+
+
+def test_no_python_runs_a_program(tmp_path: Path) -> None:
+    result = elastictrain("run", "--no-python", "sh", "-c", "echo from-$RANK; exit 5")
+    assert result.returncode == 5 and "from-0" in result.stdout
+    assert "rank 0 on " in result.stderr and "exited with code 5" in result.stderr

@@ -1,6 +1,6 @@
 """Test job: a few DDP steps on gloo; each rank writes what it saw to OUT_DIR.
 
-Usage: ddp_steps.py OUT_DIR [--steps N] [--sleep S] [--fail-rank R --fail-exit-code C]
+Usage: ddp_steps.py OUT_DIR [--steps N] [--sleep S] [--fail-rank R --fail-exit-code C] [--raise-rank R]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ def main() -> None:
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep before training")
     parser.add_argument("--fail-rank", type=int, default=-1)
     parser.add_argument("--fail-exit-code", type=int, default=3)
+    parser.add_argument("--raise-rank", type=int, default=-1, help="this rank raises ValueError after step 1")
     args = parser.parse_args()
 
     out = Path(args.out_dir)
@@ -48,6 +49,8 @@ def main() -> None:
         optimizer.step()
         if first_step_at is None:
             first_step_at = time.time()
+        elif rank == args.raise_rank:
+            raise ValueError("bad batch 1234 in shard 7")
     record = {
         "rank": rank,
         "world_size": dist.get_world_size(),

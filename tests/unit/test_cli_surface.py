@@ -16,7 +16,14 @@ EXPECTED = {
                    "--event-log", "--help", "--join", "--join-timeout", "--keep-alive-interval",
                    "--last-call-timeout", "--local-addr", "--local-nodes", "--log-dir", "--max-nodes",
                    "--max-restarts", "--min-nodes", "--monitor-interval", "--no-progress", "--node-name", "--nproc-per-node",
-                   "--rdzv-conf", "--recovery", "--restart-window", "--run-id", "--standalone"]),
+                   "--rdzv-conf", "--recovery", "--restart-window", "--run-id", "--standalone",
+                   # torchrun's spellings (issue 17): same meaning, or refused in one line saying why
+                   "--nnodes", "--nproc_per_node", "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-id", "--rdzv_id",
+                   "--rdzv-backend", "--rdzv_backend", "--rdzv_conf", "--max_restarts", "--monitor_interval",
+                   "--local_addr", "--log_dir", "--redirects", "--tee", "--local-ranks-filter",
+                   "--local_ranks_filter", "--role", "--module", "--no-python", "--no_python",
+                   "--master-addr", "--master_addr", "--master-port", "--master_port", "--node-rank", "--node_rank",
+                   "--metrics-port"]),
     "status": sorted([*ETCD_CLIENT, "--all", "--checkpoint-dir", "--json", "--verify-checksums"]),
     "stop": sorted([*ETCD_CLIENT, "--purge"]),
     "etcd": sorted(["--cert-file", "--client-cert-auth", "--data-dir", "--help", "--host", "--insecure", "--key-file",
@@ -41,3 +48,10 @@ def test_every_visible_flag_has_help_with_a_default_or_env() -> None:
             if not action.option_strings or action.help == argparse.SUPPRESS or action.dest == "help":
                 continue
             assert "ELASTICTRAIN_" in (action.help or ""), f"{name} {action.option_strings}: help names no env var"
+
+
+def test_torchrun_short_flags_are_accepted() -> None:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    short = sorted(o for a in sub.choices["run"]._actions for o in a.option_strings if not o.startswith("--"))
+    assert short == ["-h", "-m", "-r", "-t"]

@@ -31,3 +31,44 @@ def test_progress_line_has_step_loss_throughput_and_world_size() -> None:
     text = out.getvalue()
     assert text.startswith("\r[#####...............] 10/40  loss 0.5000  1,234 samples/s  world 3")
     assert text.endswith("\n")
+
+
+def test_both_spellings_of_no_progress_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from elastictrain.progress import progress_wanted
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.delenv("ELASTICTRAIN_PROGRESS", raising=False)
+    monkeypatch.setenv("ELASTICTRAIN_NO_PROGRESS", "1")  # what --no-progress's help names
+    assert not progress_wanted(0, Tty())
+    monkeypatch.setenv("ELASTICTRAIN_NO_PROGRESS", "0")
+    assert progress_wanted(0, Tty())
+
+
+def test_a_log_line_prints_above_the_progress_line_not_glued_to_it() -> None:
+    import io
+    import logging
+
+    from elastictrain.progress import ProgressHook
+
+    terminal = io.StringIO()
+    log = logging.getLogger("elastictrain.test_progress_collision")
+    handler = logging.StreamHandler(terminal)
+    log.addHandler(handler)
+    log.propagate = False
+    try:
+        hook = ProgressHook(total=10, stream=terminal)
+        hook.on_step_end(step=1, loss=0.5, throughput=100.0)
+        log.warning("a log line")
+        hook.on_end(step=10)
+    finally:
+        log.removeHandler(handler)
+    # What a terminal shows: each \r returns to the line's start, so take what follows the last one.
+    shown = [line.rsplit("\r", 1)[-1].rstrip() for line in terminal.getvalue().split("\n")]
+    assert shown[0] == "a log line"
+    assert shown[1].startswith("[##") and "1/10" in shown[1]
+    assert handler.stream is terminal  # given back at the end

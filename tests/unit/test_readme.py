@@ -44,3 +44,21 @@ def test_readme_says_the_store_and_collective_ports_need_a_trusted_network() -> 
     paragraph = README.split("**Trusted network.**", 1)[1].split("\n\n", 1)[0]
     for what in ("store", "gloo", "NCCL", "neither encrypted nor authenticated"):
         assert what in paragraph
+
+
+def test_the_status_demo_job_runs_the_steps_it_is_given() -> None:
+    import runpy
+
+    demo = re.search(r"examples/mlp\.py --steps (\d+)", README)
+    assert demo is not None
+    steps = int(demo.group(1))
+    mlp = runpy.run_path(str(REPO_ROOT / "examples" / "mlp.py"), run_name="not_main")
+    # 4096 samples, global batch 64 (the example's defaults): enough epochs for every step.
+    assert mlp["epochs_for"](steps, 64, 4096) * (4096 // 64) >= steps
+
+
+def test_readme_and_session_docs_say_what_restore_step_means_and_that_hooks_take_a_list() -> None:
+    session = (REPO_ROOT / "docs" / "session.md").read_text()
+    for text in (README, session):
+        assert "`info.step` is the step number you passed to `save`" in text
+    assert "`hooks=` takes a list" in README and "`hooks=` takes a list" in session

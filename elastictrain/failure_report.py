@@ -1,0 +1,229 @@
+"""What a failed job tells its operator: the root cause first, in one line, and its traceback once.
+
+A worker that raises is seldom the only one to fail: with a plain script on gloo or
+NCCL, every peer's next collective fails too ("Connection closed by peer ... GLHF"),
+and each of those failures is recorded just like the root cause. This module turns
+torch's :class:`ProcessFailure` records into :class:`WorkerFailure` (plain data, JSON
+round-trip, so a ``--local-nodes`` launcher can gather its nodes' failures), tells a
+*consequential* failure (a collective that failed because a peer went away) from a
+root cause, and writes the report:
+
+- one line per job: ``rank 1 on node1 failed: ValueError: bad batch 1234 in shard 7
+  (train.py:42); job failed after 0 restart(s)``, with the peers that failed in
+  consequence summarised in a clause;
+- the root cause's traceback once, trimmed to the script's own frames.
+
+Nothing here imports torch: it reads a ``ProcessFailure`` by its public fields.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["OUTCOME_FILE_ENV", "WorkerFailure", "from_process_failure", "job_line", "read_outcome", "report",
+           "root_cause", "write_outcome"]
+
+OUTCOME_FILE_ENV = "ELASTICTRAIN_OUTCOME_FILE"
+"""Set by a ``--local-nodes`` launcher for each node: where the node writes its outcome (JSON)
+instead of reporting a failure itself, so the launcher reports the job's once."""
+
+# A collective or store call that failed because a peer went away: the consequence of
+# another rank's failure, not a cause. gloo, NCCL and c10d's TCPStore each word it their way.
+_CONSEQUENTIAL = re.compile(
+    r"Connection closed by peer|Connection reset by peer|remote worker crashing|remote process exited"
+    r"|NCCL communicator was aborted|DistNetworkError|DistBackendError|Broken pipe|Socket Timeout"
+    r"|ProcessGroupGloo.*(?:timed out|Timed out)|Application timeout caused pair closure"
+    r"|failed to recv, got 0 bytes|recvBytes|Read error \[",
+)
+
+# Noise around gloo's messages: the source location it was raised at, and the advice.
+_GLOO_SOURCE = re.compile(r"\[/[^\]]*?\.(?:cc|cpp|h):\d+\] ")
+_ADVICE = re.compile(r"\s*This is typically caused by a remote worker crashing\..*$", re.S)
+
+# Frames of the machinery between the worker's start and the script: not the user's.
+_MACHINERY = ("/torch/", "/elastictrain/_worker_boot.py", "<frozen runpy>", "/runpy.py",
+              "/torch/distributed/elastic/")
+
+_MAX_MESSAGE = 300
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerFailure:
+    """One failed worker, as the operator needs to see it."""
+
+    rank: int
+    """Global rank."""
+
+    node: str
+    """The node (``--local-nodes`` name, or host name) that ran it."""
+
+    pid: int
+    exit_code: int
+    """The process's exit code; negative: killed by that signal."""
+
+    signal: str | None
+    """Signal name when it was killed by one (``SIGKILL``)."""
+
+    error: str
+    """``Type: message`` of the exception it raised, cleaned of noise; empty if none was recorded."""
+
+    location: str
+    """``script.py:42``: the innermost frame of the user's code, if a traceback was recorded."""
+
+    traceback: str
+    """The traceback trimmed to the user's frames; empty if none was recorded."""
+
+    consequential: bool
+    """Whether it failed because a peer went away (a consequence, not a cause)."""
+
+    timestamp: float
+    """When it failed (seconds since the epoch, from its error file)."""
+
+    def describe(self) -> str:
+        """``rank 1 on node1 failed: ValueError: bad batch (train.py:42)``."""
+        who = f"rank {self.rank} on {self.node}"
+        if self.signal:
+            return f"{who} was killed by {self.signal}"
+        if self.error:
+            where = f" ({self.location})" if self.location else ""
+            return f"{who} failed: {self.error}{where}"
+        return f"{who} exited with code {self.exit_code}"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> WorkerFailure:
+        return cls(**{name: data[name] for name in cls.__dataclass_fields__})  # type: ignore[attr-defined]
+
+
+def _clean(error: str) -> str:
+    """One line: gloo's source location and advice removed, cut at a sane length."""
+    error = _ADVICE.sub("", _GLOO_SOURCE.sub("", error.strip()))
+    line = error.splitlines()[0].strip() if error else ""
+    return line if len(line) <= _MAX_MESSAGE else line[: _MAX_MESSAGE - 3] + "..."
+
+
+def _frames(callstack: str) -> tuple[list[list[str]], list[str]]:
+    """Split a formatted traceback into its frames (each a ``File`` line and what follows)
+    and the closing exception lines."""
+    frames: list[list[str]] = []
+    tail: list[str] = []
+    for line in callstack.splitlines():
+        if line.startswith("Traceback (most recent call last)"):
+            continue
+        if line.startswith("  File "):
+            frames.append([line])
+            tail = []
+        elif line.startswith("    ") and frames and not tail:
+            frames[-1].append(line)
+        else:
+            tail.append(line)
+    return frames, tail
+
+
+_FILE_LINE = re.compile(r'^  File "(?P<path>[^"]+)", line (?P<line>\d+)')
+
+
+def _trim(callstack: str) -> tuple[str, str]:
+    """The traceback without the launcher's own frames, and the innermost user frame as ``file:line``."""
+    frames, tail = _frames(callstack)
+    kept = [f for f in frames if not any(m in f[0] for m in _MACHINERY)] or frames
+    location = ""
+    for frame in reversed(kept):
+        match = _FILE_LINE.match(frame[0])
+        if match and not any(m in frame[0] for m in _MACHINERY) and "site-packages" not in frame[0]:
+            location = f"{os.path.basename(match['path'])}:{match['line']}"
+            break
+    if not frames:
+        return "", location
+    lines = ["Traceback (most recent call last):", *(line for f in kept for line in f), *tail]
+    return "\n".join(lines).rstrip(), location
+
+
+def from_process_failure(rank: int, failure: Any, node: str) -> WorkerFailure:
+    """A :class:`WorkerFailure` from torch's ``ProcessFailure`` of global rank ``rank``.
+
+    The error file ``@record`` wrote holds the exception as ``{"message": ..., "extraInfo":
+    {"py_callstack": ...}}``; without one (a signal, ``sys.exit``) only the exit code is known.
+    """
+    message: Any = failure.message
+    callstack = ""
+    if isinstance(message, dict):
+        extra = message.get("extraInfo") or {}
+        callstack = str(extra.get("py_callstack") or "")
+        message = message.get("message") or ""
+    message = str(message or "")
+    if message.startswith("To enable traceback") or message.startswith("Signal "):
+        message = ""  # torch's placeholders: nothing was recorded
+    code = int(failure.exitcode)
+    signal = failure.signal_name() if code < 0 else None
+    traceback, location = _trim(callstack) if callstack else ("", "")
+    error = _clean(message)
+    return WorkerFailure(
+        rank=rank, node=node, pid=int(failure.pid), exit_code=code, signal=signal, error=error,
+        location=location, traceback=traceback, consequential=bool(_CONSEQUENTIAL.search(message)),
+        timestamp=float(failure.timestamp or 0))
+
+
+def root_cause(failures: list[WorkerFailure]) -> WorkerFailure | None:
+    """The failure that caused the others: the earliest that is not a consequence of a
+    peer's (any failure if all look consequential)."""
+    if not failures:
+        return None
+    causes = [f for f in failures if not f.consequential] or failures
+    return min(causes, key=lambda f: (f.timestamp, f.rank))
+
+
+def job_line(failures: list[WorkerFailure], restarts: int) -> str:
+    """One line for the whole job: the root cause, the peers it took down, the restarts."""
+    root = root_cause(failures)
+    if root is None:
+        return f"job failed after {restarts} restart(s)"
+    seen = {(root.rank, root.pid)}
+    others = [f for f in failures if (f.rank, f.pid) not in seen and f.rank != root.rank]
+    peers = sorted({f.rank for f in others})
+    clause = ""
+    if peers:
+        ranks = ", ".join(str(r) for r in peers[:8]) + (", ..." if len(peers) > 8 else "")
+        why = "their collectives failed when it went away" if all(f.consequential for f in others) else \
+            "they failed too"
+        clause = f"; rank(s) {ranks} stopped after it ({why})"
+    return f"{root.describe()}{clause}; job failed after {restarts} restart(s)"
+
+
+def report(failures: list[WorkerFailure], restarts: int) -> str:
+    """The text for the terminal: the root cause's traceback (once; none for a consequence or a
+    signal), then the job's one line."""
+    root = root_cause(failures)
+    line = job_line(failures, restarts)
+    if root is None or root.consequential or not root.traceback:
+        return line
+    return f"traceback of rank {root.rank} on {root.node} (the root cause):\n{root.traceback}\n{line}"
+
+
+def write_outcome(path: str, *, exit_code: int, summary: str, restarts: int,
+                  failures: tuple[WorkerFailure, ...] | list[WorkerFailure]) -> None:
+    """Write one node's outcome for its ``--local-nodes`` launcher (atomically: the launcher
+    reads it once the node has exited)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump({"exit_code": exit_code, "summary": summary, "restarts": restarts,
+                   "failures": [f.to_json() for f in failures]}, fh)
+    os.replace(tmp, path)
+
+
+def read_outcome(path: str) -> dict[str, Any] | None:
+    """A node's outcome as :func:`write_outcome` wrote it (``failures`` as :class:`WorkerFailure`),
+    or ``None`` if it wrote none (it was killed, or failed before its agent ran)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+        data["failures"] = [WorkerFailure.from_json(item) for item in data.get("failures", [])]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return data

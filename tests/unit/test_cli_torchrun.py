@@ -1,0 +1,80 @@
+"""torchrun's spellings on `elastictrain run`: same meaning, or one line saying why not."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from elastictrain import cli
+from elastictrain.config import RunConfig
+
+
+def _config(*argv: str) -> RunConfig:
+    args = cli.build_parser().parse_args(["run", *argv])
+    cli._resolve_torchrun_spellings(args)
+    return cli._run_config(args, etcd=args.etcd or "127.0.0.1:2379", run_id=args.run_id or "local",
+                           local_addr="127.0.0.1")
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> str:
+    path = tmp_path / "train.py"
+    path.write_text("")
+    return str(path)
+
+
+def test_nnodes_takes_a_count_or_a_range(script: str) -> None:
+    assert (_config("--nnodes", "2", script).min_nodes, _config("--nnodes", "2", script).max_nodes) == (2, 2)
+    config = _config("--nnodes", "2:8", script)
+    assert (config.min_nodes, config.max_nodes) == (2, 8)
+
+
+def test_torchrun_spellings_mean_the_same(script: str) -> None:
+    config = _config("--nproc_per_node", "3", "--rdzv_endpoint", "e1:2379", "--rdzv-id", "exp42",
+                     "--rdzv-backend", "etcd3", "--rdzv_conf", "join_timeout=30", "--max_restarts", "2",
+                     "--log_dir", "/tmp/x", "-r", "3", "--tee", "0:1,1:2", "--local_ranks_filter", "1,0",
+                     "--role", "learner", script, "--lr", "3")
+    assert config.nproc_per_node == 3 and config.max_restarts == 2 and config.run_id == "exp42"
+    assert config.etcd == "e1:2379" and config.rendezvous.join_timeout.total_seconds() == 30
+    assert (config.log_dir, config.redirects, config.tee) == ("/tmp/x", "3", "0:1,1:2")
+    assert config.local_ranks_filter == (0, 1) and config.role == "learner"
+    assert config.script_args == ("--lr", "3")
+
+
+def test_nproc_per_node_cpu_and_auto_count_this_host(script: str) -> None:
+    assert _config("--nproc-per-node", "cpu", script).nproc_per_node >= 1
+    assert _config("--nproc-per-node", "auto", script).nproc_per_node >= 1
+
+
+def test_module_and_program_entries(script: str) -> None:
+    assert _config("-m", "pkg.train", "--x").entry == "module"
+    assert _config("--no-python", "echo", "hi").entry == "program"
+    assert _config(script).entry == "script"
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--nnodes", "2", "--bogus", "--other", "7", "x.py"], "unrecognized arguments: --bogus --other"),
+    (["--master-addr", "10.0.0.1", "--master_port", "29500", "x.py"],
+     "--master-addr/--master-port: not needed, the rendezvous (etcd) picks rank 0's address"),
+    (["--node_rank", "1", "x.py"], "--node-rank: node ranks are assigned by the rendezvous"),
+    (["--nnodes", "3:2", "x.py"], "expected N or MIN:MAX"),
+    (["--nnodes", "2", "--max-nodes", "3", "x.py"], "--nnodes and --min-nodes/--max-nodes say the same thing"),
+    (["--nproc-per-node", "many", "x.py"], "expected a positive integer, auto, gpu or cpu"),
+    (["--rdzv-backend", "c10d", "x.py"], "always uses its etcd3 rendezvous"),
+    (["--tee", "4", "x.py"], "expected 0 (none), 1 (stdout), 2 (stderr), 3 (both)"),
+    (["-m", "--no-python", "x"], "-m/--module and --no-python exclude each other"),
+    (["-m", "not/a/module"], "-m/--module takes a module name"),
+    (["--no-python", "no-such-program-17"], "--no-python: program 'no-such-program-17' is not an executable"),
+])
+def test_bad_torchrun_flags_are_one_line(argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["run", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expected in err, err
+
+
+def test_every_unknown_and_refused_flag_is_reported_at_once(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["run", "--bogus", "--node-rank", "0", "--master-addr", "h", "--x=1", "t.py", "--y"]) == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --bogus --x" in err and "--node-rank:" in err and "--master-addr/" in err
+    assert "--y" not in err  # the script's own
