@@ -84,7 +84,7 @@ def test_etcd_leader_loss_and_a_hang_are_survived_then_below_min_nodes_the_job_g
     schedule = "kill_etcd_leader@2,hang_worker@4,kill_node@8"
     result = run_chaos(ChaosConfig(
         script=JOB, script_args=JOB_ARGS, run_dir=str(tmp_path / "run"), nodes=2, min_nodes=2, max_nodes=2,
-        etcd_members=3, schedule=tuple(parse_schedule(schedule)), seed=2, join_timeout=40, pg_timeout=10,
+        etcd_members=3, schedule=tuple(parse_schedule(schedule)), seed=2, join_timeout=25, pg_timeout=10,
     ))
     _show(result)
     report = result.report
@@ -100,7 +100,7 @@ def test_etcd_leader_loss_and_a_hang_are_survived_then_below_min_nodes_the_job_g
                   "checkpoints_intact", "world_size_bounds", "no_ghost_workers", "survivors_kept")
     assert report["invariants"]["final_parameters"]["ok"] is None  # the job did not finish
     log = (result.run_dir / "nodes" / f"{next(iter(survivors))}.log").read_text()
-    assert "timed out after 40s waiting for 2 node(s)" in log, log[-2000:]
+    assert "timed out after 25s waiting for 2 node(s)" in log, log[-2000:]
     assert "last committed checkpoint is untouched, and the run is now closed" in log
     assert "--purge" in log
     assert report["committed_steps"] >= 8

@@ -55,18 +55,24 @@ def test_soak_random_faults_keep_every_invariant(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize(("bug", "symptom"), [
-    ("resume_off_by_one", "consumed more than once"),
-    ("stale_sampler_state", "consumed more than once"),
+@pytest.mark.parametrize(("bug", "recovery", "invariant", "symptom"), [
+    ("resume_off_by_one", "restart", "exactly_once", "consumed more than once"),
+    ("stale_sampler_state", "restart", "exactly_once", "consumed more than once"),
+    ("half_applied_step", "in-process", "final_parameters", ""),
 ])
-def test_a_planted_bug_makes_the_invariants_fail(tmp_path: Path, bug: str, symptom: str) -> None:
+def test_a_planted_bug_makes_the_invariants_fail(tmp_path: Path, bug: str, recovery: str, invariant: str,
+                                                 symptom: str) -> None:
     result = run_chaos(ChaosConfig(
         script=JOB, run_dir=str(tmp_path / "run"), nodes=2, min_nodes=2, max_nodes=2,
         script_args=("--ckpt", "{run_dir}/ckpt", "--samples", "192", "--ckpt-every", "2"),
-        schedule=tuple(parse_schedule("kill_worker@5")), env={"CHAOS_JOB_BUG": bug},
+        schedule=tuple(parse_schedule("kill_worker@5")), env={"CHAOS_JOB_BUG": bug}, recovery=recovery,
     ))
     invariants = result.report["invariants"]
-    assert invariants["exactly_once"]["ok"] is False and symptom in invariants["exactly_once"]["detail"], invariants
+    print(f"\nplanted {bug} ({recovery} recovery):")
+    for name, outcome in invariants.items():
+        if outcome["ok"] is False:
+            print(f"  {name}: FAILED - {outcome['detail']}")
+    assert invariants[invariant]["ok"] is False and symptom in invariants[invariant]["detail"], invariants
     assert invariants["final_parameters"]["ok"] is False, invariants
     assert not result.ok
 

@@ -9,6 +9,8 @@ invariants catch it (test-only):
   sample is trained twice after every restore (a fault-free run is unaffected).
 - ``stale_sampler_state``: checkpoints hold the sampler one step behind the
   model, so the step before each restored checkpoint is trained again.
+- ``half_applied_step``: a step whose collective failed is applied on the ranks
+  that got that far instead of being discarded.
 """
 
 from __future__ import annotations
@@ -38,8 +40,25 @@ def plant_bug(name: str | None) -> None:
             return state
 
         ElasticSampler.state_dict = state_dict  # type: ignore[method-assign]
+    elif name == "half_applied_step":
+        _plant_half_applied_step()
     else:
         raise SystemExit(f"unknown CHAOS_JOB_BUG {name!r}")
+
+
+def _plant_half_applied_step() -> None:
+    """A step whose collective failed is not discarded: the optimizer applies this rank's
+    partial gradients (but the step is not counted)."""
+    from elastictrain.train.session import Session
+
+    original = Session._finish_step
+
+    def _finish_step(self, step):  # type: ignore[no-untyped-def]
+        if step.failure is not None:
+            self.optimizer.step()
+        return original(self, step)
+
+    Session._finish_step = _finish_step  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":
