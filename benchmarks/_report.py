@@ -8,12 +8,15 @@ from typing import Any
 LAUNCHER_TITLES = {
     "elastictrain": "elastictrain (defaults)",
     "elastictrain_prev": "elastictrain, previous version",
+    "elastictrain_inprocess": "elastictrain --recovery in-process (Session)",
+    "elastictrain_restart": "elastictrain --recovery restart (Session)",
     "torchrun_tuned": "torchrun c10d, best-tuned",
     "torchrun_default": "torchrun c10d, defaults",
 }
 SCENARIO_TITLES = {
     "worker_crash": "Worker crash: SIGKILL 1 of 2 workers → next step",
     "node_loss": "Node loss: SIGKILL 1 of 3 nodes → step at world size 2",
+    "hot_spare": "Hot spare: SIGKILL 1 of 2 training nodes (3rd waits as spare) → spare's step at world size 2",
     "node_join": "Node join: start a 3rd node → step at world size 3",
 }
 MILESTONES = (

@@ -11,8 +11,8 @@ from the last checkpoint.
 The model is an MLP (``--depth`` Linear layers, AdamW) whose parameters and
 optimizer state (parameter, ``exp_avg``, ``exp_avg_sq``: 12 bytes a parameter)
 total about ``--state-mb`` MB (default 100, width ~1440 at depth 4), on synthetic
-data; gloo on CPU; a synchronous checkpoint every ``--ckpt-every`` steps into
-``--ckpt-dir``.
+data (global batch ``--global-batch`` 16); gloo on CPU; a checkpoint every
+``--ckpt-every`` steps into ``--ckpt-dir`` (asynchronous, as ``_train.py``'s; ``--sync-ckpt``).
 
 Every rank appends one JSON line per event to ``--events`` (one ``write`` on an
 ``O_APPEND`` file):
@@ -109,9 +109,10 @@ def main() -> None:
     parser.add_argument("--ckpt-every", type=int, default=10)
     parser.add_argument("--state-mb", type=float, default=100.0, help="parameters + AdamW state, MB")
     parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--global-batch", type=int, default=32)
+    parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--samples", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    parser.add_argument("--sync-ckpt", action="store_true", help="synchronous saves (default: async, like _train.py)")
     args = parser.parse_args()
 
     log = _Log(args.events)
@@ -135,7 +136,8 @@ def main() -> None:
     session = elastictrain.Session(
         model, optimizer, TensorDataset(data_x, data_y), global_batch_size=args.global_batch,
         epochs=1_000_000, max_steps=args.steps, seed=7, log_every=None, backend="gloo",
-        checkpoint_dir=args.ckpt_dir, checkpoint_every=args.ckpt_every, keep_last=2, hooks=[recorder],
+        checkpoint_dir=args.ckpt_dir, checkpoint_every=args.ckpt_every, keep_last=2, async_save=not args.sync_ckpt,
+        hooks=[recorder],
     )
     with session as s:
         recorder.session = s

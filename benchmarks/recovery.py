@@ -1,21 +1,36 @@
-"""Recovery time of a training job: a worker crash, a node loss, a node join.
+"""Recovery time of a training job: a worker crash, a node loss, a hot spare, a node join.
 
-Every trial runs ``benchmarks/_train.py`` (plain DDP on gloo, one worker per node,
-a checkpoint every 10 steps) under one launcher, lets it train to ``--action-step``,
-then:
+Every trial runs one training script under one launcher, one worker per node, lets
+it train to ``--action-step``, then:
 
-- ``worker_crash``: SIGKILL the worker of the highest rank (2 nodes);
-  recovered at the first step completed by a new worker process.
+- ``worker_crash``: SIGKILL the worker of the highest rank (2 nodes); recovered at
+  the first step past the last step completed before the kill (the replacement
+  worker at work; survivors keep their pids under in-process recovery);
 - ``node_loss``: SIGKILL a whole node, its agent and its worker, as a machine dying
   (3 nodes, min 2); recovered at the first step at world size 2. The node killed
-  is never node 0, which hosts torchrun's c10d store (losing it ends a torchrun job).
+  is never node 0, which hosts torchrun's c10d store (losing it ends a torchrun job);
+- ``hot_spare``: 3 nodes with max 2 (one waits as a spare); SIGKILL a training node
+  (never node 0) as above; recovered at the first step at world size 2 that the
+  spare's worker completes;
 - ``node_join``: start one more node agent (2 nodes, max 3); recovered at the first
   step at world size 3. The clock starts when the new agent's process is started.
+  ``survivor_pause_s``: the longest gap between consecutive steps of a surviving
+  node's worker, from its last step before the launch to its first step at world size 3.
 
-Launchers, each run on the same script and interleaved trial by trial:
+Every trial also counts ``steps_redone``: the step numbers some rank completed twice
+(from the per-step records; a restart from a checkpoint redoes the steps since it),
+and ``survivor_pids_kept``: whether every node that was not killed trains on with the
+same worker pid(s) after the recovery.
 
-- ``elastictrain``: ``elastictrain run --etcd ...`` with its defaults, one agent per node;
-- ``elastictrain_prev``: the same command of an earlier elastictrain, installed in a
+Launchers, interleaved trial by trial:
+
+- ``elastictrain``: ``elastictrain run --etcd ...`` with its defaults, one agent per node,
+  on the plain DDP script ``_train.py``;
+- ``elastictrain_inprocess``: ``elastictrain run --recovery in-process`` on the Session
+  script ``_train_session.py`` (survivors keep their processes);
+- ``elastictrain_restart``: ``elastictrain run --recovery restart`` on ``_train_session.py``
+  (every worker restarts from the last checkpoint);
+- ``elastictrain_prev``: the same command as ``elastictrain`` of an earlier elastictrain, installed in a
   virtualenv of its own, whose ``elastictrain`` executable ``$BENCH_PREV_ELASTICTRAIN``
   names (e.g. ``git worktree add /tmp/prev c56d2b4 && cd /tmp/prev && python3 -m venv
   .venv && .venv/bin/pip install "torch==2.13.*" -e ".[etcd]"``): our previous mode,
@@ -23,6 +38,13 @@ Launchers, each run on the same script and interleaved trial by trial:
 - ``torchrun_default``: ``torchrun --rdzv-backend c10d`` with torch's defaults;
 - ``torchrun_tuned``: the same with ``--monitor-interval 0.05 --rdzv-conf
   last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3``.
+
+The torchrun launchers run ``_train.py`` (stock torchrun cannot run a Session's in-process
+recovery: under it a Session restarts from its checkpoint like ``elastictrain_restart``);
+``--torchrun-script session`` runs them on ``_train_session.py`` instead. The JSON's
+``scripts`` says which script each launcher ran. ``--state-mb`` sizes the model of both
+scripts (parameters + AdamW state; the issue-14 table uses 100 MB); without it each
+script keeps its own default (``_train.py``: ~13 MB, ``_train_session.py``: 100 MB).
 
 Both torchrun variants run with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (with the
 shared store a restarted group often never recovers) and ``--max-restarts 3`` like
@@ -34,15 +56,23 @@ Each trial also records where the recovery time went, from the agents' log lines
 (timestamped by this driver as they arrive) and the workers' JSON events: failure
 detected, rendezvous done, worker process started, imports done, process group
 up, model and optimizer built, checkpoint group up, checkpoint restored, DDP
-built, first step.
+built (or the Session entered), first step; and, under elastictrain, the run's own
+``recovery``/``restart``/``worker_failure`` events.
 
     python benchmarks/recovery.py --scenarios worker_crash --reps 3
+    python benchmarks/recovery.py --launchers elastictrain_inprocess,elastictrain_restart,torchrun_tuned \\
+        --scenarios worker_crash,node_loss,hot_spare,node_join --reps 5 --out benchmarks/results/recovery14.json
+
+The script prints its JSON line on stdout and a markdown table (median, min-max) on
+stderr (and next to ``--out`` as ``.md``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import math
 import os
 import re
 import shutil
@@ -67,9 +97,15 @@ from benchmarks._common import (  # noqa: E402
 )
 
 SCRIPT = BENCH_DIR / "_train.py"
-LAUNCHERS = ("elastictrain", "elastictrain_prev", "torchrun_default", "torchrun_tuned")
+SESSION_SCRIPT = BENCH_DIR / "_train_session.py"
+LAUNCHERS = ("elastictrain", "elastictrain_inprocess", "elastictrain_restart", "elastictrain_prev",
+             "torchrun_default", "torchrun_tuned")
+# What ``python -m benchmarks`` (run.py) measures; the issue-14 launchers and hot_spare run from here.
+CLASSIC_LAUNCHERS = ("elastictrain", "elastictrain_prev", "torchrun_default", "torchrun_tuned")
+RECOVERY_MODE = {"elastictrain_inprocess": "in-process", "elastictrain_restart": "restart"}
 PREV_ENV = "BENCH_PREV_ELASTICTRAIN"
-SCENARIOS = ("worker_crash", "node_loss", "node_join")
+SCENARIOS = ("worker_crash", "node_loss", "hot_spare", "node_join")
+CLASSIC_SCENARIOS = ("worker_crash", "node_loss", "node_join")
 TUNED_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 MAX_RESTARTS = 3
 
@@ -89,10 +125,15 @@ class Scenario:
     max_nodes: int
     world_after: int
 
+    @property
+    def world_before(self) -> int:
+        return min(self.nodes, self.max_nodes)
+
 
 SCENARIO = {
     "worker_crash": Scenario("worker_crash", nodes=2, min_nodes=2, max_nodes=2, world_after=2),
     "node_loss": Scenario("node_loss", nodes=3, min_nodes=2, max_nodes=3, world_after=2),
+    "hot_spare": Scenario("hot_spare", nodes=3, min_nodes=2, max_nodes=2, world_after=2),
     "node_join": Scenario("node_join", nodes=2, min_nodes=2, max_nodes=3, world_after=3),
 }
 
@@ -110,6 +151,21 @@ def prev_elastictrain() -> str:
     return path
 
 
+SESSION_GLOBAL_BATCH = 16  # _train_session.py's default --global-batch
+
+
+def session_width(state_mb: float, depth: int = 4) -> int:
+    """``_train_session.width_for``, without importing torch here."""
+    return max(8, int(math.sqrt(state_mb * 1e6 / 12 / depth)))
+
+
+def script_of(launcher: str, torchrun_script: str = "ddp") -> str:
+    """The file name of the training script ``launcher`` runs."""
+    if launcher in RECOVERY_MODE or (launcher.startswith("torchrun") and torchrun_script == "session"):
+        return SESSION_SCRIPT.name
+    return SCRIPT.name
+
+
 def _elastictrain_has_join() -> bool:
     out = subprocess.run([str(BIN_DIR / "elastictrain"), "run", "--help"], capture_output=True, text=True)
     return "--join" in out.stdout
@@ -125,19 +181,34 @@ class TrialSetup:
     recovery_timeout: float
     start_timeout: float
     join_flag: bool
+    state_mb: float | None = None
+    torchrun_script: str = "ddp"
     trial: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     rdzv_port: int = field(default_factory=free_port)
 
+    def script(self) -> list[str]:
+        """The training script and its arguments for this launcher."""
+        common = ["--events", str(self.workdir / "events.jsonl"), "--ckpt-dir", str(self.workdir / "ckpt")]
+        if script_of(self.launcher, self.torchrun_script) == SESSION_SCRIPT.name:
+            sized = [] if self.state_mb is None else ["--state-mb", f"{self.state_mb:g}"]
+            return [str(SESSION_SCRIPT), *common, *sized]
+        if self.state_mb is None:
+            return [str(SCRIPT), *common]
+        # The same model as _train_session.py's at this size (depth 4, AdamW) and its batch.
+        return [str(SCRIPT), *common, "--width", str(session_width(self.state_mb)), "--depth", "4",
+                "--global-batch", str(SESSION_GLOBAL_BATCH), "--samples", "2048"]
+
     def command(self, node: int) -> list[str]:
         s = self.scenario
-        script = [str(SCRIPT), "--events", str(self.workdir / "events.jsonl"),
-                  "--ckpt-dir", str(self.workdir / "ckpt")]
+        script = self.script()
         if self.launcher.startswith("elastictrain"):
-            front = ([str(BIN_DIR / "elastictrain")] if self.launcher == "elastictrain"
-                     else [prev_elastictrain()])
+            front = ([prev_elastictrain()] if self.launcher == "elastictrain_prev"
+                     else [str(BIN_DIR / "elastictrain")])
             cmd = [*front, "run", "--etcd", str(self.etcd), "--run-id", f"bench-{self.trial}",
                    "--min-nodes", str(s.min_nodes), "--max-nodes", str(s.max_nodes),
                    "--local-addr", "127.0.0.1", "--max-restarts", str(MAX_RESTARTS)]
+            if self.launcher in RECOVERY_MODE:
+                cmd += ["--recovery", RECOVERY_MODE[self.launcher]]
             if self.join_flag:
                 # Every node, not only the late one: elastictrain refuses a node whose run
                 # id already trains, and with a 1 s last call a node that starts 2 s after
@@ -200,7 +271,7 @@ class Job:
         return {n: p.popen.returncode for n, p in self.agents.items() if p.popen.poll() not in (None, 0)}
 
 
-def _first(lines: list[tuple[float, re.Match[str]] | None]) -> float | None:
+def _first(lines: list[tuple[float, re.Match[str] | None] | None]) -> float | None:
     times = [x[0] for x in lines if x is not None]
     return min(times) if times else None
 
@@ -222,7 +293,10 @@ def _profile(job: Job, t_action: float, old_pids: set[int], first_step: float) -
     joining = job.agents.get(job.setup.scenario.nodes) if job.setup.scenario.name == "node_join" else None
     milestones: dict[str, float | None] = {
         "joining_agent_in_rendezvous": _first([joining.first_line(RDZV_START, t_action)]) if joining else None,
-        "detected": _first([a.first_line(DETECTED, t_action) for a in agents]),
+        # torch's agent log line, or elastictrain's first event of the recovery (the in-process
+        # agent logs neither "Worker group FAILED" nor "Detected N new nodes").
+        "detected": _first([a.first_line(DETECTED, t_action) for a in agents]
+                           + [(t_action + e["dt"], None) for e in _run_events(job.setup, t_action)]),
         "rendezvous_started": _first([a.first_line(RDZV_START, t_action) for a in agents]),
         "all_agents_in_rendezvous": _last([a.first_line(RDZV_START, t_action) for a in agents if a.alive()]),
         "rendezvous_done": _last([a.first_line(RDZV_DONE, t_action) for a in agents]),
@@ -233,6 +307,7 @@ def _profile(job: Job, t_action: float, old_pids: set[int], first_step: float) -
         "checkpoint_group_ready": latest("ckpt_group"),
         "checkpoint_restored": latest("restored"),
         "ddp_built": latest("ddp"),
+        "session_ready": latest("ready"),  # _train_session.py: group formed, state restored or received, DDP built
         "first_step": first_step,
     }
     return {k: (None if v is None else round(v - t_action, 4)) for k, v in milestones.items()}
@@ -257,6 +332,60 @@ def _step_interval(steps: list[dict[str, Any]], lo: float, hi: float) -> float |
     return statistics.median(gaps) if gaps else None
 
 
+def _latest_by_rank(steps: list[dict[str, Any]], world: int, before: float = float("inf")) -> dict[int, dict[str, Any]]:
+    """Each rank's latest step event at world size ``world`` completed before ``before``."""
+    out: dict[int, dict[str, Any]] = {}
+    for e in steps:
+        if e["world_size"] == world and e["t"] <= before and (e["rank"] not in out or e["t"] > out[e["rank"]]["t"]):
+            out[e["rank"]] = e
+    return out
+
+
+def steps_redone(steps: list[dict[str, Any]]) -> int:
+    """Step numbers that some rank completed more than once (a restart from a checkpoint redoes them)."""
+    seen: dict[tuple[int, int], int] = {}
+    for e in steps:
+        key = (e["rank"], e["step"])
+        seen[key] = seen.get(key, 0) + 1
+    return len({step for (_, step), count in seen.items() if count > 1})
+
+
+def survivor_pause(steps: list[dict[str, Any]], nodes: list[str], t_action: float, world_after: int) -> float | None:
+    """The longest gap between consecutive steps of one surviving node's workers, from its last
+    step before ``t_action`` to its first step at ``world_after`` (None if one never gets there)."""
+    pauses = []
+    for node in nodes:
+        times = sorted(e["t"] for e in steps if e["node"] == node)
+        before = [t for t in times if t <= t_action]
+        after = sorted(e["t"] for e in steps
+                       if e["node"] == node and e["t"] > t_action and e["world_size"] == world_after)
+        if not before or not after:
+            return None
+        window = [t for t in times if before[-1] <= t <= after[0]]
+        pauses.append(max((b - a for a, b in zip(window, window[1:])), default=0.0))
+    return max(pauses) if pauses else None
+
+
+def _run_events(setup: TrialSetup, t_action: float) -> list[dict[str, Any]]:
+    """elastictrain's own events of the run after the action (recoveries, restarts, failures)."""
+    path = setup.workdir / "elastictrain-runs" / f"bench-{setup.trial}" / "events.jsonl"
+    out = []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return out
+    keep = {"recovery", "restart", "worker_failure", "membership_change", "hang"}
+    for line in lines:
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        if e.get("kind") in keep and e.get("ts", 0) > t_action:
+            fields = {k: v for k, v in e.items() if k not in ("ts", "run_id", "failures")}
+            out.append({"dt": round(e["ts"] - t_action, 4), **fields})
+    return out
+
+
 def run_trial(setup: TrialSetup, etcd_window: float = 0.0) -> dict[str, Any]:
     """One trial: start, train to the action step, act, time the recovery, stop.
 
@@ -268,7 +397,8 @@ def run_trial(setup: TrialSetup, etcd_window: float = 0.0) -> dict[str, Any]:
     """
     s = setup.scenario
     job = Job(setup)
-    result: dict[str, Any] = {"launcher": setup.launcher, "scenario": s.name, "trial": setup.trial}
+    result: dict[str, Any] = {"launcher": setup.launcher, "scenario": s.name, "trial": setup.trial,
+                              "script": script_of(setup.launcher, setup.torchrun_script)}
     measure_etcd = etcd_window > 0 and setup.etcd is not None and setup.launcher.startswith("elastictrain")
     etcd_load: dict[str, Any] = {}
     try:
@@ -276,7 +406,7 @@ def run_trial(setup: TrialSetup, etcd_window: float = 0.0) -> dict[str, Any]:
         launched = time.time()
         for node in range(s.nodes):
             job.start_node(node)
-        world = s.nodes
+        world = s.world_before
 
         def training() -> bool:
             return any(e["world_size"] == world for e in job.events.steps())
@@ -301,32 +431,48 @@ def run_trial(setup: TrialSetup, etcd_window: float = 0.0) -> dict[str, Any]:
         steps = job.events.steps()
         first_step_at = min(e["t"] for e in steps)
         result["launch_to_first_step_s"] = first_step_at - launched
-        current = [e for e in steps if e["world_size"] == world]
         old_pids = {e["pid"] for e in job.events.poll()}
-        latest_restart = max(e["restart"] for e in current)
-        workers = {e["rank"]: e for e in current if e["restart"] == latest_restart}
+        workers = _latest_by_rank(steps, world)
+        training_nodes = sorted({w["node"] for w in workers.values()})
+        pids_before = {node: {w["pid"] for w in workers.values() if w["node"] == node} for node in training_nodes}
 
         metrics_before = scrape_metrics(str(setup.etcd)) if measure_etcd else None
+        killed_node: str | None = None
+        spare: str | None = None
         if s.name == "worker_crash":
             victim = workers[max(workers)]
             t_action = time.time()
             kill_pids([victim["pid"]])
             result["killed"] = {"rank": victim["rank"], "node": victim["node"], "pid": victim["pid"]}
-        elif s.name == "node_loss":
+        elif s.name in ("node_loss", "hot_spare"):
+            if s.name == "hot_spare":
+                spares = [str(n) for n in range(s.nodes) if str(n) not in training_nodes]
+                spare = spares[0] if len(spares) == 1 else None
+                if spare is None:
+                    result.update(error=f"expected one spare node, found training nodes {training_nodes}")
+                    return result
+                result["spare_node"] = spare
             victim = max((w for w in workers.values() if w["node"] != "0"), key=lambda w: w["rank"])
-            node = victim["node"]
-            agent = job.agents[int(node)].pid
-            pids = [agent] + [p for p in processes_of(setup.trial, node) if p != agent]
+            killed_node = victim["node"]
+            agent = job.agents[int(killed_node)].pid
+            pids = [agent] + [p for p in processes_of(setup.trial, killed_node) if p != agent]
             t_action = time.time()
             kill_pids(pids)
-            result["killed"] = {"node": node, "rank": victim["rank"], "pids": pids}
+            result["killed"] = {"node": killed_node, "rank": victim["rank"], "pids": pids}
         else:  # node_join
             proc = job.start_node(s.nodes)
             t_action = proc.started
 
+        def last_before() -> int:
+            return max(e["step"] for e in job.events.steps() if e["t"] <= t_action)
+
         def recovered() -> dict[str, Any] | None:
-            done = [e for e in job.events.steps()
-                    if e["t"] > t_action and e["pid"] not in old_pids and e["world_size"] == s.world_after]
+            done = [e for e in job.events.steps() if e["t"] > t_action and e["world_size"] == s.world_after]
+            if s.name == "worker_crash":
+                past = last_before()
+                done = [e for e in done if e["step"] > past]
+            elif s.name == "hot_spare":
+                done = [e for e in done if e["node"] == spare]
             return min(done, key=lambda e: e["t"]) if done else None
 
         first = wait_until(recovered, setup.recovery_timeout, poll=0.01)
@@ -340,22 +486,36 @@ def run_trial(setup: TrialSetup, etcd_window: float = 0.0) -> dict[str, Any]:
         # A few more steps: training goes on, and the post-recovery step time.
         wait_until(lambda: sum(1 for e in job.events.steps() if e["t"] > first["t"] and e["rank"] == 0) >= 6,
                    15, poll=0.05)
+        all_steps = job.events.steps()
         restored = [e["step"] for e in job.events.poll()
                     if e["event"] == "restored" and e["pid"] not in old_pids and e["t"] > t_action]
-        # The old workers train on until they are stopped (a join stops them only once the
-        # new node is noticed): everything they did after the restored checkpoint is redone.
-        last_before = max(e["step"] for e in job.events.steps() if e["pid"] in old_pids)
+        restored += [e["restored"] for e in job.events.poll()
+                     if e["event"] == "ready" and e.get("restored") is not None and e["pid"] not in old_pids
+                     and e["t"] > t_action]
+        survivors = [n for n in training_nodes if n != killed_node and not (s.name == "worker_crash"
+                                                                             and n == result["killed"]["node"])]
+        after = [e for e in all_steps if e["t"] >= first["t"]]
+        pids_after = {n: sorted({e["pid"] for e in after if e["node"] == n}) for n in survivors}
         milestones = _profile(job, t_action, old_pids, first["t"])
         result.update(
             recovery_s=first["t"] - t_action,
-            last_step_before=last_before,
+            first_step_after={"step": first["step"], "rank": first["rank"], "node": first["node"],
+                              "world_size": first["world_size"]},
+            last_step_before=last_before(),
             restored_step=min(restored) if restored else None,
-            steps_redone=(last_before - min(restored)) if restored else None,
-            step_time_before_s=_step_interval(job.events.steps(), first_step_at + 0.5, t_action),
-            step_time_after_s=_step_interval(job.events.steps(), first["t"], float("inf")),
+            steps_redone=steps_redone(all_steps),
+            survivor_pids_kept=bool(survivors) and all(
+                pids_after[n] and set(pids_after[n]) <= pids_before[n] for n in survivors),
+            survivor_pids={n: {"before": sorted(pids_before[n]), "after": pids_after[n]} for n in survivors},
+            step_time_before_s=_step_interval(all_steps, first_step_at + 0.5, t_action),
+            step_time_after_s=_step_interval(all_steps, first["t"], float("inf")),
             milestones=milestones,
             phases=phases(milestones),
         )
+        if s.name == "node_join":
+            result["survivor_pause_s"] = survivor_pause(all_steps, training_nodes, t_action, s.world_after)
+        if setup.launcher.startswith("elastictrain"):
+            result["run_events"] = _run_events(setup, t_action)
         return result
     finally:
         if etcd_load:
@@ -378,6 +538,9 @@ def _aggregate(trials: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "recovery_s": summarize(t.get("recovery_s") for t in trials),
         "steps_redone": summarize(t.get("steps_redone") for t in trials if "recovery_s" in t),
+        "survivor_pause_s": summarize(t.get("survivor_pause_s") for t in trials if "survivor_pause_s" in t),
+        "survivor_pids_kept": sum(1 for t in trials if t.get("survivor_pids_kept")),
+        "trials_timed": sum(1 for t in trials if "recovery_s" in t),
         "step_time_before_s": summarize(t.get("step_time_before_s") for t in trials if "recovery_s" in t),
         "launch_to_first_step_s": summarize(t.get("launch_to_first_step_s") for t in trials
                                             if "launch_to_first_step_s" in t),
@@ -398,15 +561,20 @@ def _aggregate(trials: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run(scenarios: list[str], launchers: list[str], reps: int, action_step: int = 25,
         recovery_timeout: float = 180.0, start_timeout: float = 240.0, workroot: Path | None = None,
-        keep: bool = False, etcd_window: float = 0.0, log=print) -> dict[str, Any]:
+        keep: bool = False, etcd_window: float = 0.0, log=print, state_mb: float | None = None,
+        torchrun_script: str = "ddp") -> dict[str, Any]:
     """All trials, interleaved: for each scenario and repetition, every launcher once (order rotated).
 
     With ``etcd_window``, the first ``elastictrain`` worker-crash trial also measures
     the job's etcd load (see :func:`run_trial`); it is reported as ``etcd_load``.
+    ``state_mb`` sizes both training scripts' model (None: each script's default);
+    ``torchrun_script`` is ``"ddp"`` (``_train.py``) or ``"session"`` (``_train_session.py``).
     """
     join_flag = _elastictrain_has_join()
     root = Path(tempfile.mkdtemp(prefix="bench-recovery-", dir=workroot))
-    results: dict[str, Any] = {"scenarios": {}, "elastictrain_join_flag": join_flag, "action_step": action_step}
+    results: dict[str, Any] = {"scenarios": {}, "elastictrain_join_flag": join_flag, "action_step": action_step,
+                               "state_mb": state_mb,
+                               "scripts": {ln: script_of(ln, torchrun_script) for ln in launchers}}
     try:
         with private_etcd() as etcd:
             for name in scenarios:
@@ -417,7 +585,8 @@ def run(scenarios: list[str], launchers: list[str], reps: int, action_step: int 
                         workdir = root / f"{name}-{launcher}-{rep}"
                         workdir.mkdir(parents=True)
                         setup = TrialSetup(launcher, SCENARIO[name], workdir, etcd.endpoint, action_step,
-                                           recovery_timeout, start_timeout, join_flag)
+                                           recovery_timeout, start_timeout, join_flag, state_mb=state_mb,
+                                           torchrun_script=torchrun_script)
                         window = etcd_window if (launcher == "elastictrain" and name == "worker_crash"
                                                  and "etcd_load" not in results) else 0.0
                         trial = run_trial(setup, etcd_window=window)
@@ -426,23 +595,75 @@ def run(scenarios: list[str], launchers: list[str], reps: int, action_step: int 
                             results["etcd_load"] = {"nodes": SCENARIO[name].nodes, "window_s": window,
                                                     **trial["etcd_load"]}
                         trials[launcher].append(trial)
-                        shown = (f"{trial['recovery_s']:.2f}s, redone {trial.get('steps_redone')}"
+                        shown = (f"{trial['recovery_s']:.2f}s, redone {trial.get('steps_redone')}, "
+                                 f"survivors kept pids {trial.get('survivor_pids_kept')}"
+                                 + (f", survivor pause {trial['survivor_pause_s']:.2f}s"
+                                    if trial.get("survivor_pause_s") is not None else "")
                                  if "recovery_s" in trial else f"FAILED: {trial.get('error')}")
                         log(f"[recovery] {name} rep {rep} {launcher}: {shown}")
                         if "error" not in trial and not keep:
                             shutil.rmtree(workdir, ignore_errors=True)
                 entry: dict[str, Any] = {ln: {**_aggregate(ts), "trials": ts} for ln, ts in trials.items()}
-                if "elastictrain" in entry:
-                    for other in launchers:
-                        if other != "elastictrain":
-                            entry[f"ratio_elastictrain_over_{other}"] = ratio(
-                                entry["elastictrain"]["recovery_s"], entry[other]["recovery_s"])
+                for ours in ("elastictrain", "elastictrain_inprocess"):
+                    if ours in entry:
+                        for other in launchers:
+                            if other != ours:
+                                entry[f"ratio_{ours}_over_{other}"] = ratio(
+                                    entry[ours]["recovery_s"], entry[other]["recovery_s"])
                 results["scenarios"][name] = entry
     finally:
         if not any(root.iterdir()):  # failed trials keep their logs for a look
             root.rmdir()
     results["kept_failed_trial_dirs"] = str(root) if root.exists() else None
     return results
+
+
+TABLE_ROWS = {
+    "worker_crash": "Worker kill → first step past the last pre-kill step",
+    "node_loss": "Node loss (3 → 2 nodes) → first step at world size 2",
+    "hot_spare": "Hot spare (3 nodes, max 2): training node lost → spare's first step at world size 2",
+    "node_join": "Join (2 → 3 nodes) → first step at world size 3, from the new agent's launch",
+}
+
+
+def _cell(summary: dict[str, Any] | None, digits: int = 2, unit: str = " s") -> str:
+    if not summary or summary.get("median") is None:
+        failed = (summary or {}).get("failed", 0)
+        return f"failed ({failed})" if failed else "—"
+    text = f"{summary['median']:.{digits}f}{unit}"
+    if summary.get("n", 1) > 1:
+        text += f" ({summary['min']:.{digits}f}–{summary['max']:.{digits}f})"
+    if summary.get("failed"):
+        text += f" [{summary['failed']} failed]"
+    return text
+
+
+def markdown_table(results: dict[str, Any]) -> str:
+    """The recovery results as one compact markdown table: median (min–max) per cell."""
+    scenarios = results.get("scenarios", {})
+    launchers = [ln for ln in LAUNCHERS if any(isinstance(e.get(ln), dict) for e in scenarios.values())]
+    scripts = results.get("scripts", {})
+    head = "| scenario | " + " | ".join(f"{ln} (`{scripts.get(ln, '?')}`)" for ln in launchers) + " |"
+    lines = [head, "|---" * (len(launchers) + 1) + "|"]
+
+    def row(title: str, cells: list[str]) -> None:
+        lines.append(f"| {title} | " + " | ".join(cells) + " |")
+
+    for name, entry in scenarios.items():
+        stats = [entry.get(ln) for ln in launchers]
+        row(TABLE_ROWS.get(name, name), [_cell(e["recovery_s"]) if e else "—" for e in stats])
+        if name == "node_join":
+            row("↳ survivors' pause (longest gap between their steps)",
+                [_cell(e.get("survivor_pause_s")) if e else "—" for e in stats])
+        row("↳ committed steps redone", [_cell(e["steps_redone"], digits=0, unit="") if e else "—" for e in stats])
+        row("↳ trials where the survivors kept their pids",
+            [f"{e['survivor_pids_kept']}/{e['trials_timed']}" if e else "—" for e in stats])
+    state = results.get("state_mb")
+    lines.append("")
+    lines.append(f"Median (min–max) over {results.get('reps', '?')} repetition(s); seconds from the SIGKILL (join: "
+                 f"from starting the new agent); model state {state if state is not None else 'per script default'} "
+                 "MB (parameters + AdamW).")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -454,6 +675,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recovery-timeout", type=float, default=180.0)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--keep", action="store_true", help="keep every trial's logs and events")
+    parser.add_argument("--state-mb", type=float, default=100.0,
+                        help="model parameters + AdamW state of both training scripts, MB (0: each script's default)")
+    parser.add_argument("--torchrun-script", choices=("ddp", "session"), default="ddp",
+                        help="torchrun launchers run _train.py (ddp) or _train_session.py (session)")
     args = parser.parse_args(argv)
     scenarios = [s for s in args.scenarios.split(",") if s]
     launchers = [ln for ln in args.launchers.split(",") if ln]
@@ -464,8 +689,15 @@ def main(argv: list[str] | None = None) -> int:
         if name not in LAUNCHERS:
             parser.error(f"unknown launcher {name!r}; choose from {LAUNCHERS}")
     result = run(scenarios, launchers, args.reps, args.action_step, args.recovery_timeout,
-                 keep=args.keep, log=lambda m: print(m, file=sys.stderr, flush=True))
-    emit({"benchmark": "recovery", "machine": machine(), "reps": args.reps, **result}, args.out)
+                 keep=args.keep, log=lambda m: print(m, file=sys.stderr, flush=True),
+                 state_mb=args.state_mb or None, torchrun_script=args.torchrun_script)
+    record = {"benchmark": "recovery", "machine": machine(), "reps": args.reps, **result}
+    table = markdown_table(record)
+    record["table_md"] = table
+    emit(record, args.out)
+    print("\n" + table, file=sys.stderr, flush=True)
+    if args.out is not None:
+        args.out.with_suffix(".md").write_text(table + "\n")
     return 0
 
 

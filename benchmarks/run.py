@@ -76,7 +76,7 @@ MODES = {
         step_overhead_args=(),  # not run in smoke mode: it belongs to another benchmark's owner
     ),
     "quick": Mode(
-        recovery_scenarios=recovery.SCENARIOS,
+        recovery_scenarios=recovery.CLASSIC_SCENARIOS,
         recovery_launchers=("elastictrain", "torchrun_tuned"),
         recovery_reps=1, action_step=25, etcd_window=5.0,
         scale_sizes=(2, 8, 32, 64), scale_backends=("etcd3", "etcd3-dynamic", "c10d"), scale_reps=1,
@@ -85,9 +85,9 @@ MODES = {
         step_overhead_args=(("--reps", "2"), ("--steps", "50"), ("--warmup", "10")),
     ),
     "full": Mode(
-        recovery_scenarios=recovery.SCENARIOS,
+        recovery_scenarios=recovery.CLASSIC_SCENARIOS,
         # The previous version only where one is installed for comparison (see recovery.py).
-        recovery_launchers=tuple(name for name in recovery.LAUNCHERS
+        recovery_launchers=tuple(name for name in recovery.CLASSIC_LAUNCHERS
                                  if name != "elastictrain_prev" or os.environ.get(recovery.PREV_ENV)),
         recovery_reps=5, action_step=25, etcd_window=20.0,
         scale_sizes=(2, 8, 32, 64, 256, 1024), scale_backends=("etcd3", "etcd3-dynamic", "c10d"), scale_reps=3,
