@@ -202,8 +202,11 @@ def _abort_default_group() -> None:
 
 
 def _short(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[-1][:200] if lines else ''}"
+    """One line of ``error``: the first line that says something (gloo's message is followed by
+    a C++ backtrace, whose frames are not the reason)."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    said = next((line for line in lines if not line.startswith(("Exception raised from", "frame #", "/"))), "")
+    return f"{type(error).__name__}: {said[:200]}"
 
 
 def _rank_seed(seed: int, rank: int) -> int:
