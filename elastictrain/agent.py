@@ -295,7 +295,7 @@ class InProcessAgent(ElasticAgent):
                                    backoff, self._budget.used(now), self._budget.limit)
                     time.sleep(backoff)
             progress = self._channel.progress()
-            for slot in self._hangs.hung(progress, now):
+            for slot in self._hangs.hung(progress, now, self._workers.pids()):
                 frozen = now - progress[slot].alive_at
                 logger.warning("worker %d (pid %d) is hung: its process has not run for %.1fs (deadline %.1fs, "
                                "from its step time): killing it", slot, progress[slot].pid, frozen,

@@ -139,10 +139,13 @@ class HangDetector:
             return self.startup_s
         return max(self.floor_s, self.factor * progress.step_s)
 
-    def hung(self, progress: list[Progress], now: float) -> list[int]:
-        """The slots of hung workers."""
+    def hung(self, progress: list[Progress], now: float, live: dict[int, int]) -> list[int]:
+        """The slots of hung workers. ``live`` maps each slot to the pid of its running worker: a
+        slot still holding a replaced worker's last words is not its replacement's (which has
+        not written yet while it starts)."""
         return [slot for slot, p in enumerate(progress)
-                if p.pid and p.state == WorkerState.TRAINING and now - p.alive_at > self.deadline(p)]
+                if p.pid and p.pid == live.get(slot) and p.state == WorkerState.TRAINING
+                and now - p.alive_at > self.deadline(p)]
 
 
 @dataclass

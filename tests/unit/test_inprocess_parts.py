@@ -75,28 +75,33 @@ def _progress(step_s: float = 0.0, alive_at: float = 0.0, state: int = WorkerSta
     return Progress(pid, 5, alive_at, step_s, alive_at, state, 1)
 
 
+LIVE = {0: 10}  # slot 0's running worker is pid 10 (_progress's default)
+
+
 def test_a_stopped_worker_is_hung_one_waiting_in_a_collective_is_not() -> None:
     detector = HangDetector(floor_s=2.0, factor=10.0, startup_s=60.0)
     t = 100.0
     # 50 ms steps: the deadline is the 2 s floor.
     assert detector.deadline(_progress(step_s=0.05)) == 2.0
     # Stopped (SIGSTOP): its liveness thread silent for 3 s.
-    assert detector.hung([_progress(step_s=0.05, alive_at=t)], t + 3.0) == [0]
-    assert detector.hung([_progress(step_s=0.05, alive_at=t)], t + 1.5) == []
+    assert detector.hung([_progress(step_s=0.05, alive_at=t)], t + 3.0, LIVE) == [0]
+    assert detector.hung([_progress(step_s=0.05, alive_at=t)], t + 1.5, LIVE) == []
     # Blocked in a collective on a hung peer: no step, but its liveness thread runs.
-    assert detector.hung([_progress(step_s=0.05, alive_at=t + 2.9)], t + 3.0) == []
+    assert detector.hung([_progress(step_s=0.05, alive_at=t + 2.9)], t + 3.0, LIVE) == []
     # Recovering or busy (a checkpoint, a state transfer): never judged.
-    assert detector.hung([_progress(step_s=0.05, alive_at=t, state=WorkerState.BUSY)], t + 30) == []
-    assert detector.hung([_progress(pid=0, step_s=0.05, alive_at=t)], t + 30) == []  # an empty slot
+    assert detector.hung([_progress(step_s=0.05, alive_at=t, state=WorkerState.BUSY)], t + 30, LIVE) == []
+    assert detector.hung([_progress(pid=0, step_s=0.05, alive_at=t)], t + 30, LIVE) == []  # an empty slot
+    # The slot still holds a killed worker's last words; its replacement (pid 11) is starting.
+    assert detector.hung([_progress(step_s=0.05, alive_at=t)], t + 30, {0: 11}) == []
 
 
 def test_slow_steps_and_first_steps_get_more_time() -> None:
     detector = HangDetector(floor_s=2.0, factor=10.0, startup_s=60.0)
-    assert detector.hung([_progress(alive_at=0.0)], 30.0) == []  # before its second step
-    assert detector.hung([_progress(alive_at=0.0)], 61.0) == [0]
+    assert detector.hung([_progress(alive_at=0.0)], 30.0, LIVE) == []  # before its second step
+    assert detector.hung([_progress(alive_at=0.0)], 61.0, LIVE) == [0]
     assert detector.deadline(_progress(step_s=1.0)) == pytest.approx(10.0)  # 1 s steps
-    assert detector.hung([_progress(step_s=1.0, alive_at=0.0)], 9.0) == []
-    assert detector.hung([_progress(step_s=1.0, alive_at=0.0)], 11.0) == [0]
+    assert detector.hung([_progress(step_s=1.0, alive_at=0.0)], 9.0, LIVE) == []
+    assert detector.hung([_progress(step_s=1.0, alive_at=0.0)], 11.0, LIVE) == [0]
 
 
 def test_a_worker_measures_its_typical_step_and_pauses_do_not_stretch_it(tmp_path: Path,
