@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -71,15 +73,19 @@ def test_failing_worker_exhausts_restarts_and_job_exits_with_its_code(tmp_path: 
 
 
 def test_a_raising_rank_is_reported_once_root_cause_first(tmp_path: Path) -> None:
-    temp = tmp_path / "tmp"
-    temp.mkdir()
-    result = elastictrain("run", "--local-nodes", "2", "--min-nodes", "2", "--max-restarts", "0", SCRIPT,
-                          str(tmp_path / "out"), "--steps", "50", "--raise-rank", "1", TMPDIR=str(temp))
+    # A short TMPDIR of its own: multiprocessing's forkserver socket lives there, and a unix
+    # socket path may not exceed 107 bytes (pytest-xdist's tmp_path is already long).
+    temp = Path(tempfile.mkdtemp(prefix="et-", dir="/tmp"))
+    try:
+        result = elastictrain("run", "--local-nodes", "2", "--min-nodes", "2", "--max-restarts", "0", SCRIPT,
+                              str(tmp_path / "out"), "--steps", "50", "--raise-rank", "1", TMPDIR=str(temp))
+        # No torchelastic_* log dirs, pytorch-errorfile-*, pymp-*, elastictrain-node-* left behind
+        # (torch's compiler cache, torchinductor_<user>, is meant to stay).
+        left = sorted(p.name for p in temp.iterdir() if not p.name.startswith("torchinductor_"))
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
     assert result.returncode == 1
-    # No torchelastic_* log dirs, pytorch-errorfile-*, pymp-*, elastictrain-node-* left behind
-    # (torch's compiler cache, torchinductor_<user>, is meant to stay).
-    assert sorted(p.name for p in temp.iterdir() if not p.name.startswith("torchinductor_")) == [], \
-        result.stderr[-2000:]
+    assert left == [], result.stderr[-2000:]
     err = result.stderr
     last = err.strip().splitlines()[-1]
     assert "rank 1 on node" in last and "failed: ValueError: bad batch 1234 in shard 7 (ddp_steps.py:" in last
