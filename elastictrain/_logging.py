@@ -34,7 +34,7 @@ def setup(*, debug: bool = False, node: str | None = None) -> None:
     root.handlers[:] = [handler]
     root.setLevel(level)
     root.propagate = False
-    # torch's log formatter imports all of torch._dynamo to format a record that
+    # torch's log formatter imports torch's whole compiler stack to format a record that
     # carries an exception, and torch's agent logs every worker failure that way:
     # measured 2.2-3.5 s before the agent even reacted to a crash. A plain formatter
     # on torch's elastic loggers says the same in microseconds.

@@ -41,7 +41,13 @@ from elastictrain._control import WorkerState
 from elastictrain.errors import ConfigError
 from elastictrain.sampler import ElasticSampler
 from elastictrain.train.control import WorkerControl
-from elastictrain.train.recovery import context_for, is_collective_failure, join_generation, wait_for_generation
+from elastictrain.train.recovery import (
+    context_for,
+    describe,
+    is_collective_failure,
+    join_generation,
+    wait_for_generation,
+)
 from elastictrain.train.state_transfer import agree, transfer
 from elastictrain.worker import WorkerContext
 
@@ -167,7 +173,7 @@ def run_elastic(train: Callable[[ElasticState], _T], state: ElasticState, *, res
             except Exception as exc:
                 if control is None or not is_collective_failure(exc):
                     raise
-                cause = f"a collective failed ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]})"
+                cause = f"a collective failed ({describe(exc)})"
             logger.info("re-forming the group in place: %s", cause)
             holds = True
             pg.destroy_process_group()

@@ -41,7 +41,7 @@ from elastictrain.worker import WorkerContext
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BoundaryFlag", "context_for", "is_collective_failure", "join_generation", "wait_for_generation"]
+__all__ = ["BoundaryFlag", "context_for", "describe", "is_collective_failure", "join_generation", "wait_for_generation"]
 
 # What gloo and NCCL say when a peer or the network is gone, besides torch's DistError types.
 _MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe", "connection refused",
@@ -61,6 +61,14 @@ def is_collective_failure(exc: BaseException) -> bool:
             return True
         err = err.__cause__ or err.__context__
     return False
+
+
+def describe(error: BaseException) -> str:
+    """One line of ``error``: its type and the first line that says something (gloo's message
+    is followed by a C++ backtrace, whose frames are not the reason)."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    said = next((line for line in lines if not line.startswith(("Exception raised from", "frame #", "/"))), "")
+    return f"{type(error).__name__}: {said[:200]}"
 
 
 class BoundaryFlag:

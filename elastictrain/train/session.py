@@ -54,6 +54,7 @@ from elastictrain.train.control import JobEnded, WorkerControl
 from elastictrain.train.recovery import (
     BoundaryFlag,
     context_for,
+    describe,
     is_collective_failure,
     join_generation,
     wait_for_generation,
@@ -199,14 +200,6 @@ def _abort_default_group() -> None:
     if group is not None and dist.is_initialized():
         logging.getLogger(__name__).warning("a collective is stuck on a peer that is gone: aborting NCCL")
         group.abort()
-
-
-def _short(error: BaseException) -> str:
-    """One line of ``error``: the first line that says something (gloo's message is followed by
-    a C++ backtrace, whose frames are not the reason)."""
-    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-    said = next((line for line in lines if not line.startswith(("Exception raised from", "frame #", "/"))), "")
-    return f"{type(error).__name__}: {said[:200]}"
 
 
 def _rank_seed(seed: int, rank: int) -> int:
@@ -587,7 +580,7 @@ class Session:
             except Exception as exc:
                 if not is_collective_failure(exc):
                     raise
-                cause = f"{cause}; then the new group failed to form ({_short(exc)})"
+                cause = f"{cause}; then the new group failed to form ({describe(exc)})"
         self._control.set_state(WorkerState.TRAINING)
         self._recoveries += 1
         seconds = time.perf_counter() - started
@@ -758,13 +751,13 @@ class Session:
     def _finish_step(self, step: Step) -> str | None:
         """Apply ``step`` unless a collective failed; returns why the group must re-form now, if it must."""
         if step.failure is not None:
-            return f"a collective failed in step {step.number} ({_short(step.failure)}); the step was discarded"
+            return f"a collective failed in step {step.number} ({describe(step.failure)}); the step was discarded"
         try:
             self._apply(step)
         except Exception as exc:
             if not (self.recovers_in_process and is_collective_failure(exc)):
                 raise
-            return f"a collective failed after step {step.number} was applied ({_short(exc)})"
+            return f"a collective failed after step {step.number} was applied ({describe(exc)})"
         if self._flag is not None and self._flag.raised:
             due = self._control.due() if self._control is not None else None
             return (due.cause if due is not None and due.cause else "the agent re-forms the group") + \
