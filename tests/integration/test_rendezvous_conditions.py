@@ -30,13 +30,14 @@ from tests.support.tcp_proxy import TcpProxy
 # whether it sees a reason to re-form it.
 _SKEWED_NODE = textwrap.dedent("""
     import json, sys, time
+    clock_offset = time.time() - float(sys.argv[4])  # before the slow imports and the round
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from elastictrain.rendezvous.handler import create_handler
-    endpoint, run_id, seconds, reference = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
+    endpoint, run_id, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
     handler = create_handler(RendezvousParameters("etcd3", endpoint, run_id, 3, 3, local_addr="127.0.0.1",
                                                   last_call_timeout=1, request_timeout=5, join_timeout=60))
     info = handler.next_rendezvous()
-    print(json.dumps({"node": handler.node_id, "rank": info.rank, "clock_offset": time.time() - reference}),
+    print(json.dumps({"node": handler.node_id, "rank": info.rank, "clock_offset": clock_offset}),
           flush=True)
     end = time.monotonic() + seconds
     while time.monotonic() < end:
