@@ -40,11 +40,14 @@ from torch.distributed.elastic.utils import macros
 
 from elastictrain import _torch_compat
 from elastictrain._control import Assignment, WorkerState as SlotState
-from elastictrain.errors import ElasticTrainError
+from elastictrain.errors import ElasticTrainError, EtcdError
 from elastictrain.events import NODE_ENV, EventLog
 from elastictrain.rendezvous.handler import Etcd3RendezvousHandler
 from elastictrain.run_state import RunPublisher
 from elastictrain.worker_group import Channel, FailureBudget, HangDetector, WorkerProcesses
+
+_FORMING = frozenset({SlotState.STARTING, SlotState.RECOVERING, SlotState.BUSY})
+"""Worker states that wait for peers to form a group (not training)."""
 
 logger = logging.getLogger(__name__)
 
@@ -137,13 +140,23 @@ class ElasticAgent(LocalElasticAgent):
         return RunResult(state=WorkerState.SUCCEEDED, return_values={w.global_rank: None for w in worker_group.workers})
 
     def _exit_barrier(self) -> None:
-        # torch's exit barrier keeps the agent that hosts the c10d store alive until
-        # every agent is done. Our store is etcd, and after a stop the other nodes may
-        # never reach the barrier (their workers fail first and they find the run
-        # closed), so a stopped node would wait out the barrier's 300 s.
+        # torch's exit barrier keeps the agent that hosts the c10d store alive until every
+        # agent of the round is done. Our store is etcd: nothing of this node's outlives it.
+        # And a round's nodes do not all get there: a node that joined as the job ended is
+        # in the round but its workers wait for ranks that have exited (the barrier would
+        # hold everyone for its 300 s), and after a stop the others find the run closed.
+        # Instead this node says the job finished, which stops such nodes at once; nodes
+        # still training finish as usual.
         if self.stopped_by_request:
             return
-        super()._exit_barrier()
+        handler = _torch_compat.worker_group(self).spec.rdzv_handler
+        if not isinstance(handler, Etcd3RendezvousHandler):
+            super()._exit_barrier()
+            return
+        try:
+            handler.set_finished()
+        except EtcdError as exc:
+            logger.warning("could not mark run '%s' finished: %s", handler.get_run_id(), exc)
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         failed = worker_group.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}
@@ -304,10 +317,12 @@ class InProcessAgent(ElasticAgent):
                                   step=progress[slot].step)
                 self._workers.kill(slot)
             if (getattr(spec.rdzv_handler, "closed_seen", False) and not self._stop_requested()
-                    and any(p.pid and p.state in {SlotState.RECOVERING, SlotState.BUSY} for p in progress)):
-                # Another node ended the job (its budget ran out) while ours wait for peers that
-                # will not come: end now rather than after the group's timeout.
-                logger.info("the run was closed by another node while this node's workers re-formed: stopping them")
+                    and any(p.pid and p.state in _FORMING for p in progress)):
+                # Another node ended the job (it finished, or its budget ran out) while ours
+                # start or re-form and wait for peers that will not come: end now rather than
+                # after the group's timeout.
+                logger.info("the run was closed by another node while this node's workers formed a group: "
+                            "stopping them")
                 self._stop_workers(group)
                 raise RendezvousClosedError()
             if cause is None and any(p.state == SlotState.RECOVERING and p.generation == self._generation

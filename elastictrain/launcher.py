@@ -123,8 +123,10 @@ def _node_temp_dir() -> str:
     removed when the node ends. Those of nodes that were killed are removed here, at the next
     start: their names carry the pid of the node that made them."""
     base = tempfile.gettempdir()
-    for name in os.listdir(base):
-        if name.startswith("pymp-") and _stale_pymp(os.path.join(base, name)):
+    names = os.listdir(base)
+    bound = _bound_unix_sockets() if any(name.startswith("pymp-") for name in names) else set()
+    for name in names:
+        if name.startswith("pymp-") and _stale_pymp(os.path.join(base, name), bound):
             shutil.rmtree(os.path.join(base, name), ignore_errors=True)
         if not name.startswith(_TEMP_PREFIX):
             continue
@@ -140,15 +142,36 @@ def _node_temp_dir() -> str:
     return tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{os.getpid()}-", dir=base)
 
 
-def _stale_pymp(path: str) -> bool:
+def _bound_unix_sockets() -> set[str]:
+    """The paths of the unix sockets bound on this host. ``/proc/net/unix`` lists those of the
+    reader's network namespace only: a node in another one (the chaos harness runs nodes in
+    namespaces of their own) would take every forkserver outside it for dead. So each network
+    namespace that a readable process is in is read once, through that process."""
+    namespaces: set[str] = set()
+    bound: set[str] = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            namespace = os.readlink(f"/proc/{entry}/ns/net")
+            if namespace in namespaces:
+                continue
+            with open(f"/proc/{entry}/net/unix", encoding="utf-8", errors="replace") as fh:
+                lines = fh.readlines()[1:]
+        except OSError:  # gone, or another user's (whose directories are not ours to remove)
+            continue
+        namespaces.add(namespace)
+        bound.update(line.split()[-1] for line in lines if len(line.split()) >= 8)
+    return bound
+
+
+def _stale_pymp(path: str, bound: set[str]) -> bool:
     """Whether a multiprocessing ``pymp-*`` directory was left by a killed process: it holds a
-    forkserver's socket that no process has bound any more (Linux lists bound unix sockets in
-    ``/proc/net/unix``; connecting to find out would crash a live forkserver)."""
+    forkserver's socket that no process has bound any more (``bound``, see
+    :func:`_bound_unix_sockets`; connecting to find out would crash a live forkserver)."""
     try:
         sockets = {os.path.join(path, n) for n in os.listdir(path)
                    if stat.S_ISSOCK(os.lstat(os.path.join(path, n)).st_mode)}
-        with open("/proc/net/unix", encoding="utf-8", errors="replace") as fh:
-            bound = {line.split()[-1] for line in fh.readlines()[1:] if len(line.split()) >= 8}
     except OSError:
         return False
     return bool(sockets) and not (sockets & bound)
@@ -322,6 +345,9 @@ def _run_agent(agent: ElasticAgent, handler: Etcd3RendezvousHandler, config: Run
     except RendezvousClosedError:
         if stop_requested(handler.client, config.run_id):
             return JobOutcome(0, f"run {config.run_id!r} was stopped by `elastictrain stop`")
+        if handler.finished_seen:
+            return JobOutcome(0, f"run {config.run_id!r} finished on its other nodes while this node's "
+                                 "workers formed a group with them")
         return JobOutcome(1, f"run {config.run_id!r} is closed: the job it named has already ended")
     except RendezvousTimeoutError:
         return JobOutcome(

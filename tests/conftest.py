@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
+import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -73,6 +76,51 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _python_descendants(pid: int) -> list[int]:
+    """The Python processes below ``pid``, deepest first (workers before their agents)."""
+    from elastictrain.chaos.faults import descendants
+
+    def is_python(child: int) -> bool:
+        try:
+            return "python" in os.path.basename(os.readlink(f"/proc/{child}/exe"))
+        except OSError:
+            return False
+
+    return [child for child in reversed(descendants(pid)) if is_python(child)]
+
+
+def run_reporting_hangs(args: list[str], *, timeout: float, env: dict[str, str] | None = None,
+                        cwd: Path | str | None = None) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(args, capture_output=True, text=True)``; a command that outlives
+    ``timeout`` fails the test with what it printed, then every Python process under it
+    prints its threads' stacks (faulthandler on SIGABRT), deepest first: where a job hung."""
+    env = dict(env if env is not None else subprocess_env())
+    env["PYTHONFAULTHANDLER"] = "1"
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(args, proc.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        from elastictrain.chaos.faults import descendants
+
+        everyone = [*descendants(proc.pid), proc.pid]
+        for pid in [*_python_descendants(proc.pid), proc.pid]:
+            _signal(pid, signal.SIGABRT)
+            time.sleep(0.3)  # one dump at a time
+        for pid in everyone:  # etcd, and anything the dumps left, holds the pipes open
+            _signal(pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(map(str, args[2:]))} still ran after {timeout:g}s; its output, then each of its "
+                    f"processes' stacks:\n{(out or '')[-3000:]}\n{(err or '')[-20000:]}", pytrace=False)
 
 
 @pytest.fixture(autouse=True)

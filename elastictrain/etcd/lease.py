@@ -30,6 +30,7 @@ from elastictrain.etcd import kv
 from elastictrain.etcd.client import EtcdClient, import_etcd3
 
 logger = logging.getLogger(__name__)
+_JITTER = random.Random()  # never the global one: a trainer's random numbers are its own
 
 __all__ = ["KeepAliveHub", "KeptLease", "RunLease"]
 
@@ -136,7 +137,7 @@ class KeepAliveHub:
             with self._cond:
                 if self._closed:
                     return
-                self._cond.wait(backoff * random.uniform(0.5, 1.0))
+                self._cond.wait(backoff * _JITTER.uniform(0.5, 1.0))
             backoff = min(backoff * 2, _BACKOFF_MAX)
 
 

@@ -28,6 +28,7 @@ from elastictrain.etcd.client import EtcdClient, import_etcd3
 from elastictrain.etcd.kv import KeyValue, prefix_end
 
 logger = logging.getLogger(__name__)
+_JITTER = random.Random()  # never the global one: a trainer's random numbers are its own
 
 __all__ = ["Watch", "WatchEvent", "WatchHub"]
 
@@ -225,7 +226,7 @@ class WatchHub:
                     call.cancel()
                 with self._lock:
                     self._requests = None
-            if self._wake.wait(backoff * random.uniform(0.5, 1.0)):
+            if self._wake.wait(backoff * _JITTER.uniform(0.5, 1.0)):
                 return
             backoff = min(backoff * 2, _BACKOFF_MAX)
 

@@ -50,7 +50,7 @@ from elastictrain.etcd.lease import KeptLease, RunLease
 from elastictrain.rendezvous import BACKEND_NAME
 from elastictrain.rendezvous.keys import RunKeys
 from elastictrain.rendezvous.membership import Closer, ControlView, RoundWatch, close_rendezvous
-from elastictrain.rendezvous.records import CloserRecord, MemberRecord, RoundRecord, encode
+from elastictrain.rendezvous.records import FINISHED, CloserRecord, MemberRecord, RoundRecord, encode
 from elastictrain.rendezvous.store import Etcd3Store
 
 logger = logging.getLogger(__name__)
@@ -195,6 +195,12 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         """See base class."""
         close_rendezvous(self.client, self.keys, self.run_lease, by=self.node_id)
 
+    def set_finished(self) -> None:
+        """Close the rendezvous because this node's workers finished training: the job is done.
+        Nodes still forming a group (one that joined as the job ended) then stop instead of
+        waiting for ranks that have exited; nodes still training finish as usual."""
+        close_rendezvous(self.client, self.keys, self.run_lease, by=self.node_id, reason=FINISHED)
+
     def num_nodes_waiting(self) -> int:
         """See base class. Counts every reason to re-form this node's round, from etcd events
         (no etcd request): nodes that wait to join and fit under ``max_nodes``, members that
@@ -254,6 +260,12 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         """Whether this node has seen the rendezvous closed (no etcd call)."""
         with self._control.cond:
             return self._control.closed is not None
+
+    @property
+    def finished_seen(self) -> bool:
+        """Whether this node has seen the rendezvous closed because a node finished training."""
+        with self._control.cond:
+            return self._control.closed is not None and self._control.closed.reason == FINISHED
 
     # --- internals ----------------------------------------------------------------------------
 

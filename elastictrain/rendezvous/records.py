@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from elastictrain import errors
 
-__all__ = ["ClosedRecord", "CloserRecord", "MemberRecord", "RoundRecord", "decode", "encode"]
+__all__ = ["FINISHED", "ClosedRecord", "CloserRecord", "MemberRecord", "RoundRecord", "decode", "encode"]
 
 SCHEMA = 1
 
@@ -87,6 +87,10 @@ class CloserRecord:
     kind = "closer"
 
     node: str
+
+
+FINISHED = "finished"
+"""A :class:`ClosedRecord` reason: a node's workers finished training (the job is done)."""
 
 
 @dataclass(frozen=True, slots=True)

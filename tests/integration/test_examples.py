@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT, subprocess_env
+from tests.conftest import REPO_ROOT, run_reporting_hangs, subprocess_env
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -18,8 +18,8 @@ EXAMPLES = REPO_ROOT / "examples"
 
 def elastictrain_run(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     # cwd: the launcher writes its event log under the working directory.
-    return subprocess.run([sys.executable, "-m", "elastictrain", "run", *args], capture_output=True, text=True,
-                          timeout=140, env=subprocess_env(OMP_NUM_THREADS="1"), cwd=cwd)
+    return run_reporting_hangs([sys.executable, "-m", "elastictrain", "run", *args], timeout=140,
+                               env=subprocess_env(OMP_NUM_THREADS="1"), cwd=cwd)
 
 
 def test_the_readme_mlp_job_trains_on_two_local_nodes_and_cleans_up(tmp_path: Path) -> None:

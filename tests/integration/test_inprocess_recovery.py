@@ -191,26 +191,51 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
+def join_at(etcd_server: Any, run_id: str, out: Path, step: int) -> tuple[list[subprocess.Popen[str]], set[int]]:
+    """Two nodes train; every rank holds inside ``step`` until a third node has joined their round
+    (its worker starting); then they go on. Returns the three nodes and the first two's worker pids."""
+    release = out / "release"
+    args = ("--step-sleep", "0.05", "--hold-before", f"{step}:{release}")
+    nodes = [start_node(etcd_server.endpoint, run_id, out, *args, min_nodes=2, max_nodes=3) for _ in range(2)]
+    wait_until(lambda: len({r["rank"] for r in records(out) if r["step"] == step - 1}) == 2, f"step {step - 1}",
+               nodes)
+    before = {latest_pid(out, rank) for rank in (0, 1)}
+    nodes.append(start_node(etcd_server.endpoint, run_id, out, *args, min_nodes=2, max_nodes=3))
+    wait_until(lambda: any(e.get("nodes") == 3 for e in events(out, "rendezvous")), "a round of 3 nodes", nodes)
+    release.touch()
+    return nodes, before
+
+
 @pytest.mark.timeout(300)
 def test_a_joining_node_enters_at_a_step_boundary_without_restarting_anyone(etcd_server: Any, run_id: str,
                                                                             tmp_path: Path) -> None:
     out = tmp_path / "job"
-    # Slow steps: the joining node's interpreter and torch take seconds to start.
-    nodes = [start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.25", min_nodes=2, max_nodes=3)
-             for _ in range(2)]
-    wait_until(lambda: len({r["rank"] for r in records(out) if r["step"] >= 4}) == 2, "step 4", nodes)
-    before = {latest_pid(out, rank) for rank in (0, 1)}
-    nodes.append(start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.25", min_nodes=2, max_nodes=3))
+    nodes, before = join_at(etcd_server, run_id, out, 8)
     outputs = finish(nodes)
     assert [n.returncode for n in nodes] == [0, 0, 0], "\n".join(o[-2000:] for o in outputs)
     at_three = [r for r in records(out) if r["world"] == 3]
     assert at_three, "the job never trained at world size 3"
+    assert min(r["step"] for r in at_three) == 10, "the join did not take effect at the first agreed boundary"
     assert before <= {r["pid"] for r in at_three}, "a node that was there before was restarted"
     assert len({r["pid"] for r in records(out)}) == 3
     by_rank = steps_by_rank(out)
     for rank, rs in by_rank.items():
         steps = [r["step"] for r in rs]
         assert len(steps) == len(set(steps)), f"rank {rank} trained a step twice"
+
+
+@pytest.mark.timeout(300)
+def test_a_node_that_joins_as_the_job_finishes_exits_zero_and_no_node_waits_for_it(etcd_server: Any, run_id: str,
+                                                                                   tmp_path: Path) -> None:
+    # The join is announced during the last step: the two ranks finish without forming a group
+    # with the newcomer, whose worker waits for a rank 0 that has exited. Nodes used to wait in
+    # torch's exit barrier for it (300 s), and it for them.
+    out = tmp_path / "job"
+    nodes, _ = join_at(etcd_server, run_id, out, STEPS)
+    outputs = finish(nodes, timeout=90)
+    assert [n.returncode for n in nodes] == [0, 0, 0], "\n".join(o[-2000:] for o in outputs)
+    assert {r["world"] for r in records(out)} == {2}
+    assert "finished on its other nodes" in outputs[2], outputs[2][-2000:]
 
 
 @pytest.mark.timeout(300)

@@ -16,20 +16,14 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO_ROOT, subprocess_env
+from tests.conftest import REPO_ROOT, run_reporting_hangs, subprocess_env
 
 SCRIPT = str(REPO_ROOT / "tests" / "scripts" / "ddp_steps.py")
 
 
 def elastictrain(*args: str, timeout: float = 100, **env: str) -> subprocess.CompletedProcess[str]:
-    try:
-        return subprocess.run(
-            [sys.executable, "-m", "elastictrain", *args],
-            capture_output=True, text=True, timeout=timeout, env=subprocess_env(**env), cwd=REPO_ROOT,
-        )
-    except subprocess.TimeoutExpired as exc:  # show what the job said before it hung
-        output = (exc.stderr or b"").decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr
-        pytest.fail(f"elastictrain {' '.join(args)} still ran after {timeout:g}s:\n{(output or '')[-4000:]}")
+    return run_reporting_hangs([sys.executable, "-m", "elastictrain", *args], timeout=timeout,
+                               env=subprocess_env(**env), cwd=REPO_ROOT)
 
 
 def read_ranks(out: Path) -> list[dict[str, Any]]:

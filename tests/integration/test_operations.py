@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from elastictrain.cli import main
-from tests.conftest import REPO_ROOT, subprocess_env
+from tests.conftest import REPO_ROOT, run_reporting_hangs, subprocess_env
 
 MLP = str(REPO_ROOT / "examples" / "mlp.py")
 
@@ -29,8 +29,7 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def cli_process(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "elastictrain", *args], capture_output=True, text=True,
-                          timeout=timeout, env=subprocess_env(), cwd=REPO_ROOT)
+    return run_reporting_hangs([sys.executable, "-m", "elastictrain", *args], timeout=timeout, cwd=REPO_ROOT)
 
 
 def wait_for_status(endpoint: str, run_id: str, predicate: Any, timeout: float = 90) -> dict[str, Any]:

@@ -152,3 +152,26 @@ def test_a_lease_keep_alive_stream_survives_a_dropped_connection(etcd_server: An
         lease.revoke()
         client.close()
         observer.close()
+
+
+def test_reconnecting_watches_and_leases_leave_the_programs_random_numbers_alone(private_etcd: Any,
+                                                                                 run_id: str) -> None:
+    # Their back-off jitter ran on the global `random`: a trainer's RNG stream (and the RNG
+    # state its checkpoint saves) then depended on when etcd was unreachable.
+    import random
+
+    from elastictrain.etcd.lease import KeptLease
+
+    client = make_client(private_etcd.endpoint, retry_deadline=0.5)
+    lease = KeptLease(client, timedelta(seconds=2), interval=timedelta(seconds=0.2))
+    lease.grant()
+    watch = Watch(client, RunKeys.of(run_id).members, prefix=True, start_revision=1,
+                  on_events=lambda *_: None).start()
+    time.sleep(0.3)
+    random.seed(7)
+    private_etcd.stop()  # both now retry, with back-off
+    time.sleep(2.5)
+    assert random.random() == random.Random(7).random()
+    watch.close()
+    lease.close()
+    client.close()

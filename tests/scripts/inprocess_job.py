@@ -6,7 +6,9 @@ Every rank appends one line per applied step to ``OUT_DIR/steps.jsonl`` (rank, p
 step, world size, time) and, at the end, saves its parameters to ``final-<rank>.pt``.
 ``--step-sleep`` slows each step down so that a test can inject a fault mid-run.
 ``--fail-at RANK:STEP`` makes RANK raise before STEP in every process that reaches
-it (a crash loop). ``--api elastic`` trains through ``run_elastic`` instead of a Session.
+it (a crash loop). ``--hold-before STEP:FILE`` makes every rank wait inside STEP until FILE
+exists (a test then changes the membership at a known step). ``--api elastic`` trains
+through ``run_elastic`` instead of a Session.
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ import elastictrain
 def _pair(text: str) -> tuple[int, int]:
     a, _, b = text.partition(":")
     return int(a), int(b)
+
+
+def _step_and_path(text: str) -> tuple[int, str]:
+    step, _, path = text.partition(":")
+    return int(step), path
 
 
 def _append(path: Path, record: dict) -> None:
@@ -55,6 +62,9 @@ def with_session(args: argparse.Namespace, out: Path) -> None:
         for step in s.steps():
             if args.fail_at and (s.rank, step.number) == args.fail_at:
                 raise RuntimeError(f"injected failure on rank {s.rank} before step {step.number}")
+            if args.hold_before and step.number == args.hold_before[0]:
+                while not os.path.exists(args.hold_before[1]):
+                    time.sleep(0.05)
             time.sleep(args.step_sleep)
             for micro in step:
                 inputs, targets = micro.batch
@@ -99,6 +109,7 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--ckpt-every", type=int, default=10)
     parser.add_argument("--fail-at", type=_pair, default=None)
+    parser.add_argument("--hold-before", type=_step_and_path, default=None)
     parser.add_argument("--api", choices=("session", "elastic"), default="session")
     args = parser.parse_args()
     out = Path(args.out_dir)

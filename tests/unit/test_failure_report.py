@@ -6,6 +6,7 @@ import json
 import time
 from pathlib import Path
 
+import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from elastictrain import failure_report
@@ -124,3 +125,33 @@ def test_a_killed_forkservers_pymp_dir_is_removed_and_a_live_one_kept(tmp_path: 
         assert not stale.exists() and live.exists()
     finally:
         live_sock.close()
+
+
+def test_a_forkserver_in_another_network_namespace_keeps_its_pymp_dir(tmp_path: Path, monkeypatch) -> None:
+    # /proc/net/unix lists the reader's network namespace only: a node started in another one
+    # (the chaos harness runs nodes in their own) must not take a live forkserver for dead.
+    import subprocess
+    import sys
+    import tempfile
+
+    from elastictrain import launcher
+
+    live = tmp_path / "pymp-elsewhere"
+    live.mkdir()
+    listener = live / "listener-3"
+    bind_and_wait = (f"import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind({str(listener)!r}); "
+                     "s.listen(); print('bound', flush=True); time.sleep(60)")
+    try:
+        proc = subprocess.Popen(["unshare", "--net", sys.executable, "-c", bind_and_wait],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    except FileNotFoundError:
+        pytest.skip("needs unshare (util-linux)")
+    try:
+        if proc.stdout.readline().strip() != "bound":
+            pytest.skip(f"cannot make a network namespace here: {proc.stderr.read().strip()[:200]}")
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+        launcher._node_temp_dir()
+        assert live.exists() and listener.exists()
+    finally:
+        proc.kill()
+        proc.wait()
