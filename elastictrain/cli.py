@@ -631,6 +631,9 @@ def _cmd_etcd(args: argparse.Namespace) -> int:
     from elastictrain.etcd.server import EtcdServer
 
     server = EtcdServer(_etcd_server_options(args))
+    # Before anything is printed: whoever read "serving at" may send SIGTERM at once.
+    stop: list[int] = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     server.start()
     if server.durable:
         kept = f"data in {server.options.data_dir} (kept, fsynced)"
@@ -642,8 +645,6 @@ def _cmd_etcd(args: argparse.Namespace) -> int:
     tls_flags = (" --etcd-ca-cert CA" if args.cert_file else "") + (
         " --etcd-cert CERT --etcd-key KEY" if args.client_cert_auth else "")
     print(f"  nodes join with: elastictrain run --etcd {host}:{args.port}{tls_flags} --run-id NAME ...", flush=True)
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     try:
         while not stop and server.is_running():
             time.sleep(0.2)

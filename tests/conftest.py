@@ -101,17 +101,36 @@ def _python_descendants(pid: int) -> list[int]:
 def run_reporting_hangs(args: list[str], *, timeout: float, env: dict[str, str] | None = None,
                         cwd: Path | str | None = None) -> subprocess.CompletedProcess[str]:
     """``subprocess.run(args, capture_output=True, text=True)``; a command that outlives
-    ``timeout`` fails the test with what it printed, then every Python process under it
-    prints its threads' stacks (faulthandler on SIGABRT), deepest first: where a job hung."""
-    env = dict(env if env is not None else subprocess_env())
-    env["PYTHONFAULTHANDLER"] = "1"
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        return subprocess.CompletedProcess(args, proc.returncode, out, err)
-    except subprocess.TimeoutExpired:
-        from elastictrain.chaos.faults import descendants
+    ``timeout`` fails the test as :func:`communicate_reporting_hangs` says."""
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=hang_reporting_env(env), cwd=cwd)
+    [(out, err)] = communicate_reporting_hangs([proc], timeout=timeout)
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
+
+def hang_reporting_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: :func:`subprocess_env`) with faulthandler on: SIGABRT prints every thread's stack."""
+    return {**(env if env is not None else subprocess_env()), "PYTHONFAULTHANDLER": "1"}
+
+
+def communicate_reporting_hangs(procs: list[subprocess.Popen[str]], *, timeout: float) -> list[tuple[str, str]]:
+    """Each process's (stdout, stderr) once all have exited (started with :func:`hang_reporting_env`).
+    If any outlives ``timeout``, every Python process under each one still running prints its
+    threads' stacks (SIGABRT with faulthandler on), deepest first, and the test fails with all
+    their output: where a job hung."""
+    from elastictrain.chaos.faults import descendants
+
+    deadline = time.monotonic() + timeout
+    outputs: list[tuple[str, str]] = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=max(0.1, deadline - time.monotonic())))
+    except subprocess.TimeoutExpired:
+        pass
+    else:
+        return outputs
+    report = []
+    for proc in procs[len(outputs):]:
         everyone = [*descendants(proc.pid), proc.pid]
         for pid in [*_python_descendants(proc.pid), proc.pid]:
             _signal(pid, signal.SIGABRT)
@@ -119,8 +138,12 @@ def run_reporting_hangs(args: list[str], *, timeout: float, env: dict[str, str] 
         for pid in everyone:  # etcd, and anything the dumps left, holds the pipes open
             _signal(pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"{' '.join(map(str, args[2:]))} still ran after {timeout:g}s; its output, then each of its "
-                    f"processes' stacks:\n{(out or '')[-3000:]}\n{(err or '')[-20000:]}", pytrace=False)
+        report.append(f"--- {' '.join(map(str, proc.args[2:]))[:300]} ---\n{(out or '')[-20000:]}\n"
+                      f"{(err or '')[-20000:]}")
+    finished = "".join(f"--- exited {code} ---\n{(out or '')[-3000:]}{(err or '')[-3000:]}\n"
+                       for (out, err), code in zip(outputs, (p.returncode for p in procs)))
+    pytest.fail(f"still running after {timeout:g}s; the output of those that exited, then of each one still "
+                f"running with its processes' stacks:\n{finished}" + "\n".join(report), pytrace=False)
 
 
 @pytest.fixture(autouse=True)

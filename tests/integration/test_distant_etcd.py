@@ -37,7 +37,7 @@ def test_status_reaches_a_distant_etcd(etcd_server: Any, round_trip: float) -> N
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("round_trip", [0.2, 0.5])
+@pytest.mark.parametrize("round_trip", [0.5])  # the farther of the two status reaches
 def test_run_status_and_stop_through_a_distant_etcd(etcd_server: Any, run_id: str, tmp_path: Path,
                                                     round_trip: float) -> None:
     out = tmp_path / "out"
@@ -64,7 +64,7 @@ def test_run_status_and_stop_through_a_distant_etcd(etcd_server: Any, run_id: st
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("round_trip", [0.2, 0.5])
+@pytest.mark.parametrize("round_trip", [0.5])  # the farther of the two status reaches
 def test_short_job_trains_through_a_distant_etcd(etcd_server: Any, run_id: str, tmp_path: Path,
                                                  round_trip: float) -> None:
     out = tmp_path / "out"

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT, subprocess_env
+from tests.conftest import REPO_ROOT, communicate_reporting_hangs, hang_reporting_env
 
 JOB = str(REPO_ROOT / "tests" / "scripts" / "inprocess_job.py")
 STEPS = 40
@@ -33,7 +33,7 @@ def start_node(endpoint: str, run_id: str, out: Path, *job_args: str, min_nodes:
         [sys.executable, "-m", "elastictrain", "run", "--etcd", endpoint, "--run-id", run_id, "--min-nodes",
          str(min_nodes), "--max-nodes", str(max_nodes), "--local-addr", "127.0.0.1", "--join",
          "--event-log", str(out / "events.jsonl"), *extra, JOB, str(out), "--steps", str(STEPS), *job_args],
-        env=subprocess_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=hang_reporting_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)
 
 
@@ -56,19 +56,9 @@ def wait_until(predicate: Callable[[], bool], what: str, nodes: list[subprocess.
 
 
 def finish(nodes: list[subprocess.Popen[str]], timeout: float = 180) -> list[str]:
-    """Each node's output once it exits; a node still running after ``timeout`` fails the test with all output."""
-    deadline = time.monotonic() + timeout
-    outputs = []
-    try:
-        for node in nodes:
-            outputs.append(node.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-    except subprocess.TimeoutExpired:
-        for node in nodes:
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
-        everything = "\n".join(f"--- node {n.pid} ---\n{n.communicate()[0][-3000:]}" for n in nodes[len(outputs):])
-        raise AssertionError(f"a node still ran after {timeout:g}s:\n{everything}") from None
-    return outputs
+    """Each node's output once it exits; a node still running after ``timeout`` fails the test with
+    all output and its processes' stacks."""
+    return [out for out, _ in communicate_reporting_hangs(nodes, timeout=timeout)]
 
 
 def steps_by_rank(out: Path) -> dict[int, list[dict[str, Any]]]:

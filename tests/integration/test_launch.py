@@ -123,6 +123,21 @@ def test_worker_dies_when_its_agent_is_killed(etcd_server: Any, run_id: str, tmp
     assert not _alive(worker), "the worker outlived its SIGKILLed agent"
 
 
+def test_etcd_subcommand_stopped_the_moment_it_says_it_serves_exits_cleanly(tmp_path: Path) -> None:
+    # A supervisor may send SIGTERM as soon as it reads "serving at"; the handler was installed
+    # only after a second line, and such a SIGTERM killed it (-15) with etcd's data unflushed.
+    from elastictrain.etcd.server import free_port
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "elastictrain", "etcd", "--port", str(free_port()), "--data-dir", str(tmp_path / "d")],
+        env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    assert proc.stdout is not None
+    assert "etcd serving at" in proc.stdout.readline()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+
+
 def test_etcd_subcommand_serves_until_sigterm(tmp_path: Path) -> None:
     from elastictrain.etcd.server import free_port
     from tests.conftest import make_client

@@ -19,7 +19,7 @@ import pytest
 from elastictrain.cli import main
 from elastictrain.etcd import kv
 from elastictrain.rendezvous.keys import RunKeys
-from tests.conftest import REPO_ROOT, subprocess_env
+from tests.conftest import REPO_ROOT, communicate_reporting_hangs, hang_reporting_env, subprocess_env
 
 SCRIPT = str(REPO_ROOT / "tests" / "scripts" / "ddp_steps.py")
 
@@ -28,7 +28,7 @@ def _node(endpoint: str, run_id: str, out: Path, *extra: str) -> subprocess.Pope
     return subprocess.Popen(
         [sys.executable, "-m", "elastictrain", "run", "--etcd", endpoint, "--run-id", run_id, "--min-nodes", "2",
          "--max-nodes", "2", "--local-addr", "127.0.0.1", *extra, SCRIPT, str(out)],
-        env=subprocess_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=hang_reporting_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)
 
 
@@ -49,7 +49,7 @@ def test_a_node_killed_while_the_job_gathers_does_not_block_the_nodes_after_it(
     first.wait()
     started = time.monotonic()
     later = [_node(etcd_server.endpoint, run_id, tmp_path / f"out{i}") for i in (1, 2)]
-    outputs = [p.communicate(timeout=120)[0] for p in later]
+    outputs = [out for out, _ in communicate_reporting_hangs(later, timeout=120)]
     assert [p.returncode for p in later] == [0, 0], outputs[0][-2500:] + outputs[1][-2500:]
     # The dead node's lease (5 s by default) is the only wait; nothing waited 600 s.
     assert time.monotonic() - started < 60
