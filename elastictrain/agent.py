@@ -46,6 +46,9 @@ from elastictrain.rendezvous.handler import Etcd3RendezvousHandler
 from elastictrain.run_state import RunPublisher
 from elastictrain.worker_group import Channel, FailureBudget, HangDetector, WorkerProcesses
 
+_LINGER_S = 30.0
+"""How long a node's workers may run after the job finished on its other nodes before it says so."""
+
 _FORMING = frozenset({SlotState.STARTING, SlotState.RECOVERING, SlotState.BUSY})
 """Worker states that wait for peers to form a group (not training)."""
 
@@ -191,6 +194,8 @@ class InProcessAgent(ElasticAgent):
         self._dead: set[int] = set()
         self._generation = 0
         self._replacements = 0
+        self._finished_elsewhere_at: float | None = None
+        self._lingering_said = False
         self.recoveries = 0
 
     @property
@@ -316,6 +321,7 @@ class InProcessAgent(ElasticAgent):
                 self._events.emit("hang", local_rank=slot, pid=progress[slot].pid, frozen_s=round(frozen, 3),
                                   step=progress[slot].step)
                 self._workers.kill(slot)
+            self._say_if_lingering(spec.rdzv_handler, now)
             if (getattr(spec.rdzv_handler, "closed_seen", False) and not self._stop_requested()
                     and any(p.pid and p.state in _FORMING for p in progress)):
                 # Another node ended the job (it finished, or its budget ran out) while ours
@@ -334,6 +340,20 @@ class InProcessAgent(ElasticAgent):
                     cause = f"membership change ({waiting} node(s) waiting, gone or re-joining)"
             if cause is not None:
                 self._recover(group, cause)
+
+    def _say_if_lingering(self, handler: Any, now: float) -> None:
+        """Say once if this node's workers still run long after the job finished on other nodes:
+        a final save on rank 0 takes a while, but a worker may also hang on its way out."""
+        if not getattr(handler, "finished_seen", False) or self._lingering_said:
+            return
+        if self._finished_elsewhere_at is None:
+            self._finished_elsewhere_at = now
+        elif now - self._finished_elsewhere_at > _LINGER_S:
+            self._lingering_said = True
+            logger.warning("the job finished on its other nodes %.0fs ago and this node's workers (pids %s) still "
+                           "run; one that hangs in destroy_process_group waits for a peer's last collective to "
+                           "be torn down (pytorch#75097): a dist.barrier() before it avoids that",
+                           now - self._finished_elsewhere_at, sorted(self._workers.pids().values()))
 
     def _in_process_capable(self, group: WorkerGroup) -> bool:
         """Whether every live worker of this node recovers in place: it opened its control slot

@@ -85,6 +85,25 @@ def _signal(pid: int, sig: signal.Signals) -> None:
         pass
 
 
+def _native_stacks(pids: list[int]) -> str:
+    """gdb's backtrace of every thread of ``pids`` (where gdb is installed): what a process
+    blocked in C++ (a collective, a store, a join) waits on, which faulthandler cannot show."""
+    import shutil
+
+    if shutil.which("gdb") is None:
+        return ""
+    out = []
+    for pid in pids:
+        try:
+            trace = subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt 25"],
+                                   capture_output=True, text=True, timeout=30).stdout
+        except subprocess.TimeoutExpired:
+            continue
+        frames = [line for line in trace.splitlines() if line.startswith(("#", "Thread "))]
+        out.append(f"--- native stacks of {pid} ---\n" + "\n".join(frames[:300]))
+    return "\n".join(out)
+
+
 def _python_descendants(pid: int) -> list[int]:
     """The Python processes below ``pid``, deepest first (workers before their agents)."""
     from elastictrain.chaos.faults import descendants
@@ -132,6 +151,7 @@ def communicate_reporting_hangs(procs: list[subprocess.Popen[str]], *, timeout: 
     report = []
     for proc in procs[len(outputs):]:
         everyone = [*descendants(proc.pid), proc.pid]
+        report.append(_native_stacks(_python_descendants(proc.pid)))
         for pid in [*_python_descendants(proc.pid), proc.pid]:
             _signal(pid, signal.SIGABRT)
             time.sleep(0.3)  # one dump at a time

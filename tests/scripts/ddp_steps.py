@@ -63,6 +63,9 @@ def main() -> None:
         "first_step_at": first_step_at,
     }
     (out / f"rank-{rank}.json").write_text(json.dumps(record))
+    # Leave together: a rank that destroys its group while a peer's last collective is still
+    # being torn down can hang in destroy_process_group (pytorch#75097; seen here on gloo).
+    dist.barrier()
     dist.destroy_process_group()
 
 

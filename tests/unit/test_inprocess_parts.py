@@ -253,3 +253,25 @@ def test_nobody_holding_state_means_every_rank_reads_the_checkpoint() -> None:
     for p in procs:
         p.join(timeout=30)
     assert all(out[rank][:4] == (None, None, (), False) for rank in range(3))
+
+
+def test_workers_still_running_long_after_the_job_finished_elsewhere_are_reported_once(caplog) -> None:
+    import logging
+    import types
+
+    from elastictrain.agent import _LINGER_S, InProcessAgent
+    from elastictrain.worker_group import WorkerProcesses
+
+    agent = object.__new__(InProcessAgent)  # only the state this check reads
+    agent._finished_elsewhere_at, agent._lingering_said = None, False
+    agent._workers = WorkerProcesses(lambda _: None)
+    training = types.SimpleNamespace(finished_seen=False)
+    finished = types.SimpleNamespace(finished_seen=True)
+    with caplog.at_level(logging.WARNING, logger="elastictrain.agent"):
+        agent._say_if_lingering(training, 0.0)
+        agent._say_if_lingering(finished, 10.0)
+        agent._say_if_lingering(finished, 10.0 + _LINGER_S / 2)
+        assert not caplog.records
+        for now in (11.0 + _LINGER_S, 20.0 + _LINGER_S):
+            agent._say_if_lingering(finished, now)
+    assert len(caplog.records) == 1 and "destroy_process_group" in caplog.records[0].getMessage()
