@@ -196,6 +196,7 @@ class InProcessAgent(ElasticAgent):
         self._replacements = 0
         self._finished_elsewhere_at: float | None = None
         self._lingering_said = False
+        self._killed_hung: set[int] = set()
         self.recoveries = 0
 
     @property
@@ -314,6 +315,9 @@ class InProcessAgent(ElasticAgent):
                     time.sleep(backoff)
             progress = self._channel.progress()
             for slot in self._hangs.hung(progress, now, self._workers.pids()):
+                if progress[slot].pid in self._killed_hung:
+                    continue  # killed already; its end shows up once its process is reaped
+                self._killed_hung.add(progress[slot].pid)
                 frozen = now - progress[slot].alive_at
                 logger.warning("worker %d (pid %d) is hung: its process has not run for %.1fs (deadline %.1fs, "
                                "from its step time): killing it", slot, progress[slot].pid, frozen,

@@ -31,6 +31,23 @@ def _start_server(tmp: Path) -> EtcdServer:
     return server.start()
 
 
+_OPT_IN = {
+    "soak": "soak run: select it with `pytest -m soak`",
+    "slow": "slow end-to-end check kept out of the default suite: select it with `pytest -m slow`",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``soak`` or ``slow`` run only when the marker expression names them."""
+    chosen = config.getoption("markexpr") or ""
+    for marker, reason in _OPT_IN.items():
+        if marker in chosen:
+            continue
+        for item in items:
+            if item.get_closest_marker(marker) is not None:
+                item.add_marker(pytest.mark.skip(reason=reason))
+
+
 @pytest.fixture(scope="session")
 def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
     """One etcd for the session; tests keep apart through unique run ids."""
@@ -148,6 +165,14 @@ def communicate_reporting_hangs(procs: list[subprocess.Popen[str]], *, timeout: 
         pass
     else:
         return outputs
+    fail_with_stacks(procs, outputs, f"still running after {timeout:g}s")
+
+
+def fail_with_stacks(procs: list[subprocess.Popen[str]], outputs: list[tuple[str, str]], why: str) -> None:
+    """Fail the test: ``why``, the output of the first ``len(outputs)`` processes (which have
+    exited), then each other one's output and its processes' stacks; those are killed."""
+    from elastictrain.chaos.faults import descendants
+
     report = []
     for proc in procs[len(outputs):]:
         everyone = [*descendants(proc.pid), proc.pid]
@@ -158,12 +183,12 @@ def communicate_reporting_hangs(procs: list[subprocess.Popen[str]], *, timeout: 
         for pid in everyone:  # etcd, and anything the dumps left, holds the pipes open
             _signal(pid, signal.SIGKILL)
         out, err = proc.communicate()
-        report.append(f"--- {' '.join(map(str, proc.args[2:]))[:300]} ---\n{(out or '')[-20000:]}\n"
-                      f"{(err or '')[-20000:]}")
+        report.append(f"--- {' '.join(map(str, proc.args[2:]))[:300]} ---\n{(out or '')[-60000:]}\n"
+                      f"{(err or '')[-60000:]}")
     finished = "".join(f"--- exited {code} ---\n{(out or '')[-3000:]}{(err or '')[-3000:]}\n"
                        for (out, err), code in zip(outputs, (p.returncode for p in procs)))
-    pytest.fail(f"still running after {timeout:g}s; the output of those that exited, then of each one still "
-                f"running with its processes' stacks:\n{finished}" + "\n".join(report), pytrace=False)
+    pytest.fail(f"{why}; the output of those that exited, then of each one still running with its "
+                f"processes' stacks:\n{finished}" + "\n".join(report), pytrace=False)
 
 
 @pytest.fixture(autouse=True)

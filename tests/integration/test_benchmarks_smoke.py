@@ -18,6 +18,8 @@ from tests.conftest import REPO_ROOT, subprocess_env
 SUMMARY_KEYS = {"median", "min", "max", "n", "failed", "samples"}
 
 
+# About a minute of the default suite's 10: `python -m pytest -m slow tests/integration/test_benchmarks_smoke.py`.
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_driver_smoke_mode_writes_every_section_with_expected_keys(tmp_path: Path) -> None:
     out = subprocess.run(

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT, communicate_reporting_hangs, hang_reporting_env
+from tests.conftest import REPO_ROOT, communicate_reporting_hangs, fail_with_stacks, hang_reporting_env
 
 JOB = str(REPO_ROOT / "tests" / "scripts" / "inprocess_job.py")
 STEPS = 40
@@ -51,7 +51,7 @@ def wait_until(predicate: Callable[[], bool], what: str, nodes: list[subprocess.
                 output = node.stdout.read() if node.stdout else ""
                 raise AssertionError(f"a node exited ({node.returncode}) before {what}:\n{output[-3000:]}")
         if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:g}s: {what}")
+            fail_with_stacks(nodes, [], f"not within {timeout:g}s: {what}")
         time.sleep(0.05)
 
 
