@@ -9,8 +9,8 @@ needs the opposite, and this module gives it:
 - :class:`Channel`: the agent's end of :mod:`elastictrain._control`: it publishes
   each generation's assignment and reads the workers' progress slots.
 - :class:`HangDetector`: a worker whose process stopped running (its liveness thread
-  is silent) while its steps stalled past a deadline that follows its measured step
-  time is hung. Killing it makes its peers' collectives fail at once instead of at
+  is silent past a deadline that follows its measured step time, and it uses no CPU:
+  stopped, or asleep for much longer) is hung. Killing it makes its peers' collectives fail at once instead of at
   their timeout (gloo cannot abort a blocked collective).
 - :class:`FailureBudget`: how many of this node's own worker failures a job survives
   within a time window, and how long to back off before replacing one.
@@ -32,7 +32,7 @@ from elastictrain._control import Assignment, Progress, ProgressTable, WorkerSta
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Channel", "FailureBudget", "HangDetector", "WorkerProcesses"]
+__all__ = ["Channel", "FailureBudget", "HangDetector", "WorkerProcesses", "process_activity"]
 
 
 class WorkerProcesses:
@@ -116,23 +116,47 @@ class Channel:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-class HangDetector:
-    """Decides which workers are hung, from their progress slots.
+def process_activity(pid: int) -> tuple[float, str] | None:
+    """CPU time ``pid`` has used so far (all its threads) and its scheduler state (``R``,
+    ``S``, ``D``, ``T``...), from ``/proc``; ``None`` if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), fields[0]  # utime + stime
 
-    A worker is hung when it trains and its process has not run for longer than its
-    deadline: its liveness thread (which runs every 0.2 s whatever the training loop
-    does) has been silent that long, because the process is stopped or something
-    holds the interpreter. The deadline is ``factor`` times the worker's typical step
-    (the median of its recent intervals between steps, which it measures itself, so
-    that a pause between steps does not stretch it), at least ``floor_s``; before its
-    second step (imports, model building, restoring) ``startup_s`` applies. A worker
-    blocked in a collective that waits for a hung peer is not frozen (its liveness
-    thread runs): it is left alone, and so is one that says it is busy (a checkpoint,
-    a state transfer) or recovering.
+
+_STOPPED = frozenset("Tt")
+"""Scheduler states of a process that cannot run: stopped (SIGSTOP, a debugger)."""
+
+
+class HangDetector:
+    """Decides which workers are hung, from their progress slots and their processes' activity.
+
+    A worker is a suspect when it trains and its liveness thread (which runs every 0.2 s
+    whatever the training loop does) has been silent for longer than its deadline, and
+    it is hung if it still has not run ``confirm_s`` later: its process used no CPU time
+    in the meantime and is stopped (``SIGSTOP``, a debugger). A process that is merely
+    starved of CPU on a loaded machine uses CPU time and is left alone; one that sleeps
+    (in a native call that holds the interpreter, a blocking wait on a peer or a store,
+    or in the kernel on a disk) is given ``blocked_s``, since it may be waiting for a slow
+    peer or device: killing a healthy worker is a false alarm that spends the node's
+    failure budget. The deadline is ``factor`` times the worker's typical step (the median of its
+    recent intervals between steps, which it measures itself, so that a pause between
+    steps does not stretch it), at least ``floor_s``; before its second step (imports,
+    model building, restoring) ``startup_s`` applies. A worker blocked in a collective
+    that waits for a hung peer is not frozen (its liveness thread runs): it is left
+    alone, and so is one that is recovering or forming a group.
     """
 
-    def __init__(self, *, floor_s: float = 2.0, factor: float = 10.0, startup_s: float = 120.0) -> None:
+    def __init__(self, *, floor_s: float = 2.0, factor: float = 10.0, startup_s: float = 120.0,
+                 confirm_s: float = 1.0, blocked_s: float = 60.0,
+                 activity: Callable[[int], tuple[float, str] | None] = process_activity) -> None:
         self.floor_s, self.factor, self.startup_s = floor_s, factor, startup_s
+        self.confirm_s, self.blocked_s = confirm_s, blocked_s
+        self._activity = activity
+        self._suspects: dict[int, tuple[int, float, float | None]] = {}  # slot: (pid, since, CPU time then)
 
     def deadline(self, progress: Progress) -> float:
         if progress.step_s <= 0:
@@ -143,9 +167,21 @@ class HangDetector:
         """The slots of hung workers. ``live`` maps each slot to the pid of its running worker: a
         slot still holding a replaced worker's last words is not its replacement's (which has
         not written yet while it starts)."""
-        return [slot for slot, p in enumerate(progress)
-                if p.pid and p.pid == live.get(slot) and p.state == WorkerState.TRAINING
-                and now - p.alive_at > self.deadline(p)]
+        found = []
+        for slot, p in enumerate(progress):
+            silent = (p.pid and p.pid == live.get(slot) and p.state == WorkerState.TRAINING
+                      and now - p.alive_at > self.deadline(p))
+            if not silent:
+                self._suspects.pop(slot, None)
+                continue
+            activity = self._activity(p.pid)
+            used, state = activity if activity is not None else (None, "?")
+            suspect = self._suspects.get(slot)
+            if suspect is None or suspect[0] != p.pid or used != suspect[2]:
+                self._suspects[slot] = (p.pid, now, used)  # first seen silent, or it ran since
+            elif now - suspect[1] >= self.confirm_s and (state in _STOPPED or now - p.alive_at > self.blocked_s):
+                found.append(slot)
+        return found
 
 
 @dataclass

@@ -134,6 +134,10 @@ class CheckpointManager:
             job: ``Session`` does). Otherwise the token is claimed at the first
             save, so a reader that only restores (an eval job) never fences off
             the writer. A commit is refused once a newer world claimed the directory.
+        superseded: Whether this rank's group is being replaced (in-process recovery:
+            ``Session`` passes its control channel's). A save that waits for another
+            rank's files stops waiting then, and fails at its barrier, instead of
+            waiting out the stall deadline for a rank that is gone.
 
     Raises:
         ConfigError: ``keep_last`` is not a positive integer, or ``overlap``
@@ -154,6 +158,7 @@ class CheckpointManager:
         coordinator: Coordinator | None = None,
         timeout: timedelta | None = None,
         fence: bool = False,
+        superseded: Callable[[], bool] | None = None,
     ) -> None:
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise ConfigError(f"keep_last must be a positive integer, got {keep_last!r}")
@@ -174,6 +179,7 @@ class CheckpointManager:
         # Test seam: called with each FAULT_STAGES name during a save, on every rank.
         self._fault_hook: Callable[[str], None] | None = None
         self._stall = (timeout or _DEFAULT_STALL).total_seconds()
+        self._superseded = superseded
         self._host = socket.gethostname()
         self._fence: int | None = None
         try:
@@ -553,9 +559,9 @@ class CheckpointManager:
 
         No collective: the deadline is ``_stall`` seconds without the staging
         directory's files growing, so rank 0 writing many GB keeps the others
-        waiting as long as it makes progress. On a stall, a storage error, or a
-        rank that could not write its mark, stop waiting: the barrier collective
-        that follows reports the failure (or times out).
+        waiting as long as it makes progress. On a stall, a storage error, a rank
+        that could not write its mark, or the group being superseded, stop waiting:
+        the barrier collective that follows reports the failure (or times out).
         """
         world = self._coord.world_size
         if world == 1:
@@ -582,6 +588,11 @@ class CheckpointManager:
             except OSError as exc:
                 logger.warning("stopped waiting for the other ranks' files in %s: %s",
                                self._storage.location(staging), exc)
+                return
+            if self._superseded is not None and self._superseded():
+                logger.warning("stopped waiting for ranks %s's part of %s: the group is re-forming",
+                               sorted(int(n.rsplit("-", 1)[1]) for n in wanted - names),
+                               self._storage.location(staging))
                 return
             now = time.monotonic()
             if grown != progress:

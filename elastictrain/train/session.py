@@ -508,6 +508,7 @@ class Session:
             self.checkpoints = CheckpointManager(
                 config.checkpoint_dir, keep_last=config.keep_last, async_save=config.async_save,
                 overlap=config.overlap_save, coordinator=coordinator, timeout=placement.timeout, fence=True,
+                superseded=self._control.superseded if self._control is not None else None,
             )
             if not peer_state:
                 self._restore()

@@ -251,6 +251,53 @@ def test_a_save_that_writes_for_longer_than_the_collective_timeout_commits(tmp_p
     assert info is not None and info.step == 1 and info.world_size == 2
 
 
+def test_a_save_waiting_for_a_rank_stops_waiting_when_the_group_is_superseded(tmp_path: Path) -> None:
+    # In-process recovery: rank 1 hangs (SIGSTOP) before writing its part of a save; the agent
+    # kills it and announces a new generation. Rank 0 waited for rank 1's files for the whole
+    # stall deadline (here 120 s; 60 s in the test that found it) before its barrier failed.
+    import signal
+
+    ckpt, flag = tmp_path / "ckpt", tmp_path / "superseded"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, __file__, str(rank), str(tmp_path / "store"), str(ckpt), str(flag)],
+                              env=env) for rank in range(2)]
+    try:
+        deadline = time.monotonic() + 60
+        while Path(f"/proc/{procs[1].pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+            assert time.monotonic() < deadline and procs[1].poll() is None, "rank 1 never stopped"
+            time.sleep(0.1)
+        procs[1].kill()  # what the agent's hang detector does
+        flag.touch()  # and the new generation it publishes
+        assert procs[0].wait(timeout=60) == 0  # its save failed at the barrier, well before the stall deadline
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def _stopped_peer(rank: int, store: str, ckpt: str, flag: str) -> None:
+    import signal
+
+    import torch.distributed as dist
+
+    from elastictrain.errors import CheckpointError
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))
+
+    def stop(stage: str) -> None:
+        if stage == "before_write" and rank == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    with CheckpointManager(ckpt, timeout=timedelta(seconds=120), superseded=lambda: os.path.exists(flag)) as mgr:
+        mgr._fault_hook = stop
+        try:
+            mgr.save(1, _big_state())
+        except CheckpointError:
+            os._exit(0)  # the barrier failed: the group re-forms (a plain exit would wait for the dead peer)
+    os._exit(1)
+
+
 def _big_state() -> dict[str, dict[str, torch.Tensor]]:
     return {"big": {f"t{i}": torch.full((16384,), float(i)) for i in range(40)}}
 
@@ -279,4 +326,6 @@ def _slow_writer(rank: int, store: str, ckpt: str) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 4:
+        _stopped_peer(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4])
     _slow_writer(int(sys.argv[1]), sys.argv[2], sys.argv[3])

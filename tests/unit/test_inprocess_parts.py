@@ -78,30 +78,64 @@ def _progress(step_s: float = 0.0, alive_at: float = 0.0, state: int = WorkerSta
 LIVE = {0: 10}  # slot 0's running worker is pid 10 (_progress's default)
 
 
+FROZEN = {10: (4.0, "T")}.get  # pid 10 is stopped, after 4 s of CPU
+
+
+def _judged(detector: HangDetector, progress: Progress, now: float, live: dict[int, int] = LIVE) -> list[int]:
+    """What ``detector`` says of ``progress`` at ``now``, after seeing it ``confirm_s`` earlier too."""
+    detector.hung([progress], now - detector.confirm_s, live)
+    return detector.hung([progress], now, live)
+
+
 def test_a_stopped_worker_is_hung_one_waiting_in_a_collective_is_not() -> None:
-    detector = HangDetector(floor_s=2.0, factor=10.0, startup_s=60.0)
+    detector = HangDetector(floor_s=2.0, factor=10.0, startup_s=60.0, confirm_s=1.0, activity=FROZEN)
     t = 100.0
     # 50 ms steps: the deadline is the 2 s floor.
     assert detector.deadline(_progress(step_s=0.05)) == 2.0
-    # Stopped (SIGSTOP): its liveness thread silent for 3 s.
-    assert detector.hung([_progress(step_s=0.05, alive_at=t)], t + 3.0, LIVE) == [0]
-    assert detector.hung([_progress(step_s=0.05, alive_at=t)], t + 1.5, LIVE) == []
+    # Stopped (SIGSTOP): its liveness thread silent for 3 s, then still for 4 s, no CPU time used.
+    assert detector.hung([_progress(step_s=0.05, alive_at=t)], t + 3.0, LIVE) == []  # a suspect, not yet
+    assert detector.hung([_progress(step_s=0.05, alive_at=t)], t + 4.0, LIVE) == [0]
+    assert _judged(detector, _progress(step_s=0.05, alive_at=t), t + 2.5) == []  # within its deadline at first
     # Blocked in a collective on a hung peer: no step, but its liveness thread runs.
-    assert detector.hung([_progress(step_s=0.05, alive_at=t + 2.9)], t + 3.0, LIVE) == []
+    assert _judged(detector, _progress(step_s=0.05, alive_at=t + 2.9), t + 3.0) == []
     # Recovering or busy (a checkpoint, a state transfer): never judged.
-    assert detector.hung([_progress(step_s=0.05, alive_at=t, state=WorkerState.BUSY)], t + 30, LIVE) == []
-    assert detector.hung([_progress(pid=0, step_s=0.05, alive_at=t)], t + 30, LIVE) == []  # an empty slot
+    assert _judged(detector, _progress(step_s=0.05, alive_at=t, state=WorkerState.BUSY), t + 30) == []
+    assert _judged(detector, _progress(pid=0, step_s=0.05, alive_at=t), t + 30) == []  # an empty slot
     # The slot still holds a killed worker's last words; its replacement (pid 11) is starting.
-    assert detector.hung([_progress(step_s=0.05, alive_at=t)], t + 30, {0: 11}) == []
+    assert _judged(detector, _progress(step_s=0.05, alive_at=t), t + 30, {0: 11}) == []
+
+
+def test_a_worker_starved_of_cpu_is_not_hung() -> None:
+    # A loaded machine: the liveness thread did not get to run for 3 s, but the process runs
+    # (its CPU time grows). It used to be killed, and its replacement too: a crash loop that
+    # spent the node's budget.
+    used = iter([(4.0, "R"), (4.3, "R"), (4.6, "R"), (4.6, "T")])
+    detector = HangDetector(floor_s=2.0, factor=10.0, startup_s=60.0, confirm_s=1.0,
+                            activity=lambda _pid: next(used))
+    slot = [_progress(step_s=0.05, alive_at=100.0)]
+    assert detector.hung(slot, 103.0, LIVE) == []
+    assert detector.hung(slot, 104.0, LIVE) == []  # it ran in the meantime
+    assert detector.hung(slot, 105.0, LIVE) == []
+    assert detector.hung(slot, 106.0, LIVE) == [0]  # now it was stopped
+
+
+def test_a_worker_asleep_in_a_call_that_holds_the_interpreter_gets_longer() -> None:
+    # Seen under load: a worker blocked a few seconds in a native wait for its peer that holds
+    # the GIL (its liveness thread silent, no CPU used) was killed as hung; its peer then waited
+    # 60 s for it in the next group. Asleep is not stopped: it gets blocked_s.
+    detector = HangDetector(floor_s=2.0, factor=10.0, startup_s=60.0, confirm_s=1.0, blocked_s=30.0,
+                            activity=lambda _pid: (4.0, "S"))
+    assert _judged(detector, _progress(step_s=0.05, alive_at=100.0), 104.0) == []
+    assert _judged(detector, _progress(step_s=0.05, alive_at=100.0), 131.0) == [0]
 
 
 def test_slow_steps_and_first_steps_get_more_time() -> None:
-    detector = HangDetector(floor_s=2.0, factor=10.0, startup_s=60.0)
-    assert detector.hung([_progress(alive_at=0.0)], 30.0, LIVE) == []  # before its second step
-    assert detector.hung([_progress(alive_at=0.0)], 61.0, LIVE) == [0]
+    detector = HangDetector(floor_s=2.0, factor=10.0, startup_s=60.0, confirm_s=1.0, activity=FROZEN)
+    assert _judged(detector, _progress(alive_at=0.0), 30.0) == []  # before its second step
+    assert _judged(detector, _progress(alive_at=0.0), 62.0) == [0]
     assert detector.deadline(_progress(step_s=1.0)) == pytest.approx(10.0)  # 1 s steps
-    assert detector.hung([_progress(step_s=1.0, alive_at=0.0)], 9.0, LIVE) == []
-    assert detector.hung([_progress(step_s=1.0, alive_at=0.0)], 11.0, LIVE) == [0]
+    assert _judged(detector, _progress(step_s=1.0, alive_at=0.0), 10.5) == []
+    assert _judged(detector, _progress(step_s=1.0, alive_at=0.0), 12.0) == [0]
 
 
 def test_a_worker_measures_its_typical_step_and_pauses_do_not_stretch_it(tmp_path: Path,
