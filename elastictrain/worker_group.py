@@ -10,8 +10,8 @@ needs the opposite, and this module gives it:
   each generation's assignment and reads the workers' progress slots.
 - :class:`HangDetector`: a worker whose process stopped running (its liveness thread
   is silent past a deadline that follows its measured step time, and it uses no CPU:
-  stopped, or asleep for much longer) is hung. Killing it makes its peers' collectives fail at once instead of at
-  their timeout (gloo cannot abort a blocked collective).
+  stopped, or asleep for much longer) is hung. Killing it makes its peers' collectives
+  fail at once instead of at their timeout (gloo cannot abort a blocked collective).
 - :class:`FailureBudget`: how many of this node's own worker failures a job survives
   within a time window, and how long to back off before replacing one.
 """

@@ -154,8 +154,6 @@ def communicate_reporting_hangs(procs: list[subprocess.Popen[str]], *, timeout: 
     If any outlives ``timeout``, every Python process under each one still running prints its
     threads' stacks (SIGABRT with faulthandler on), deepest first, and the test fails with all
     their output: where a job hung."""
-    from elastictrain.chaos.faults import descendants
-
     deadline = time.monotonic() + timeout
     outputs: list[tuple[str, str]] = []
     try:
