@@ -138,7 +138,8 @@ def test_a_lost_node_leaves_the_survivors_training_in_their_processes(etcd_serve
     after = [r for r in records(out)[seen:] if r["world"] == 2]
     assert after, "training did not go on at world size 2"
     survivors = {r["pid"] for r in after}
-    assert survivors <= set(pids.values()) and len(survivors) == 2, "a survivor was restarted"
+    assert survivors <= set(pids.values()) and len(survivors) == 2, \
+        "a survivor was restarted:\n" + "\n".join(o[-6000:] for o in outputs)
     assert_every_step_once(out, [0, 1])
 
 
