@@ -121,17 +121,17 @@ def _native_stacks(pids: list[int]) -> str:
     return "\n".join(out)
 
 
-def _python_descendants(pid: int) -> list[int]:
-    """The Python processes below ``pid``, deepest first (workers before their agents)."""
-    from elastictrain.chaos.faults import descendants
+def _pythons_deepest_first(pids: list[int]) -> list[int]:
+    """The Python processes of ``pids`` (a process tree, parents first), deepest first:
+    workers before their agents."""
 
-    def is_python(child: int) -> bool:
+    def is_python(pid: int) -> bool:
         try:
-            return "python" in os.path.basename(os.readlink(f"/proc/{child}/exe"))
+            return "python" in os.path.basename(os.readlink(f"/proc/{pid}/exe"))
         except OSError:
             return False
 
-    return [child for child in reversed(descendants(pid)) if is_python(child)]
+    return [pid for pid in reversed(pids) if is_python(pid)]
 
 
 def run_reporting_hangs(args: list[str], *, timeout: float, env: dict[str, str] | None = None,
@@ -174,8 +174,9 @@ def fail_with_stacks(procs: list[subprocess.Popen[str]], outputs: list[tuple[str
     report = []
     for proc in procs[len(outputs):]:
         everyone = [*descendants(proc.pid), proc.pid]
-        report.append(_native_stacks(_python_descendants(proc.pid)))
-        for pid in [*_python_descendants(proc.pid), proc.pid]:
+        below = _pythons_deepest_first(everyone[:-1])
+        report.append(_native_stacks(below))
+        for pid in [*below, proc.pid]:
             _signal(pid, signal.SIGABRT)
             time.sleep(0.3)  # one dump at a time
         for pid in everyone:  # etcd, and anything the dumps left, holds the pipes open

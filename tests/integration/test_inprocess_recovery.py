@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 
+from elastictrain.chaos.faults import descendants
 from tests.conftest import REPO_ROOT, communicate_reporting_hangs, fail_with_stacks, hang_reporting_env
 
 JOB = str(REPO_ROOT / "tests" / "scripts" / "inprocess_job.py")
@@ -154,7 +155,7 @@ def test_a_hot_spare_takes_a_lost_nodes_place_and_the_survivor_keeps_its_process
     wait_until(lambda: max(r["step"] for r in records(out)) >= 12, "step 12 with the spare waiting", nodes + [spare])
     assert {r["world"] for r in records(out)} == {2}
     survivor_pid = latest_pid(out, 0)
-    victim = next(n for n in nodes if survivor_pid not in _descendants(n.pid))
+    victim = next(n for n in nodes if survivor_pid not in descendants(n.pid))
     os.killpg(victim.pid, signal.SIGKILL)
     victim.wait()
     seen = len(records(out))
@@ -166,20 +167,6 @@ def test_a_hot_spare_takes_a_lost_nodes_place_and_the_survivor_keeps_its_process
     assert survivor_pid in {r["pid"] for r in after if r["rank"] == 0}, "the survivor was restarted"
     assert len({r["pid"] for r in after}) == 2, "the survivor and the spare's worker trained on"
     assert_every_step_once(out, [0, 1])
-
-
-def _descendants(pid: int) -> set[int]:
-    """``pid`` and every process under it."""
-    found, todo = {pid}, [pid]
-    while todo:
-        children = Path(f"/proc/{todo.pop()}/task")
-        for task in children.iterdir() if children.exists() else []:
-            kids = (task / "children").read_text().split() if (task / "children").exists() else []
-            for kid in map(int, kids):
-                if kid not in found:
-                    found.add(kid)
-                    todo.append(kid)
-    return found
 
 
 def join_at(etcd_server: Any, run_id: str, out: Path, step: int) -> tuple[list[subprocess.Popen[str]], set[int]]:
