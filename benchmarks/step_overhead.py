@@ -9,7 +9,7 @@ same data both ways, alternating which goes first in each repetition:
   checkpoints or logging, the loop from docs/session.md;
 - inprocess: the same session with an agent's control channel, as under
   ``elastictrain run --recovery in-process``: the stop-after-this-step flag rides on
-  each step's gradient all-reduce (a DDP comm hook), the agent's assignment is checked
+  each step's gradient all-reduce (one more parameter's gradient), the agent's assignment is checked
   and the progress slot written at every step.
 
 Each run times ``--steps`` steps after ``--warmup``; rank 0's time counts (DDP

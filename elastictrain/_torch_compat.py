@@ -23,6 +23,9 @@ import torch
 from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.events import handlers as _event_handlers
+from torch.nn.parallel import DistributedDataParallel
+
+_Reducer = torch._C._distributed_c10d.Reducer  # noqa: SLF001 - checked in _check
 
 __all__ = [
     "AGENT_OVERRIDES",
@@ -32,6 +35,7 @@ __all__ = [
     "PINNED_TORCH",
     "TorchCompatError",
     "event_log_handlers",
+    "rebuild_ddp_buckets",
     "remaining_restarts",
     "set_local_rank_env",
     "worker_group",
@@ -116,6 +120,8 @@ def _check() -> None:
     for module_name, name in DYNAMIC_STATE_GLOBALS:
         if not hasattr(importlib.import_module(module_name), name):
             raise _fail(f"has no {module_name}.{name}")
+    if not callable(getattr(_Reducer, "_rebuild_buckets", None)):
+        raise _fail("has no Reducer._rebuild_buckets (DistributedDataParallel's bucket rebuild)")
     for module in FORKSERVER_PRELOAD:
         if importlib.util.find_spec(module) is None:
             raise _fail(f"has no module {module}")
@@ -143,3 +149,14 @@ def set_local_rank_env(agent: LocalElasticAgent, env: dict[str, str | None], loc
 def event_log_handlers() -> dict[str, Any]:
     """torch elastic's table of event destinations (name -> ``logging.Handler``)."""
     return _event_handlers._log_handlers  # noqa: SLF001 - checked above
+
+
+def rebuild_ddp_buckets(ddp: DistributedDataParallel) -> bool:
+    """Rebuild ``ddp``'s gradient buckets now, in the order its first synchronized backward
+    produced the gradients, if it has not yet (returns whether it did).
+
+    DDP does this itself at the start of its next forward, broadcasting rank 0's order:
+    a collective inside the user's forward. Called between steps instead, the broadcast
+    happens where a failure can be handled, and the forward has no collective left.
+    """
+    return bool(ddp.reducer._rebuild_buckets())  # noqa: SLF001 - checked above

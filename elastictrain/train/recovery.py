@@ -6,7 +6,7 @@ fault; only the process group is rebuilt:
 1. **When.** A membership change (a node joins, leaves, or a peer was replaced) takes
    effect at a step boundary every rank agrees on: each rank sets a flag when its
    agent says a new generation is due, and the flag rides on the step's own gradient
-   all-reduce (one more element in DDP's first bucket), so after step *k* every rank
+   all-reduce (the gradient of one more parameter, in DDP's first bucket), so after step *k* every rank
    knows the same sum and stops after step *k*. A collective that fails (a peer
    died) stops this rank at once; the step in flight is discarded (its optimizer step
    never ran here).
@@ -25,6 +25,7 @@ the collectives waiting for it fail at once.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from datetime import timedelta
@@ -71,45 +72,115 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {said[:200]}"
 
 
-class BoundaryFlag:
-    """The "re-form after this step" flag, carried by DDP's gradient all-reduce.
+class BoundaryFlag(torch.nn.Module):
+    """The model that DDP trains, plus the "re-form after this step" flag, carried by DDP's own
+    gradient all-reduce.
 
-    Register :meth:`hook` with ``DistributedDataParallel.register_comm_hook(flag, BoundaryFlag.hook)``;
-    call :meth:`arm` before each step's backward. The hook divides each bucket by the
-    world size and all-reduces it, as DDP's default does; the first bucket (the
-    smallest, by DDP's design) carries one more element: this rank's flag. After the
-    backward, :attr:`raised` is the number of ranks that wanted to stop.
+    It holds the user's model and one extra one-element parameter, ``flag``. Its forward
+    runs the model and passes the outputs through an identity whose backward gives
+    ``flag`` this rank's vote (1 if it wants to stop after this step, else 0) as its
+    gradient. DDP reduces that gradient in its first bucket with the others, in its own
+    C++ all-reduce: no extra collective, no Python communication hook, no copy of a
+    bucket. After the step's backward, :attr:`raised` is the number of ranks that voted.
+    The flag is not the user's: it is in no optimizer, no checkpoint, no clipping.
+
+    Call :meth:`arm` before each step's first forward. The model's outputs must be tensors,
+    or tuples, lists or dicts of them (one of them must be used in the loss, as DDP asks).
+    Attributes of the model are reachable through it (``session.model.module.generate``).
     """
 
-    def __init__(self, group: Any = None) -> None:
-        self.group = group
-        self.wanted = False
-        self.raised = 0
+    def __init__(self, module: torch.nn.Module, group: Any = None) -> None:
+        super().__init__()
+        self.module = module
+        first = next(module.parameters(), None)
+        floating = first is not None and first.is_floating_point()
+        # The model's dtype and device: the flag shares a bucket with its gradients.
+        self.flag = torch.nn.Parameter(torch.zeros(1, device=first.device if first is not None else None,
+                                                   dtype=first.dtype if floating else None))
+        self._group = group
+        self._vote = 0.0
 
     def arm(self, wanted: bool) -> None:
-        self.wanted = wanted
-        self.raised = 0
+        """This rank's vote for the step about to run."""
+        self._vote = 1.0 if wanted else 0.0
+        self.flag.grad = None
+
+    @property
+    def raised(self) -> int:
+        """The number of ranks that voted to stop after the step whose backward just ran
+        (DDP averaged the votes over the group)."""
+        grad = self.flag.grad
+        if grad is None:
+            return 0
+        return int(round(float(grad.float().item()) * dist.get_world_size(self._group)))
+
+    def take_vote(self) -> float:
+        """The vote for this backward: once per step, however many micro-batches it has."""
+        vote, self._vote = self._vote, 0.0
+        return vote
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.module(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            return out
+        tensors: list[torch.Tensor] = []
+        _collect(out, tensors)
+        if not tensors:
+            raise SessionError(f"in-process recovery needs the model's output as tensors, or tuples, lists or dicts "
+                               f"of them, with one that requires grad; it returned {type(out).__name__}")
+        carried = iter(_Vote.apply(self, self.flag, *tensors))
+        return _replace(out, carried)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["module"], name)
+
+
+class _Vote(torch.autograd.Function):
+    """Identity on the model's outputs; its backward gives the flag parameter this rank's vote."""
 
     @staticmethod
-    def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects string annotations here
-        group = state.group
-        world = dist.get_world_size(group)
-        buffer = bucket.buffer()
-        if bucket.index() != 0:
-            buffer.div_(world)
-            work = dist.all_reduce(buffer, group=group, async_op=True)
-            return work.get_future().then(lambda fut: fut.value()[0])
-        flag = torch.full((1,), 1.0 if state.wanted else 0.0, dtype=buffer.dtype, device=buffer.device)
-        combined = torch.cat([buffer.div(world), flag])
-        work = dist.all_reduce(combined, group=group, async_op=True)
+    def forward(ctx: Any, carrier: BoundaryFlag, flag: torch.Tensor, *outputs: torch.Tensor) -> Any:
+        ctx.carrier = carrier
+        ctx.set_materialize_grads(False)
+        return tuple(out.view_as(out) for out in outputs)
 
-        def split(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-            out = fut.value()[0]
-            state.raised = int(round(float(out[-1])))
-            buffer.copy_(out[:-1])
-            return buffer
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        carrier: BoundaryFlag = ctx.carrier
+        vote = torch.full_like(carrier.flag, carrier.take_vote())
+        return (None, vote, *grads)
 
-        return work.get_future().then(split)
+
+def _collect(out: Any, into: list[torch.Tensor]) -> None:
+    if isinstance(out, torch.Tensor):
+        if out.requires_grad:
+            into.append(out)
+    elif isinstance(out, (tuple, list)):
+        for item in out:
+            _collect(item, into)
+    elif isinstance(out, dict):
+        for item in out.values():
+            _collect(item, into)
+
+
+def _replace(out: Any, carried: Any) -> Any:
+    """``out`` with each tensor :func:`_collect` found replaced by the next of ``carried``."""
+    if isinstance(out, torch.Tensor):
+        return next(carried) if out.requires_grad else out
+    if isinstance(out, tuple):
+        items = [_replace(item, carried) for item in out]
+        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
+    if isinstance(out, list):
+        return type(out)(_replace(item, carried) for item in out)
+    if isinstance(out, dict):
+        copied = copy.copy(out)
+        for key, item in out.items():
+            copied[key] = _replace(item, carried)
+        return copied
+    return out
 
 
 def wait_for_generation(control: WorkerControl, timeout: float) -> Assignment:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from elastictrain import events
+from elastictrain import _torch_compat, events
 from elastictrain import process_group as pg
 from elastictrain._control import Assignment, WorkerState
 from elastictrain.config import RECOVERY_MODES, parse_duration
@@ -536,11 +536,12 @@ class Session:
                 kwargs["broadcast_buffers"] = False
             # DDP broadcasts rank 0's parameters and buffers here: identical
             # replicas whether they were initialized, restored or received.
-            self._ddp = DistributedDataParallel(self.module, **kwargs)
+            trained: torch.nn.Module = self.module
+            if self.recovers_in_process:
+                self._flag = trained = BoundaryFlag(self.module, self._group)
+            self._ddp = DistributedDataParallel(trained, **kwargs)
             self._ddp.register_forward_pre_hook(self._count_forward)
             if self.recovers_in_process:
-                self._flag = BoundaryFlag(self._group)
-                self._ddp.register_comm_hook(self._flag, BoundaryFlag.hook)
                 if "nccl" in (placement.backend or "") and self._control is not None:
                     self._control.on_stuck(_abort_default_group)
         return received
@@ -777,6 +778,10 @@ class Session:
         self._progress["step"] = self._step
         if self._control is not None:
             self._control.step_done(self._step)
+        if self._flag is not None and self._ddp is not None:
+            # DDP would broadcast its bucket order in the next forward, out of reach of
+            # recovery: a peer lost then would fail the training instead of this step.
+            _torch_compat.rebuild_ddp_buckets(self._ddp)
         if self._sync_buffers:
             for buffer in self.module.buffers():
                 dist.broadcast(buffer, src=0, group=self._group)

@@ -28,9 +28,8 @@ def _port() -> int:
 def generation(model: torch.nn.Module, wanted: bool) -> dict:
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1,
                             device_id=torch.device("cuda", 0))
-    ddp = DistributedDataParallel(model, device_ids=[0], broadcast_buffers=False)
-    flag = BoundaryFlag()
-    ddp.register_comm_hook(flag, BoundaryFlag.hook)
+    flag = BoundaryFlag(model)
+    ddp = DistributedDataParallel(flag, device_ids=[0], broadcast_buffers=False)
     flag.arm(wanted)
     ddp(torch.randn(8, 16, device="cuda")).sum().backward()
     torch.cuda.synchronize()

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import socket
+import threading
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,8 @@ import torch.distributed as dist
 
 from elastictrain._control import Assignment, AssignmentWatch, Progress, ProgressTable, WorkerState, write_assignment
 from elastictrain.train.control import JobEnded, WorkerControl
-from elastictrain.train.recovery import is_collective_failure
+from elastictrain.errors import SessionError
+from elastictrain.train.recovery import describe, is_collective_failure
 from elastictrain.worker_group import FailureBudget, HangDetector
 
 
@@ -189,6 +192,19 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+class _DictOut(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:
+        out = self.body(x)
+        return {"out": out, "aux": (out * 2, "label")}
+
+    def describe(self) -> str:
+        return "a method of the user's model"
+
+
 def _ddp_worker(rank: int, port: int, results: Any) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -196,23 +212,30 @@ def _ddp_worker(rank: int, port: int, results: Any) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    model = _DictOut()
     plain = DistributedDataParallel(model)
-    flagged_model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    flagged_model = _DictOut()
     flagged_model.load_state_dict(model.state_dict())
-    flagged = DistributedDataParallel(flagged_model, bucket_cap_mb=0.0001)  # several buckets
-    flag = BoundaryFlag()
-    flagged.register_comm_hook(flag, BoundaryFlag.hook)
+    flag = BoundaryFlag(flagged_model)
+    flagged = DistributedDataParallel(flag, bucket_cap_mb=0.0001)  # several buckets
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
-    plain(x).sum().backward()
+    plain(x)["out"].sum().backward()
     raised = []
     for wanted in ((False, False), (rank == 1, rank == 1), (True, True)):
         flag.arm(wanted[0])
         flagged_model.zero_grad()
-        flagged(x).sum().backward()
+        flagged(x)["out"].sum().backward()
         raised.append(flag.raised)
     same = all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), flagged_model.parameters()))
-    results.put((rank, same, raised))
+    # Three micro-batches, the first two without synchronizing: one vote per step, not per backward.
+    flag.arm(rank == 0)
+    flagged_model.zero_grad()
+    with flagged.no_sync():
+        for _ in range(2):
+            flagged(x)["aux"][0].sum().backward()
+    flagged(x)["out"].sum().backward()
+    raised.append(flag.raised)
+    results.put((rank, same, raised, flagged.module.describe(), sorted(flagged_model.state_dict())))
     dist.destroy_process_group()
 
 
@@ -223,13 +246,33 @@ def test_the_boundary_flag_rides_on_ddps_all_reduce_and_leaves_the_gradients_as_
     procs = [ctx.Process(target=_ddp_worker, args=(rank, port, results)) for rank in range(2)]
     for p in procs:
         p.start()
-    out = dict((r, (same, raised)) for r, same, raised in (results.get(timeout=120) for _ in procs))
+    out = {r: rest for r, *rest in (results.get(timeout=120) for _ in procs)}
     for p in procs:
         p.join(timeout=30)
     for rank in (0, 1):
-        same, raised = out[rank]
+        same, raised, described, keys = out[rank]
         assert same, f"rank {rank}: gradients differ from DDP's default all-reduce"
-        assert raised == [0, 1, 2], f"rank {rank} saw flags {raised}"
+        assert raised == [0, 1, 2, 1], f"rank {rank} saw flags {raised}"
+        assert described == "a method of the user's model"
+        assert keys == ["body.0.bias", "body.0.weight", "body.2.bias", "body.2.weight"]
+
+
+def test_the_boundary_flag_says_which_outputs_it_cannot_carry() -> None:
+    from elastictrain.train.recovery import BoundaryFlag
+
+    class Opaque(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(2, 1)
+
+        def forward(self, x: torch.Tensor) -> object:
+            return types.SimpleNamespace(out=self.linear(x))
+
+    flag = BoundaryFlag(Opaque())
+    with pytest.raises(SessionError, match="returned SimpleNamespace"):
+        flag(torch.zeros(1, 2))
+    with torch.no_grad():
+        assert flag(torch.zeros(1, 2)).out.shape == (1, 1)  # no backward follows: nothing to carry
 
 
 def _transfer_worker(rank: int, port: int, holds: bool, results: Any) -> None:
@@ -309,3 +352,71 @@ def test_workers_still_running_long_after_the_job_finished_elsewhere_are_reporte
         for now in (11.0 + _LINGER_S, 20.0 + _LINGER_S):
             agent._say_if_lingering(finished, now)
     assert len(caplog.records) == 1 and "destroy_process_group" in caplog.records[0].getMessage()
+
+
+def _peer_lost_worker(rank: int, port: int, control: str, results: Any) -> None:
+    import os
+
+    from torch.utils.data import TensorDataset
+
+    import elastictrain
+    from elastictrain._control import CONTROL_DIR_ENV
+
+    context = elastictrain.WorkerContext(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
+    elastictrain.init_process_group(context, backend="gloo")
+    os.environ[CONTROL_DIR_ENV] = control
+
+    def agent() -> None:  # what the agent does once its worker says it recovers: here, end the job
+        table = ProgressTable(control, 1)
+        while table.read(0).state != WorkerState.RECOVERING:
+            time.sleep(0.01)
+        write_assignment(control, Assignment(generation=2, round=1, world_size=1, master_addr="127.0.0.1",
+                                             master_port=1, ranks={"0": 0}, closed=True, cause="test over"))
+
+    threading.Thread(target=agent, daemon=True).start()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    applied = []
+    try:
+        with elastictrain.Session(model, torch.optim.SGD(model.parameters(), lr=0.1), data, global_batch_size=8,
+                                  seed=0, max_steps=6, log_every=None) as session:
+            for step in session.steps():
+                if rank == 0 and step.number == 2:
+                    os._exit(3)  # rank 0 dies at the start of the group's second step
+                for micro in step:
+                    x, y = micro.batch
+                    micro.backward(torch.nn.functional.mse_loss(session.model(x), y))
+                if not step.discarded:
+                    applied.append(step.number)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        results.put((rank, applied, f"{type(exc).__name__}: {describe(exc)}"))
+        return
+    results.put((rank, applied, "finished"))
+
+
+def test_a_peer_lost_after_a_groups_first_step_discards_the_next_step_and_does_not_fail_training(
+        tmp_path: Path) -> None:
+    # DDP broadcasts rank 0's bucket order in the forward after its first synchronized backward:
+    # a collective inside the user's forward, whose failure would escape the step loop. The
+    # session rebuilds the buckets at the step boundary instead, where a failure is a recovery.
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    controls = []
+    for rank in range(2):
+        control = tmp_path / f"node{rank}"
+        control.mkdir()
+        ProgressTable(control, 1, create=True).close()
+        write_assignment(control, Assignment(generation=1, round=0, world_size=2, master_addr="127.0.0.1",
+                                             master_port=port, ranks={"0": rank}))
+        controls.append(str(control))
+    procs = [ctx.Process(target=_peer_lost_worker, args=(rank, port, controls[rank], results)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    rank, applied, outcome = results.get(timeout=120)
+    for p in procs:
+        p.join(timeout=30)
+    assert procs[0].exitcode == 3
+    assert rank == 1 and applied == [1]
+    assert outcome.startswith("JobEnded"), f"the survivor's training failed: {outcome}"
