@@ -530,12 +530,18 @@ class Session:
                 kwargs["process_group"] = self._group
             if self.recovers_in_process:
                 # No collective inside a forward, where a failure would escape the step
-                # loop: rank 0's buffers are broadcast at each step boundary instead.
-                self._sync_buffers = kwargs.setdefault("broadcast_buffers", False) is False and any(
-                    True for _ in self.module.buffers())
-                kwargs["broadcast_buffers"] = False
-            # DDP broadcasts rank 0's parameters and buffers here: identical
-            # replicas whether they were initialized, restored or received.
+                # loop: rank 0's buffers are broadcast at each step boundary instead, if
+                # the user wants them synchronized (DDP's default).
+                legacy, wanted = kwargs.pop("broadcast_buffers", None), kwargs.pop("forward_sync_buffers", None)
+                wanted = wanted if wanted is not None else (legacy if legacy is not None else True)
+                self._sync_buffers = bool(wanted) and any(True for _ in self.module.buffers())
+                kwargs["forward_sync_buffers"] = False
+                if peer_state:
+                    # The agreement left every rank with the same state: DDP need not
+                    # broadcast it all once more.
+                    kwargs.setdefault("init_sync", False)
+            # Otherwise DDP broadcasts rank 0's parameters and buffers here: identical
+            # replicas whether they were initialized or restored.
             trained: torch.nn.Module = self.module
             if self.recovers_in_process:
                 self._flag = trained = BoundaryFlag(self.module, self._group)

@@ -354,10 +354,9 @@ def test_workers_still_running_long_after_the_job_finished_elsewhere_are_reporte
     assert len(caplog.records) == 1 and "destroy_process_group" in caplog.records[0].getMessage()
 
 
-def _peer_lost_worker(rank: int, port: int, control: str, results: Any) -> None:
+def _inprocess_worker(rank: int, port: int, control: str) -> None:
+    """Form a group of 2 and point this process at ``control``, as an in-process agent would."""
     import os
-
-    from torch.utils.data import TensorDataset
 
     import elastictrain
     from elastictrain._control import CONTROL_DIR_ENV
@@ -365,6 +364,67 @@ def _peer_lost_worker(rank: int, port: int, control: str, results: Any) -> None:
     context = elastictrain.WorkerContext(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
     elastictrain.init_process_group(context, backend="gloo")
     os.environ[CONTROL_DIR_ENV] = control
+
+
+def _control_dirs(tmp_path: Path, port: int) -> list[str]:
+    """One agent control directory per rank (per node), at generation 1 of a world of 2."""
+    controls = []
+    for rank in range(2):
+        control = tmp_path / f"node{rank}"
+        control.mkdir()
+        ProgressTable(control, 1, create=True).close()
+        write_assignment(control, Assignment(generation=1, round=0, world_size=2, master_addr="127.0.0.1",
+                                             master_port=port, ranks={"0": rank}))
+        controls.append(str(control))
+    return controls
+
+
+def _buffers_worker(rank: int, port: int, control: str, ddp_kwargs: dict, results: Any) -> None:
+    from torch.utils.data import TensorDataset
+
+    import elastictrain
+
+    _inprocess_worker(rank, port, control)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    with elastictrain.Session(model, torch.optim.SGD(model.parameters(), lr=0.1), data, global_batch_size=8,
+                              seed=0, max_steps=3, log_every=None, ddp_kwargs=ddp_kwargs) as session:
+        for step in session.steps():
+            for micro in step:
+                x, y = micro.batch
+                micro.backward(torch.nn.functional.mse_loss(session.model(x), y))
+    results.put((rank, model[1].running_mean.tolist()))
+
+
+@pytest.mark.parametrize("ddp_kwargs", [{}, {"broadcast_buffers": False}, {"forward_sync_buffers": True}],
+                         ids=["default", "broadcast_buffers=False", "forward_sync_buffers=True"])
+def test_in_process_training_synchronizes_buffers_as_the_user_asked_ddp(tmp_path: Path, ddp_kwargs: dict) -> None:
+    # DDP's buffer broadcast (inside the forward) is replaced by one at each step boundary;
+    # a user who turned it off keeps rank-local buffers.
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    controls = _control_dirs(tmp_path, port)
+    procs = [ctx.Process(target=_buffers_worker, args=(rank, port, controls[rank], ddp_kwargs, results))
+             for rank in range(2)]
+    for p in procs:
+        p.start()
+    means = dict(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    synchronized = means[0] == means[1]
+    assert synchronized == ddp_kwargs.get("broadcast_buffers", True), means
+
+
+def _peer_lost_worker(rank: int, port: int, control: str, results: Any) -> None:
+    import os
+
+    from torch.utils.data import TensorDataset
+
+    import elastictrain
+
+    _inprocess_worker(rank, port, control)
 
     def agent() -> None:  # what the agent does once its worker says it recovers: here, end the job
         table = ProgressTable(control, 1)
@@ -403,14 +463,7 @@ def test_a_peer_lost_after_a_groups_first_step_discards_the_next_step_and_does_n
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    controls = []
-    for rank in range(2):
-        control = tmp_path / f"node{rank}"
-        control.mkdir()
-        ProgressTable(control, 1, create=True).close()
-        write_assignment(control, Assignment(generation=1, round=0, world_size=2, master_addr="127.0.0.1",
-                                             master_port=port, ranks={"0": rank}))
-        controls.append(str(control))
+    controls = _control_dirs(tmp_path, port)
     procs = [ctx.Process(target=_peer_lost_worker, args=(rank, port, controls[rank], results)) for rank in range(2)]
     for p in procs:
         p.start()
