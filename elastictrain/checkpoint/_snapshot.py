@@ -249,6 +249,16 @@ def tensors(obj: Any) -> list[torch.Tensor]:
     return found
 
 
+def map_tensors(obj: Any, leaf: Callable[[torch.Tensor], Any]) -> Any:
+    """A copy of ``obj`` (a structure ``snapshot`` accepts) with each tensor replaced by
+    ``leaf(tensor)``, in walk order.
+
+    Raises:
+        ConfigError: ``obj`` holds something ``torch.load(weights_only=True)`` refuses.
+    """
+    return _walk(obj, "state", leaf)
+
+
 def _walk(obj: Any, where: str, leaf: Callable[[torch.Tensor], Any] | None) -> Any:
     # leaf=None: validate only.
     kind = type(obj)

@@ -11,8 +11,10 @@ holds the newest step holds the same state: none is redone and none is lost.
 Only when no rank holds state (the whole job starts, or restarts) does the caller
 read the checkpoint.
 
-The state travels as ``torch.save`` bytes over a gloo group and is read back with
-``torch.load(weights_only=True)``: a peer's bytes cannot run code here either.
+The state travels over a gloo group as one buffer: the tensors' raw bytes, and the rest
+(containers, plain values, each tensor's shape and dtype) as ``torch.save`` bytes read back
+with ``torch.load(weights_only=True)``: a peer's bytes cannot run code here either. No
+tensor is serialized: the sender copies each once into the buffer, the receiver once out.
 """
 
 from __future__ import annotations
@@ -68,16 +70,79 @@ def agree(group: Any, *, holds: bool, step: int) -> Agreement:
     return Agreement(newest, source, receivers)
 
 
-def _encode(state: Mapping[str, Any], step: int) -> bytes:
+_ALIGN = 64
+"""Byte alignment of each tensor in the flat buffer (a view of any dtype needs its element size)."""
+
+
+def _content(state: Mapping[str, Any], step: int) -> dict[str, Any]:
     content: dict[str, Any] = {"step": step, "stateful": {}, "extras": {}}
     for name, obj in state.items():
         if isinstance(obj, dict):
             content["extras"][name] = obj
         else:
             content["stateful"][name] = obj.state_dict()
-    buffer = io.BytesIO()
-    torch.save(content, buffer)
-    return buffer.getvalue()
+    return content
+
+
+def _flat(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` travels as raw bytes in the flat buffer (else pickled in the skeleton)."""
+    return tensor.layout == torch.strided and tensor.device.type != "meta"
+
+
+def _encode(state: Mapping[str, Any], step: int) -> torch.Tensor:
+    """One uint8 tensor: a 16-byte header (skeleton bytes, total bytes), the skeleton (the
+    state with every tensor replaced by a meta tensor of its shape and dtype, as
+    ``torch.save`` bytes) and each tensor's bytes, aligned, in walk order. No tensor is
+    serialized: it is copied once, into the buffer."""
+    tensors: list[torch.Tensor] = []
+
+    def placeholder(tensor: torch.Tensor) -> torch.Tensor:
+        if not _flat(tensor):
+            return tensor
+        tensors.append(tensor)
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+
+    skeleton = io.BytesIO()
+    torch.save(snap.map_tensors(_content(state, step), placeholder), skeleton)
+    head = skeleton.getbuffer()
+    offset = _aligned(16 + head.nbytes)
+    spans = []
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        spans.append((offset, nbytes))
+        offset = _aligned(offset + nbytes)
+    payload = torch.empty(offset, dtype=torch.uint8)
+    payload[:16].view(torch.int64).copy_(torch.tensor([head.nbytes, offset], dtype=torch.int64))
+    payload[16:16 + head.nbytes].copy_(torch.frombuffer(head, dtype=torch.uint8))
+    for tensor, (start, nbytes) in zip(tensors, spans, strict=True):
+        if nbytes:
+            payload[start:start + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+    return payload
+
+
+def _decode(payload: torch.Tensor) -> dict[str, Any]:
+    """The content :func:`_encode` put in ``payload``; each tensor is a copy of its own."""
+    head_bytes = int(payload[:16].view(torch.int64)[0])
+    skeleton = torch.load(io.BytesIO(payload[16:16 + head_bytes].numpy().tobytes()), map_location="cpu",
+                          weights_only=True)
+    offset = _aligned(16 + head_bytes)
+
+    def fill(placeholder: torch.Tensor) -> torch.Tensor:
+        nonlocal offset
+        if placeholder.device.type != "meta":
+            return placeholder
+        nbytes = placeholder.numel() * placeholder.element_size()
+        start, offset = offset, _aligned(offset + nbytes)
+        if not nbytes:
+            return torch.empty(placeholder.shape, dtype=placeholder.dtype)
+        # A tensor of its own, not a view of the buffer: a later save must not carry the buffer.
+        return payload[start:start + nbytes].view(placeholder.dtype).view(placeholder.shape).clone()
+
+    return snap.map_tensors(skeleton, fill)
+
+
+def _aligned(offset: int) -> int:
+    return (offset + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 def transfer(group: Any, agreement: Agreement, state: Mapping[str, Any], *, step: int) -> bool:
@@ -103,7 +168,7 @@ def transfer(group: Any, agreement: Agreement, state: Mapping[str, Any], *, step
     src = agreement.source
     assert src is not None  # noqa: S101 - needed implies a source
     if rank == src:
-        payload = torch.frombuffer(bytearray(_encode(state, step)), dtype=torch.uint8)
+        payload = _encode(state, step)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
     else:
         size = torch.zeros(1, dtype=torch.int64)
@@ -113,7 +178,7 @@ def transfer(group: Any, agreement: Agreement, state: Mapping[str, Any], *, step
     dist.broadcast(payload, src=dist.get_global_rank(group, src) if group is not None else src, group=group)
     if rank not in agreement.receivers:
         return False
-    content = torch.load(io.BytesIO(payload.numpy().tobytes()), map_location="cpu", weights_only=True)
+    content = _decode(payload)
     snap.load_into(state, content["stateful"], content["extras"], int(content["step"]))
     logger.debug("received step %d from rank %d (%d bytes)", content["step"], src, payload.numel())
     return True

@@ -319,6 +319,40 @@ def test_the_newest_state_goes_from_a_live_holder_to_the_ranks_without_it() -> N
         assert cursor == out[0][5] and extras == {"note": "rank 0"} and optimizer_entries == 2
 
 
+def test_the_transferred_state_comes_back_equal_in_tensors_of_its_own() -> None:
+    from elastictrain.train.state_transfer import _decode, _encode
+
+    class Holder:
+        def __init__(self, state: dict) -> None:
+            self.state = state
+
+        def state_dict(self) -> dict:
+            return self.state
+
+    odd = torch.arange(12, dtype=torch.float64).reshape(3, 4).t()  # not contiguous
+    held = {
+        "scalar": torch.tensor(3.5),  # 0-dim, like Adam's step
+        "mask": torch.tensor([True, False, True]),
+        "ids": torch.arange(5, dtype=torch.int64),
+        "half": torch.randn(7, dtype=torch.bfloat16),
+        "odd": odd,
+        "empty": torch.empty(0, 3),
+        "sparse": torch.eye(3).to_sparse(),
+        "rng": torch.get_rng_state(),
+        "nested": [(1, "a", torch.ones(2, 2, dtype=torch.uint8)), {"x": None}],
+    }
+    payload = _encode({"holder": Holder(held), "extras": {"note": "n"}}, 9)
+    content = _decode(payload)
+    assert content["step"] == 9 and content["extras"] == {"extras": {"note": "n"}}
+    got = content["stateful"]["holder"]
+    for key in ("scalar", "mask", "ids", "half", "odd", "empty", "rng"):
+        assert got[key].dtype == held[key].dtype and torch.equal(got[key], held[key]), key
+        assert got[key].untyped_storage().data_ptr() != payload.untyped_storage().data_ptr(), key
+    assert torch.equal(got["sparse"].to_dense(), torch.eye(3))
+    assert got["nested"][0][:2] == (1, "a") and torch.equal(got["nested"][0][2], torch.ones(2, 2, dtype=torch.uint8))
+    assert got["nested"][1] == {"x": None}
+
+
 def test_nobody_holding_state_means_every_rank_reads_the_checkpoint() -> None:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
