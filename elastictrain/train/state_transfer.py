@@ -72,6 +72,9 @@ def agree(group: Any, *, holds: bool, step: int) -> Agreement:
 
 _ALIGN = 64
 """Byte alignment of each tensor in the flat buffer (a view of any dtype needs its element size)."""
+_DIRECT_BYTES = 1 << 20
+"""Tensors this large travel by a broadcast of their own, from and into their own memory;
+smaller ones are copied into one buffer (one collective for all of them)."""
 
 
 def _content(state: Mapping[str, Any], step: int) -> dict[str, Any]:
@@ -84,22 +87,34 @@ def _content(state: Mapping[str, Any], step: int) -> dict[str, Any]:
     return content
 
 
-def _flat(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` travels as raw bytes in the flat buffer (else pickled in the skeleton)."""
+def _raw(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` travels as raw bytes (else it is pickled in the skeleton)."""
     return tensor.layout == torch.strided and tensor.device.type != "meta"
 
 
-def _encode(state: Mapping[str, Any], step: int) -> torch.Tensor:
-    """One uint8 tensor: a 16-byte header (skeleton bytes, total bytes), the skeleton (the
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _encode(state: Mapping[str, Any], step: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The state as one uint8 buffer and the tensors sent on their own.
+
+    The buffer holds a 16-byte header (skeleton bytes, total bytes), the skeleton (the
     state with every tensor replaced by a meta tensor of its shape and dtype, as
-    ``torch.save`` bytes) and each tensor's bytes, aligned, in walk order. No tensor is
-    serialized: it is copied once, into the buffer."""
-    tensors: list[torch.Tensor] = []
+    ``torch.save`` bytes) and the bytes of each tensor under ``_DIRECT_BYTES``, aligned,
+    in walk order. The larger ones follow it in walk order, each in a broadcast of its
+    own from its own memory. No tensor is serialized.
+    """
+    small: list[torch.Tensor] = []
+    direct: list[torch.Tensor] = []
 
     def placeholder(tensor: torch.Tensor) -> torch.Tensor:
-        if not _flat(tensor):
+        if not _raw(tensor):
             return tensor
-        tensors.append(tensor)
+        if _nbytes(tensor) >= _DIRECT_BYTES:
+            direct.append(tensor.contiguous() if tensor.device.type == "cpu" else tensor.cpu())
+        else:
+            small.append(tensor)
         return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
 
     skeleton = io.BytesIO()
@@ -107,38 +122,42 @@ def _encode(state: Mapping[str, Any], step: int) -> torch.Tensor:
     head = skeleton.getbuffer()
     offset = _aligned(16 + head.nbytes)
     spans = []
-    for tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        spans.append((offset, nbytes))
-        offset = _aligned(offset + nbytes)
+    for tensor in small:
+        spans.append((offset, _nbytes(tensor)))
+        offset = _aligned(offset + _nbytes(tensor))
     payload = torch.empty(offset, dtype=torch.uint8)
     payload[:16].view(torch.int64).copy_(torch.tensor([head.nbytes, offset], dtype=torch.int64))
     payload[16:16 + head.nbytes].copy_(torch.frombuffer(head, dtype=torch.uint8))
-    for tensor, (start, nbytes) in zip(tensors, spans, strict=True):
+    for tensor, (start, nbytes) in zip(small, spans, strict=True):
         if nbytes:
             payload[start:start + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
-    return payload
+    return payload, direct
 
 
-def _decode(payload: torch.Tensor) -> dict[str, Any]:
-    """The content :func:`_encode` put in ``payload``; each tensor is a copy of its own."""
+def _decode(payload: torch.Tensor) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """The content :func:`_encode` put in ``payload``, and the tensors (empty, in walk order)
+    that the broadcasts after it fill. Every tensor has memory of its own (a later save must
+    not carry the buffer)."""
     head_bytes = int(payload[:16].view(torch.int64)[0])
     skeleton = torch.load(io.BytesIO(payload[16:16 + head_bytes].numpy().tobytes()), map_location="cpu",
                           weights_only=True)
     offset = _aligned(16 + head_bytes)
+    direct: list[torch.Tensor] = []
 
     def fill(placeholder: torch.Tensor) -> torch.Tensor:
         nonlocal offset
         if placeholder.device.type != "meta":
             return placeholder
-        nbytes = placeholder.numel() * placeholder.element_size()
+        nbytes = _nbytes(placeholder)
+        if nbytes >= _DIRECT_BYTES:
+            direct.append(torch.empty(placeholder.shape, dtype=placeholder.dtype))
+            return direct[-1]
         start, offset = offset, _aligned(offset + nbytes)
         if not nbytes:
             return torch.empty(placeholder.shape, dtype=placeholder.dtype)
-        # A tensor of its own, not a view of the buffer: a later save must not carry the buffer.
         return payload[start:start + nbytes].view(placeholder.dtype).view(placeholder.shape).clone()
 
-    return snap.map_tensors(skeleton, fill)
+    return snap.map_tensors(skeleton, fill), direct
 
 
 def _aligned(offset: int) -> int:
@@ -167,18 +186,25 @@ def transfer(group: Any, agreement: Agreement, state: Mapping[str, Any], *, step
     rank = dist.get_rank(group)
     src = agreement.source
     assert src is not None  # noqa: S101 - needed implies a source
+    root = dist.get_global_rank(group, src) if group is not None else src
     if rank == src:
-        payload = _encode(state, step)
+        payload, direct = _encode(state, step)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
     else:
         size = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(size, src=dist.get_global_rank(group, src) if group is not None else src, group=group)
+    dist.broadcast(size, src=root, group=group)
     if rank != src:
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.broadcast(payload, src=dist.get_global_rank(group, src) if group is not None else src, group=group)
+    dist.broadcast(payload, src=root, group=group)
+    if rank != src:
+        content, direct = _decode(payload)
+    # Queued at once: gloo runs them in order while this thread waits.
+    works = [dist.broadcast(tensor, src=root, group=group, async_op=True) for tensor in direct]
+    for work in works:
+        work.wait()
     if rank not in agreement.receivers:
         return False
-    content = _decode(payload)
     snap.load_into(state, content["stateful"], content["extras"], int(content["step"]))
-    logger.debug("received step %d from rank %d (%d bytes)", content["step"], src, payload.numel())
+    logger.debug("received step %d from rank %d (%d bytes)", content["step"], src,
+                 payload.numel() + sum(_nbytes(tensor) for tensor in direct))
     return True

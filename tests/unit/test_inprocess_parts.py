@@ -3,6 +3,7 @@ the boundary flag in DDP's all-reduce, and the state transfer between live ranks
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing as mp
 import socket
 import threading
@@ -281,20 +282,22 @@ def _transfer_worker(rank: int, port: int, holds: bool, results: Any) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
     torch.manual_seed(rank)  # different weights on every rank
-    model = torch.nn.Linear(4, 2)
+    model = torch.nn.Linear(1024, 512)  # its weight and Adam's moments of it (2 MiB each) go on their own
     optimizer = torch.optim.Adam(model.parameters())
     sampler = ElasticSampler(100, global_batch_size=10, rank=rank, world_size=3)
     extras = {"note": f"rank {rank}"}
     step = {0: 7, 1: 6, 2: 0}[rank]
     if holds:
-        model(torch.ones(1, 4)).sum().backward()
+        model(torch.ones(1, 1024)).sum().backward()
         optimizer.step()  # Adam state exists on holders only
         sampler.commit_step()
     state = {"model": model, "optimizer": optimizer, "sampler": sampler, "extras": extras}
     agreement = agree(None, holds=holds, step=step)
     received = transfer(None, agreement, state, step=step)
     results.put((rank, agreement.step, agreement.source, agreement.receivers, received,
-                 [p.detach().tolist() for p in model.parameters()], sampler.cursor, dict(extras),
+                 [hashlib.sha256(p.detach().numpy().tobytes()).hexdigest() for p in model.parameters()] + [
+                     hashlib.sha256(t.numpy().tobytes()).hexdigest() for entry in optimizer.state.values()
+                     for t in entry.values()], sampler.cursor, dict(extras),
                  len(optimizer.state_dict()["state"])))
     dist.destroy_process_group()
 
@@ -340,12 +343,18 @@ def test_the_transferred_state_comes_back_equal_in_tensors_of_its_own() -> None:
         "sparse": torch.eye(3).to_sparse(),
         "rng": torch.get_rng_state(),
         "nested": [(1, "a", torch.ones(2, 2, dtype=torch.uint8)), {"x": None}],
+        "big": torch.randn(512, 1024),  # 2 MiB: sent on its own
+        "big_odd": torch.randn(1024, 512).t(),
     }
-    payload = _encode({"holder": Holder(held), "extras": {"note": "n"}}, 9)
-    content = _decode(payload)
+    payload, direct = _encode({"holder": Holder(held), "extras": {"note": "n"}}, 9)
+    content, slots = _decode(payload)
+    assert [t.shape for t in slots] == [t.shape for t in direct] == [(512, 1024), (512, 1024)]
+    for slot, sent in zip(slots, direct, strict=True):
+        slot.copy_(sent)  # what the broadcasts do
     assert content["step"] == 9 and content["extras"] == {"extras": {"note": "n"}}
     got = content["stateful"]["holder"]
-    for key in ("scalar", "mask", "ids", "half", "odd", "empty", "rng"):
+    assert payload.numel() < 1 << 20, "the large tensors are not in the buffer"
+    for key in ("scalar", "mask", "ids", "half", "odd", "empty", "rng", "big", "big_odd"):
         assert got[key].dtype == held[key].dtype and torch.equal(got[key], held[key]), key
         assert got[key].untyped_storage().data_ptr() != payload.untyped_storage().data_ptr(), key
     assert torch.equal(got["sparse"].to_dense(), torch.eye(3))
