@@ -17,13 +17,15 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.events import handlers as _event_handlers
-from torch.nn.parallel import DistributedDataParallel
+
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel
 
 _Reducer = torch._C._distributed_c10d.Reducer  # noqa: SLF001 - checked in _check
 

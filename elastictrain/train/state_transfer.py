@@ -11,10 +11,11 @@ holds the newest step holds the same state: none is redone and none is lost.
 Only when no rank holds state (the whole job starts, or restarts) does the caller
 read the checkpoint.
 
-The state travels over a gloo group as one buffer: the tensors' raw bytes, and the rest
-(containers, plain values, each tensor's shape and dtype) as ``torch.save`` bytes read back
-with ``torch.load(weights_only=True)``: a peer's bytes cannot run code here either. No
-tensor is serialized: the sender copies each once into the buffer, the receiver once out.
+The state travels over a gloo group as raw tensor bytes: tensors of ``_DIRECT_BYTES`` and
+more in broadcasts of their own, from and into their own memory; smaller ones in one buffer
+with the rest (containers, plain values, each tensor's shape and dtype) as ``torch.save``
+bytes read back with ``torch.load(weights_only=True)``: a peer's bytes cannot run code here
+either. No tensor is serialized.
 """
 
 from __future__ import annotations
