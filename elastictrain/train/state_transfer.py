@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from elastictrain.checkpoint import _snapshot as snap
+from elastictrain.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +182,8 @@ def transfer(group: Any, agreement: Agreement, state: Mapping[str, Any], *, step
     Raises:
         RuntimeError: The collective failed.
         CheckpointMismatchError: The state does not fit this rank's objects.
+        ConfigError: The state holds a value that cannot be sent (on every rank: the sender
+            names it).
     """
     if not agreement.needed:
         return False
@@ -188,12 +191,20 @@ def transfer(group: Any, agreement: Agreement, state: Mapping[str, Any], *, step
     src = agreement.source
     assert src is not None  # noqa: S101 - needed implies a source
     root = dist.get_global_rank(group, src) if group is not None else src
+    refused: ConfigError | None = None
     if rank == src:
-        payload, direct = _encode(state, step)
-        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        try:
+            payload, direct = _encode(state, step)
+            size = torch.tensor([payload.numel()], dtype=torch.int64)
+        except ConfigError as exc:
+            refused, size = exc, torch.tensor([-1], dtype=torch.int64)  # the receivers must not wait for it
     else:
         size = torch.zeros(1, dtype=torch.int64)
     dist.broadcast(size, src=root, group=group)
+    if refused is not None:
+        raise refused
+    if int(size.item()) < 0:
+        raise ConfigError(f"rank {src} could not send the training state (its error says why)")
     if rank != src:
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
     dist.broadcast(payload, src=root, group=group)

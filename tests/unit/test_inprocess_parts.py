@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 import types
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -274,6 +275,37 @@ def test_the_boundary_flag_says_which_outputs_it_cannot_carry() -> None:
         flag(torch.zeros(1, 2))
     with torch.no_grad():
         assert flag(torch.zeros(1, 2)).out.shape == (1, 1)  # no backward follows: nothing to carry
+
+
+def _refused_worker(rank: int, port: int, results: Any) -> None:
+    from elastictrain.train.state_transfer import agree, transfer
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    state = {"extras": {"handle": object()} if rank == 0 else {}}  # nothing weights-only can load
+    agreement = agree(None, holds=rank == 0, step=3 if rank == 0 else 0)
+    started = time.monotonic()
+    try:
+        transfer(None, agreement, state, step=agreement.step or 0)
+        results.put((rank, "sent", 0.0))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        results.put((rank, f"{type(exc).__name__}: {exc}", time.monotonic() - started))
+    dist.destroy_process_group()
+
+
+def test_a_state_that_cannot_be_sent_fails_every_rank_at_once() -> None:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_refused_worker, args=(rank, port, results)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    out = {r: (said, waited) for r, said, waited in (results.get(timeout=120) for _ in procs)}
+    for p in procs:
+        p.join(timeout=30)
+    assert out[0][0].startswith("ConfigError") and "builtins.object" in out[0][0], out[0]
+    assert out[1][0].startswith("ConfigError: rank 0 could not send"), out[1]
+    assert out[1][1] < 30, f"the receiver waited {out[1][1]:.0f}s"
 
 
 def _transfer_worker(rank: int, port: int, holds: bool, results: Any) -> None:
