@@ -194,6 +194,21 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _run_ranks(world: int, target: Any, args_of: Any, port: int | None = None) -> dict[int, tuple]:
+    """Run ``target(rank, port, *args_of(rank), results)`` in ``world`` spawned processes; each
+    puts ``(rank, *report)`` on ``results``. Returns every rank's report, by rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = port if port is not None else _free_port()
+    procs = [ctx.Process(target=target, args=(rank, port, *args_of(rank), results)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    out = {rank: tuple(report) for rank, *report in (results.get(timeout=120) for _ in procs)}
+    for p in procs:
+        p.join(timeout=30)
+    return out
+
+
 class _DictOut(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -242,15 +257,7 @@ def _ddp_worker(rank: int, port: int, results: Any) -> None:
 
 
 def test_the_boundary_flag_rides_on_ddps_all_reduce_and_leaves_the_gradients_as_ddps_own() -> None:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_ddp_worker, args=(rank, port, results)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    out = {r: rest for r, *rest in (results.get(timeout=120) for _ in procs)}
-    for p in procs:
-        p.join(timeout=30)
+    out = _run_ranks(2, _ddp_worker, lambda rank: ())
     for rank in (0, 1):
         same, raised, described, keys = out[rank]
         assert same, f"rank {rank}: gradients differ from DDP's default all-reduce"
@@ -294,15 +301,7 @@ def _refused_worker(rank: int, port: int, results: Any) -> None:
 
 
 def test_a_state_that_cannot_be_sent_fails_every_rank_at_once() -> None:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_refused_worker, args=(rank, port, results)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    out = {r: (said, waited) for r, said, waited in (results.get(timeout=120) for _ in procs)}
-    for p in procs:
-        p.join(timeout=30)
+    out = _run_ranks(2, _refused_worker, lambda rank: ())
     assert out[0][0].startswith("ConfigError") and "builtins.object" in out[0][0], out[0]
     assert out[1][0].startswith("ConfigError: rank 0 could not send"), out[1]
     assert out[1][1] < 30, f"the receiver waited {out[1][1]:.0f}s"
@@ -336,16 +335,8 @@ def _transfer_worker(rank: int, port: int, holds: bool, results: Any) -> None:
 
 def test_the_newest_state_goes_from_a_live_holder_to_the_ranks_without_it() -> None:
     # Rank 0 holds step 7, rank 1 holds step 6 (it missed the last step), rank 2 is new.
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
     holds = {0: True, 1: True, 2: False}
-    procs = [ctx.Process(target=_transfer_worker, args=(rank, port, holds[rank], results)) for rank in range(3)]
-    for p in procs:
-        p.start()
-    out = {r[0]: r[1:] for r in (results.get(timeout=120) for _ in procs)}
-    for p in procs:
-        p.join(timeout=30)
+    out = _run_ranks(3, _transfer_worker, lambda rank: (holds[rank],))
     for rank in range(3):
         step, source, receivers, received, params, cursor, extras, optimizer_entries = out[rank]
         assert (step, source, receivers) == (7, 0, (1, 2))
@@ -395,15 +386,7 @@ def test_the_transferred_state_comes_back_equal_in_tensors_of_its_own() -> None:
 
 
 def test_nobody_holding_state_means_every_rank_reads_the_checkpoint() -> None:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_transfer_worker, args=(rank, port, False, results)) for rank in range(3)]
-    for p in procs:
-        p.start()
-    out = {r[0]: r[1:] for r in (results.get(timeout=120) for _ in procs)}
-    for p in procs:
-        p.join(timeout=30)
+    out = _run_ranks(3, _transfer_worker, lambda rank: (False,))
     assert all(out[rank][:4] == (None, None, (), False) for rank in range(3))
 
 
@@ -477,17 +460,10 @@ def _buffers_worker(rank: int, port: int, control: str, ddp_kwargs: dict, result
 def test_in_process_training_synchronizes_buffers_as_the_user_asked_ddp(tmp_path: Path, ddp_kwargs: dict) -> None:
     # DDP's buffer broadcast (inside the forward) is replaced by one at each step boundary;
     # a user who turned it off keeps rank-local buffers.
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     port = _free_port()
     controls = _control_dirs(tmp_path, port)
-    procs = [ctx.Process(target=_buffers_worker, args=(rank, port, controls[rank], ddp_kwargs, results))
-             for rank in range(2)]
-    for p in procs:
-        p.start()
-    means = dict(results.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
+    out = _run_ranks(2, _buffers_worker, lambda rank: (controls[rank], ddp_kwargs), port=port)
+    means = {rank: report[0] for rank, report in out.items()}
     synchronized = means[0] == means[1]
     assert synchronized == ddp_kwargs.get("broadcast_buffers", True), means
 
