@@ -44,7 +44,7 @@ from elastictrain.errors import ElasticTrainError, EtcdError
 from elastictrain.events import NODE_ENV, EventLog
 from elastictrain.rendezvous.handler import Etcd3RendezvousHandler
 from elastictrain.run_state import RunPublisher
-from elastictrain.worker_group import Channel, FailureBudget, HangDetector, WorkerProcesses, process_activity
+from elastictrain.worker_group import Channel, FailureBudget, HangDetector, WorkerProcesses
 
 _LINGER_S = 30.0
 """How long a node's workers may run after the job finished on its other nodes before it says so."""
@@ -314,15 +314,16 @@ class InProcessAgent(ElasticAgent):
                                    backoff, self._budget.used(now), self._budget.limit)
                     time.sleep(backoff)
             progress = self._channel.progress()
-            for slot in self._hangs.hung(progress, now, self._workers.pids()):
+            live = self._workers.pids()
+            self._killed_hung &= set(live.values())  # a reaped one is no longer anybody's worker
+            for slot in self._hangs.hung(progress, now, live):
                 if progress[slot].pid in self._killed_hung:
                     continue  # killed already; its end shows up once its process is reaped
                 self._killed_hung.add(progress[slot].pid)
                 frozen = now - progress[slot].alive_at
-                activity = process_activity(progress[slot].pid)
                 logger.warning("worker %d (pid %d) is hung: its process has not run for %.1fs (deadline %.1fs, "
                                "from its step time; process state %s): killing it", slot, progress[slot].pid,
-                               frozen, self._hangs.deadline(progress[slot]), activity[1] if activity else "unknown")
+                               frozen, self._hangs.deadline(progress[slot]), self._hangs.state(slot))
                 self._events.emit("hang", local_rank=slot, pid=progress[slot].pid, frozen_s=round(frozen, 3),
                                   step=progress[slot].step)
                 self._workers.kill(slot)

@@ -157,6 +157,7 @@ class HangDetector:
         self.confirm_s, self.blocked_s = confirm_s, blocked_s
         self._activity = activity
         self._suspects: dict[int, tuple[int, float, float | None]] = {}  # slot: (pid, since, CPU time then)
+        self._states: dict[int, str] = {}  # slot: the scheduler state a suspect was last seen in
 
     def deadline(self, progress: Progress) -> float:
         if progress.step_s <= 0:
@@ -173,15 +174,22 @@ class HangDetector:
                       and now - p.alive_at > self.deadline(p))
             if not silent:
                 self._suspects.pop(slot, None)
+                self._states.pop(slot, None)
                 continue
             activity = self._activity(p.pid)
             used, state = activity if activity is not None else (None, "?")
+            self._states[slot] = state
             suspect = self._suspects.get(slot)
             if suspect is None or suspect[0] != p.pid or used != suspect[2]:
                 self._suspects[slot] = (p.pid, now, used)  # first seen silent, or it ran since
             elif now - suspect[1] >= self.confirm_s and (state in _STOPPED or now - p.alive_at > self.blocked_s):
                 found.append(slot)
         return found
+
+    def state(self, slot: int) -> str:
+        """The scheduler state (``T``, ``S``, ...) :meth:`hung` last saw ``slot``'s silent worker in;
+        ``?`` if unknown."""
+        return self._states.get(slot, "?")
 
 
 @dataclass

@@ -100,6 +100,7 @@ def test_a_stopped_worker_is_hung_one_waiting_in_a_collective_is_not() -> None:
     # Stopped (SIGSTOP): its liveness thread silent for 3 s, then still for 4 s, no CPU time used.
     assert detector.hung([_progress(step_s=0.05, alive_at=t)], t + 3.0, LIVE) == []  # a suspect, not yet
     assert detector.hung([_progress(step_s=0.05, alive_at=t)], t + 4.0, LIVE) == [0]
+    assert detector.state(0) == "T"  # what the agent's warning names
     assert _judged(detector, _progress(step_s=0.05, alive_at=t), t + 2.5) == []  # within its deadline at first
     # Blocked in a collective on a hung peer: no step, but its liveness thread runs.
     assert _judged(detector, _progress(step_s=0.05, alive_at=t + 2.9), t + 3.0) == []
@@ -122,6 +123,8 @@ def test_a_worker_starved_of_cpu_is_not_hung() -> None:
     assert detector.hung(slot, 104.0, LIVE) == []  # it ran in the meantime
     assert detector.hung(slot, 105.0, LIVE) == []
     assert detector.hung(slot, 106.0, LIVE) == [0]  # now it was stopped
+    assert detector.state(0) == "T"
+    assert detector.hung([_progress(step_s=0.05, alive_at=105.9)], 106.0, LIVE) == [] and detector.state(0) == "?"
 
 
 def test_a_worker_asleep_in_a_call_that_holds_the_interpreter_gets_longer() -> None:
