@@ -1,4 +1,4 @@
-"""Tie a child process's life to its parent's (Linux ``PR_SET_PDEATHSIG``)."""
+"""Tie a child process's life to its parent's (Linux ``PR_SET_PDEATHSIG``); read a process's ``/proc`` status."""
 
 from __future__ import annotations
 
@@ -8,10 +8,22 @@ import signal
 import sys
 from collections.abc import Sequence
 
-__all__ = ["die_with_parent", "dying_with_us", "set_process_title"]
+__all__ = ["die_with_parent", "dying_with_us", "proc_stat", "set_process_title"]
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
+
+
+def proc_stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (``[0]`` is the state, ``[1]``
+    the parent's pid, ``[11]``/``[12]`` user/system CPU ticks), or ``None`` if ``pid`` is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            data = f.read()
+    except OSError:
+        return None
+    # The command name may hold spaces and parentheses: the fields after the last ')' are fixed.
+    return data[data.rindex(")") + 2:].split()
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> bool:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from elastictrain._control import Assignment, Progress, ProgressTable, WorkerState, write_assignment
+from elastictrain._process import proc_stat
 
 logger = logging.getLogger(__name__)
 
@@ -119,10 +120,8 @@ class Channel:
 def process_activity(pid: int) -> tuple[float, str] | None:
     """CPU time ``pid`` has used so far (all its threads) and its scheduler state (``R``,
     ``S``, ``D``, ``T``...), from ``/proc``; ``None`` if unknown."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+    fields = proc_stat(pid)
+    if fields is None:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), fields[0]  # utime + stime
 

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastictrain._process import proc_stat
 from elastictrain.errors import ConfigError
 
 __all__ = [
@@ -209,14 +210,8 @@ class FaultRecord:
 
 def _stat(pid: int) -> tuple[int, str] | None:
     """(ppid, state) of ``pid``, or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            data = f.read()
-    except OSError:
-        return None
-    # comm may hold spaces and parentheses: the fields after the last ')' are fixed.
-    fields = data[data.rindex(")") + 2:].split()
-    return int(fields[1]), fields[0]
+    fields = proc_stat(pid)
+    return None if fields is None else (int(fields[1]), fields[0])
 
 
 def children(pid: int) -> list[int]:
