@@ -357,8 +357,9 @@ class InProcessAgent(ElasticAgent):
         elif now - self._finished_elsewhere_at > _LINGER_S:
             self._lingering_said = True
             logger.warning("the job finished on its other nodes %.0fs ago and this node's workers (pids %s) still "
-                           "run; one that hangs in destroy_process_group waits for a peer's last collective to "
-                           "be torn down (pytorch#75097): a dist.barrier() before it avoids that",
+                           "run; one that hangs in destroy_process_group, or as its process group is torn down, may be "
+                           "in a deadlock inside torch (the group's destructor waits, holding the interpreter, for a "
+                           "gloo thread that needs it; pytorch#75097)",
                            now - self._finished_elsewhere_at, sorted(self._workers.pids().values()))
 
     def _in_process_capable(self, group: WorkerGroup) -> bool:

@@ -63,8 +63,9 @@ def main() -> None:
         "first_step_at": first_step_at,
     }
     (out / f"rank-{rank}.json").write_text(json.dumps(record))
-    # Leave together: a rank that destroys its group while a peer's last collective is still
-    # being torn down can hang in destroy_process_group (pytorch#75097; seen here on gloo).
+    # Leave together: no rank tears its group down while a peer still waits in one of its
+    # collectives. (It does not prevent torch's teardown deadlock, pytorch#75097: a run of this
+    # script hung there with the barrier in place, its gloo thread destroying this barrier's work.)
     dist.barrier()
     dist.destroy_process_group()
 
