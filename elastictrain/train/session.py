@@ -528,6 +528,7 @@ class Session:
                 kwargs.setdefault("output_device", placement.device.index)
             if self._group is not None:
                 kwargs["process_group"] = self._group
+            trained: torch.nn.Module = self.module
             if self.recovers_in_process:
                 # No collective inside a forward, where a failure would escape the step
                 # loop: rank 0's buffers are broadcast at each step boundary instead, if
@@ -540,16 +541,13 @@ class Session:
                     # The agreement left every rank with the same state: DDP need not
                     # broadcast it all once more.
                     kwargs.setdefault("init_sync", False)
+                self._flag = trained = BoundaryFlag(self.module, self._group)
             # Otherwise DDP broadcasts rank 0's parameters and buffers here: identical
             # replicas whether they were initialized or restored.
-            trained: torch.nn.Module = self.module
-            if self.recovers_in_process:
-                self._flag = trained = BoundaryFlag(self.module, self._group)
             self._ddp = DistributedDataParallel(trained, **kwargs)
             self._ddp.register_forward_pre_hook(self._count_forward)
-            if self.recovers_in_process:
-                if "nccl" in (placement.backend or "") and self._control is not None:
-                    self._control.on_stuck(_abort_default_group)
+            if self.recovers_in_process and "nccl" in (placement.backend or "") and self._control is not None:
+                self._control.on_stuck(_abort_default_group)
         return received
 
     def _leave_generation(self) -> None:
