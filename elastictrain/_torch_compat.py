@@ -24,6 +24,8 @@ from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.events import handlers as _event_handlers
 
+from elastictrain._worker_boot import FORKSERVER_PRELOAD
+
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -32,7 +34,6 @@ _Reducer = torch._C._distributed_c10d.Reducer  # noqa: SLF001 - checked in _chec
 __all__ = [
     "AGENT_OVERRIDES",
     "DYNAMIC_STATE_GLOBALS",
-    "FORKSERVER_PRELOAD",
     "LOCAL_AGENT_OVERRIDES",
     "PINNED_TORCH",
     "TorchCompatError",
@@ -82,11 +83,6 @@ DYNAMIC_STATE_GLOBALS = frozenset({
 _AGENT_STATE = ("_remaining_restarts", "_worker_group")
 """Attributes of a SimpleElasticAgent instance read through this module."""
 
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo"]
-"""Modules a worker forkserver imports once (building a DDP model imports ``torch._dynamo``:
-about 2 s here, paid once per node instead of once per worker start)."""
-
-
 class TorchCompatError(ImportError):
     """The installed torch lacks a private name elastictrain relies on."""
 
@@ -124,7 +120,7 @@ def _check() -> None:
             raise _fail(f"has no {module_name}.{name}")
     if not callable(getattr(_Reducer, "_rebuild_buckets", None)):
         raise _fail("has no Reducer._rebuild_buckets (DistributedDataParallel's bucket rebuild)")
-    for module in FORKSERVER_PRELOAD:
+    for module in FORKSERVER_PRELOAD:  # torch._dynamo among them
         if importlib.util.find_spec(module) is None:
             raise _fail(f"has no module {module}")
 

@@ -497,10 +497,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
             port = args.metrics_port
             return run_local_nodes(args.local_nodes, node_args,
                                    per_node=(lambda i: [f"--metrics-port={port + i}"]) if port else None)
-        from elastictrain.launcher import launch
+        from elastictrain import node_setup
 
         started = time.monotonic()
-        outcome = launch(config, endpoint)
+        node = node_setup.prepare(config)  # its forkserver imports torch while this process does
+        try:
+            from elastictrain.launcher import launch
+
+            outcome = launch(config, endpoint, node)
+        finally:
+            node.close()
         elapsed = time.monotonic() - started
         _report_outcome(outcome, elapsed)
         return outcome.exit_code

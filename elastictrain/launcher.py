@@ -10,14 +10,8 @@ its agent and records its root-cause error), the agent recovers in place by defa
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import multiprocessing.forkserver
-import multiprocessing.util
 import os
-import shutil
 import socket
-import stat
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,17 +26,17 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from elastictrain import _torch_compat
-from elastictrain._control import CONTROL_DIR_ENV
-from elastictrain._worker_boot import AGENT_PID_ENV, TERMINAL_ENV, run_script, terminal_identity
+from elastictrain import node_setup
+from elastictrain._worker_boot import run_script
 from elastictrain.agent import ElasticAgent, InProcessAgent
-from elastictrain.config import RunConfig, take_etcd_password
+from elastictrain.config import RunConfig
 from elastictrain.errors import ElasticTrainError, RunIdInUseError
-from elastictrain.events import EVENT_LOG_ENV, NODE_ENV, EventLog, route_torch_events
+from elastictrain.events import EventLog, route_torch_events
 from elastictrain.failure_report import WorkerFailure, from_process_failure, job_line, root_cause
 from elastictrain.rendezvous import BACKEND_NAME, register
 from elastictrain.rendezvous.handler import LOCAL_WORLD_SIZE_KEY, Etcd3RendezvousHandler, create_handler
 from elastictrain.run_state import NodeRecord, RunPublisher, read_status, stop_requested, this_host
+from elastictrain.node_setup import NodeSetup
 from elastictrain.worker_group import Channel, FailureBudget
 
 logger = logging.getLogger(__name__)
@@ -77,28 +71,6 @@ def _failure_outcome(failures: dict[int, ProcessFailure], restarts: int, node: s
     return JobOutcome(exit_code, job_line(reports, restarts), failures=tuple(reports), restarts=restarts)
 
 
-# Imported once by the forkserver, then inherited by every worker it forks.
-_FORKSERVER_PRELOAD = [*_torch_compat.FORKSERVER_PRELOAD, "elastictrain", "elastictrain._worker_boot"]
-
-
-def _start_forkserver() -> None:
-    """Start the forkserver now, so that its torch import overlaps the rendezvous.
-
-    Every worker of every round is forked from it: a restart costs a fork, not a
-    Python start plus a torch import. It does not touch CUDA, so forking is safe.
-    """
-    multiprocessing.set_forkserver_preload(_FORKSERVER_PRELOAD)
-    multiprocessing.forkserver.ensure_running()
-
-
-def _warm_forkserver() -> None:
-    """Wait until the forkserver has imported what it preloads (its first fork waits for that)."""
-    context = multiprocessing.get_context("forkserver")
-    process = context.Process(target=os.getpid, name="elastictrain-warm-up")
-    process.start()
-    process.join()
-
-
 def _worker_logs(config: RunConfig, root: str) -> Callable[[int], DefaultLogsSpecs]:
     """Each worker's logs under in-process recovery (one process context per worker):
     ``--redirects``/``--tee`` for its local rank; a rank outside ``--local-ranks-filter``
@@ -114,91 +86,14 @@ def _worker_logs(config: RunConfig, root: str) -> Callable[[int], DefaultLogsSpe
     return for_rank
 
 
-_TEMP_PREFIX = "elastictrain-node-"
-
-
-def _node_temp_dir() -> str:
-    """A temporary directory for this node's process (worker logs and error files when there
-    is no ``--log-dir``, torch's ``pytorch-errorfile-*``, multiprocessing's ``pymp-*``),
-    removed when the node ends. Those of nodes that were killed are removed here, at the next
-    start: their names carry the pid of the node that made them."""
-    base = tempfile.gettempdir()
-    names = os.listdir(base)
-    bound = _bound_unix_sockets() if any(name.startswith("pymp-") for name in names) else set()
-    for name in names:
-        if name.startswith("pymp-") and _stale_pymp(os.path.join(base, name), bound):
-            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
-        if not name.startswith(_TEMP_PREFIX):
-            continue
-        try:
-            pid = int(name[len(_TEMP_PREFIX):].split("-", 1)[0])
-            os.kill(pid, 0)
-        except ValueError:
-            continue
-        except ProcessLookupError:
-            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
-        except PermissionError:
-            pass  # someone else's live process
-    return tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{os.getpid()}-", dir=base)
-
-
-def _bound_unix_sockets() -> set[str]:
-    """The paths of the unix sockets bound on this host. ``/proc/net/unix`` lists those of the
-    reader's network namespace only: a node in another one (the chaos harness runs nodes in
-    namespaces of their own) would take every forkserver outside it for dead. So each network
-    namespace that a readable process is in is read once, through that process."""
-    namespaces: set[str] = set()
-    bound: set[str] = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            namespace = os.readlink(f"/proc/{entry}/ns/net")
-            if namespace in namespaces:
-                continue
-            with open(f"/proc/{entry}/net/unix", encoding="utf-8", errors="replace") as fh:
-                lines = fh.readlines()[1:]
-        except OSError:  # gone, or another user's (whose directories are not ours to remove)
-            continue
-        namespaces.add(namespace)
-        bound.update(line.split()[-1] for line in lines if len(line.split()) >= 8)
-    return bound
-
-
-def _stale_pymp(path: str, bound: set[str]) -> bool:
-    """Whether a multiprocessing ``pymp-*`` directory was left by a killed process: it holds a
-    forkserver's socket that no process has bound any more (``bound``, see
-    :func:`_bound_unix_sockets`; connecting to find out would crash a live forkserver)."""
-    try:
-        sockets = {os.path.join(path, n) for n in os.listdir(path)
-                   if stat.S_ISSOCK(os.lstat(os.path.join(path, n)).st_mode)}
-    except OSError:
-        return False
-    return bool(sockets) and not (sockets & bound)
-
-
-def launch(config: RunConfig, endpoint: str) -> JobOutcome:
-    """Run this node's agent until the job ends (see :func:`_launch`); its temporary files go
-    into a directory of its own, removed at the end."""
-    temp = _node_temp_dir()
-    # multiprocessing's own directory (the forkserver's socket) stays where it was: a unix
-    # socket path must be short. It removes it at exit; a killed node's goes at the next start.
-    multiprocessing.util.get_temp_dir()
-    previous = tempfile.tempdir
-    tempfile.tempdir = temp  # this process's own temporary files (torch's, multiprocessing's)
-    try:
-        return _launch(config, endpoint, temp)
-    finally:
-        tempfile.tempdir = previous
-        shutil.rmtree(temp, ignore_errors=True)
-
-
-def _launch(config: RunConfig, endpoint: str, temp: str) -> JobOutcome:
+def launch(config: RunConfig, endpoint: str, node: NodeSetup | None = None) -> JobOutcome:
     """Run this node's agent until the job ends.
 
     Args:
         config: The validated run configuration.
         endpoint: etcd endpoints (``host:port[,...]``) of the rendezvous.
+        node: What :func:`elastictrain.node_setup.prepare` set up for this node (the CLI does
+            it before importing torch); by default it is set up here and removed at the end.
 
     Returns:
         The node's outcome; never raises for a failed job or an ended rendezvous.
@@ -206,8 +101,12 @@ def _launch(config: RunConfig, endpoint: str, temp: str) -> JobOutcome:
     Raises:
         ElasticTrainError: Rendezvous set-up failed (e.g. etcd unreachable).
     """
-    # The password goes into the settings and leaves the environment before any worker is started.
-    etcd_options = take_etcd_password(config.etcd_options)
+    if node is None:
+        node = node_setup.prepare(config)
+        try:
+            return launch(config, endpoint, node)
+        finally:
+            node.close()
     params = RendezvousParameters(
         backend=BACKEND_NAME,
         endpoint=endpoint,
@@ -216,24 +115,11 @@ def _launch(config: RunConfig, endpoint: str, temp: str) -> JobOutcome:
         max_nodes=config.max_nodes,
         local_addr=config.local_addr,
         **config.rendezvous.as_mapping(),
-        **etcd_options,
+        **node.etcd_options,
         **{LOCAL_WORLD_SIZE_KEY: config.nproc_per_node},
     )
     events = EventLog(config.event_log, config.run_id, config.node_name)
-    # Workers inherit these through the forkserver: they must be set before it starts.
-    # The agent pid lets a worker catch an agent that died before the worker could
-    # ask to die along with it (see _worker_boot).
-    os.environ[AGENT_PID_ENV] = str(os.getpid())
-    os.environ[TERMINAL_ENV] = terminal_identity()
-    if config.event_log:
-        os.environ[EVENT_LOG_ENV] = os.path.abspath(config.event_log)
-    if config.node_name:
-        os.environ[NODE_ENV] = config.node_name
-    channel = Channel(config.nproc_per_node) if config.recovery == "in-process" else None
-    if channel is not None:
-        os.environ[CONTROL_DIR_ENV] = channel.directory
-    else:  # a channel of an earlier launch in this process must not reach these workers
-        os.environ.pop(CONTROL_DIR_ENV, None)
+    channel = node.channel
     metrics = None
     if config.metrics_port:
         from elastictrain.metrics import AgentMetrics
@@ -242,7 +128,7 @@ def _launch(config: RunConfig, endpoint: str, temp: str) -> JobOutcome:
                                event_log=config.event_log, progress=channel.progress if channel else None)
         events.add_listener(metrics.observe)
     try:
-        return _run_node(config, params, events, channel, temp)
+        return _run_node(config, params, events, channel, node.temp)
     finally:
         if metrics is not None:
             metrics.close()
@@ -251,7 +137,6 @@ def _launch(config: RunConfig, endpoint: str, temp: str) -> JobOutcome:
 def _run_node(config: RunConfig, params: RendezvousParameters, events: EventLog, channel: Channel | None,
               temp: str) -> JobOutcome:
     log_root = config.log_dir or os.path.join(temp, "logs")
-    _start_forkserver()
     register()
     handler = create_handler(params)
     try:
@@ -262,7 +147,7 @@ def _run_node(config: RunConfig, params: RendezvousParameters, events: EventLog,
     if joining_live_job and channel is not None:
         # The survivors pause from the moment this node asks to join until its workers are in
         # the group: have the forkserver's imports done before asking, not during the pause.
-        _warm_forkserver()
+        node_setup.warm_forkserver()
     publisher = RunPublisher(handler.client, handler.keys, handler.run_lease, NodeRecord(
         node_id=handler.node_id, host=this_host(), addr=config.local_addr or socket.getfqdn(), pid=os.getpid()))
     publisher.publish_meta(**_job_signature(config))

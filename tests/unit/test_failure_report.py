@@ -90,7 +90,7 @@ def test_a_killed_nodes_temp_dir_is_removed_at_the_next_start(tmp_path: Path, mo
     import sys
     import tempfile
 
-    from elastictrain import launcher
+    from elastictrain import node_setup
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -99,7 +99,7 @@ def test_a_killed_nodes_temp_dir_is_removed_at_the_next_start(tmp_path: Path, mo
     live = tmp_path / "elastictrain-node-1-xyz"  # pid 1 is alive
     live.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    made = launcher._node_temp_dir()
+    made = node_setup._node_temp_dir()
     assert not stale.exists() and live.exists()
     assert Path(made).name.startswith(f"elastictrain-node-{__import__('os').getpid()}-")
 
@@ -108,7 +108,7 @@ def test_a_killed_forkservers_pymp_dir_is_removed_and_a_live_one_kept(tmp_path: 
     import socket
     import tempfile
 
-    from elastictrain import launcher
+    from elastictrain import node_setup
 
     stale, live = tmp_path / "pymp-stale", tmp_path / "pymp-live"
     stale.mkdir()
@@ -121,7 +121,7 @@ def test_a_killed_forkservers_pymp_dir_is_removed_and_a_live_one_kept(tmp_path: 
     live_sock.listen()
     try:
         monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-        launcher._node_temp_dir()
+        node_setup._node_temp_dir()
         assert not stale.exists() and live.exists()
     finally:
         live_sock.close()
@@ -134,7 +134,7 @@ def test_a_forkserver_in_another_network_namespace_keeps_its_pymp_dir(tmp_path: 
     import sys
     import tempfile
 
-    from elastictrain import launcher
+    from elastictrain import node_setup
 
     live = tmp_path / "pymp-elsewhere"
     live.mkdir()
@@ -150,7 +150,7 @@ def test_a_forkserver_in_another_network_namespace_keeps_its_pymp_dir(tmp_path: 
         if proc.stdout.readline().strip() != "bound":
             pytest.skip(f"cannot make a network namespace here: {proc.stderr.read().strip()[:200]}")
         monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-        launcher._node_temp_dir()
+        node_setup._node_temp_dir()
         assert live.exists() and listener.exists()
     finally:
         proc.kill()
