@@ -22,7 +22,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import (
@@ -49,12 +49,27 @@ from elastictrain.worker_group import Channel, FailureBudget, HangDetector, Work
 _LINGER_S = 30.0
 """How long a node's workers may run after the job finished on its other nodes before it says so."""
 
+_HOLD_S = 60.0
+"""How long the nodes of a job train on after a node joined the rendezvous, waiting for its
+workers to be ready, before they re-form the group anyway."""
+
 _FORMING = frozenset({SlotState.STARTING, SlotState.RECOVERING, SlotState.BUSY})
 """Worker states that wait for peers to form a group (not training)."""
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ElasticAgent", "InProcessAgent"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """A generation formed at the rendezvous whose publication waits for a joining node."""
+
+    cause: str
+    started: float
+    """``time.monotonic()`` when the recovery began."""
+    formed: float
+    """When its rendezvous completed (the workers train on from then until it is published)."""
 
 
 class ElasticAgent(LocalElasticAgent):
@@ -197,6 +212,8 @@ class InProcessAgent(ElasticAgent):
         self._finished_elsewhere_at: float | None = None
         self._lingering_said = False
         self._killed_hung: set[int] = set()
+        self._held: _Held | None = None
+        self._ready_round: int | None = None
         self.recoveries = 0
 
     @property
@@ -337,15 +354,21 @@ class InProcessAgent(ElasticAgent):
                             "stopping them")
                 self._stop_workers(group)
                 raise RendezvousClosedError()
+            self._say_ready(group)
             if cause is None and any(p.state == SlotState.RECOVERING and p.generation == self._generation
                                      and p.pid for p in progress):
                 cause = "a worker's collective failed (a peer is gone)"
+            joins = False
             if cause is None:
                 waiting = spec.rdzv_handler.num_nodes_waiting()
                 if waiting > 0:
                     cause = f"membership change ({waiting} node(s) waiting, gone or re-joining)"
+                    joins = bool(getattr(spec.rdzv_handler, "only_nodes_joining", lambda: False)())
+            held = self._held
+            if held is not None and (cause is not None or self._joiners_ready(group, held, now)):
+                self._publish_recovery(group, held.cause, held.started, held=held)
             if cause is not None:
-                self._recover(group, cause)
+                self._recover(group, cause, joins=joins)
 
     def _say_if_lingering(self, handler: Any, now: float) -> None:
         """Say once if this node's workers still run long after the job finished on other nodes:
@@ -369,7 +392,45 @@ class InProcessAgent(ElasticAgent):
         pids = self._workers.pids()
         return bool(pids) and all(progress[local_rank].pid == pid for local_rank, pid in pids.items())
 
-    def _recover(self, group: WorkerGroup, cause: str) -> None:
+    def _say_ready(self, group: WorkerGroup) -> None:
+        """Say once per round, in etcd, that this node's workers can form the round's group:
+        they train (and stop at their next step when told), or they were started and wait for
+        their peers. Nodes that train on while a node joins wait for every node to say it."""
+        handler = group.spec.rdzv_handler
+        round_ = getattr(handler, "round", None)
+        if round_ is None or round_ == self._ready_round or not hasattr(handler, "say_ready"):
+            return
+        if not self._in_process_capable(group):
+            return
+        try:
+            handler.say_ready()
+        except EtcdError as exc:  # the joining side then waits for its deadline: say so, go on
+            logger.warning("could not say in etcd that this node's workers are ready: %s", exc)
+        self._ready_round = round_
+
+    def _joiners_ready(self, group: WorkerGroup, held: _Held, now: float) -> bool:
+        """Whether every node of the round formed for a join said its workers are ready (or the
+        wait for them is over)."""
+        if now - held.formed > _HOLD_S:
+            logger.warning("the joining node(s)' workers were not ready %.0fs after their rendezvous: re-forming "
+                           "the group without waiting longer", _HOLD_S)
+            return True
+        try:
+            ready = group.spec.rdzv_handler.ready_nodes()
+        except EtcdError as exc:
+            logger.warning("could not read which nodes are ready: %s", exc)
+            return False
+        return ready >= (group.group_world_size or 1)
+
+    def _recover(self, group: WorkerGroup, cause: str, *, joins: bool = False) -> None:
+        """Re-form the group: re-rendezvous, then publish the next generation to the workers
+        and replace the dead ones.
+
+        When the only cause is a node that joins (``joins``) and every local worker lives,
+        they train on through the rendezvous and until the joining nodes' workers are
+        ready (see :meth:`_say_ready`): the generation is held and published later, so the
+        workers stop only for the group's re-formation itself, not for a new node's start.
+        """
         if self._dead:
             self._replacements += 1  # the workers started from now on see it as their restart count
         if not self._in_process_capable(group):
@@ -381,27 +442,47 @@ class InProcessAgent(ElasticAgent):
             self._initialize_workers(group)
             return
         started = time.monotonic()
-        self._channel.mark_pending(cause)
+        hold = joins and not self._dead and hasattr(group.spec.rdzv_handler, "ready_nodes")
+        if not hold:
+            self._channel.mark_pending(cause)
         alive = {w.local_rank: w.id for w in group.workers if w.local_rank not in self._dead}
         self._rendezvous(group)
         for worker in group.workers:
             worker.id = alive.get(worker.local_rank)
+        if hold:
+            self._held = _Held(cause, started, time.monotonic())
+            logger.info("round %s formed for a joining node: training on until its workers are ready",
+                        getattr(group.spec.rdzv_handler, "round", None))
+            return
+        self._publish_recovery(group, cause, started)
+
+    def _publish_recovery(self, group: WorkerGroup, cause: str, started: float, *, held: _Held | None = None) -> None:
+        """Publish the next generation, start the dead workers' replacements, and report it.
+        A generation ``held`` for a join is published as it was formed: a worker that died
+        since is replaced by the recovery that follows."""
+        self._held = None
         self._publish_generation(group, cause=cause)
-        dead = sorted(self._dead)
-        self._dead = set()
+        dead = sorted(self._dead) if held is None else []
+        self._dead -= set(dead)
         if dead:
             pids = self._workers.start(dead)
             for worker in group.workers:
                 if worker.local_rank in pids:
                     worker.id = pids[worker.local_rank]
         self.recoveries += 1
-        duration = time.monotonic() - started
+        now = time.monotonic()
+        trained_on = now - held.formed if held is not None else 0.0
+        duration = now - started - trained_on
+        extra = {"trained_on_s": round(trained_on, 3)} if held is not None else {}
         self._events.emit("recovery", cause=cause, generation=self._generation, duration_s=round(duration, 3),
-                          replaced_local_ranks=dead, world_size=group.workers[0].world_size if group.workers else None)
+                          replaced_local_ranks=dead, world_size=group.workers[0].world_size if group.workers else None,
+                          **extra)
         self._publish(state="running", generation=self._generation, last_recovery=cause,
                       restarts=self.restarts)
-        logger.info("generation %d ready in %.3fs (%s)%s", self._generation, duration, cause,
-                    f"; replaced local worker(s) {dead}" if dead else "; every worker kept its process")
+        logger.info("generation %d ready in %.3fs (%s)%s%s", self._generation, duration, cause,
+                    f"; replaced local worker(s) {dead}" if dead else "; every worker kept its process",
+                    f"; the workers trained on for {trained_on:.3f}s until the joining node(s) were ready"
+                    if held is not None else "")
 
     def _publish_generation(self, group: WorkerGroup, *, cause: str) -> None:
         self._generation += 1

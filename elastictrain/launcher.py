@@ -140,14 +140,12 @@ def _run_node(config: RunConfig, params: RendezvousParameters, events: EventLog,
     register()
     handler = create_handler(params)
     try:
-        joining_live_job = _check_run_id(handler, config)
+        # A node that joins a training job asks at once, its forkserver still importing:
+        # the others train on until its workers are ready (see InProcessAgent._recover).
+        _check_run_id(handler, config)
     except RunIdInUseError:
         handler.leave()
         raise
-    if joining_live_job and channel is not None:
-        # The survivors pause from the moment this node asks to join until its workers are in
-        # the group: have the forkserver's imports done before asking, not during the pause.
-        node_setup.warm_forkserver()
     publisher = RunPublisher(handler.client, handler.keys, handler.run_lease, NodeRecord(
         node_id=handler.node_id, host=this_host(), addr=config.local_addr or socket.getfqdn(), pid=os.getpid()))
     publisher.publish_meta(**_job_signature(config))
@@ -191,12 +189,8 @@ def _job_signature(config: RunConfig) -> dict[str, Any]:
             "nproc_per_node": config.nproc_per_node, "script": os.path.basename(config.script)}
 
 
-def _check_run_id(handler: Etcd3RendezvousHandler, config: RunConfig) -> bool:
-    """Refuse to start a second job under a run id that is in use, unless told to join it.
-
-    Returns:
-        Whether this node joins a job that is training now.
-    """
+def _check_run_id(handler: Etcd3RendezvousHandler, config: RunConfig) -> None:
+    """Refuse to start a second job under a run id that is in use, unless told to join it."""
     status = read_status(handler.client, config.run_id, lease_ttls=False)
     run = f"run id {config.run_id!r}"
     if status.closed:
@@ -212,7 +206,7 @@ def _check_run_id(handler: Etcd3RendezvousHandler, config: RunConfig) -> bool:
             # Same script and node counts: a node of this job that started after the
             # others formed round 0 (schedulers start nodes seconds apart). Let it in.
             logger.info("run %r is training; joining it as a late node of the same job", config.run_id)
-            return True
+            return
         hosts = ", ".join(sorted({p["addr"] for p in alive}))
         raise RunIdInUseError(
             f"{run} is live: round {status.round} trains with {len(alive)} node(s) on {hosts}; "
@@ -220,7 +214,6 @@ def _check_run_id(handler: Etcd3RendezvousHandler, config: RunConfig) -> bool:
             f"{status.meta.get('script', '?')} on {status.meta.get('min_nodes', '?')}-"
             f"{status.meta.get('max_nodes', '?')} nodes x {status.meta.get('nproc_per_node', '?')})"
         )
-    return bool(status.live)
 
 
 def _run_agent(agent: ElasticAgent, handler: Etcd3RendezvousHandler, config: RunConfig) -> JobOutcome:

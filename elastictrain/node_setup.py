@@ -25,7 +25,7 @@ from elastictrain.config import RunConfig, take_etcd_password
 from elastictrain.events import EVENT_LOG_ENV, NODE_ENV
 from elastictrain.worker_group import Channel
 
-__all__ = ["NodeSetup", "prepare", "warm_forkserver"]
+__all__ = ["NodeSetup", "prepare"]
 
 _TEMP_PREFIX = "elastictrain-node-"
 
@@ -55,8 +55,8 @@ class NodeSetup:
 
 def prepare(config: RunConfig) -> NodeSetup:
     """Make this node's temporary directory and control channel, set the workers' environment,
-    and start the forkserver (it begins importing torch at once; :func:`warm_forkserver` waits
-    for it)."""
+    and start the forkserver (it begins importing torch at once; the first worker it forks
+    waits for that)."""
     # Before any process starts: the forkserver, and every worker through it, would inherit it.
     etcd_options = take_etcd_password(config.etcd_options)
     temp = _node_temp_dir()
@@ -88,14 +88,6 @@ def prepare(config: RunConfig) -> NodeSetup:
         setup.close()
         raise
     return setup
-
-
-def warm_forkserver() -> None:
-    """Wait until the forkserver has imported what it preloads (its first fork waits for that)."""
-    context = multiprocessing.get_context("forkserver")
-    process = context.Process(target=os.getpid, name="elastictrain-warm-up")
-    process.start()
-    process.join()
 
 
 def _node_temp_dir() -> str:

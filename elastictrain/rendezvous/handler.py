@@ -50,7 +50,7 @@ from elastictrain.etcd.lease import KeptLease, RunLease
 from elastictrain.rendezvous import BACKEND_NAME
 from elastictrain.rendezvous.keys import RunKeys
 from elastictrain.rendezvous.membership import Closer, ControlView, RoundWatch, close_rendezvous
-from elastictrain.rendezvous.records import FINISHED, CloserRecord, MemberRecord, RoundRecord, encode
+from elastictrain.rendezvous.records import FINISHED, CloserRecord, MemberRecord, ReadyRecord, RoundRecord, encode
 from elastictrain.rendezvous.store import Etcd3Store
 
 logger = logging.getLogger(__name__)
@@ -103,6 +103,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         self._round_watch: RoundWatch | None = None
         self._watch_lock = threading.Lock()
         self._spare = False
+        self._ready_round: int | None = None
 
     # --- torch's interface --------------------------------------------------------------------
 
@@ -221,6 +222,18 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             return max(1, watch.waiting())
         return watch.waiting()
 
+    def only_nodes_joining(self) -> bool:
+        """Whether :meth:`num_nodes_waiting` counts nodes that wait to join and nothing else
+        (every member of this node's round is alive and stays in it). No etcd request."""
+        watch, joined = self._round_watch, self._joined
+        if watch is None or joined is None or self._alive.lost:
+            return False
+        with self._control.cond:
+            current, closed = self._control.round, self._control.closed
+        if closed is not None or (current is not None and current.round != joined.round):
+            return False
+        return watch.only_joins()
+
     def shutdown(self) -> bool:
         """See base class. Closes the rendezvous (as torch's handlers do) and leaves it."""
         try:
@@ -244,6 +257,37 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         self._alive.close()
         self.run_lease.close()
         self.client.close()
+
+    def say_ready(self) -> None:
+        """Say that this node's workers can form the group of the round it joined now (they
+        train and can stop at their next step, or they were started and wait for their peers).
+        Nodes that train on until a joining node is ready count these (:meth:`ready_nodes`).
+
+        Raises:
+            EtcdError: etcd is unreachable or refused us.
+        """
+        joined = self._joined
+        if joined is None or self._alive.id is None:
+            return
+        ops = [kv.put(self.keys.ready(joined.round) + self.node_id, encode(ReadyRecord(self.node_id)),
+                      self._alive.id)]
+        if self._ready_round is not None and self._ready_round != joined.round:
+            ops.append(kv.delete(self.keys.ready(self._ready_round) + self.node_id))  # one key per node
+        kv.txn(self.client, [], ops, what="saying this node's workers are ready")
+        self._ready_round = joined.round
+
+    def ready_nodes(self) -> int:
+        """How many nodes of the round this node joined said their workers can form its group.
+
+        Raises:
+            EtcdError: etcd is unreachable or refused us.
+        """
+        joined = self._joined
+        if joined is None:
+            return 0
+        _, found = kv.range_(self.client, self.keys.ready(joined.round), prefix=True, keys_only=True,
+                             what="reading which nodes are ready")
+        return len(found)
 
     @property
     def round(self) -> int | None:

@@ -9,6 +9,8 @@ Everything elastictrain stores for run ``R`` lives under ``/elastictrain/R/``:
 - ``rdzv/ctl/round``: the last round formed (its members in rank order);
 - ``rdzv/ctl/closer``: the node that forms the next round (liveness lease);
 - ``rdzv/ctl/closed``: present once the rendezvous is closed;
+- ``rdzv/ready/<round>/<node>``: the node's workers can form that round's group now
+  (on the node's liveness lease);
 - ``store/<incarnation>/<round>/...``: the c10d store keys of one round;
 - ``meta``, ``stop``, ``nodes/<node>``: what ``elastictrain status`` and ``stop`` read.
 
@@ -114,6 +116,10 @@ class RunKeys:
     @property
     def closed(self) -> str:
         return self.ctl + "closed"
+
+    def ready(self, round_: int) -> str:
+        """Prefix of the nodes that said their workers can form ``round_``'s group now."""
+        return f"{self.prefix}rdzv/ready/{round_}/"
 
     def store(self, incarnation: int, round_: int) -> str:
         """Prefix of the store keys of one round of one incarnation of the run."""

@@ -385,6 +385,12 @@ class RoundWatch:
         with self._lock:
             return self._waiting_locked()
 
+    def only_joins(self) -> bool:
+        """Whether there are reasons to re-form the round and every one of them is a node
+        that waits to join (no member lost, none asking for a new round)."""
+        with self._lock:
+            return not self.lost and not self.rejoining and self._waiting_locked() > 0
+
     def close(self) -> None:
         self._watch.close()
 

@@ -16,7 +16,8 @@ from typing import Any, TypeVar
 
 from elastictrain import errors
 
-__all__ = ["FINISHED", "ClosedRecord", "CloserRecord", "MemberRecord", "RoundRecord", "decode", "encode"]
+__all__ = ["FINISHED", "ClosedRecord", "CloserRecord", "MemberRecord", "ReadyRecord", "RoundRecord", "decode",
+           "encode"]
 
 SCHEMA = 1
 
@@ -85,6 +86,17 @@ class CloserRecord:
     """The node that forms the next round (``rdzv/ctl/closer``, on its liveness lease)."""
 
     kind = "closer"
+
+    node: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReadyRecord:
+    """A node whose workers can form the group of a round now (``rdzv/ready/<round>/<node>``,
+    on its liveness lease): they train and can stop at their next step, or they were started
+    and wait for their peers."""
+
+    kind = "ready"
 
     node: str
 

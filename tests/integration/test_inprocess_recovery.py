@@ -22,6 +22,8 @@ import pytest
 import torch
 
 from elastictrain.chaos.faults import descendants
+from elastictrain.etcd import kv
+from elastictrain.rendezvous.keys import RunKeys
 from tests.conftest import REPO_ROOT, communicate_reporting_hangs, fail_with_stacks, hang_reporting_env
 
 JOB = str(REPO_ROOT / "tests" / "scripts" / "inprocess_job.py")
@@ -169,37 +171,79 @@ def test_a_hot_spare_takes_a_lost_nodes_place_and_the_survivor_keeps_its_process
     assert_every_step_once(out, [0, 1])
 
 
-def join_at(etcd_server: Any, run_id: str, out: Path, step: int) -> tuple[list[subprocess.Popen[str]], set[int]]:
-    """Two nodes train; every rank holds inside ``step`` until a third node has joined their round
-    (its worker starting); then they go on. Returns the three nodes and the first two's worker pids."""
+def ready_nodes(etcd_client: Any, run_id: str, round_: int) -> int:
+    """How many nodes said in etcd that their workers can form ``round_``'s group."""
+    _, found = kv.range_(etcd_client, RunKeys.of(run_id).ready(round_), prefix=True, keys_only=True, what="test")
+    return len(found)
+
+
+def join_at(etcd_server: Any, run_id: str, out: Path, step: int, *, steps: int = STEPS,
+            newcomer: tuple[str, ...] = ()) -> tuple[list[subprocess.Popen[str]], set[int], int]:
+    """Two nodes train ``steps`` steps; every rank holds inside ``step`` until ``out/release``
+    exists. A third node (with the extra job arguments ``newcomer``) starts once they trained
+    step 1. Returns the three nodes, the first two's worker pids and the round of three nodes,
+    once formed."""
     release = out / "release"
-    args = ("--step-sleep", "0.05", "--hold-before", f"{step}:{release}")
+    args = ("--steps", str(steps), "--step-sleep", "0.05", "--hold-before", f"{step}:{release}")
     nodes = [start_node(etcd_server.endpoint, run_id, out, *args, min_nodes=2, max_nodes=3) for _ in range(2)]
-    wait_until(lambda: len({r["rank"] for r in records(out) if r["step"] == step - 1}) == 2, f"step {step - 1}",
-               nodes)
+    wait_until(lambda: len({r["rank"] for r in records(out) if r["step"] == 1}) == 2, "step 1", nodes)
     before = {latest_pid(out, rank) for rank in (0, 1)}
-    nodes.append(start_node(etcd_server.endpoint, run_id, out, *args, min_nodes=2, max_nodes=3))
+    nodes.append(start_node(etcd_server.endpoint, run_id, out, *args, *newcomer, min_nodes=2, max_nodes=3))
     wait_until(lambda: any(e.get("nodes") == 3 for e in events(out, "rendezvous")), "a round of 3 nodes", nodes)
-    release.touch()
-    return nodes, before
+    round_ = next(e["round"] for e in events(out, "rendezvous") if e.get("nodes") == 3)
+    return nodes, before, round_
+
+
+def assert_joined_at_one_boundary(out: Path, before: set[int], nodes: list[subprocess.Popen[str]],
+                                  outputs: list[str]) -> list[dict[str, Any]]:
+    """Every node exited 0, the first two kept their processes, every rank entered world 3 at the
+    same step and trained no step twice. Returns the steps trained at world 3."""
+    assert [n.returncode for n in nodes] == [0, 0, 0], "\n".join(o[-2000:] for o in outputs)
+    at_three = [r for r in records(out) if r["world"] == 3]
+    assert at_three, "the job never trained at world size 3"
+    firsts = {rank: min(r["step"] for r in at_three if r["rank"] == rank) for rank in range(3)}
+    assert len(set(firsts.values())) == 1, f"the ranks entered world 3 at different steps: {firsts}"
+    assert before <= {r["pid"] for r in at_three}, "a node that was there before was restarted"
+    assert len({r["pid"] for r in records(out)}) == 3
+    for rank, rs in steps_by_rank(out).items():
+        steps = [r["step"] for r in rs]
+        assert len(steps) == len(set(steps)), f"rank {rank} trained a step twice"
+    return at_three
 
 
 @pytest.mark.timeout(300)
 def test_a_joining_node_enters_at_a_step_boundary_without_restarting_anyone(etcd_server: Any, run_id: str,
-                                                                            tmp_path: Path) -> None:
+                                                                            etcd_client: Any, tmp_path: Path) -> None:
     out = tmp_path / "job"
-    nodes, before = join_at(etcd_server, run_id, out, 8)
+    nodes, before, round_ = join_at(etcd_server, run_id, out, 8)
+    # Held inside step 8 until the newcomer's worker is up: the generation of three is published
+    # during step 8, the ranks vote in step 9 and train at world 3 from step 10.
+    wait_until(lambda: ready_nodes(etcd_client, run_id, round_) == 3, "every node of the round ready", nodes)
+    (out / "release").touch()
     outputs = finish(nodes)
-    assert [n.returncode for n in nodes] == [0, 0, 0], "\n".join(o[-2000:] for o in outputs)
-    at_three = [r for r in records(out) if r["world"] == 3]
-    assert at_three, "the job never trained at world size 3"
+    at_three = assert_joined_at_one_boundary(out, before, nodes, outputs)
     assert min(r["step"] for r in at_three) == 10, "the join did not take effect at the first agreed boundary"
-    assert before <= {r["pid"] for r in at_three}, "a node that was there before was restarted"
-    assert len({r["pid"] for r in records(out)}) == 3
-    by_rank = steps_by_rank(out)
-    for rank, rs in by_rank.items():
-        steps = [r["step"] for r in rs]
-        assert len(steps) == len(set(steps)), f"rank {rank} trained a step twice"
+
+
+@pytest.mark.timeout(300)
+def test_the_nodes_train_on_while_a_joining_nodes_workers_start(etcd_server: Any, run_id: str, etcd_client: Any,
+                                                                 tmp_path: Path) -> None:
+    # The newcomer's worker takes as long as the test wants to build its model: the two nodes
+    # keep training at world 2 meanwhile (they used to stop at the next step boundary and wait
+    # for it), then all three re-form at one boundary.
+    out = tmp_path / "job"
+    loaded = out / "model-loaded"
+    nodes, before, round_ = join_at(etcd_server, run_id, out, 8, steps=400,
+                                    newcomer=("--wait-before-session", str(loaded)))
+    (out / "release").touch()
+    wait_until(lambda: len([r for r in records(out) if r["world"] == 2 and r["step"] >= 8 + 5]) >= 2 * 6,
+               "5 more steps at world 2 while the newcomer's worker starts", nodes, timeout=60)
+    assert ready_nodes(etcd_client, run_id, round_) == 2, "the newcomer said it was ready before its worker was"
+    loaded.touch()
+    outputs = finish(nodes)
+    assert_joined_at_one_boundary(out, before, nodes, outputs)
+    held = [e for e in events(out, "recovery") if "trained_on_s" in e]
+    assert len(held) == 2 and all(e["trained_on_s"] > 0 for e in held), held
 
 
 @pytest.mark.timeout(300)
@@ -209,7 +253,8 @@ def test_a_node_that_joins_as_the_job_finishes_exits_zero_and_no_node_waits_for_
     # with the newcomer, whose worker waits for a rank 0 that has exited. Nodes used to wait in
     # torch's exit barrier for it (300 s), and it for them.
     out = tmp_path / "job"
-    nodes, _ = join_at(etcd_server, run_id, out, STEPS)
+    nodes, _, _ = join_at(etcd_server, run_id, out, STEPS)
+    (out / "release").touch()
     outputs = finish(nodes, timeout=90)
     assert [n.returncode for n in nodes] == [0, 0, 0], "\n".join(o[-2000:] for o in outputs)
     assert {r["world"] for r in records(out)} == {2}

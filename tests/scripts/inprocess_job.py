@@ -7,8 +7,9 @@ step, world size, time) and, at the end, saves its parameters to ``final-<rank>.
 ``--step-sleep`` slows each step down so that a test can inject a fault mid-run.
 ``--fail-at RANK:STEP`` makes RANK raise before STEP in every process that reaches
 it (a crash loop). ``--hold-before STEP:FILE`` makes every rank wait inside STEP until FILE
-exists (a test then changes the membership at a known step). ``--api elastic`` trains
-through ``run_elastic`` instead of a Session.
+exists (a test then changes the membership at a known step). ``--wait-before-session FILE``
+makes the worker wait for FILE after building its model (a slow model build or data load).
+``--api elastic`` trains through ``run_elastic`` instead of a Session.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 def with_session(args: argparse.Namespace, out: Path) -> None:
     x, y = _data(args.samples)
     model, optimizer = _model()
+    if args.wait_before_session:
+        while not os.path.exists(args.wait_before_session):
+            time.sleep(0.05)
     session = elastictrain.Session(model, optimizer, TensorDataset(x, y), global_batch_size=32, micro_batch_size=8,
                                    epochs=100, max_steps=args.steps, seed=7, log_every=None,
                                    checkpoint_dir=str(out / "ckpt"), checkpoint_every=args.ckpt_every)
@@ -110,6 +114,7 @@ def main() -> None:
     parser.add_argument("--ckpt-every", type=int, default=10)
     parser.add_argument("--fail-at", type=_pair, default=None)
     parser.add_argument("--hold-before", type=_step_and_path, default=None)
+    parser.add_argument("--wait-before-session", default=None)
     parser.add_argument("--api", choices=("session", "elastic"), default="session")
     args = parser.parse_args()
     out = Path(args.out_dir)
