@@ -500,7 +500,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         from elastictrain import node_setup
 
         started = time.monotonic()
-        node = node_setup.prepare(config)  # its forkserver imports torch while this process does
+        # With a core to spare, the forkserver imports torch while this process does.
+        node = node_setup.prepare(config, start=node_setup.core_to_spare())
         try:
             from elastictrain.launcher import launch
 

@@ -137,6 +137,7 @@ def launch(config: RunConfig, endpoint: str, node: NodeSetup | None = None) -> J
 def _run_node(config: RunConfig, params: RendezvousParameters, events: EventLog, channel: Channel | None,
               temp: str) -> JobOutcome:
     log_root = config.log_dir or os.path.join(temp, "logs")
+    node_setup.start_forkserver()  # unless it runs already
     register()
     handler = create_handler(params)
     try:
