@@ -191,6 +191,12 @@ class CheckpointManager:
         self._overlap = Overlap(self._pool) if overlap and self._coord.rank == 0 else None
 
     @property
+    def saving(self) -> bool:
+        """Whether an asynchronous save is in flight (its background thread has not ended)."""
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
+    @property
     def location(self) -> str:
         """Where the checkpoints live, for humans."""
         return self._storage.location(self._prefix)

@@ -65,6 +65,10 @@ from elastictrain.worker import WorkerContext
 
 __all__ = ["MicroStep", "Session", "SessionConfig", "Step"]
 
+_SAVE_GRACE_S = 10.0
+"""How long the ranks train on, when their agents want the group re-formed, while a checkpoint
+save is in flight (re-forming would wait for it to be written)."""
+
 _RESERVED = ("model", "optimizer", "scheduler", "scaler", "sampler", "session")
 _PROGRESS_VERSION = 1
 
@@ -303,6 +307,7 @@ class Session:
         self._control: WorkerControl | None = None
         self._assignment: Assignment | None = None
         self._flag: BoundaryFlag | None = None
+        self._due_since: float | None = None
         self._gloo: Any = None
         self._sync_buffers = False
         self._recoveries = 0
@@ -572,6 +577,7 @@ class Session:
         assert self._control is not None  # noqa: S101 - only in-process
         started = time.perf_counter()
         old_world = self.context.world_size
+        self._due_since = None
         while True:
             self._leave_generation()
             self._adopt(wait_for_generation(self._control, self.config.recovery_timeout.total_seconds()))
@@ -744,8 +750,7 @@ class Session:
                     break
                 self.optimizer.zero_grad(set_to_none=True)
                 if self._flag is not None:
-                    assert self._control is not None  # noqa: S101 - set together
-                    self._flag.arm(self._control.due() is not None)
+                    self._flag.arm(self._votes_to_reform())
                 step = Step(self, feed.plans.popleft(), itertools.chain((first,), batches), self._step + 1)
                 yield step
                 cause = self._finish_step(step)
@@ -753,6 +758,24 @@ class Session:
                     self._recover(cause)
                     self._clock = time.perf_counter()
                     break  # plan again from the committed cursor, at the new world size
+
+    def _votes_to_reform(self) -> bool:
+        """This rank's vote for the step about to run: stop after it and re-form the group,
+        because the agent wants a new generation. While a checkpoint save is in flight the
+        rank trains on instead (for up to ``_SAVE_GRACE_S``): re-forming would first wait for
+        the save to be written, and the peers (a joining node's workers waiting for the
+        group) would wait with it; once it is written the re-formation costs only itself."""
+        assert self._control is not None  # noqa: S101 - set with the flag
+        due = self._control.due()
+        if due is None:
+            self._due_since = None
+            return False
+        if due.closed or self.checkpoints is None or not self.checkpoints.saving:
+            return True
+        now = time.monotonic()
+        if self._due_since is None:
+            self._due_since = now
+        return now - self._due_since > _SAVE_GRACE_S
 
     def _finish_step(self, step: Step) -> str | None:
         """Apply ``step`` unless a collective failed; returns why the group must re-form now, if it must."""

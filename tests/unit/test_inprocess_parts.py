@@ -527,3 +527,64 @@ def test_a_peer_lost_after_a_groups_first_step_discards_the_next_step_and_does_n
     assert procs[0].exitcode == 3
     assert rank == 1 and applied == [1]
     assert outcome.startswith("JobEnded"), f"the survivor's training failed: {outcome}"
+
+
+class _Recoveries:
+    def __init__(self) -> None:
+        self.after_steps: list[int] = []
+
+    def on_recovery(self, *, step: int, cause: str, generation: int, world_size: int, seconds: float) -> None:
+        self.after_steps.append(step)
+
+
+def _save_in_flight_worker(rank: int, port: int, control: str, ckpt: str, port2: int, results: Any) -> None:
+    import os
+
+    from torch.utils.data import TensorDataset
+
+    import elastictrain
+    from elastictrain._control import CONTROL_DIR_ENV
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{CONTROL_DIR_ENV: control})
+    release = Path(ckpt) / "release"
+    deadline = time.monotonic() + 30
+
+    def slow_write(stage: str) -> None:  # the save of step 4 is written once rank 0 has trained step 7
+        while stage == "during_write" and not release.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    recoveries = _Recoveries()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    with elastictrain.Session(model, torch.optim.SGD(model.parameters(), lr=0.1), data, global_batch_size=8,
+                              seed=0, max_steps=14, log_every=None, checkpoint_dir=ckpt, checkpoint_every=4,
+                              async_save=True, hooks=[recoveries]) as session:
+        for step in session.steps():
+            if step.number == 1:
+                session.checkpoints._fault_hook = slow_write  # noqa: SLF001 - the manager's test seam
+            if step.number == 5:  # a node joins while the save of step 4 is being written
+                write_assignment(control, Assignment(generation=2, round=1, world_size=2, master_addr="127.0.0.1",
+                                                     master_port=port2, ranks={"0": rank}, cause="a node joins"))
+            if step.number == 7 and rank == 0:
+                release.touch()
+            time.sleep(0.05)  # longer than a save of this model: the next one is written within a step
+            for micro in step:
+                x, y = micro.batch
+                micro.backward(torch.nn.functional.mse_loss(session.model(x), y))
+    results.put((rank, recoveries.after_steps))
+
+
+def test_the_ranks_train_on_while_a_checkpoint_save_is_in_flight_before_re_forming_for_a_join(
+        tmp_path: Path) -> None:
+    # Re-forming closes the checkpoint manager, which waits for the save in flight to be
+    # written: the ranks and a joining node's workers would all wait for it. The ranks vote to
+    # re-form only once it is written (here: once rank 0 trains step 7), training on meanwhile.
+    port, port2 = _free_port(), _free_port()
+    controls = _control_dirs(tmp_path, port)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    out = _run_ranks(2, _save_in_flight_worker, lambda rank: (controls[rank], str(ckpt), port2), port=port)
+    for rank, (after_steps,) in out.items():
+        assert len(after_steps) == 1 and 7 <= after_steps[0] < 14, (rank, after_steps)
