@@ -4,9 +4,9 @@ environment, the control channel, and the forkserver its workers are forked from
 None of it needs torch, so ``elastictrain run`` can start the forkserver first, its import
 of torch (and of what building a DDP model imports) beside the agent's own import of
 torch instead of after it: a one-node job ends about 1 s sooner on a quiet machine here.
-It does so only when the machine has a core to spare (:func:`core_to_spare`): on busy
-cores two torch imports side by side slow each other down more than they gain (a node
-joining two training nodes on this 2-core machine had its workers started 2 s later).
+It does so only when cores are idle (:func:`core_to_spare`): on busy cores two torch
+imports side by side slow each other down more than they gain (a node joining two
+training nodes on this 2-core machine had its workers started 2 s later).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import os
 import shutil
 import stat
 import tempfile
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,10 +56,26 @@ class NodeSetup:
         shutil.rmtree(self.temp, ignore_errors=True)
 
 
-def core_to_spare() -> bool:
-    """Whether this machine has a core to spare: its load average over the last minute is
-    below its number of cores minus one."""
-    return os.getloadavg()[0] < (os.cpu_count() or 1) - 1
+def core_to_spare(window: float = 0.1) -> bool:
+    """Whether this machine has a core to spare now for the forkserver's import, besides the one
+    the agent's own import takes: more than 1.5 cores' worth of idle time over ``window``
+    seconds, from ``/proc/stat`` (``False`` where it cannot be read). The load average would
+    not do: it lags by a minute, and a node often starts right after the others did."""
+    try:
+        first = _cpu_times()
+        time.sleep(window)
+        second = _cpu_times()
+    except (OSError, ValueError, IndexError):
+        return False
+    idle, total = (b - a for a, b in zip(first, second))
+    return total > 0 and idle / total * (os.cpu_count() or 1) > 1.5
+
+
+def _cpu_times() -> tuple[int, int]:
+    """All cores' idle (idle + iowait) and total time so far, in clock ticks."""
+    with open("/proc/stat", encoding="ascii") as stat_file:
+        fields = [int(v) for v in stat_file.readline().split()[1:]]
+    return fields[3] + fields[4], sum(fields[:8])  # user nice system idle iowait irq softirq steal
 
 
 def start_forkserver() -> None:
