@@ -33,10 +33,10 @@ from elastictrain.config import RunConfig
 from elastictrain.errors import ElasticTrainError, RunIdInUseError
 from elastictrain.events import EventLog, route_torch_events
 from elastictrain.failure_report import WorkerFailure, from_process_failure, job_line, root_cause
+from elastictrain.node_setup import NodeSetup
 from elastictrain.rendezvous import BACKEND_NAME, register
 from elastictrain.rendezvous.handler import LOCAL_WORLD_SIZE_KEY, Etcd3RendezvousHandler, create_handler
 from elastictrain.run_state import NodeRecord, RunPublisher, read_status, stop_requested, this_host
-from elastictrain.node_setup import NodeSetup
 from elastictrain.worker_group import Channel, FailureBudget
 
 logger = logging.getLogger(__name__)
@@ -173,11 +173,7 @@ def _run_node(config: RunConfig, params: RendezvousParameters, events: EventLog,
             limit=config.max_restarts, window_s=config.restart_window.total_seconds()), **common)
     else:
         agent = ElasticAgent(**common)
-    try:
-        outcome = _run_agent(agent, handler, config)
-    finally:
-        if channel is not None:
-            channel.close()
+    outcome = _run_agent(agent, handler, config)  # the channel is the NodeSetup's, closed with it
     events.emit("job_end", exit_code=outcome.exit_code, summary=outcome.summary)
     agent._publish(state="succeeded" if outcome.exit_code == 0 else "failed")  # noqa: SLF001
     events.close()
