@@ -24,8 +24,6 @@ from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.events import handlers as _event_handlers
 
-from elastictrain._worker_boot import FORKSERVER_PRELOAD
-
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -33,11 +31,13 @@ _Reducer = torch._C._distributed_c10d.Reducer  # noqa: SLF001 - checked in _chec
 
 __all__ = [
     "AGENT_OVERRIDES",
+    "DDP_MODULES",
     "DYNAMIC_STATE_GLOBALS",
     "LOCAL_AGENT_OVERRIDES",
     "PINNED_TORCH",
     "TorchCompatError",
     "event_log_handlers",
+    "import_ddp_modules",
     "rebuild_ddp_buckets",
     "remaining_restarts",
     "set_local_rank_env",
@@ -83,6 +83,11 @@ DYNAMIC_STATE_GLOBALS = frozenset({
 _AGENT_STATE = ("_remaining_restarts", "_worker_group")
 """Attributes of a SimpleElasticAgent instance read through this module."""
 
+DDP_MODULES = ("torch.nn.parallel", "torch._dynamo")
+"""What building a DDP model imports (``torch._dynamo``: about 1.4 s here); a node's worker
+forkserver imports them once (:mod:`elastictrain._worker_preload`) instead of every worker."""
+
+
 class TorchCompatError(ImportError):
     """The installed torch lacks a private name elastictrain relies on."""
 
@@ -120,12 +125,18 @@ def _check() -> None:
             raise _fail(f"has no {module_name}.{name}")
     if not callable(getattr(_Reducer, "_rebuild_buckets", None)):
         raise _fail("has no Reducer._rebuild_buckets (DistributedDataParallel's bucket rebuild)")
-    for module in FORKSERVER_PRELOAD:  # torch._dynamo among them
+    for module in DDP_MODULES:
         if importlib.util.find_spec(module) is None:
             raise _fail(f"has no module {module}")
 
 
 _check()
+
+
+def import_ddp_modules() -> None:
+    """Import :data:`DDP_MODULES` (a worker forkserver does, once)."""
+    for module in DDP_MODULES:
+        importlib.import_module(module)
 
 
 def remaining_restarts(agent: SimpleElasticAgent) -> int:

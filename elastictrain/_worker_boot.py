@@ -38,12 +38,6 @@ TERMINAL_ENV = "ELASTICTRAIN_AGENT_STREAMS"
 LINE_PREFIX_ENV = "ELASTICTRAIN_LINE_PREFIX"
 """``0`` turns off the ``[node rank]`` prefix of worker output lines."""
 
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
-                      "elastictrain", "elastictrain._worker_boot"]
-"""Modules the forkserver imports once, inherited by every worker it forks (building a DDP
-model imports ``torch._dynamo``: about 1.4 s here, paid once per node instead of once per
-worker start). :mod:`elastictrain._torch_compat` checks at import that torch has each of them."""
-
 
 class _PrefixedStream(io.TextIOBase):
     """A text stream that starts every line it writes with a prefix, then hands it on."""

@@ -23,12 +23,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastictrain._control import CONTROL_DIR_ENV
-from elastictrain._worker_boot import AGENT_PID_ENV, FORKSERVER_PRELOAD, TERMINAL_ENV, terminal_identity
+from elastictrain._worker_boot import AGENT_PID_ENV, TERMINAL_ENV, terminal_identity
 from elastictrain.config import RunConfig, take_etcd_password
 from elastictrain.events import EVENT_LOG_ENV, NODE_ENV
 from elastictrain.worker_group import Channel
 
 __all__ = ["NodeSetup", "core_to_spare", "prepare", "start_forkserver"]
+
+_FORKSERVER_PRELOAD = ["elastictrain._worker_preload"]
+"""What the forkserver imports once, for every worker it forks (torch among it)."""
 
 _TEMP_PREFIX = "elastictrain-node-"
 
@@ -83,7 +86,7 @@ def start_forkserver() -> None:
     first worker it forks waits for that). Every worker of every round is forked from it:
     a restart costs a fork, not a Python start plus a torch import. It does not touch CUDA,
     so forking is safe. The workers' environment must be set first (:func:`prepare`)."""
-    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+    multiprocessing.set_forkserver_preload(_FORKSERVER_PRELOAD)
     multiprocessing.forkserver.ensure_running()
 
 
