@@ -366,7 +366,7 @@ class InProcessAgent(ElasticAgent):
                     joins = bool(getattr(spec.rdzv_handler, "only_nodes_joining", lambda: False)())
             held = self._held
             if held is not None and (cause is not None or self._joiners_ready(group, held, now)):
-                self._publish_recovery(group, held.cause, held.started, held=held)
+                self._publish_recovery(group, held.cause, held.started, held_since=held.formed)
             if cause is not None:
                 self._recover(group, cause, joins=joins)
 
@@ -442,7 +442,7 @@ class InProcessAgent(ElasticAgent):
             self._initialize_workers(group)
             return
         started = time.monotonic()
-        hold = joins and not self._dead and hasattr(group.spec.rdzv_handler, "ready_nodes")
+        hold = joins and not self._dead  # only our handler says a change is nodes joining
         if not hold:
             self._channel.mark_pending(cause)
         alive = {w.local_rank: w.id for w in group.workers if w.local_rank not in self._dead}
@@ -456,13 +456,14 @@ class InProcessAgent(ElasticAgent):
             return
         self._publish_recovery(group, cause, started)
 
-    def _publish_recovery(self, group: WorkerGroup, cause: str, started: float, *, held: _Held | None = None) -> None:
+    def _publish_recovery(self, group: WorkerGroup, cause: str, started: float, *,
+                          held_since: float | None = None) -> None:
         """Publish the next generation, start the dead workers' replacements, and report it.
-        A generation ``held`` for a join is published as it was formed: a worker that died
-        since is replaced by the recovery that follows."""
+        A generation held for a join since ``held_since`` is published as it was formed: a
+        worker that died since is replaced by the recovery that follows."""
         self._held = None
         self._publish_generation(group, cause=cause)
-        dead = sorted(self._dead) if held is None else []
+        dead = sorted(self._dead) if held_since is None else []
         self._dead -= set(dead)
         if dead:
             pids = self._workers.start(dead)
@@ -471,9 +472,9 @@ class InProcessAgent(ElasticAgent):
                     worker.id = pids[worker.local_rank]
         self.recoveries += 1
         now = time.monotonic()
-        trained_on = now - held.formed if held is not None else 0.0
+        trained_on = now - held_since if held_since is not None else 0.0
         duration = now - started - trained_on
-        extra = {"trained_on_s": round(trained_on, 3)} if held is not None else {}
+        extra = {"trained_on_s": round(trained_on, 3)} if held_since is not None else {}
         self._events.emit("recovery", cause=cause, generation=self._generation, duration_s=round(duration, 3),
                           replaced_local_ranks=dead, world_size=group.workers[0].world_size if group.workers else None,
                           **extra)
@@ -482,7 +483,7 @@ class InProcessAgent(ElasticAgent):
         logger.info("generation %d ready in %.3fs (%s)%s%s", self._generation, duration, cause,
                     f"; replaced local worker(s) {dead}" if dead else "; every worker kept its process",
                     f"; the workers trained on for {trained_on:.3f}s until the joining node(s) were ready"
-                    if held is not None else "")
+                    if held_since is not None else "")
 
     def _publish_generation(self, group: WorkerGroup, *, cause: str) -> None:
         self._generation += 1
