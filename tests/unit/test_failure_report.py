@@ -6,7 +6,6 @@ import json
 import time
 from pathlib import Path
 
-import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from elastictrain import failure_report
@@ -83,75 +82,3 @@ def test_an_outcome_file_round_trips_for_the_local_launcher(tmp_path: Path) -> N
     data = failure_report.read_outcome(path)
     assert data is not None and data["failures"] == [raised]
     assert failure_report.read_outcome(str(tmp_path / "missing.json")) is None
-
-
-def test_a_killed_nodes_temp_dir_is_removed_at_the_next_start(tmp_path: Path, monkeypatch) -> None:
-    import subprocess
-    import sys
-    import tempfile
-
-    from elastictrain import node_setup
-
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    stale = tmp_path / f"elastictrain-node-{dead.pid}-abc"
-    (stale / "logs").mkdir(parents=True)
-    live = tmp_path / "elastictrain-node-1-xyz"  # pid 1 is alive
-    live.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    made = node_setup._node_temp_dir()
-    assert not stale.exists() and live.exists()
-    assert Path(made).name.startswith(f"elastictrain-node-{__import__('os').getpid()}-")
-
-
-def test_a_killed_forkservers_pymp_dir_is_removed_and_a_live_one_kept(tmp_path: Path, monkeypatch) -> None:
-    import socket
-    import tempfile
-
-    from elastictrain import node_setup
-
-    stale, live = tmp_path / "pymp-stale", tmp_path / "pymp-live"
-    stale.mkdir()
-    live.mkdir()
-    dead_sock = socket.socket(socket.AF_UNIX)
-    dead_sock.bind(str(stale / "listener-1"))
-    dead_sock.close()  # bound, never listening: what a killed forkserver leaves
-    live_sock = socket.socket(socket.AF_UNIX)
-    live_sock.bind(str(live / "listener-2"))
-    live_sock.listen()
-    try:
-        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-        node_setup._node_temp_dir()
-        assert not stale.exists() and live.exists()
-    finally:
-        live_sock.close()
-
-
-def test_a_forkserver_in_another_network_namespace_keeps_its_pymp_dir(tmp_path: Path, monkeypatch) -> None:
-    # /proc/net/unix lists the reader's network namespace only: a node started in another one
-    # (the chaos harness runs nodes in their own) must not take a live forkserver for dead.
-    import subprocess
-    import sys
-    import tempfile
-
-    from elastictrain import node_setup
-
-    live = tmp_path / "pymp-elsewhere"
-    live.mkdir()
-    listener = live / "listener-3"
-    bind_and_wait = (f"import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind({str(listener)!r}); "
-                     "s.listen(); print('bound', flush=True); time.sleep(60)")
-    try:
-        proc = subprocess.Popen(["unshare", "--net", sys.executable, "-c", bind_and_wait],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    except FileNotFoundError:
-        pytest.skip("needs unshare (util-linux)")
-    try:
-        if proc.stdout.readline().strip() != "bound":
-            pytest.skip(f"cannot make a network namespace here: {proc.stderr.read().strip()[:200]}")
-        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-        node_setup._node_temp_dir()
-        assert live.exists() and listener.exists()
-    finally:
-        proc.kill()
-        proc.wait()
