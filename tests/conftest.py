@@ -102,19 +102,32 @@ def _signal(pid: int, sig: signal.Signals) -> None:
         pass
 
 
-def _native_stacks(pids: list[int]) -> str:
-    """gdb's backtrace of every thread of ``pids`` (where gdb is installed): what a process
-    blocked in C++ (a collective, a store, a join) waits on, which faulthandler cannot show."""
+# The longest a hang report takes (gdb on every process, then their Python stacks): a test's
+# pytest timeout must exceed the time it gives a job by this much, or pytest-timeout cuts the
+# report short and the hang is lost (seen: a job timeout of 140 s under a test timeout of 150 s).
+HANG_REPORT_S = 25
+
+
+def _native_stacks(pids: list[int], budget: float = HANG_REPORT_S - 5) -> str:
+    """gdb's backtrace of every thread of ``pids`` (where gdb is installed), in ``budget``
+    seconds at most: what a process blocked in C++ (a collective, a store, a join) waits on,
+    which faulthandler cannot show."""
     import shutil
 
     if shutil.which("gdb") is None:
         return ""
+    deadline = time.monotonic() + budget
     out = []
     for pid in pids:
+        left = deadline - time.monotonic()
+        if left < 1:
+            out.append(f"--- no time left for gdb on {pid} ---")
+            continue
         try:
             trace = subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt 25"],
-                                   capture_output=True, text=True, timeout=30).stdout
+                                   capture_output=True, text=True, timeout=left).stdout
         except subprocess.TimeoutExpired:
+            out.append(f"--- gdb on {pid} did not finish in {left:.0f}s ---")
             continue
         frames = [line for line in trace.splitlines() if line.startswith(("#", "Thread "))]
         out.append(f"--- native stacks of {pid} ---\n" + "\n".join(frames[:300]))
@@ -149,11 +162,26 @@ def hang_reporting_env(env: dict[str, str] | None = None) -> dict[str, str]:
     return {**(env if env is not None else subprocess_env()), "PYTHONFAULTHANDLER": "1"}
 
 
+_test_timeout: float | None = None  # pytest-timeout's limit for the test now running
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    global _test_timeout
+    marker = item.get_closest_marker("timeout")
+    limit = marker.args[0] if marker is not None and marker.args else (
+        item.config.getoption("timeout", None) or item.config.getini("timeout"))
+    _test_timeout = float(limit) if limit else None
+
+
 def communicate_reporting_hangs(procs: list[subprocess.Popen[str]], *, timeout: float) -> list[tuple[str, str]]:
     """Each process's (stdout, stderr) once all have exited (started with :func:`hang_reporting_env`).
     If any outlives ``timeout``, every Python process under each one still running prints its
     threads' stacks (SIGABRT with faulthandler on), deepest first, and the test fails with all
-    their output: where a job hung."""
+    their output: where a job hung. ``timeout`` must leave the test :data:`HANG_REPORT_S` for that."""
+    if _test_timeout and timeout + HANG_REPORT_S > _test_timeout:
+        raise AssertionError(f"a {timeout:g}s wait under a {_test_timeout:g}s test timeout leaves no time to report "
+                             f"a hang: wait at most {_test_timeout - HANG_REPORT_S:g}s, or raise the test's timeout")
     deadline = time.monotonic() + timeout
     outputs: list[tuple[str, str]] = []
     try:

@@ -18,7 +18,7 @@ EXAMPLES = REPO_ROOT / "examples"
 
 def elastictrain_run(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     # cwd: the launcher writes its event log under the working directory.
-    return run_reporting_hangs([sys.executable, "-m", "elastictrain", "run", *args], timeout=140,
+    return run_reporting_hangs([sys.executable, "-m", "elastictrain", "run", *args], timeout=120,
                                env=subprocess_env(OMP_NUM_THREADS="1"), cwd=cwd)
 
 

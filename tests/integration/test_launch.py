@@ -21,7 +21,7 @@ from tests.conftest import REPO_ROOT, run_reporting_hangs, subprocess_env
 SCRIPT = str(REPO_ROOT / "tests" / "scripts" / "ddp_steps.py")
 
 
-def elastictrain(*args: str, timeout: float = 100, **env: str) -> subprocess.CompletedProcess[str]:
+def elastictrain(*args: str, timeout: float = 95, **env: str) -> subprocess.CompletedProcess[str]:
     return run_reporting_hangs([sys.executable, "-m", "elastictrain", *args], timeout=timeout,
                                env=subprocess_env(**env), cwd=REPO_ROOT)
 

@@ -28,7 +28,7 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
-def cli_process(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def cli_process(*args: str, timeout: float = 95) -> subprocess.CompletedProcess[str]:
     return run_reporting_hangs([sys.executable, "-m", "elastictrain", *args], timeout=timeout, cwd=REPO_ROOT)
 
 
