@@ -29,10 +29,12 @@ import copy
 import dataclasses
 import logging
 from datetime import timedelta
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from elastictrain import process_group as pg
 from elastictrain._control import Assignment, WorkerState
@@ -42,7 +44,10 @@ from elastictrain.worker import WorkerContext
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BoundaryFlag", "context_for", "describe", "is_collective_failure", "join_generation", "wait_for_generation"]
+__all__ = [
+    "BoundaryFlag", "abort_default_group", "context_for", "describe", "is_collective_failure", "join_generation",
+    "wait_for_generation", "wrap_in_ddp",
+]
 
 # What gloo and NCCL say when a peer or the network is gone, besides torch's DistError types.
 _MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe", "connection refused",
@@ -181,6 +186,48 @@ def _replace(out: Any, carried: Any) -> Any:
             copied[key] = _replace(item, carried)
         return copied
     return out
+
+
+def wrap_in_ddp(module: torch.nn.Module, ddp_kwargs: Mapping[str, Any], placement: pg.Placement, group: Any, *,
+                in_process: bool, identical: bool) -> tuple[DistributedDataParallel, BoundaryFlag | None, bool]:
+    """``module`` in DDP over this generation's group (``group``; None: the default one).
+
+    With in-process recovery the module is wrapped in a :class:`BoundaryFlag` first, and DDP
+    makes no collective inside a forward, where a failure would escape the step loop: rank 0's
+    buffers are to be broadcast at each step boundary instead, if the user wants them
+    synchronized (DDP's default). ``identical``: every rank already holds the same state (the
+    agreement made it so), so DDP need not broadcast it once more; otherwise DDP broadcasts rank
+    0's parameters and buffers here: identical replicas whether they were initialized or restored.
+
+    Returns:
+        The DDP module, the flag (None without in-process recovery), and whether the buffers
+        are to be broadcast at each step boundary.
+    """
+    kwargs = dict(ddp_kwargs)
+    if placement.device.type == "cuda":
+        kwargs.setdefault("device_ids", [placement.device.index])
+        kwargs.setdefault("output_device", placement.device.index)
+    if group is not None:
+        kwargs["process_group"] = group
+    if not in_process:
+        return DistributedDataParallel(module, **kwargs), None, False
+    legacy, wanted = kwargs.pop("broadcast_buffers", None), kwargs.pop("forward_sync_buffers", None)
+    wanted = wanted if wanted is not None else (legacy if legacy is not None else True)
+    sync_buffers = bool(wanted) and any(True for _ in module.buffers())
+    kwargs["forward_sync_buffers"] = False
+    if identical:
+        kwargs.setdefault("init_sync", False)
+    flag = BoundaryFlag(module, group)
+    return DistributedDataParallel(flag, **kwargs), flag, sync_buffers
+
+
+def abort_default_group() -> None:
+    """Abort the NCCL communicators of the default group: a collective stuck on a peer that is
+    gone fails at once, and the worker re-forms (called from the liveness thread)."""
+    group = dist.group.WORLD
+    if group is not None and dist.is_initialized():
+        logger.warning("a collective is stuck on a peer that is gone: aborting NCCL")
+        group.abort()
 
 
 def wait_for_generation(control: WorkerControl, timeout: float) -> Assignment:

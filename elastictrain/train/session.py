@@ -29,8 +29,6 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence, Sized
-from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -42,23 +40,25 @@ from torch.utils.data import DataLoader
 from elastictrain import _torch_compat, events
 from elastictrain import process_group as pg
 from elastictrain._control import Assignment, WorkerState
-from elastictrain.config import RECOVERY_MODES, parse_duration
 from elastictrain.checkpoint import CheckpointManager, RestoreInfo, TorchDistributedCoordinator
 from elastictrain.errors import CheckpointError, ConfigError, SessionError
 from elastictrain.hooks import HookDispatcher
-from elastictrain.precision import PRECISIONS, MixedPrecision
+from elastictrain.precision import MixedPrecision
 from elastictrain.progress import ProgressHook, progress_wanted
 from elastictrain.rank_logging import RankLoggerAdapter, get_logger, setup_logging
 from elastictrain.sampler import ElasticSampler
-from elastictrain.train.control import JobEnded, WorkerControl
+from elastictrain.train.control import WorkerControl
 from elastictrain.train.recovery import (
     BoundaryFlag,
+    abort_default_group,
     context_for,
     describe,
     is_collective_failure,
     join_generation,
     wait_for_generation,
+    wrap_in_ddp,
 )
+from elastictrain.train.session_config import SessionConfig
 from elastictrain.train.state_transfer import agree, transfer
 from elastictrain.train.steps import END, MicroStep, PlanFeed, Step, to_device
 from elastictrain.worker import WorkerContext
@@ -71,139 +71,6 @@ save is in flight (re-forming would wait for it to be written)."""
 
 _RESERVED = ("model", "optimizer", "scheduler", "scaler", "sampler", "session")
 _PROGRESS_VERSION = 1
-
-
-def _positive(name: str, value: Any, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {value!r}")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SessionConfig:
-    """How a :class:`Session` trains. Every field can also be passed to ``Session(...)`` directly."""
-
-    global_batch_size: int
-    """Samples per optimizer step over all ranks; constant when the world size changes."""
-
-    micro_batch_size: int | None = None
-    """Most samples per forward pass on a rank; the rest is gradient accumulation.
-    None: one micro-batch per rank per step (its share of the global batch)."""
-
-    epochs: int = 1
-    """Epochs to train; a restart continues the epoch it was in."""
-
-    max_steps: int | None = None
-    """Stop after this many optimizer steps in total (across restarts), even mid-epoch."""
-
-    seed: int = 0
-    """Seeds the data order, each rank's RNGs on a fresh start, and DataLoader workers."""
-
-    shuffle: bool = True
-    """Shuffle the dataset each epoch (a permutation drawn from ``seed`` and the epoch)."""
-
-    drop_last: bool = False
-    """Skip an epoch's last ``len % global_batch_size`` samples instead of a short last step."""
-
-    checkpoint_dir: str | None = None
-    """Where checkpoints go, on storage every node shares. None: no checkpoints (a restart starts over)."""
-
-    checkpoint_every: int | None = None
-    """Save after every this many optimizer steps; None: only at the end.
-    A failure loses at most this many steps."""
-
-    keep_last: int = 3
-    """Committed checkpoints to keep."""
-
-    async_save: bool = False
-    """Write checkpoints on a background thread; training waits only for the copy to CPU memory."""
-
-    overlap_save: bool = False
-    """With ``async_save``: make that copy in the background too, while the next step computes; its
-    optimizer step waits for the copy if it is not done. Training code must then not change
-    parameters or buffers in place outside the optimizer and the model's forward (see
-    ``CheckpointManager(overlap=True)``; ``session.checkpoints.wait_snapshot()`` makes it safe)."""
-
-    precision: str = "auto"
-    """``"auto"`` (bf16 or fp16 on GPU, fp32 on CPU), ``"fp32"``, ``"bf16"`` or ``"fp16"`` (with a GradScaler)."""
-
-    grad_clip_norm: float | None = None
-    """Clip the total gradient 2-norm to this (after unscaling); None: no clipping."""
-
-    num_workers: int = 0
-    """DataLoader worker processes per rank."""
-
-    pin_memory: bool | None = None
-    """DataLoader ``pin_memory``; None: on when training on CUDA."""
-
-    backend: str | None = None
-    """Process-group backend; None: ``ELASTICTRAIN_BACKEND``, else NCCL on GPU, gloo on CPU."""
-
-    timeout: timedelta | None = None
-    """Collective timeout (seconds are accepted); None: ``ELASTICTRAIN_PG_TIMEOUT``, else 60 s."""
-
-    device: str | None = None
-    """Overrides the device (default: this local rank's GPU, else the CPU)."""
-
-    sync_loss: bool = False
-    """All-reduce each step's loss so hooks and logs see the global-batch mean (one small
-    collective per step); otherwise they see this rank's mean."""
-
-    log_every: int | None = 10
-    """Log loss and throughput on rank 0 every this many steps; None: never."""
-
-    ddp_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments of ``DistributedDataParallel`` (e.g. ``find_unused_parameters``)."""
-
-    recovery: str = "in-process"
-    """``"in-process"``: under ``elastictrain run``, survive faults and membership changes in this
-    process (the group re-forms in place, state comes from live peers); ``"restart"``: leave
-    that to the agent, which restarts the workers from the last checkpoint. Without an
-    in-process agent (torchrun, ``--recovery restart``) the session restarts either way."""
-
-    recovery_timeout: timedelta = timedelta(seconds=600)
-    """How long a recovering worker waits for its agent's next assignment."""
-
-    def __post_init__(self) -> None:
-        _positive("global_batch_size", self.global_batch_size)
-        _positive("micro_batch_size", self.micro_batch_size, allow_none=True)
-        _positive("epochs", self.epochs)
-        _positive("max_steps", self.max_steps, allow_none=True)
-        _positive("checkpoint_every", self.checkpoint_every, allow_none=True)
-        _positive("keep_last", self.keep_last)
-        _positive("log_every", self.log_every, allow_none=True)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
-            raise ConfigError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
-        if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 0:
-            raise ConfigError(f"num_workers must be a non-negative int, got {self.num_workers!r}")
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
-        if self.grad_clip_norm is not None and not (isinstance(self.grad_clip_norm, (int, float))
-                                                    and self.grad_clip_norm > 0):
-            raise ConfigError(f"grad_clip_norm must be a positive number or None, got {self.grad_clip_norm!r}")
-        if self.checkpoint_every is not None and self.checkpoint_dir is None:
-            raise ConfigError("checkpoint_every needs a checkpoint_dir")
-        if self.overlap_save and not self.async_save:
-            raise ConfigError("overlap_save needs async_save=True")
-        if self.timeout is not None:
-            object.__setattr__(self, "timeout", pg.resolve_timeout(self.timeout))
-        if not isinstance(self.ddp_kwargs, Mapping):
-            raise ConfigError(f"ddp_kwargs must be a mapping, got {type(self.ddp_kwargs).__name__}")
-        if self.recovery not in RECOVERY_MODES:
-            raise ConfigError(f"recovery must be one of {RECOVERY_MODES}, got {self.recovery!r}")
-        if not isinstance(self.recovery_timeout, timedelta):
-            object.__setattr__(self, "recovery_timeout", parse_duration("recovery_timeout", self.recovery_timeout,
-                                                                        minimum=1))
-
-
-def _abort_default_group() -> None:
-    """Abort the NCCL communicators of the default group: a collective stuck on a peer that is
-    gone fails at once, and the worker re-forms (called from the liveness thread)."""
-    group = dist.group.WORLD
-    if group is not None and dist.is_initialized():
-        logging.getLogger(__name__).warning("a collective is stuck on a peer that is gone: aborting NCCL")
-        group.abort()
 
 
 def _rank_seed(seed: int, rank: int) -> int:
@@ -527,32 +394,12 @@ class Session:
             # brings back the saved ones instead.
             _seed_everything(_rank_seed(config.seed, self.context.rank))
         if placement.distributed:
-            kwargs = dict(config.ddp_kwargs)
-            if placement.device.type == "cuda":
-                kwargs.setdefault("device_ids", [placement.device.index])
-                kwargs.setdefault("output_device", placement.device.index)
-            if self._group is not None:
-                kwargs["process_group"] = self._group
-            trained: torch.nn.Module = self.module
-            if self.recovers_in_process:
-                # No collective inside a forward, where a failure would escape the step
-                # loop: rank 0's buffers are broadcast at each step boundary instead, if
-                # the user wants them synchronized (DDP's default).
-                legacy, wanted = kwargs.pop("broadcast_buffers", None), kwargs.pop("forward_sync_buffers", None)
-                wanted = wanted if wanted is not None else (legacy if legacy is not None else True)
-                self._sync_buffers = bool(wanted) and any(True for _ in self.module.buffers())
-                kwargs["forward_sync_buffers"] = False
-                if peer_state:
-                    # The agreement left every rank with the same state: DDP need not
-                    # broadcast it all once more.
-                    kwargs.setdefault("init_sync", False)
-                self._flag = trained = BoundaryFlag(self.module, self._group)
-            # Otherwise DDP broadcasts rank 0's parameters and buffers here: identical
-            # replicas whether they were initialized or restored.
-            self._ddp = DistributedDataParallel(trained, **kwargs)
+            self._ddp, self._flag, self._sync_buffers = wrap_in_ddp(
+                self.module, config.ddp_kwargs, placement, self._group, in_process=self.recovers_in_process,
+                identical=peer_state)
             self._ddp.register_forward_pre_hook(self._count_forward)
             if self.recovers_in_process and "nccl" in (placement.backend or "") and self._control is not None:
-                self._control.on_stuck(_abort_default_group)
+                self._control.on_stuck(abort_default_group)
         return received
 
     def _leave_generation(self) -> None:
@@ -818,7 +665,9 @@ class Session:
         throughput = step.step_size / elapsed if elapsed > 0 else float("inf")
         logging_due = config.log_every is not None and self._step % config.log_every == 0
         if config.sync_loss or logging_due or self.hooks.wants("on_step_end"):
-            step.loss = self._step_loss(step)
+            distributed = self.placement is not None and self.placement.distributed
+            step.loss = step.mean_loss(sync=config.sync_loss, all_reduce=config.sync_loss and distributed,
+                                       group=self._group)
         if logging_due:
             self.log.info("step %d epoch %d %s %.5g %.1f samples/s", self._step, step.epoch,
                           "loss" if config.sync_loss else "rank-0 loss", step.loss, throughput)
@@ -826,20 +675,6 @@ class Session:
         if config.checkpoint_every is not None and self._step % config.checkpoint_every == 0:
             self.save()
             self._clock = time.perf_counter()  # a save's time is not a step's
-
-    def _step_loss(self, step: Step) -> float:
-        # sum(weight * mean loss) over this rank's micro-batches is its share of
-        # the global-batch mean; over all ranks it is the global-batch mean.
-        total = torch.zeros((), device=self.device, dtype=torch.float64)
-        for loss, weight in step._losses:
-            total += loss.double() * weight
-        if self.config.sync_loss and self.placement is not None and self.placement.distributed:
-            dist.all_reduce(total, group=self._group)
-            return float(total)
-        if self.config.sync_loss:
-            return float(total)
-        weight = sum(w for _, w in step._losses)
-        return float(total) / weight if weight else float("nan")
 
     def save(self) -> None:
         """Checkpoint the current state as step :attr:`step`; a collective (every rank calls it).

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from elastictrain.accumulation import accumulate
 from elastictrain.errors import ConfigError, SessionError
@@ -182,6 +183,21 @@ class Step:
                     f"step {self.number}: the last micro-batch ran no forward pass through session.model, "
                     "so DDP did not synchronize gradients; call session.model, not the unwrapped module"
                 )
+
+    def mean_loss(self, *, sync: bool, all_reduce: bool, group: Any = None) -> float:
+        """The step's mean loss: this rank's, or with ``sync`` the global batch's (summed over
+        the ranks by an all-reduce over ``group`` when ``all_reduce``)."""
+        # sum(weight * mean loss) over this rank's micro-batches is its share of
+        # the global-batch mean; over all ranks it is the global-batch mean.
+        total = torch.zeros((), device=self._session.device, dtype=torch.float64)
+        for loss, weight in self._losses:
+            total += loss.double() * weight
+        if sync:
+            if all_reduce:
+                dist.all_reduce(total, group=group)
+            return float(total)
+        weight = sum(w for _, w in self._losses)
+        return float(total) / weight if weight else float("nan")
 
     def _record(self, micro: MicroStep, loss: torch.Tensor) -> None:
         self._done += 1

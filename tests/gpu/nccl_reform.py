@@ -1,6 +1,7 @@
-"""On one GPU: form an NCCL group, train a DDP step with the boundary flag, abort the communicator
-(as a worker does when a collective is stuck on a dead peer), then form the next generation in
-the same process and train again. Prints one JSON line; exits non-zero on any failure.
+"""On one GPU: form an NCCL group, train a DDP step with the boundary flag (wrapped as a session
+wraps its model), abort the communicator (as a worker does when a collective is stuck on a dead
+peer), then form the next generation in the same process and train again. Prints one JSON line;
+exits non-zero on any failure.
 
 Run by tests/gpu/check.sh on a machine with CUDA (not part of the CPU suite).
 """
@@ -11,12 +12,13 @@ import json
 import socket
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
-from elastictrain.train.recovery import BoundaryFlag, is_collective_failure
+from elastictrain.process_group import Placement
+from elastictrain.train.recovery import abort_default_group, is_collective_failure, wrap_in_ddp
 
 
 def _port() -> int:
@@ -28,8 +30,8 @@ def _port() -> int:
 def generation(model: torch.nn.Module, wanted: bool) -> dict:
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1,
                             device_id=torch.device("cuda", 0))
-    flag = BoundaryFlag(model)
-    ddp = DistributedDataParallel(flag, device_ids=[0], broadcast_buffers=False)
+    placement = Placement(torch.device("cuda", 0), "nccl", timedelta(seconds=60), 0, 1, owned=True)
+    ddp, flag, _ = wrap_in_ddp(model, {}, placement, None, in_process=True, identical=False)
     flag.arm(wanted)
     ddp(torch.randn(8, 16, device="cuda")).sum().backward()
     torch.cuda.synchronize()
@@ -43,7 +45,7 @@ def main() -> int:
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).cuda()
     first = generation(model, wanted=True)
     started = time.perf_counter()
-    dist.group.WORLD.abort()  # what the liveness thread does for a stuck collective
+    abort_default_group()  # what the liveness thread does for a stuck collective
     aborted = time.perf_counter() - started
     try:
         dist.all_reduce(torch.ones(1, device="cuda"))
