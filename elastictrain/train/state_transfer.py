@@ -2,17 +2,22 @@
 
 When a group forms (at start, or re-formed in place after a fault), every rank says
 whether it holds the training state and at which step. The newest step any rank
-holds is the group's; one rank holding it (the lowest) broadcasts it to every rank
-that does not: new and replacement workers, and a survivor that did not apply the
-last step (a collective that failed on some ranks and not on others). Applying an
-optimizer step is deterministic given the all-reduced gradients, so every rank that
-holds the newest step holds the same state: none is redone and none is lost.
+holds is the group's; the ranks holding it send it to every rank that does not: new
+and replacement workers, and a survivor that did not apply the last step (a
+collective that failed on some ranks and not on others), each receiver from one
+holder, the holders taking turns. Applying an optimizer step is deterministic given
+the all-reduced gradients, so every rank that holds the newest step holds the same
+state: none is redone and none is lost.
+
+Only the receivers receive (point to point): a rank that holds the state gets no
+bytes, so a join costs the group one copy of the state per newcomer, sent by the
+holders in parallel, whatever the number of survivors.
 
 Only when no rank holds state (the whole job starts, or restarts) does the caller
 read the checkpoint.
 
 The state travels over a gloo group as raw tensor bytes: tensors of ``_DIRECT_BYTES`` and
-more in broadcasts of their own, from and into their own memory; smaller ones in one buffer
+more in messages of their own, from and into their own memory; smaller ones in one buffer
 with the rest (containers, plain values, each tensor's shape and dtype) as ``torch.save``
 bytes read back with ``torch.load(weights_only=True)``: a peer's bytes cannot run code here
 either. No tensor is serialized.
@@ -43,14 +48,27 @@ class Agreement:
 
     step: int | None
     """The newest step any rank holds; ``None`` when no rank holds state (read the checkpoint)."""
-    source: int | None
-    """The rank that sends it (the lowest holding it)."""
+    holders: tuple[int, ...]
+    """The ranks that hold it, lowest first; they send it."""
     receivers: tuple[int, ...]
     """Ranks that do not hold it and receive it."""
 
     @property
+    def source(self) -> int | None:
+        """The lowest rank holding the newest step; ``None`` when no rank holds state."""
+        return self.holders[0] if self.holders else None
+
+    @property
     def needed(self) -> bool:
-        return self.source is not None and bool(self.receivers)
+        return bool(self.holders) and bool(self.receivers)
+
+    def source_of(self, receiver: int) -> int:
+        """The holder that sends to ``receiver``: the holders take turns."""
+        return self.holders[self.receivers.index(receiver) % len(self.holders)]
+
+    def receivers_of(self, holder: int) -> tuple[int, ...]:
+        """The receivers ``holder`` sends to (none for a rank that is not a holder)."""
+        return tuple(r for r in self.receivers if self.source_of(r) == holder)
 
 
 def agree(group: Any, *, holds: bool, step: int) -> Agreement:
@@ -65,17 +83,17 @@ def agree(group: Any, *, holds: bool, step: int) -> Agreement:
     dist.all_gather(everyone, mine, group=group)
     held = [(rank, int(t[1])) for rank, t in enumerate(everyone) if int(t[0])]
     if not held:
-        return Agreement(None, None, ())
+        return Agreement(None, (), ())
     newest = max(s for _, s in held)
-    source = min(rank for rank, s in held if s == newest)
-    receivers = tuple(rank for rank, t in enumerate(everyone) if not int(t[0]) or int(t[1]) != newest)
-    return Agreement(newest, source, receivers)
+    holders = tuple(rank for rank, s in held if s == newest)
+    receivers = tuple(rank for rank in range(world) if rank not in holders)
+    return Agreement(newest, holders, receivers)
 
 
 _ALIGN = 64
 """Byte alignment of each tensor in the flat buffer (a view of any dtype needs its element size)."""
 _DIRECT_BYTES = 1 << 20
-"""Tensors this large travel by a broadcast of their own, from and into their own memory;
+"""Tensors this large travel in a message of their own, from and into their own memory;
 smaller ones are copied into one buffer (one collective for all of them)."""
 
 
@@ -104,7 +122,7 @@ def _encode(state: Mapping[str, Any], step: int) -> tuple[torch.Tensor, list[tor
     The buffer holds a 16-byte header (skeleton bytes, total bytes), the skeleton (the
     state with every tensor replaced by a meta tensor of its shape and dtype, as
     ``torch.save`` bytes) and the bytes of each tensor under ``_DIRECT_BYTES``, aligned,
-    in walk order. The larger ones follow it in walk order, each in a broadcast of its
+    in walk order. The larger ones follow it in walk order, each in a message of its
     own from its own memory. No tensor is serialized.
     """
     small: list[torch.Tensor] = []
@@ -138,7 +156,7 @@ def _encode(state: Mapping[str, Any], step: int) -> tuple[torch.Tensor, list[tor
 
 def _decode(payload: torch.Tensor) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """The content :func:`_encode` put in ``payload``, and the tensors (empty, in walk order)
-    that the broadcasts after it fill. Every tensor has memory of its own (a later save must
+    that the messages after it fill. Every tensor has memory of its own (a later save must
     not carry the buffer)."""
     head_bytes = int(payload[:16].view(torch.int64)[0])
     skeleton = torch.load(io.BytesIO(payload[16:16 + head_bytes].numpy().tobytes()), map_location="cpu",
@@ -167,56 +185,74 @@ def _aligned(offset: int) -> int:
 
 
 def transfer(group: Any, agreement: Agreement, state: Mapping[str, Any], *, step: int) -> bool:
-    """Broadcast ``state`` from the agreement's source to its receivers; a collective.
+    """Send ``state`` from the agreement's holders to its receivers, point to point; a
+    collective (every rank of ``group`` calls it; the ranks that neither send nor receive
+    take part only in one small all-gather).
 
     Args:
         group: A CPU (gloo) group of every rank.
         agreement: From :func:`agree`.
         state: The objects that make up the training state (``state_dict()``/
             ``load_state_dict()`` objects, or dicts of plain data updated in place).
-        step: This rank's step (what the source sends).
+        step: This rank's step (what a holder sends).
 
     Returns:
         Whether this rank received (and loaded) the state.
 
     Raises:
-        RuntimeError: The collective failed.
+        RuntimeError: A send or receive failed (a peer died).
         CheckpointMismatchError: The state does not fit this rank's objects.
-        ConfigError: The state holds a value that cannot be sent (on every rank: the sender
+        ConfigError: The state holds a value that cannot be sent (on every rank: the holder
             names it).
     """
     if not agreement.needed:
         return False
     rank = dist.get_rank(group)
-    src = agreement.source
-    assert src is not None  # noqa: S101 - needed implies a source
-    root = dist.get_global_rank(group, src) if group is not None else src
+    sends_to = agreement.receivers_of(rank)
     refused: ConfigError | None = None
-    if rank == src:
+    if sends_to:
         try:
             payload, direct = _encode(state, step)
-            size = torch.tensor([payload.numel()], dtype=torch.int64)
         except ConfigError as exc:
-            refused, size = exc, torch.tensor([-1], dtype=torch.int64)  # the receivers must not wait for it
-    else:
-        size = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(size, src=root, group=group)
+            refused = exc
+    # Every rank learns at once whether a holder could not encode, instead of a receiver
+    # waiting for bytes that never come and the others for a receiver that never arrives.
+    flags = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(flags, torch.tensor([1 if refused is not None else 0], dtype=torch.int64), group=group)
     if refused is not None:
         raise refused
-    if int(size.item()) < 0:
-        raise ConfigError(f"rank {src} could not send the training state (its error says why)")
-    if rank != src:
-        payload = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.broadcast(payload, src=root, group=group)
-    if rank != src:
-        content, direct = _decode(payload)
-    # Queued at once: gloo runs them in order while this thread waits.
-    works = [dist.broadcast(tensor, src=root, group=group, async_op=True) for tensor in direct]
-    for work in works:
-        work.wait()
+    failed = [r for r, flag in enumerate(flags) if int(flag)]
+    if failed:
+        raise ConfigError(f"rank {failed[0]} could not send the training state (its error says why)")
+    if sends_to:
+        # Each message has a tag of its own: the receiver matches them whatever the order.
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        works = []
+        for receiver in sends_to:
+            peer = _global_rank(group, receiver)
+            works += [dist.isend(tensor, peer, group=group, tag=tag)
+                      for tag, tensor in enumerate([size, payload, *direct])]
+        for work in works:
+            work.wait()
+        return False
     if rank not in agreement.receivers:
         return False
+    src = agreement.source_of(rank)
+    peer = _global_rank(group, src)
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, peer, group=group, tag=0)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(payload, peer, group=group, tag=1)
+    content, direct = _decode(payload)
+    works = [dist.irecv(tensor, peer, group=group, tag=tag) for tag, tensor in enumerate(direct, start=2)]
+    for work in works:
+        work.wait()
     snap.load_into(state, content["stateful"], content["extras"], int(content["step"]))
     logger.debug("received step %d from rank %d (%d bytes)", content["step"], src,
                  payload.numel() + sum(_nbytes(tensor) for tensor in direct))
     return True
+
+
+def _global_rank(group: Any, rank: int) -> int:
+    """``rank`` of ``group`` as a rank of the default group (what ``send``/``recv`` take)."""
+    return dist.get_global_rank(group, rank) if group is not None else rank
