@@ -216,9 +216,13 @@ def test_a_joining_node_enters_at_a_step_boundary_without_restarting_anyone(etcd
                                                                             etcd_client: Any, tmp_path: Path) -> None:
     out = tmp_path / "job"
     nodes, before, round_ = join_at(etcd_server, run_id, out, 8)
-    # Held inside step 8 until the newcomer's worker is up: the generation of three is published
-    # during step 8, the ranks vote in step 9 and train at world 3 from step 10.
+    # Held inside step 8 until the newcomer's worker is up and both training nodes' agents have
+    # published the generation of three (they poll the ready keys; releasing the ranks as soon as
+    # the keys exist raced them on busy cores: world 3 from step 11): the ranks vote in step 9 and
+    # train at world 3 from step 10.
     wait_until(lambda: ready_nodes(etcd_client, run_id, round_) == 3, "every node of the round ready", nodes)
+    wait_until(lambda: len([e for e in events(out, "recovery") if "trained_on_s" in e]) == 2,
+               "both training nodes published the generation they held", nodes)
     (out / "release").touch()
     outputs = finish(nodes)
     at_three = assert_joined_at_one_boundary(out, before, nodes, outputs)
