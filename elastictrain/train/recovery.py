@@ -28,8 +28,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from datetime import timedelta
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch
