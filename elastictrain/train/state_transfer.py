@@ -67,8 +67,11 @@ class Agreement:
         return self.holders[self.receivers.index(receiver) % len(self.holders)]
 
     def receivers_of(self, holder: int) -> tuple[int, ...]:
-        """The receivers ``holder`` sends to (none for a rank that is not a holder)."""
-        return tuple(r for r in self.receivers if self.source_of(r) == holder)
+        """The receivers ``holder`` sends to (none for a rank that is not a holder): every
+        ``len(holders)``-th, from its place among the holders (see :meth:`source_of`)."""
+        if holder not in self.holders:
+            return ()
+        return self.receivers[self.holders.index(holder)::len(self.holders)]
 
 
 def agree(group: Any, *, holds: bool, step: int) -> Agreement:
@@ -86,7 +89,8 @@ def agree(group: Any, *, holds: bool, step: int) -> Agreement:
         return Agreement(None, (), ())
     newest = max(s for _, s in held)
     holders = tuple(rank for rank, s in held if s == newest)
-    receivers = tuple(rank for rank in range(world) if rank not in holders)
+    holding = set(holders)
+    receivers = tuple(rank for rank in range(world) if rank not in holding)
     return Agreement(newest, holders, receivers)
 
 
