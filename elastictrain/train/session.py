@@ -1,14 +1,18 @@
 """The training session: a plain DDP loop that survives joins, leaves and crashes.
 
-:class:`Session` puts the pieces together in the order that makes a restart
+:class:`Session` puts the pieces together in the order that makes a recovery
 indistinguishable from an uninterrupted run:
 
-1. form the process group from the launcher's environment (:mod:`~elastictrain.process_group`);
+1. form the process group of this generation from the agent's word (the launcher's
+   environment, or under in-process recovery its control channel;
+   :mod:`~elastictrain.train.recovery`);
 2. move the model to the worker's device;
-3. restore the newest committed checkpoint (model, optimizer, scheduler,
-   GradScaler, sampler cursor, each rank's RNG states, user extras);
-4. wrap the model in DDP, which broadcasts rank 0's parameters and buffers:
-   every rank starts identical, fresh or restored;
+3. bring every rank to the newest state: received from a live peer that holds it
+   (:mod:`~elastictrain.train.state_transfer`), or, when no rank holds any (the job
+   starts or restarts as a whole), read from the newest committed checkpoint (model,
+   optimizer, scheduler, GradScaler, sampler cursor, each rank's RNG states, user extras);
+4. wrap the model in DDP over the group (:class:`~elastictrain.train.generation.Generation`
+   holds what is built on one group): every rank starts identical;
 5. yield optimizer steps from the :class:`~elastictrain.sampler.ElasticSampler`'s
    plans: a fixed global batch, split into micro-batches whose loss scales make
    the accumulated gradient the global-batch mean whatever the world size;
@@ -16,8 +20,10 @@ indistinguishable from an uninterrupted run:
    sampler, hooks, a checkpoint every ``checkpoint_every`` steps;
 7. on exit: a final checkpoint, and the process group destroyed on every path.
 
-A restart (a node joined or left, or a worker crashed) is a new process that
-runs all of this again and carries on from the last checkpoint.
+Under in-process recovery (the default under ``elastictrain run``) a fault or a
+membership change re-forms the group in this process (steps 1, 3 and 4 again, the
+committed state kept); in restart mode the agent starts a new process that runs all
+of this again from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -37,26 +43,25 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from elastictrain import _torch_compat, events
+from elastictrain import events
 from elastictrain import process_group as pg
 from elastictrain._control import Assignment, WorkerState
-from elastictrain.checkpoint import CheckpointManager, RestoreInfo, TorchDistributedCoordinator
-from elastictrain.errors import CheckpointError, ConfigError, SessionError
+from elastictrain.checkpoint import CheckpointManager, RestoreInfo
+from elastictrain.errors import ConfigError, SessionError
 from elastictrain.hooks import HookDispatcher
 from elastictrain.precision import MixedPrecision
 from elastictrain.progress import ProgressHook, progress_wanted
 from elastictrain.rank_logging import RankLoggerAdapter, get_logger, setup_logging
 from elastictrain.sampler import ElasticSampler
 from elastictrain.train.control import WorkerControl
+from elastictrain.train.generation import Generation
 from elastictrain.train.recovery import (
     BoundaryFlag,
-    abort_default_group,
     context_for,
     describe,
     is_collective_failure,
     join_generation,
     wait_for_generation,
-    wrap_in_ddp,
 )
 from elastictrain.train.session_config import SessionConfig
 from elastictrain.train.state_transfer import agree, transfer
@@ -165,18 +170,13 @@ class Session:
 
         self.context: WorkerContext = context or WorkerContext.from_env()
         self.log: RankLoggerAdapter = get_logger(__name__, self.context)
-        self.placement: pg.Placement | None = None
         self.sampler: ElasticSampler | None = None
-        self.checkpoints: CheckpointManager | None = None
         self.restored: RestoreInfo | None = None
         self._precision = MixedPrecision("fp32")
-        self._ddp: DistributedDataParallel | None = None
+        self._generation: Generation | None = None
         self._control: WorkerControl | None = None
         self._assignment: Assignment | None = None
-        self._flag: BoundaryFlag | None = None
         self._due_since: float | None = None
-        self._gloo: Any = None
-        self._sync_buffers = False
         self._recoveries = 0
         self._progress: dict[str, int] = {"version": _PROGRESS_VERSION, "step": 0, "world_size": 1}
         self._step = 0
@@ -191,7 +191,18 @@ class Session:
     @property
     def model(self) -> torch.nn.Module:
         """The model to run forward passes through: DDP-wrapped when distributed."""
-        return self._ddp if self._ddp is not None else self.module
+        ddp = self._generation.ddp if self._generation is not None else None
+        return ddp if ddp is not None else self.module
+
+    @property
+    def placement(self) -> pg.Placement | None:
+        """Device, backend, rank and world of the group this session trains in (None before ``with``)."""
+        return self._generation.placement if self._generation is not None else None
+
+    @property
+    def checkpoints(self) -> CheckpointManager | None:
+        """The checkpoint manager of the current group (None without ``checkpoint_dir``)."""
+        return self._generation.checkpoints if self._generation is not None else None
 
     @property
     def device(self) -> torch.device:
@@ -301,7 +312,7 @@ class Session:
     @property
     def recovers_in_process(self) -> bool:
         """Whether faults and membership changes are handled in this process (see ``SessionConfig.recovery``)."""
-        return self._control is not None and self.placement is not None and self.placement.distributed
+        return self._generation is not None and self._generation.in_process
 
     def reform_due(self) -> bool:
         """Whether this worker's agent wants the group re-formed (in-process recovery): a loop that
@@ -317,38 +328,29 @@ class Session:
             self.log = get_logger(__name__, self.context)
             device = torch.device(config.device) if config.device else pg.device_for(
                 self.context, dist.get_backend(self._group))
-            self.placement = pg.Placement(device, dist.get_backend(self._group), pg.resolve_timeout(config.timeout),
-                                          rank, world, owned=False)
+            placement = pg.Placement(device, dist.get_backend(self._group), pg.resolve_timeout(config.timeout),
+                                     rank, world, owned=False)
+            self._generation = Generation(placement, self._group, in_process=False)
             return
-        self.placement, context, self._assignment = join_generation(
+        placement, context, self._assignment = join_generation(
             self.context, self._control, self._assignment, backend=config.backend, timeout=config.timeout,
             device=config.device, recovery_timeout=config.recovery_timeout.total_seconds())
         if context is not self.context:
             self.context = context
             self.log = get_logger(__name__, self.context)
-        if self.placement.distributed and (self.placement.rank, self.placement.world_size) != (
+        if placement.distributed and (placement.rank, placement.world_size) != (
                 self.context.rank, self.context.world_size):
             # An existing group (someone else's init) defines the world.
-            self.context = dataclasses.replace(self.context, rank=self.placement.rank,
-                                               world_size=self.placement.world_size)
+            self.context = dataclasses.replace(self.context, rank=placement.rank, world_size=placement.world_size)
             self.log = get_logger(__name__, self.context)
+        self._generation = Generation(placement, None,
+                                      in_process=self._control is not None and placement.distributed)
 
     def _adopt(self, assignment: Assignment) -> None:
         """Take this worker's rank, world and store address from the agent's ``assignment``."""
         self._assignment = assignment
         self.context = context_for(self.context, assignment)
         self.log = get_logger(__name__, self.context)
-
-    def _cpu_group(self) -> Any:
-        """A gloo group of this generation (the default one when it is gloo), for state transfer."""
-        assert self.placement is not None  # noqa: S101 - private invariant
-        if self._group is not None:
-            return self._group
-        if self.placement.backend == "gloo":
-            return None
-        if self._gloo is None:
-            self._gloo = dist.new_group(backend="gloo", timeout=self.placement.timeout)
-        return self._gloo
 
     def _form_generation(self, *, holds_state: bool) -> bool:
         """Make this generation's training state and wrappers; a collective.
@@ -360,11 +362,11 @@ class Session:
         Returns:
             Whether this rank received the state from a peer.
         """
-        config, placement = self.config, self.placement
-        assert placement is not None and self.sampler is not None  # noqa: S101 - private invariant
+        config, generation = self.config, self._generation
+        assert generation is not None and self.sampler is not None  # noqa: S101 - private invariant
         received = peer_state = False
-        if self.recovers_in_process:
-            group = self._cpu_group()
+        if generation.in_process:
+            group = generation.cpu_group()
             agreement = agree(group, holds=holds_state, step=self._step)
             if agreement.source is not None:
                 peer_state = True
@@ -374,14 +376,7 @@ class Session:
         self.sampler.set_world(self.context.rank, self.context.world_size)
         self._progress.update(step=self._step, world_size=self.context.world_size)
         if config.checkpoint_dir is not None:
-            coordinator = TorchDistributedCoordinator(self._group) if self._group is not None else None
-            # fence=True: this world claims the directory before it restores, so a stale world
-            # (cut off from etcd while this round formed) can no longer commit there.
-            self.checkpoints = CheckpointManager(
-                config.checkpoint_dir, keep_last=config.keep_last, async_save=config.async_save,
-                overlap=config.overlap_save, coordinator=coordinator, timeout=placement.timeout, fence=True,
-                superseded=self._control.superseded if self._control is not None else None,
-            )
+            generation.open_checkpoints(config, self._control)
             if not peer_state:
                 self._restore()
         if received:
@@ -393,26 +388,9 @@ class Session:
             # Distinct, reproducible streams per rank (dropout, augmentation); a restore
             # brings back the saved ones instead.
             _seed_everything(_rank_seed(config.seed, self.context.rank))
-        if placement.distributed:
-            self._ddp, self._flag, self._sync_buffers = wrap_in_ddp(
-                self.module, config.ddp_kwargs, placement, self._group, in_process=self.recovers_in_process,
-                identical=peer_state)
-            self._ddp.register_forward_pre_hook(self._count_forward)
-            if self.recovers_in_process and "nccl" in (placement.backend or "") and self._control is not None:
-                self._control.on_stuck(abort_default_group)
+        generation.wrap(self.module, config.ddp_kwargs, identical=peer_state, on_forward=self._count_forward,
+                        control=self._control)
         return received
-
-    def _leave_generation(self) -> None:
-        """Drop this generation's group and what was built on it; no collective (peers may be dead)."""
-        self._ddp, self._flag = None, None
-        if self.checkpoints is not None:
-            try:
-                self.checkpoints.close()  # a save in flight fails at its barrier: nothing commits
-            except CheckpointError as exc:
-                self.log.info("checkpoint save abandoned by the re-formation: %s", exc)
-            self.checkpoints = None
-        self._gloo = None
-        pg.destroy_process_group()
 
     def _recover(self, cause: str) -> None:
         """Re-form the group in place after ``cause``; the committed state is kept.
@@ -426,7 +404,8 @@ class Session:
         old_world = self.context.world_size
         self._due_since = None
         while True:
-            self._leave_generation()
+            assert self._generation is not None  # noqa: S101 - private invariant
+            self._generation.leave(self.log)
             self._adopt(wait_for_generation(self._control, self.config.recovery_timeout.total_seconds()))
             try:
                 self._join_group()
@@ -514,9 +493,8 @@ class Session:
         if self._closed:
             return
         self._closed = True
-        self._ddp = self._flag = None
-        if self.placement is not None and self.placement.owned:
-            pg.destroy_process_group()
+        if self._generation is not None:
+            self._generation.end()
         if self._control is not None:
             self._control.close()
 
@@ -606,6 +584,11 @@ class Session:
                     self._clock = time.perf_counter()
                     break  # plan again from the committed cursor, at the new world size
 
+    @property
+    def _flag(self) -> BoundaryFlag | None:
+        """The boundary flag of this generation (in-process recovery only)."""
+        return self._generation.flag if self._generation is not None else None
+
     def _votes_to_reform(self) -> bool:
         """This rank's vote for the step about to run: stop after it and re-form the group,
         because the agent wants a new generation. While a checkpoint save is in flight the
@@ -652,13 +635,8 @@ class Session:
         self._progress["step"] = self._step
         if self._control is not None:
             self._control.step_done(self._step)
-        if self._flag is not None and self._ddp is not None:
-            # DDP would broadcast its bucket order in the next forward, out of reach of
-            # recovery: a peer lost then would fail the training instead of this step.
-            _torch_compat.rebuild_ddp_buckets(self._ddp)
-        if self._sync_buffers:
-            for buffer in self.module.buffers():
-                dist.broadcast(buffer, src=0, group=self._group)
+        assert self._generation is not None  # noqa: S101 - private invariant
+        self._generation.after_step(self.module)
 
         now = time.perf_counter()
         elapsed, self._clock = now - self._clock, now

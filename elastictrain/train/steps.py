@@ -178,7 +178,8 @@ class Step:
             session._forwards = 0
             with session._precision.autocast():
                 yield MicroStep(self, micro, session.to_device(batch), index, index == count - 1)
-            if self.failure is None and index == count - 1 and session._ddp is not None and session._forwards == 0:
+            if (self.failure is None and index == count - 1 and session.model is not session.module
+                    and session._forwards == 0):
                 raise SessionError(
                     f"step {self.number}: the last micro-batch ran no forward pass through session.model, "
                     "so DDP did not synchronize gradients; call session.model, not the unwrapped module"

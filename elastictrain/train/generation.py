@@ -1,0 +1,123 @@
+"""One generation of a session's training group, and what is built on it.
+
+A :class:`~elastictrain.train.session.Session` trains through a sequence of
+generations: the group it starts in, then, under in-process recovery, each group
+its agent re-forms after a fault or a membership change. What depends on the
+group (the DDP wrapper and its boundary flag, the gloo group the state travels
+over, the checkpoint manager coordinating over the group) is built on one
+:class:`Generation` and dropped with it; what outlives a generation (the model,
+the optimizer, the sampler, the committed step) stays with the session.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from elastictrain import _torch_compat
+from elastictrain import process_group as pg
+from elastictrain.checkpoint import CheckpointManager, TorchDistributedCoordinator
+from elastictrain.errors import CheckpointError
+from elastictrain.train.control import WorkerControl
+from elastictrain.train.recovery import BoundaryFlag, abort_default_group, wrap_in_ddp
+from elastictrain.train.session_config import SessionConfig
+
+__all__ = ["Generation"]
+
+
+class Generation:
+    """The group a session trains in now, and the wrappers built on it.
+
+    Args:
+        placement: Device, backend, rank and world of the group.
+        group: The caller's process group (``Session(process_group=...)``), or None for
+            the default group, which the session forms and destroys.
+        in_process: Whether faults and membership changes are recovered in this process
+            (the agent's control channel is open and the group is distributed).
+    """
+
+    def __init__(self, placement: pg.Placement, group: dist.ProcessGroup | None, *, in_process: bool) -> None:
+        self.placement = placement
+        self.group = group
+        self.in_process = in_process
+        self.ddp: DistributedDataParallel | None = None
+        self.flag: BoundaryFlag | None = None
+        self.checkpoints: CheckpointManager | None = None
+        self._sync_buffers = False
+        self._gloo: Any = None
+
+    def cpu_group(self) -> Any:
+        """A gloo group of this generation, for the state transfer: the caller's group, the
+        default one (None) when it is gloo, else a gloo group made once."""
+        if self.group is not None:
+            return self.group
+        if self.placement.backend == "gloo":
+            return None
+        if self._gloo is None:
+            self._gloo = dist.new_group(backend="gloo", timeout=self.placement.timeout)
+        return self._gloo
+
+    def open_checkpoints(self, config: SessionConfig, control: WorkerControl | None) -> CheckpointManager:
+        """The checkpoint manager of this generation, coordinating over its group.
+
+        ``fence=True``: this world claims the directory before it restores, so a stale world
+        (cut off from etcd while this one formed) can no longer commit there.
+        """
+        assert config.checkpoint_dir is not None  # noqa: S101 - the caller checks
+        coordinator = TorchDistributedCoordinator(self.group) if self.group is not None else None
+        self.checkpoints = CheckpointManager(
+            config.checkpoint_dir, keep_last=config.keep_last, async_save=config.async_save,
+            overlap=config.overlap_save, coordinator=coordinator, timeout=self.placement.timeout, fence=True,
+            superseded=control.superseded if control is not None else None,
+        )
+        return self.checkpoints
+
+    def wrap(self, module: torch.nn.Module, ddp_kwargs: Mapping[str, Any], *, identical: bool,
+             on_forward: Callable[..., None], control: WorkerControl | None) -> None:
+        """Wrap ``module`` in DDP over this group (a collective unless ``identical``: every rank
+        already holds the same state); see :func:`~elastictrain.train.recovery.wrap_in_ddp`.
+        ``on_forward`` runs before each forward. On NCCL under in-process recovery, the
+        liveness thread of ``control`` may abort the group's communicators."""
+        if not self.placement.distributed:
+            return
+        self.ddp, self.flag, self._sync_buffers = wrap_in_ddp(
+            module, ddp_kwargs, self.placement, self.group, in_process=self.in_process, identical=identical)
+        self.ddp.register_forward_pre_hook(on_forward)
+        if self.in_process and "nccl" in (self.placement.backend or "") and control is not None:
+            control.on_stuck(abort_default_group)
+
+    def after_step(self, module: torch.nn.Module) -> None:
+        """What the group does at each step boundary: DDP's bucket rebuild under in-process
+        recovery (DDP would broadcast its bucket order in the next forward, out of reach of
+        recovery: a peer lost then would fail the training instead of this step), and the
+        buffers broadcast from rank 0 when DDP does not synchronize them in the forward."""
+        if self.flag is not None and self.ddp is not None:
+            _torch_compat.rebuild_ddp_buckets(self.ddp)
+        if self._sync_buffers:
+            for buffer in module.buffers():
+                dist.broadcast(buffer, src=0, group=self.group)
+
+    def leave(self, log: logging.LoggerAdapter[Any]) -> None:
+        """Drop the group and what was built on it, without a collective (peers may be dead):
+        a checkpoint save in flight fails at its barrier, so nothing commits."""
+        self.ddp = self.flag = None
+        if self.checkpoints is not None:
+            try:
+                self.checkpoints.close()
+            except CheckpointError as exc:
+                log.info("checkpoint save abandoned by the re-formation: %s", exc)
+            self.checkpoints = None
+        self._gloo = None
+        pg.destroy_process_group()
+
+    def end(self) -> None:
+        """Drop the wrappers and destroy the group if the session formed it (the run is over)."""
+        self.ddp = self.flag = None
+        self._gloo = None
+        if self.placement.owned:
+            pg.destroy_process_group()
