@@ -90,12 +90,13 @@ def events(out: Path, kind: str) -> list[dict[str, Any]]:
     return [e for e in lines if e["kind"] == kind]
 
 
-def reference(tmp_path: Path, etcd_server: Any) -> dict[str, torch.Tensor]:
+def reference(tmp_path: Path) -> dict[str, torch.Tensor]:
+    """The parameters of an uninterrupted run of the job: one plain process (world 1, no launcher),
+    whose global batches are those of any world size."""
     out = tmp_path / "reference"
-    run_id = f"ref-{os.getpid()}-{time.monotonic_ns()}"
-    nodes = [start_node(etcd_server.endpoint, run_id, out) for _ in range(2)]
-    outputs = finish(nodes)
-    assert [n.returncode for n in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    done = subprocess.run([sys.executable, JOB, str(out), "--steps", str(STEPS)], env=hang_reporting_env(),
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=90, check=False)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     return torch.load(out / "final-0.pt", weights_only=True)
 
 
@@ -121,7 +122,7 @@ def test_a_killed_worker_is_replaced_alone_its_peer_keeps_its_process_and_no_ste
     assert recoveries and all(e["world_size"] == 2 for e in recoveries)
     final = [torch.load(out / f"final-{r}.pt", weights_only=True) for r in (0, 1)]
     assert_same_parameters(final[0], final[1])
-    assert_same_parameters(final[0], reference(tmp_path, etcd_server))
+    assert_same_parameters(final[0], reference(tmp_path))
 
 
 @pytest.mark.timeout(300)
@@ -178,13 +179,14 @@ def ready_nodes(etcd_client: Any, run_id: str, round_: int) -> int:
 
 
 def join_at(etcd_server: Any, run_id: str, out: Path, step: int, *, steps: int = STEPS,
-            newcomer: tuple[str, ...] = ()) -> tuple[list[subprocess.Popen[str]], set[int], int]:
+            newcomer: tuple[str, ...] = (),
+            job: tuple[str, ...] = ()) -> tuple[list[subprocess.Popen[str]], set[int], int]:
     """Two nodes train ``steps`` steps; every rank holds inside ``step`` until ``out/release``
     exists. A third node (with the extra job arguments ``newcomer``) starts once they trained
-    step 1. Returns the three nodes, the first two's worker pids and the round of three nodes,
-    once formed."""
+    step 1; ``job``: job arguments for all three. Returns the three nodes, the first two's worker
+    pids and the round of three nodes, once formed."""
     release = out / "release"
-    args = ("--steps", str(steps), "--step-sleep", "0.05", "--hold-before", f"{step}:{release}")
+    args = ("--steps", str(steps), "--step-sleep", "0.05", "--hold-before", f"{step}:{release}", *job)
     nodes = [start_node(etcd_server.endpoint, run_id, out, *args, min_nodes=2, max_nodes=3) for _ in range(2)]
     wait_until(lambda: len({r["rank"] for r in records(out) if r["step"] == 1}) == 2, "step 1", nodes)
     before = {latest_pid(out, rank) for rank in (0, 1)}
@@ -234,10 +236,11 @@ def test_the_nodes_train_on_while_a_joining_nodes_workers_start(etcd_server: Any
                                                                  tmp_path: Path) -> None:
     # The newcomer's worker takes as long as the test wants to build its model: the two nodes
     # keep training at world 2 meanwhile (they used to stop at the next step boundary and wait
-    # for it), then all three re-form at one boundary.
+    # for it), then all three re-form at one boundary. The steps are slowed down at world 2 only,
+    # so that the job lasts until the newcomer joins (however busy the cores) but no longer.
     out = tmp_path / "job"
     loaded = out / "model-loaded"
-    nodes, before, round_ = join_at(etcd_server, run_id, out, 8, steps=400,
+    nodes, before, round_ = join_at(etcd_server, run_id, out, 8, steps=400, job=("--fast-at-world", "3"),
                                     newcomer=("--wait-before-session", str(loaded)))
     (out / "release").touch()
     wait_until(lambda: len([r for r in records(out) if r["world"] == 2 and r["step"] >= 8 + 5]) >= 2 * 6,

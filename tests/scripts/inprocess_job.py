@@ -4,7 +4,8 @@ Usage: inprocess_job.py OUT_DIR [--steps N] [--step-sleep S] [--fail-at RANK:STE
 
 Every rank appends one line per applied step to ``OUT_DIR/steps.jsonl`` (rank, pid,
 step, world size, time) and, at the end, saves its parameters to ``final-<rank>.pt``.
-``--step-sleep`` slows each step down so that a test can inject a fault mid-run.
+``--step-sleep`` slows each step down so that a test can inject a fault mid-run;
+``--fast-at-world W`` stops slowing the steps down once the world size is W or more.
 ``--fail-at RANK:STEP`` makes RANK raise before STEP in every process that reaches
 it (a crash loop). ``--hold-before STEP:FILE`` makes every rank wait inside STEP until FILE
 exists (a test then changes the membership at a known step). ``--wait-before-session FILE``
@@ -69,7 +70,8 @@ def with_session(args: argparse.Namespace, out: Path) -> None:
             if args.hold_before and step.number == args.hold_before[0]:
                 while not os.path.exists(args.hold_before[1]):
                     time.sleep(0.05)
-            time.sleep(args.step_sleep)
+            if args.fast_at_world is None or s.world_size < args.fast_at_world:
+                time.sleep(args.step_sleep)
             for micro in step:
                 inputs, targets = micro.batch
                 micro.backward(torch.nn.functional.mse_loss(s.model(inputs), targets))
@@ -111,6 +113,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--samples", type=int, default=384)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--fast-at-world", type=int, default=None)
     parser.add_argument("--ckpt-every", type=int, default=10)
     parser.add_argument("--fail-at", type=_pair, default=None)
     parser.add_argument("--hold-before", type=_step_and_path, default=None)
