@@ -131,10 +131,18 @@ def _node_temp_dir() -> str:
     start: their names carry the pid of the node that made them."""
     base = tempfile.gettempdir()
     names = os.listdir(base)
-    bound = _bound_unix_sockets() if any(name.startswith("pymp-") for name in names) else set()
+    # The sockets first, then which are bound: a node starting beside this one may bind its
+    # forkserver's socket in between, and read the other way round its live directory would
+    # look stale (a socket, and none bound when they were read).
+    forkservers: dict[str, set[str]] = {}
     for name in names:
-        if name.startswith("pymp-") and _stale_pymp(os.path.join(base, name), bound):
-            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+        if name.startswith("pymp-") and (sockets := _sockets_in(os.path.join(base, name))):
+            forkservers[os.path.join(base, name)] = sockets
+    bound = _bound_unix_sockets() if forkservers else set()
+    for path, sockets in forkservers.items():
+        if not sockets & bound:  # a killed forkserver's: no process has its socket bound any more
+            shutil.rmtree(path, ignore_errors=True)
+    for name in names:
         if not name.startswith(_TEMP_PREFIX):
             continue
         try:
@@ -172,14 +180,12 @@ def _bound_unix_sockets() -> set[str]:
     return bound
 
 
-def _stale_pymp(path: str, bound: set[str]) -> bool:
-    """Whether a multiprocessing ``pymp-*`` directory was left by a killed process: it holds a
-    forkserver's socket that no process has bound any more (``bound``, see
-    :func:`_bound_unix_sockets`; connecting to find out would crash a live forkserver)."""
+def _sockets_in(path: str) -> set[str]:
+    """The unix sockets in a multiprocessing ``pymp-*`` directory: a forkserver's, once it is
+    bound. Whether a process still has one bound is told by :func:`_bound_unix_sockets`, not by
+    connecting to it, which would crash a live forkserver."""
     try:
-        sockets = {os.path.join(path, n) for n in os.listdir(path)
-                   if stat.S_ISSOCK(os.lstat(os.path.join(path, n)).st_mode)}
+        return {os.path.join(path, n) for n in os.listdir(path)
+                if stat.S_ISSOCK(os.lstat(os.path.join(path, n)).st_mode)}
     except OSError:
-        return False
-    return bool(sockets) and not (sockets & bound)
-
+        return set()

@@ -92,3 +92,33 @@ def test_a_forkserver_in_another_network_namespace_keeps_its_pymp_dir(tmp_path: 
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_forkserver_bound_while_the_sockets_are_read_keeps_its_pymp_dir(tmp_path: Path, monkeypatch) -> None:
+    # Two nodes start at once on one host: the other node binds its forkserver's socket in its
+    # (already made) pymp dir while this one reads which sockets are bound. Its dir is live.
+    import socket
+    import tempfile
+
+    racing, stale = tmp_path / "pymp-racing", tmp_path / "pymp-stale"
+    racing.mkdir()  # multiprocessing makes the directory first, the forkserver binds in it later
+    stale.mkdir()
+    dead_sock = socket.socket(socket.AF_UNIX)
+    dead_sock.bind(str(stale / "listener-5"))
+    dead_sock.close()  # a killed node's: the bound sockets are read
+    listener = socket.socket(socket.AF_UNIX)
+    read_bound = node_setup._bound_unix_sockets
+
+    def bound_then_the_other_node_binds() -> set[str]:
+        bound = read_bound()
+        listener.bind(str(racing / "listener-4"))
+        listener.listen()
+        return bound
+
+    monkeypatch.setattr(node_setup, "_bound_unix_sockets", bound_then_the_other_node_binds)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    try:
+        node_setup._node_temp_dir()
+        assert (racing / "listener-4").exists() and not stale.exists()
+    finally:
+        listener.close()
