@@ -180,15 +180,19 @@ def ready_nodes(etcd_client: Any, run_id: str, round_: int) -> int:
 
 def join_at(etcd_server: Any, run_id: str, out: Path, step: int, *, steps: int = STEPS,
             newcomer: tuple[str, ...] = (),
-            job: tuple[str, ...] = ()) -> tuple[list[subprocess.Popen[str]], set[int], int]:
+            job: tuple[str, ...] = (), once_held: bool = False) -> tuple[list[subprocess.Popen[str]], set[int], int]:
     """Two nodes train ``steps`` steps; every rank holds inside ``step`` until ``out/release``
     exists. A third node (with the extra job arguments ``newcomer``) starts once they trained
-    step 1; ``job``: job arguments for all three. Returns the three nodes, the first two's worker
-    pids and the round of three nodes, once formed."""
+    step 1 (``once_held``: once both ranks hold inside ``step``, their vote on it cast); ``job``: job
+    arguments for all three. Returns the three nodes, the first two's worker pids and the round of
+    three nodes, once formed."""
     release = out / "release"
     args = ("--steps", str(steps), "--step-sleep", "0.05", "--hold-before", f"{step}:{release}", *job)
     nodes = [start_node(etcd_server.endpoint, run_id, out, *args, min_nodes=2, max_nodes=3) for _ in range(2)]
     wait_until(lambda: len({r["rank"] for r in records(out) if r["step"] == 1}) == 2, "step 1", nodes)
+    if once_held:
+        wait_until(lambda: all((out / f"release.held-{rank}").exists() for rank in (0, 1)),
+                   f"both ranks hold in step {step}", nodes)
     before = {latest_pid(out, rank) for rank in (0, 1)}
     nodes.append(start_node(etcd_server.endpoint, run_id, out, *args, *newcomer, min_nodes=2, max_nodes=3))
     wait_until(lambda: any(e.get("nodes") == 3 for e in events(out, "rendezvous")), "a round of 3 nodes", nodes)
@@ -258,9 +262,11 @@ def test_a_node_that_joins_as_the_job_finishes_exits_zero_and_no_node_waits_for_
                                                                                    tmp_path: Path) -> None:
     # The join is announced during the last step: the two ranks finish without forming a group
     # with the newcomer, whose worker waits for a rank 0 that has exited. Nodes used to wait in
-    # torch's exit barrier for it (300 s), and it for them.
+    # torch's exit barrier for it (300 s), and it for them. The newcomer starts only once both
+    # ranks hold in the last step: started earlier, on busy cores it was sometimes ready before
+    # they got there, and the job trained its last steps at world 3.
     out = tmp_path / "job"
-    nodes, _, _ = join_at(etcd_server, run_id, out, STEPS)
+    nodes, _, _ = join_at(etcd_server, run_id, out, STEPS, once_held=True)
     (out / "release").touch()
     outputs = finish(nodes, timeout=90)
     assert [n.returncode for n in nodes] == [0, 0, 0], "\n".join(o[-2000:] for o in outputs)

@@ -8,7 +8,8 @@ step, world size, time) and, at the end, saves its parameters to ``final-<rank>.
 ``--fast-at-world W`` stops slowing the steps down once the world size is W or more.
 ``--fail-at RANK:STEP`` makes RANK raise before STEP in every process that reaches
 it (a crash loop). ``--hold-before STEP:FILE`` makes every rank wait inside STEP until FILE
-exists (a test then changes the membership at a known step). ``--wait-before-session FILE``
+exists, writing ``FILE.held-RANK`` as it starts to wait (a test then changes the membership at
+a known step). ``--wait-before-session FILE``
 makes the worker wait for FILE after building its model (a slow model build or data load).
 ``--api elastic`` trains through ``run_elastic`` instead of a Session.
 """
@@ -68,6 +69,7 @@ def with_session(args: argparse.Namespace, out: Path) -> None:
             if args.fail_at and (s.rank, step.number) == args.fail_at:
                 raise RuntimeError(f"injected failure on rank {s.rank} before step {step.number}")
             if args.hold_before and step.number == args.hold_before[0]:
+                Path(f"{args.hold_before[1]}.held-{s.rank}").touch()
                 while not os.path.exists(args.hold_before[1]):
                     time.sleep(0.05)
             if args.fast_at_world is None or s.world_size < args.fast_at_world:
