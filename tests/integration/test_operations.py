@@ -56,7 +56,7 @@ def test_status_duplicate_run_id_stop_and_events(etcd_server: Any, run_id: str, 
     job = subprocess.Popen(
         [sys.executable, "-m", "elastictrain", "run", "--etcd", endpoint, "--run-id", run_id, "--local-nodes", "2",
          "--min-nodes", "2", "--max-nodes", "3", "--local-addr", "127.0.0.1", "--event-log", str(events),
-         MLP, "--steps", "1000000"],
+         MLP, "--steps", "1000000", "--checkpoint-dir", str(tmp_path / "ckpt")],
         env=subprocess_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
