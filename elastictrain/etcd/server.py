@@ -151,10 +151,10 @@ class EtcdServer:
             self.options.client_port = free_port(host)
         if self.options.peer_port == 0:
             self.options.peer_port = free_port(self._peer_host)
+        # A temporary data dir is made by start(), once the ports are known to be free: a
+        # server refused before it runs leaves nothing behind.
         self._owns_data_dir = self.options.data_dir is None
         self._durable = self.options.durable if self.options.durable is not None else not self._owns_data_dir
-        if self.options.data_dir is None:
-            self.options.data_dir = tempfile.mkdtemp(prefix="elastictrain-etcd-")
         self._process: subprocess.Popen[bytes] | None = None
         self._log = None
         self.log_path: str | None = None
@@ -223,6 +223,8 @@ class EtcdServer:
         for host, port, what in ((self.options.host, self.options.client_port, "client"),
                                  (self._peer_host, self.options.peer_port, "peer")):
             _check_port_free(host, port, what)
+        if self.options.data_dir is None:
+            self.options.data_dir = tempfile.mkdtemp(prefix="elastictrain-etcd-")
         data_dir = Path(str(self.options.data_dir))
         self.log_path = self.options.log_file or str(data_dir.parent / f"{data_dir.name}.log")
         try:

@@ -30,8 +30,8 @@ def _has_ipv6_loopback() -> bool:
 needs_ipv6 = pytest.mark.skipif(not _has_ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
 
 
-def etcd_command(*args: str, cwd: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "elastictrain", "etcd", *args], env=subprocess_env(), cwd=cwd,
+def etcd_command(*args: str, cwd: Path, **env: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "elastictrain", "etcd", *args], env=subprocess_env(**env), cwd=cwd,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -80,10 +80,14 @@ def error_lines(proc: subprocess.Popen[str], timeout: float = 60) -> tuple[int, 
 
 
 def test_a_port_another_etcd_serves_is_refused_in_one_line(etcd_server: EtcdServer, tmp_path: Path) -> None:
-    code, err = error_lines(etcd_command("--port", str(etcd_server.options.client_port), cwd=tmp_path))
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    code, err = error_lines(etcd_command("--port", str(etcd_server.options.client_port), cwd=tmp_path,
+                                         TMPDIR=str(temp)))
     assert code == 1
     assert err == [f"elastictrain: error: cannot serve etcd's client port on {etcd_server.endpoint}: Address already "
                    "in use (another etcd, or another program, may listen there)"]
+    assert list(temp.iterdir()) == []  # no temporary data dir left behind for a server that never ran
 
 
 def test_serving_other_hosts_without_tls_is_refused_unless_insecure(tmp_path: Path) -> None:
