@@ -47,7 +47,9 @@ def test_stock_torchrun_with_etcd3_backend_trains(etcd_server: Any, run_id: str,
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "etcd3",
               "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id, "--local-addr", "127.0.0.1",
-              "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=1", SCRIPT, str(out)]
+              "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=1",
+              # torch keeps its logs, in /tmp/torchelastic_* by default
+              "--log-dir", str(tmp_path / "torchrun-logs"), SCRIPT, str(out)]
     procs = [subprocess.Popen([*torchrun, *common], env=subprocess_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]
     outputs = [p.communicate(timeout=120)[0] for p in procs]
