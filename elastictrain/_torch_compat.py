@@ -38,6 +38,7 @@ __all__ = [
     "TorchCompatError",
     "event_log_handlers",
     "import_ddp_modules",
+    "process_context",
     "rebuild_ddp_buckets",
     "remaining_restarts",
     "set_local_rank_env",
@@ -118,6 +119,8 @@ def _check() -> None:
     for attr in _AGENT_STATE:
         if f"self.{attr}" not in init:
             raise _fail(f"no longer sets SimpleElasticAgent.{attr}")
+    if "self._pcontext" not in inspect.getsource(LocalElasticAgent.__init__):
+        raise _fail("no longer sets LocalElasticAgent._pcontext (its workers' process context)")
     if not isinstance(getattr(_event_handlers, "_log_handlers", None), dict):
         raise _fail("has no torch.distributed.elastic.events.handlers._log_handlers")
     for module_name, name in DYNAMIC_STATE_GLOBALS:
@@ -147,6 +150,11 @@ def remaining_restarts(agent: SimpleElasticAgent) -> int:
 def worker_group(agent: SimpleElasticAgent) -> Any:
     """The agent's ``WorkerGroup``."""
     return agent._worker_group  # noqa: SLF001 - checked above
+
+
+def process_context(agent: LocalElasticAgent) -> Any:
+    """The process context (``PContext``) of the agent's workers, or None before they start."""
+    return agent._pcontext  # noqa: SLF001 - checked above
 
 
 def set_local_rank_env(agent: LocalElasticAgent, env: dict[str, str | None], local_rank: int, spec: Any) -> None:

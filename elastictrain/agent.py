@@ -44,7 +44,14 @@ from elastictrain.errors import ElasticTrainError, EtcdError
 from elastictrain.events import NODE_ENV, EventLog
 from elastictrain.rendezvous.handler import Etcd3RendezvousHandler
 from elastictrain.run_state import RunPublisher
-from elastictrain.worker_group import Channel, FailureBudget, HangDetector, WorkerProcesses
+from elastictrain.worker_group import (
+    Channel,
+    FailureBudget,
+    HangDetector,
+    WorkerProcesses,
+    exited,
+    finished_without_a_word,
+)
 
 _LINGER_S = 30.0
 """How long a node's workers may run after the job finished on its other nodes before it says so."""
@@ -136,7 +143,14 @@ class ElasticAgent(LocalElasticAgent):
                        role_world_size=world) for i in range(spec.local_world_size)]
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        context = _torch_compat.process_context(self)
+        pids = context.pids() if context is not None else {}
+        gone = exited(pids)  # before torch's wait(0): see exited()
         result = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.HEALTHY and gone:
+            finished_without_a_word(context, pids)
+            result = RunResult(state=WorkerState.SUCCEEDED,
+                               return_values={w.global_rank: None for w in worker_group.workers})
         if result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
             self._events.emit("worker_failure", failures={
                 rank: {"exitcode": f.exitcode, "pid": f.pid, "signal": f.signal_name() if f.exitcode < 0 else None}

@@ -33,7 +33,32 @@ from elastictrain._process import proc_stat
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Channel", "FailureBudget", "HangDetector", "WorkerProcesses", "process_activity"]
+__all__ = ["Channel", "FailureBudget", "HangDetector", "WorkerProcesses", "exited", "finished_without_a_word",
+           "process_activity"]
+
+
+def exited(pids: dict[int, int]) -> bool:
+    """Whether every process of ``pids`` (a torch process context's) has exited: gone, or a
+    zombie not reaped yet.
+
+    Read before the context's ``wait(0)``: if that then finds no result, each of them exited with
+    code 0 (the context reports any other exit as a failure) without handing back its return value,
+    as a worker that leaves through ``os._exit(0)`` (its own code, or a library's) does. torch's
+    context would wait for that value forever (stock torchrun runs a script as a plain child
+    process, with no such wait): the caller takes the workers as finished instead.
+    """
+    for pid in pids.values():
+        stat = proc_stat(pid)
+        if stat is not None and stat[0] != "Z":
+            return False
+    return bool(pids)
+
+
+def finished_without_a_word(context: Any, pids: dict[int, int]) -> None:
+    """Close ``context``, whose workers (``pids``) :func:`exited` without a result, and say so."""
+    logger.info("worker(s) %s exited with code 0 without returning from their entrypoint (os._exit?): "
+                "taken as finished", sorted(pids.values()))
+    context.close()
 
 
 class WorkerProcesses:
@@ -61,7 +86,15 @@ class WorkerProcesses:
         """The result of every worker that ended since it was started, by local rank."""
         ended = {}
         for local_rank, context in list(self.contexts.items()):
+            pids = context.pids()
+            gone = exited(pids)
             result = context.wait(0)
+            if result is None and gone:
+                # Imported here: this module is imported before torch (see node_setup).
+                from torch.distributed.elastic.multiprocessing import RunProcsResult  # noqa: PLC0415
+
+                finished_without_a_word(context, pids)
+                result = RunProcsResult(return_values={0: None})
             if result is not None:
                 ended[local_rank] = result
         return ended

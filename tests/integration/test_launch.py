@@ -30,6 +30,18 @@ def read_ranks(out: Path) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))]
 
 
+@pytest.mark.parametrize("recovery", ["in-process", "restart"])
+def test_workers_that_leave_through_os_exit_zero_end_their_node_with_success(tmp_path: Path, recovery: str) -> None:
+    # They hand no return value back to torch's process context, which waited for it forever:
+    # the node never ended (stock torchrun, which runs a script as a plain child, ends at once).
+    script = tmp_path / "leave.py"
+    script.write_text("import os\nprint('done', flush=True)\nos._exit(0)\n")
+    result = elastictrain("run", "--recovery", recovery, "--nproc-per-node", "2", str(script), timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("done") == 2
+    assert "exited with code 0 without returning" in result.stderr
+
+
 def test_two_local_nodes_train_ddp_steps_and_exit_zero(tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = elastictrain("run", "--local-nodes", "2", "--min-nodes", "2", "--max-nodes", "2", SCRIPT, str(out))

@@ -21,7 +21,7 @@ from elastictrain._control import Assignment, AssignmentWatch, Progress, Progres
 from elastictrain.train.control import JobEnded, WorkerControl
 from elastictrain.errors import SessionError
 from elastictrain.train.recovery import describe, is_collective_failure
-from elastictrain.worker_group import FailureBudget, HangDetector
+from elastictrain.worker_group import FailureBudget, HangDetector, exited
 
 
 def _assignment(generation: int, **changes: Any) -> Assignment:
@@ -168,6 +168,25 @@ def test_a_worker_measures_its_typical_step_and_pauses_do_not_stretch_it(tmp_pat
     finally:
         control.close()
         table.close()
+
+
+def test_workers_have_exited_once_every_process_is_gone_or_a_zombie() -> None:
+    import subprocess
+    import sys
+
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        while Path(f"/proc/{ended.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            time.sleep(0.01)  # exited, not reaped yet
+        assert exited({0: ended.pid})
+        assert not exited({0: running.pid}) and not exited({0: ended.pid, 1: running.pid})
+        ended.wait()  # reaped: gone
+        assert exited({0: ended.pid})
+        assert not exited({})
+    finally:
+        running.kill()
+        running.wait()
 
 
 def test_the_budget_counts_failures_in_a_window_and_backs_off() -> None:
