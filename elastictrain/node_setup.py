@@ -136,8 +136,9 @@ def _node_temp_dir() -> str:
     # look stale (a socket, and none bound when they were read).
     forkservers: dict[str, set[str]] = {}
     for name in names:
-        if name.startswith("pymp-") and (sockets := _sockets_in(os.path.join(base, name))):
-            forkservers[os.path.join(base, name)] = sockets
+        path = os.path.join(base, name)
+        if name.startswith("pymp-") and (sockets := _sockets_in(path)):
+            forkservers[path] = sockets
     bound = _bound_unix_sockets() if forkservers else set()
     for path, sockets in forkservers.items():
         if not sockets & bound:  # a killed forkserver's: no process has its socket bound any more
