@@ -9,8 +9,8 @@ step, world size, time) and, at the end, saves its parameters to ``final-<rank>.
 ``--fail-at RANK:STEP`` makes RANK raise before STEP in every process that reaches
 it (a crash loop). ``--hold-before STEP:FILE`` makes every rank wait inside STEP until FILE
 exists, writing ``FILE.held-RANK`` as it starts to wait (a test then changes the membership at
-a known step). ``--wait-before-session FILE``
-makes the worker wait for FILE after building its model (a slow model build or data load).
+a known step). ``--wait-before-session FILE`` makes the worker wait for FILE after building its
+model (a slow model build or data load).
 ``--api elastic`` trains through ``run_elastic`` instead of a Session.
 """
 

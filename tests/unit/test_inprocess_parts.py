@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from elastictrain._control import Assignment, AssignmentWatch, Progress, ProgressTable, WorkerState, write_assignment
+from elastictrain._process import proc_stat
 from elastictrain.train.control import JobEnded, WorkerControl
 from elastictrain.errors import SessionError
 from elastictrain.train.recovery import describe, is_collective_failure
@@ -177,7 +178,7 @@ def test_workers_have_exited_once_every_process_is_gone_or_a_zombie() -> None:
     running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     try:
-        while Path(f"/proc/{ended.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        while proc_stat(ended.pid)[0] != "Z":
             time.sleep(0.01)  # exited, not reaped yet
         assert exited({0: ended.pid})
         assert not exited({0: running.pid}) and not exited({0: ended.pid, 1: running.pid})
