@@ -23,6 +23,7 @@ import torch
 from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.events import handlers as _event_handlers
+from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
@@ -42,6 +43,7 @@ __all__ = [
     "rebuild_ddp_buckets",
     "remaining_restarts",
     "set_local_rank_env",
+    "worker_exit_codes",
     "worker_group",
 ]
 
@@ -121,6 +123,10 @@ def _check() -> None:
             raise _fail(f"no longer sets SimpleElasticAgent.{attr}")
     if "self._pcontext" not in inspect.getsource(LocalElasticAgent.__init__):
         raise _fail("no longer sets LocalElasticAgent._pcontext (its workers' process context)")
+    if "self._pc" not in inspect.getsource(MultiprocessContext.__init__):
+        raise _fail("no longer sets MultiprocessContext._pc (its torch.multiprocessing ProcessContext)")
+    if "self.processes" not in inspect.getsource(importlib.import_module("torch.multiprocessing.spawn").ProcessContext):
+        raise _fail("no longer sets torch.multiprocessing ProcessContext.processes")
     if not isinstance(getattr(_event_handlers, "_log_handlers", None), dict):
         raise _fail("has no torch.distributed.elastic.events.handlers._log_handlers")
     for module_name, name in DYNAMIC_STATE_GLOBALS:
@@ -155,6 +161,15 @@ def worker_group(agent: SimpleElasticAgent) -> Any:
 def process_context(agent: LocalElasticAgent) -> Any:
     """The process context (``PContext``) of the agent's workers, or None before they start."""
     return agent._pcontext  # noqa: SLF001 - checked above
+
+
+def worker_exit_codes(context: Any) -> list[int | None] | None:
+    """The exit code of each process of a torch process context that runs functions
+    (``MultiprocessContext``), as the process's parent reported it: None for one still running
+    or whose end is not reported yet. None for another kind of context, or one not started."""
+    if not isinstance(context, MultiprocessContext) or context._pc is None:  # noqa: SLF001 - checked above
+        return None
+    return [process.exitcode for process in context._pc.processes]  # noqa: SLF001 - checked above
 
 
 def set_local_rank_env(agent: LocalElasticAgent, env: dict[str, str | None], local_rank: int, spec: Any) -> None:

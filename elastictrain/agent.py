@@ -49,7 +49,7 @@ from elastictrain.worker_group import (
     FailureBudget,
     HangDetector,
     WorkerProcesses,
-    exited,
+    exited_cleanly,
     finished_without_a_word,
 )
 
@@ -143,14 +143,14 @@ class ElasticAgent(LocalElasticAgent):
                        role_world_size=world) for i in range(spec.local_world_size)]
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        context = _torch_compat.process_context(self)
-        pids = context.pids() if context is not None else {}
-        gone = exited(pids)  # before torch's wait(0): see exited()
         result = super()._monitor_workers(worker_group)
-        if result.state == WorkerState.HEALTHY and gone:
-            finished_without_a_word(context, pids)
-            result = RunResult(state=WorkerState.SUCCEEDED,
-                               return_values={w.global_rank: None for w in worker_group.workers})
+        context = _torch_compat.process_context(self)
+        if result.state == WorkerState.HEALTHY and context is not None and exited_cleanly(context):
+            result = super()._monitor_workers(worker_group)  # one that returned just before (see exited_cleanly)
+            if result.state == WorkerState.HEALTHY:
+                finished_without_a_word(context)
+                result = RunResult(state=WorkerState.SUCCEEDED,
+                                   return_values={w.global_rank: None for w in worker_group.workers})
         if result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
             self._events.emit("worker_failure", failures={
                 rank: {"exitcode": f.exitcode, "pid": f.pid, "signal": f.signal_name() if f.exitcode < 0 else None}

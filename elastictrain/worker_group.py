@@ -33,31 +33,33 @@ from elastictrain._process import proc_stat
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Channel", "FailureBudget", "HangDetector", "WorkerProcesses", "exited", "finished_without_a_word",
+__all__ = ["Channel", "FailureBudget", "HangDetector", "WorkerProcesses", "exited_cleanly", "finished_without_a_word",
            "process_activity"]
 
 
-def exited(pids: dict[int, int]) -> bool:
-    """Whether every process of ``pids`` (a torch process context's) has exited: gone, or a
-    zombie not reaped yet.
+def exited_cleanly(context: Any) -> bool:
+    """Whether every worker process of ``context`` (a torch process context) exited with code 0,
+    as their parent reported it. A process that is still running, or whose end its parent has not
+    reported yet, has no code: a worker SIGKILLed a moment ago is a zombie until its forkserver
+    reaps it, and that is no clean exit.
 
-    Read before the context's ``wait(0)``: if that then finds no result, each of them exited with
-    code 0 (the context reports any other exit as a failure) without handing back its return value,
-    as a worker that leaves through ``os._exit(0)`` (its own code, or a library's) does. torch's
-    context would wait for that value forever (stock torchrun runs a script as a plain child
-    process, with no such wait): the caller takes the workers as finished instead.
+    Asked when the context's ``wait(0)`` found no result. If its workers all exited cleanly, ask
+    ``wait(0)`` once more: a worker that returned from its entrypoint just before has its value
+    there. Still none: they left without handing back a return value, as a worker that leaves
+    through ``os._exit(0)`` (its own code, or a library's) does, and torch's context would wait for
+    that value forever (stock torchrun runs a script as a plain child process, with no such wait):
+    the caller takes them as finished (:func:`finished_without_a_word`).
     """
-    for pid in pids.values():
-        stat = proc_stat(pid)
-        if stat is not None and stat[0] != "Z":
-            return False
-    return bool(pids)
+    from elastictrain import _torch_compat  # noqa: PLC0415 - imports torch (see node_setup)
+
+    codes = _torch_compat.worker_exit_codes(context)
+    return bool(codes) and all(code == 0 for code in codes)
 
 
-def finished_without_a_word(context: Any, pids: dict[int, int]) -> None:
-    """Close ``context``, whose workers (``pids``) :func:`exited` without a result, and say so."""
+def finished_without_a_word(context: Any) -> None:
+    """Close ``context``, whose workers :func:`exited_cleanly` without a result, and say so."""
     logger.info("worker(s) %s exited with code 0 without returning from their entrypoint (os._exit?): "
-                "taken as finished", sorted(pids.values()))
+                "taken as finished", sorted(context.pids().values()))
     context.close()
 
 
@@ -86,15 +88,15 @@ class WorkerProcesses:
         """The result of every worker that ended since it was started, by local rank."""
         ended = {}
         for local_rank, context in list(self.contexts.items()):
-            pids = context.pids()
-            gone = exited(pids)
             result = context.wait(0)
-            if result is None and gone:
-                # Imported here: this module is imported before torch (see node_setup).
-                from torch.distributed.elastic.multiprocessing import RunProcsResult  # noqa: PLC0415
+            if result is None and exited_cleanly(context):
+                result = context.wait(0)  # one that returned just before: its value (see exited_cleanly)
+                if result is None:
+                    # Imported here: this module is imported before torch (see node_setup).
+                    from torch.distributed.elastic.multiprocessing import RunProcsResult  # noqa: PLC0415
 
-                finished_without_a_word(context, pids)
-                result = RunProcsResult(return_values={0: None})
+                    finished_without_a_word(context)
+                    result = RunProcsResult(return_values={0: None})
             if result is not None:
                 ended[local_rank] = result
         return ended
