@@ -68,6 +68,15 @@ logger = logging.getLogger(__name__)
 __all__ = ["ElasticAgent", "InProcessAgent"]
 
 
+def _failure_cause(failures: dict[int, Any]) -> str:
+    """What a recovery says of its failed workers, by global rank: ``worker(s) 1 failed (1: pid 42,
+    killed by SIGKILL)`` (the ``worker(s)`` start is the metrics label's key)."""
+    how = "; ".join(f"{rank}: pid {f.pid}, " + (f"killed by {f.signal_name()}" if f.exitcode < 0
+                                                else f"exit code {f.exitcode}")
+                    for rank, f in sorted(failures.items()))
+    return f"worker(s) {', '.join(str(rank) for rank in sorted(failures))} failed ({how})"
+
+
 @dataclass(frozen=True, slots=True)
 class _Held:
     """A generation formed at the rendezvous whose publication waits for a joining node."""
@@ -339,7 +348,7 @@ class InProcessAgent(ElasticAgent):
                     self._stop_workers(group)
                     group.state = WorkerState.FAILED
                     return result
-                cause = "worker(s) " + ", ".join(str(r) for r in sorted(result.failures)) + " failed"
+                cause = _failure_cause(result.failures)
                 if backoff:
                     logger.warning("%s: waiting %.0fs before replacing (failure %d of %d in the window)", cause,
                                    backoff, self._budget.used(now), self._budget.limit)
@@ -449,6 +458,7 @@ class InProcessAgent(ElasticAgent):
             self._replacements += 1  # the workers started from now on see it as their restart count
         if not self._in_process_capable(group):
             # Plain scripts cannot re-form in place: restart every local worker (torch's way).
+            logger.info("restarting this node's workers: %s", cause)
             self._events.emit("restart", reason=cause, restarts=self.restarts)
             self._publish(state="restarting", restarts=self.restarts)
             self._workers.close()

@@ -77,6 +77,8 @@ def test_failing_worker_exhausts_restarts_and_job_exits_with_its_code(tmp_path: 
     assert result.returncode == 7
     last = result.stderr.strip().splitlines()[-1]
     assert "rank 0 on " in last and "exited with code 7" in last and "1 restart" in last
+    assert "restarting this node's workers: worker(s) 0 failed (0: pid " in result.stderr
+    assert ", exit code 7)" in result.stderr
     assert sorted(p.name for p in out.glob("pid-0-*")) == ["pid-0-0", "pid-0-1"]
 
 
