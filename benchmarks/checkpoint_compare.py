@@ -40,7 +40,13 @@ Everything runs on a one-rank gloo process group (DCP needs one; the manager the
 uses its own gloo group, as under DDP). Statistics are over ``--reps`` repetitions
 after ``--warmup`` uncounted ones.
 
+``--device cuda`` keeps the model, its AdamW state and the loop's batch on the GPU (each
+timed step ends with a ``torch.cuda.synchronize``): every save then copies device to
+host, the overlapped one on a side stream into pinned buffers. ``--no-call`` runs the
+loop measure alone.
+
     python benchmarks/checkpoint_compare.py --sizes 3,33,333 --reps 5
+    python benchmarks/checkpoint_compare.py --sizes 33,333 --reps 5 --device cuda --no-call
 """
 
 from __future__ import annotations
@@ -84,8 +90,19 @@ def _mutate(model: torch.nn.Module) -> None:
             p.mul_(0.999)
 
 
-def measure(size_mb: int, reps: int, warmup: int, root: Path) -> dict[str, Any]:
+def state_on(size_mb: int, device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """:func:`build_state`'s model and AdamW, with their tensors on ``device``."""
     model, opt = build_state(size_mb)
+    model.to(device)  # the same Parameter objects: the optimizer still holds them
+    for param_state in opt.state.values():
+        for key, value in param_state.items():
+            if torch.is_tensor(value) and key != "step":  # AdamW keeps its step count on the CPU
+                param_state[key] = value.to(device)
+    return model, opt
+
+
+def measure(size_mb: int, reps: int, warmup: int, root: Path, device: torch.device) -> dict[str, Any]:
+    model, opt = state_on(size_mb, device)
     state = {"model": model, "optimizer": opt}
     times: dict[str, list[float]] = {name: [] for name in MEASURES}
     plain = root / "plain.pt"
@@ -189,17 +206,19 @@ class _LoopMethod:
 
 
 def measure_loop(size_mb: int, reps: int, root: Path, *, batch: int, pre: int, post: int, warmup_steps: int,
-                 threads: int) -> dict[str, Any]:
+                 threads: int, device: torch.device) -> dict[str, Any]:
     """Training time lost per checkpoint, measured around a training loop (see the module docstring)."""
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
-    model, opt = build_state(size_mb)
-    batch_x = torch.randn(batch, WIDTH)
+    model, opt = state_on(size_mb, device)
+    batch_x = torch.randn(batch, WIDTH, device=device)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
         model(batch_x).square().mean().backward()
         opt.step()
+        if device.type == "cuda":  # the step's time, not its launch's
+            torch.cuda.synchronize(device)
 
     def timed(fn: Callable[[], None]) -> float:
         start = time.perf_counter()
@@ -227,7 +246,10 @@ def measure_loop(size_mb: int, reps: int, root: Path, *, batch: int, pre: int, p
         for method in methods:
             method.close()
         torch.set_num_threads(saved_threads)
-    out: dict[str, Any] = {"batch": batch, "threads": threads, "pre": pre, "post": post}
+    tensors = [*model.state_dict().values(),
+               *(value for state in opt.state.values() for value in state.values() if torch.is_tensor(value))]
+    out: dict[str, Any] = {"batch": batch, "threads": threads, "pre": pre, "post": post, "device": str(device),
+                           "state_mb": round(sum(t.numel() * t.element_size() for t in tensors) / 2**20, 1)}
     for name, measures in samples.items():
         out[name] = {key: {**summarize(values[1:]), "first": values[0]} for key, values in measures.items()}
     torch_lost = out["torch_save"]["lost_s"]["median"]
@@ -246,7 +268,8 @@ def loop_table(results: list[dict[str, Any]]) -> str:
     for r in results:
         loop = r["loop"]
         torch_lost = loop["torch_save"]["lost_s"]["median"]
-        lines += [f"state {r['checkpoint_mb']} MB, batch {loop['batch']}, {loop['threads']} training thread(s): "
+        lines += [f"state {r['checkpoint_mb']} MB on {loop['device']}, batch {loop['batch']}, "
+                  f"{loop['threads']} training thread(s): "
                   "training time lost per checkpoint, ms",
                   f"{'method':<36}{'lost median [min-max]':>26}{'first save':>12}{'/ torch.save':>14}"
                   f"{'in save()':>11}{'step':>9}"]
@@ -276,12 +299,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--no-loop", action="store_true", help="skip the loop-level measure")
+    parser.add_argument("--no-call", action="store_true", help="skip the call-level measures")
+    parser.add_argument("--device", default="cpu", help="where the model and its optimizer state live: cpu or cuda")
     parser.add_argument("--loop-batch", type=int, default=32, help="samples per training step of the loop")
     parser.add_argument("--loop-threads", type=int, default=1, help="intra-op threads of the training loop")
     parser.add_argument("--loop-pre", type=int, default=3, help="steps timed before each checkpoint (the baseline)")
     parser.add_argument("--loop-post", type=int, default=4, help="steps timed after each checkpoint")
     parser.add_argument("--loop-warmup", type=int, default=3, help="untimed steps before the first episode")
     args = parser.parse_args(argv)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device: not a device: {args.device!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device: cpu or cuda, not {args.device!r}")
+    if args.no_call and args.no_loop:
+        parser.error("--no-call and --no-loop leave nothing to measure")
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     if not sizes or min(sizes) < 1 or args.reps < 1 or args.warmup < 0:
         parser.error(f"need sizes > 0, reps > 0, warmup >= 0; got {args.sizes!r}, {args.reps}, {args.warmup}")
@@ -297,11 +332,13 @@ def main(argv: list[str] | None = None) -> int:
         for size in sizes:
             root = Path(tempfile.mkdtemp(prefix="ckpt-compare-", dir=args.dir))
             try:
-                result = measure(size, args.reps, args.warmup, root)
+                result = {"size_mb": size} if args.no_call else measure(size, args.reps, args.warmup, root, device)
                 if not args.no_loop:
                     result["loop"] = measure_loop(size, args.reps, root, batch=args.loop_batch, pre=args.loop_pre,
                                                   post=args.loop_post, warmup_steps=args.loop_warmup,
-                                                  threads=args.loop_threads)
+                                                  threads=args.loop_threads, device=device)
+                    # Without the call-level measures' committed checkpoint: the bytes of its tensors.
+                    result.setdefault("checkpoint_mb", result["loop"]["state_mb"])
                 results.append(result)
             finally:
                 shutil.rmtree(root, ignore_errors=True)
@@ -309,11 +346,12 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
     if not args.no_loop:
         print(loop_table(results), file=sys.stderr)
-    for r in results:
+    for r in results if not args.no_call else ():
         r["async_stall_over_torch_save"] = r["async_stall"]["median"] / r["torch_save"]["median"]
         r["async_stall_over_torch_save_fsync"] = r["async_stall"]["median"] / r["torch_save_fsync"]["median"]
         r["async_stall_over_dcp_async_stall"] = r["async_stall"]["median"] / r["dcp_async_stall"]["median"]
     emit({"benchmark": "checkpoint_compare", "unit": "seconds", "reps": args.reps, "warmup": args.warmup,
+          "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
           "dir": str(args.dir or tempfile.gettempdir()), "machine": machine(), "results": results}, args.out)
     return 0
 

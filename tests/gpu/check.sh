@@ -3,8 +3,10 @@
 #   bash tests/gpu/check.sh        (after the README's install, with a CUDA build of torch 2.13)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-python -c "import torch; assert torch.cuda.is_available(), 'no CUDA'; print(torch.__version__, torch.cuda.get_device_name(0))"
-python tests/gpu/nccl_reform.py
+python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA'; print(torch.__version__, torch.cuda.get_device_name(0))"
+failed=0
+python3 tests/gpu/nccl_reform.py || failed=1
 # Every CUDA test of the suite (they skip on CPU): mixed precision, the overlapped snapshot's
 # side stream and pinned buffers, the NCCL process group, the session on a GPU.
-python -m pytest -q -p no:cacheprovider -k "cuda or CUDA or gpu" tests/unit
+python3 -m pytest -q -p no:cacheprovider -k "cuda or CUDA or gpu" tests/unit || failed=1
+exit "$failed"
