@@ -25,6 +25,8 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.events import handlers as _event_handlers
 from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
 
+from elastictrain.errors import TorchCompatError
+
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -36,7 +38,6 @@ __all__ = [
     "DYNAMIC_STATE_GLOBALS",
     "LOCAL_AGENT_OVERRIDES",
     "PINNED_TORCH",
-    "TorchCompatError",
     "event_log_handlers",
     "import_ddp_modules",
     "process_context",
@@ -89,10 +90,6 @@ _AGENT_STATE = ("_remaining_restarts", "_worker_group")
 DDP_MODULES = ("torch.nn.parallel", "torch._dynamo")
 """What building a DDP model imports (``torch._dynamo``: about 1.4 s here); a node's worker
 forkserver imports them once (:mod:`elastictrain._worker_preload`) instead of every worker."""
-
-
-class TorchCompatError(ImportError):
-    """The installed torch lacks a private name elastictrain relies on."""
 
 
 def _fail(what: str) -> TorchCompatError:

@@ -14,6 +14,7 @@ __all__ = [
     "ElasticTrainError",
     "ConfigError",
     "DependencyError",
+    "TorchCompatError",
     "EtcdError",
     "EtcdUnavailableError",
     "EtcdIndeterminateError",
@@ -43,6 +44,11 @@ class ConfigError(ElasticTrainError, ValueError):
 
 class DependencyError(ElasticTrainError, ImportError):
     """A dependency is missing or cannot be imported (e.g. etcd3 under protobuf 4)."""
+
+
+class TorchCompatError(DependencyError):
+    """The installed torch lacks a private name elastictrain relies on (``elastictrain._torch_compat``
+    checks them at import)."""
 
 
 class EtcdError(ElasticTrainError):

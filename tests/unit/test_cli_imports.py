@@ -43,3 +43,23 @@ def test_the_public_api_still_imports_on_first_use() -> None:
 
     assert issubclass(EtcdUnavailableError, RendezvousConnectionError)
     assert elastictrain.Session.__name__ == "Session" and "Session" in dir(elastictrain)
+
+
+def test_a_torch_that_changed_a_private_name_is_refused_in_one_line(tmp_path) -> None:
+    """As torch 2.11 was on a GPU machine (its LocalElasticAgent._shutdown takes no timeout): the
+    start-up check names what changed, in one line, with no traceback."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent\n"
+        "def _shutdown(self, death_sig=15):\n"
+        "    pass\n"
+        "LocalElasticAgent._shutdown = _shutdown\n")
+    env = subprocess_env()
+    env["PYTHONPATH"] = f"{tmp_path}:{env.get('PYTHONPATH', '')}".rstrip(":")
+    result = subprocess.run([sys.executable, "-m", "elastictrain", "run", "--nproc-per-node", "1",
+                             str(REPO_ROOT / "tests" / "scripts" / "print_probe.py")],
+                            capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("elastictrain: error: elastictrain needs torch 2.13.*: torch ")
+    assert "changed LocalElasticAgent._shutdown('self', 'death_sig', 'timeout') to ('self', 'death_sig')" in last
