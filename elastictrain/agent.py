@@ -161,6 +161,7 @@ class ElasticAgent(LocalElasticAgent):
                 result = RunResult(state=WorkerState.SUCCEEDED,
                                    return_values={w.global_rank: None for w in worker_group.workers})
         if result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
+            logger.info("%s", _failure_cause(result.failures))
             self._events.emit("worker_failure", failures={
                 rank: {"exitcode": f.exitcode, "pid": f.pid, "signal": f.signal_name() if f.exitcode < 0 else None}
                 for rank, f in result.failures.items()

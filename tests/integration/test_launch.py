@@ -42,6 +42,61 @@ def test_workers_that_leave_through_os_exit_zero_end_their_node_with_success(tmp
     assert "exited with code 0 without returning" in result.stderr
 
 
+_WAIT_FOR_RELEASE = """
+import os, pathlib, sys, time
+out = pathlib.Path(sys.argv[1])
+(out / f"start-{os.environ['TORCHELASTIC_RESTART_COUNT']}-{os.getpid()}").touch()
+while not (out / "release").exists():
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.parametrize("recovery", ["in-process", "restart"])
+def test_a_worker_killed_before_its_forkserver_reports_it_is_restarted_not_taken_as_finished(
+        tmp_path: Path, recovery: str) -> None:
+    # A SIGKILLed worker is a zombie until its forkserver reaps it and reports its exit; a node
+    # that judged exits by the zombie took it for one that had finished, and ended the job with
+    # success (on a GPU machine, at step 445 of 4000). The forkserver is stopped to hold that
+    # window open for many of the agent's checks.
+    from elastictrain._process import proc_stat
+
+    script, out = tmp_path / "wait.py", tmp_path / "out"
+    script.write_text(_WAIT_FOR_RELEASE)
+    out.mkdir()
+    node = subprocess.Popen([sys.executable, "-m", "elastictrain", "run", "--recovery", recovery,
+                             "--max-restarts", "1", str(script), str(out)], env=subprocess_env(), cwd=REPO_ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    forkserver = None
+    try:
+        deadline = time.monotonic() + 60
+        while not (started := list(out.glob("start-0-*"))) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert started, "the worker did not start"
+        worker = int(started[0].name.rsplit("-", 1)[1])
+        forkserver = int(proc_stat(worker)[1])
+        os.kill(forkserver, signal.SIGSTOP)
+        os.kill(worker, signal.SIGKILL)
+        while proc_stat(worker)[0] != "Z" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(1.0)  # ten of the agent's checks, with the worker dead and not reported
+        os.kill(forkserver, signal.SIGCONT)
+        forkserver = None
+        while not list(out.glob("start-1-*")) and node.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (out / "release").touch()
+        _, err = node.communicate(timeout=60)
+    finally:
+        if forkserver is not None:
+            os.kill(forkserver, signal.SIGCONT)
+        if node.poll() is None:
+            node.kill()
+            node.communicate()
+    assert "taken as finished" not in err, err[-3000:]
+    assert len(list(out.glob("start-1-*"))) == 1, err[-3000:]  # the killed worker was replaced
+    assert node.returncode == 0, err[-3000:]
+    assert "killed by SIGKILL" in err
+
+
 def test_two_local_nodes_train_ddp_steps_and_exit_zero(tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = elastictrain("run", "--local-nodes", "2", "--min-nodes", "2", "--max-nodes", "2", SCRIPT, str(out))
