@@ -151,6 +151,19 @@ def device_for(context: WorkerContext, backend: str | None = None) -> torch.devi
     return torch.device("cuda", context.local_rank)
 
 
+def _check_a_gpu_per_rank(context: WorkerContext) -> None:
+    """Refuse local workers that all see the same one GPU (none has ``CUDA_VISIBLE_DEVICES`` to give
+    it a GPU of its own): NCCL needs a GPU per rank, and its own error when the group forms
+    ("invalid usage", with "Duplicate GPU detected" only in its log) does not say what to do."""
+    if (context.local_world_size > 1 and torch.cuda.device_count() == 1
+            and not os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()):
+        raise ConfigError(
+            f"{context.local_world_size} local workers share this machine's one GPU, and NCCL needs a GPU "
+            "per rank: start one worker per GPU (--nproc-per-node 1 here), or train on the CPU "
+            f"with {BACKEND_ENV}=gloo"
+        )
+
+
 def init_process_group(
     context: WorkerContext | None = None,
     *,
@@ -209,6 +222,8 @@ def init_process_group(
     place = torch.device(device) if device is not None else device_for(context, wanted)
     device_id = None
     if place.type == "cuda":
+        if "nccl" in chosen:
+            _check_a_gpu_per_rank(context)
         torch.cuda.set_device(place)
         if "nccl" in chosen:
             # Without it a collective that a dead peer never joins hangs past

@@ -56,6 +56,24 @@ def test_without_cuda_the_backend_is_gloo_the_device_cpu_and_nccl_refused() -> N
         pg.init_process_group(launched(), backend="nccl")
 
 
+def test_local_workers_sharing_the_one_gpu_are_refused_before_nccl_forms_a_group(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # As on a 1-GPU machine with --nproc-per-node 2: the job's last line was NCCL's "invalid usage"
+    # (its "Duplicate GPU detected" only in the log above).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    second = WorkerContext(rank=1, world_size=2, local_rank=1, local_world_size=2, master_addr="127.0.0.1",
+                           master_port=1)
+    with pytest.raises(ConfigError, match="2 local workers share this machine's one GPU"):
+        pg.init_process_group(second)
+    assert not dist.is_initialized()
+    pg._check_a_gpu_per_rank(WorkerContext(local_world_size=1))  # one worker: the GPU is its own
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # a GPU of its own each (torch's virtual local rank)
+    pg._check_a_gpu_per_rank(second)
+
+
 def test_without_a_launcher_no_group_is_formed() -> None:
     placement = pg.init_process_group(WorkerContext())
     assert not placement.distributed and not dist.is_initialized()
