@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 
-__all__ = ["setup"]
+__all__ = ["forget", "setup"]
 
 
 class _WorkerFailureFilter(logging.Filter):
@@ -48,3 +48,17 @@ def setup(*, debug: bool = False, node: str | None = None) -> None:
     # Events go to the run's JSON-lines file; on the terminal they would drown the
     # log, so they show there only with --debug.
     logging.getLogger("elastictrain.events").propagate = debug
+
+
+_CONFIGURED = ("elastictrain", "torch.distributed.elastic", "elastictrain.events")
+"""The loggers :func:`setup` configures."""
+
+
+def forget() -> None:
+    """Undo :func:`setup` in a process forked from one that called it (the workers'
+    forkserver): a worker configures its own logging, or the session does."""
+    for name in _CONFIGURED:
+        log = logging.getLogger(name)
+        log.handlers[:] = []
+        log.setLevel(logging.NOTSET)
+        log.propagate = True

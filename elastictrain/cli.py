@@ -500,8 +500,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         from elastictrain import node_setup
 
         started = time.monotonic()
-        # With a core to spare, the forkserver imports torch while this process does.
-        node = node_setup.prepare(config, start=node_setup.core_to_spare())
+        node = node_setup.prepare(config)
         try:
             from elastictrain.launcher import launch
 

@@ -107,6 +107,9 @@ def launch(config: RunConfig, endpoint: str, node: NodeSetup | None = None) -> J
             return launch(config, endpoint, node)
         finally:
             node.close()
+    # First: the forkserver is forked from this process while it has no thread or connection.
+    forked = node.start_forkserver()
+    logger.debug("workers' forkserver: %s", "a fork of this process" if forked else "a fresh interpreter")
     params = RendezvousParameters(
         backend=BACKEND_NAME,
         endpoint=endpoint,
@@ -137,7 +140,6 @@ def launch(config: RunConfig, endpoint: str, node: NodeSetup | None = None) -> J
 def _run_node(config: RunConfig, params: RendezvousParameters, events: EventLog, channel: Channel | None,
               temp: str) -> JobOutcome:
     log_root = config.log_dir or os.path.join(temp, "logs")
-    node_setup.start_forkserver()  # unless it runs already
     register()
     handler = create_handler(params)
     try:

@@ -1,34 +1,45 @@
-"""What a node sets up before its agent imports torch: its temporary directory, its workers'
-environment, the control channel, and the forkserver its workers are forked from.
+"""What a node sets up for its workers: its temporary directory, its workers' environment,
+the control channel, and the forkserver its workers are forked from.
 
-None of it needs torch, so ``elastictrain run`` can start the forkserver first, its import
-of torch (and of what building a DDP model imports) beside the agent's own import of
-torch instead of after it: a one-node job ends about 1 s sooner on a quiet machine here.
-It does so only when cores are idle (:func:`core_to_spare`): on busy cores two torch
-imports side by side slow each other down more than they gain (a node joining two
-training nodes on this 2-core machine had its workers started 2 s later).
+The forkserver is a fork of the agent's process, made once torch is imported there and
+before the agent opens a thread or a connection (:func:`start_forkserver`). It then imports
+only what the agent has not (what building a DDP model imports), while the agent joins the
+rendezvous. multiprocessing's own forkserver is a fresh interpreter that imports torch a
+second time: a node joining two training nodes on this 2-core machine started its workers
+2.8 s after the rendezvous with it, 1.2 s with a fork (``benchmarks/recovery.py``, node_join).
 """
 
 from __future__ import annotations
 
+import inspect
 import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.util
 import os
 import shutil
+import socket
 import stat
+import sys
 import tempfile
-import time
+import threading
+import traceback
 from dataclasses import dataclass, field
+from multiprocessing import connection, resource_tracker
 from typing import Any
 
+from elastictrain import _logging
 from elastictrain._control import CONTROL_DIR_ENV
+from elastictrain._process import set_process_title
 from elastictrain._worker_boot import AGENT_PID_ENV, TERMINAL_ENV, terminal_identity
 from elastictrain.config import RunConfig, take_etcd_password
 from elastictrain.events import EVENT_LOG_ENV, NODE_ENV
 from elastictrain.worker_group import Channel
 
-__all__ = ["NodeSetup", "core_to_spare", "prepare", "start_forkserver"]
+__all__ = ["FORKSERVER_TITLE", "NodeSetup", "prepare", "start_forkserver"]
+
+FORKSERVER_TITLE = "elastictrain worker forkserver"
+"""The forkserver's command line in ``ps`` when it is a fork of the agent (see :func:`start_forkserver`);
+multiprocessing's own reads ``... from multiprocessing.forkserver import main ...``."""
 
 _FORKSERVER_PRELOAD = ["elastictrain._worker_preload"]
 """What the forkserver imports once, for every worker it forks (torch among it)."""
@@ -52,6 +63,10 @@ class NodeSetup:
     :func:`~elastictrain.config.take_etcd_password`): no worker inherits it."""
     _previous_tempdir: str | None = field(default=None, repr=False)
 
+    def start_forkserver(self) -> bool:
+        """:func:`start_forkserver` for this node's workers."""
+        return start_forkserver(self._previous_tempdir)
+
     def close(self) -> None:
         if self.channel is not None:
             self.channel.close()
@@ -59,40 +74,86 @@ class NodeSetup:
         shutil.rmtree(self.temp, ignore_errors=True)
 
 
-def core_to_spare(window: float = 0.1) -> bool:
-    """Whether this machine has a core to spare now for the forkserver's import, besides the one
-    the agent's own import takes: more than 1.5 cores' worth of idle time over ``window``
-    seconds, from ``/proc/stat`` (``False`` where it cannot be read). The load average would
-    not do: it lags by a minute, and a node often starts right after the others did."""
-    try:
-        first = _cpu_times()
-        time.sleep(window)
-        second = _cpu_times()
-    except (OSError, ValueError, IndexError):
-        return False
-    idle, total = (b - a for a, b in zip(first, second))
-    return total > 0 and idle / total * (os.cpu_count() or 1) > 1.5
+def start_forkserver(tempdir: str | None = None) -> bool:
+    """Start the forkserver every worker of this node is forked from, unless it runs already;
+    return whether it is a fork of this process (see the module's docstring).
 
+    Every worker of every round is forked from it: a restart costs a fork, not a Python start
+    plus a torch import. The workers' environment must be set first (:func:`prepare`).
+    ``tempdir`` is the workers' ``tempfile.tempdir`` (not this node's temporary directory, which
+    goes when the node ends: torch's compile cache, for one, lives in it).
 
-def _cpu_times() -> tuple[int, int]:
-    """All cores' idle (idle + iowait) and total time so far, in clock ticks."""
-    with open("/proc/stat", encoding="ascii") as stat_file:
-        fields = [int(v) for v in stat_file.readline().split()[1:]]
-    return fields[3] + fields[4], sum(fields[:8])  # user nice system idle iowait irq softirq steal
-
-
-def start_forkserver() -> None:
-    """Start the forkserver (once per process; it begins importing torch at once, and the
-    first worker it forks waits for that). Every worker of every round is forked from it:
-    a restart costs a fork, not a Python start plus a torch import. It does not touch CUDA,
-    so forking is safe. The workers' environment must be set first (:func:`prepare`)."""
+    This process is forked only while it has one thread and CUDA untouched (a thread's locks
+    and a CUDA context do not survive a fork), on Linux, with a multiprocessing whose
+    forkserver this function knows how to start (CPython 3.10-3.13); otherwise
+    multiprocessing starts its own, as before.
+    """
     multiprocessing.set_forkserver_preload(_FORKSERVER_PRELOAD)
-    multiprocessing.forkserver.ensure_running()
+    server = multiprocessing.forkserver._forkserver  # noqa: SLF001 - the module's one server
+    if not _can_fork(server):
+        multiprocessing.forkserver.ensure_running()
+        return False
+    resource_tracker.ensure_running()  # as ensure_running does: workers get its fd from the server
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        if not multiprocessing.util.is_abstract_socket_namespace(address):
+            os.chmod(address, 0o600)
+        listener.listen()
+        # Every client holds the write end; the server exits once none is left.
+        alive_r, alive_w = os.pipe()
+        try:
+            pid = os.fork()
+        except BaseException:
+            os.close(alive_r)
+            os.close(alive_w)
+            raise
+        if pid == 0:
+            _serve(listener.fileno(), alive_r, alive_w, list(server._preload_modules), tempdir)  # noqa: SLF001
+        os.close(alive_r)
+    server._forkserver_address = address  # noqa: SLF001 - what ensure_running would set
+    server._forkserver_alive_fd = alive_w  # noqa: SLF001
+    server._forkserver_pid = pid  # noqa: SLF001
+    return True
 
 
-def prepare(config: RunConfig, *, start: bool = False) -> NodeSetup:
+_SERVER_MAIN_PARAMS = ("listener_fd", "alive_r", "preload", "main_path", "sys_path")
+_SERVER_STATE = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid", "_preload_modules")
+
+
+def _can_fork(server: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return (sys.platform == "linux"
+            and threading.active_count() == 1
+            and not (torch is not None and torch.cuda.is_initialized())
+            and all(hasattr(server, name) for name in _SERVER_STATE)
+            and not hasattr(server, "_forkserver_authkey")  # 3.14 authenticates its clients
+            and tuple(inspect.signature(multiprocessing.forkserver.main).parameters) == _SERVER_MAIN_PARAMS
+            and server._forkserver_pid is None)  # noqa: SLF001 - not started yet
+
+
+def _serve(listener_fd: int, alive_r: int, alive_w: int, preload: list[str], tempdir: str | None) -> None:
+    """The forked child: serve as multiprocessing's forkserver until the agent is gone, then
+    exit without running the agent's exit handlers or finalizers."""
+    code = 0
+    try:
+        os.close(alive_w)
+        tempfile.tempdir = tempdir
+        _logging.forget()  # workers configure their own, as in a fresh interpreter
+        set_process_title(FORKSERVER_TITLE)
+        multiprocessing.forkserver.main(listener_fd, alive_r, preload)
+    except SystemExit:
+        pass  # how main ends once every client is gone
+    except BaseException:  # noqa: BLE001 - reported; the agent sees its workers fail to start
+        traceback.print_exc()
+        code = 1
+    finally:
+        os._exit(code)
+
+
+def prepare(config: RunConfig) -> NodeSetup:
     """Make this node's temporary directory and control channel and set the workers'
-    environment; with ``start``, start the forkserver too (:func:`start_forkserver`)."""
+    environment (before the forkserver starts: :func:`start_forkserver`)."""
     # Before any process starts: the forkserver, and every worker through it, would inherit it.
     etcd_options = take_etcd_password(config.etcd_options)
     temp = _node_temp_dir()
@@ -116,8 +177,6 @@ def prepare(config: RunConfig, *, start: bool = False) -> NodeSetup:
             os.environ[CONTROL_DIR_ENV] = setup.channel.directory
         else:  # a channel of an earlier launch in this process must not reach these workers
             os.environ.pop(CONTROL_DIR_ENV, None)
-        if start:
-            start_forkserver()
     except BaseException:
         setup.close()
         raise

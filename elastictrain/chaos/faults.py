@@ -20,7 +20,8 @@ drawn one at a time by a :class:`RandomPlanner` from a seed. Kinds:
 
 Workers are found from the process tree, not from the job's evidence: a node
 agent forks each worker from its forkserver, so the workers of a node are the
-children of the agent's child that runs ``multiprocessing.forkserver``.
+children of the agent's child that serves as its forkserver
+(:data:`~elastictrain.node_setup.FORKSERVER_TITLE`, or ``multiprocessing.forkserver``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Any
 
 from elastictrain._process import proc_stat
 from elastictrain.errors import ConfigError
+from elastictrain.node_setup import FORKSERVER_TITLE
 
 __all__ = [
     "FaultKind", "FaultRecord", "PlannedFault", "RandomPlanner", "children", "descendants", "parse_kinds",
@@ -247,7 +249,7 @@ def worker_pids(agent_pid: int) -> list[int]:
     """The worker processes of a node agent: the children of its forkserver."""
     workers = []
     for child in children(agent_pid):
-        if "multiprocessing.forkserver" in _cmdline(child):
+        if any(title in _cmdline(child) for title in (FORKSERVER_TITLE, "multiprocessing.forkserver")):
             workers.extend(children(child))
     return workers
 

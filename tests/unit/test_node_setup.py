@@ -1,4 +1,4 @@
-"""What a node sets up before its agent imports torch (``elastictrain.node_setup``)."""
+"""What a node sets up for its workers (``elastictrain.node_setup``)."""
 
 from __future__ import annotations
 
@@ -9,20 +9,115 @@ import pytest
 from elastictrain import node_setup
 
 
-@pytest.mark.parametrize(("idle_ticks", "spare"), [(20, True), (16, True), (15, False), (10, False), (0, False)])
-def test_the_forkserver_starts_before_torch_only_with_more_than_one_idle_core(
-        monkeypatch: pytest.MonkeyPatch, idle_ticks: int, spare: bool) -> None:
-    # 2 cores, 20 ticks of CPU time in the window: the agent's own import takes one core, the
-    # forkserver's must find another mostly idle.
-    readings = iter([(1000, 5000), (1000 + idle_ticks, 5020)])
-    monkeypatch.setattr(node_setup, "_cpu_times", lambda: next(readings))
-    monkeypatch.setattr(node_setup.os, "cpu_count", lambda: 2)
-    assert node_setup.core_to_spare(window=0) is spare
+_FORKSERVER_PROBE = r"""
+import json, logging, multiprocessing, multiprocessing.util, os, sys, tempfile, threading, time
+import torch
+from elastictrain import _logging, node_setup
+
+def report(queue):
+    import torch._dynamo  # preloaded: already there
+    queue.put({"pid": os.getpid(), "ppid": os.getppid(), "tempdir": tempfile.gettempdir(),
+               "handlers": len(logging.getLogger("elastictrain").handlers),
+               "level": logging.getLogger("elastictrain").level,
+               "marker": getattr(torch, "_probe_marker", None)})
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    _logging.setup()
+    torch._probe_marker = "set in the agent"  # only a fork of this process has it
+    multiprocessing.util.get_temp_dir()  # as prepare() does: the socket's path must stay short
+    tempfile.tempdir = sys.argv[2]  # the node's own temporary directory
+    if mode == "thread":
+        threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+    forked = node_setup.start_forkserver(tempdir=None)
+    context = multiprocessing.get_context("forkserver")
+    queue = context.SimpleQueue()
+    worker = context.Process(target=report, args=(queue,))
+    worker.start()
+    out = queue.get()
+    worker.join()
+    server = multiprocessing.forkserver._forkserver._forkserver_pid
+    with open(f"/proc/{server}/cmdline", "rb") as f:
+        cmdline = f.read().replace(b"\0", b" ").decode()
+    print(json.dumps(dict(out, forked=forked, server=server, agent=os.getpid(), cmdline=cmdline,
+                          exitcode=worker.exitcode)), flush=True)
+"""
 
 
-def test_cpu_times_are_read_from_proc_stat() -> None:
-    idle, total = node_setup._cpu_times()  # noqa: SLF001
-    assert 0 < idle <= total
+def _probe_forkserver(tmp_path: Path, mode: str) -> dict:
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "probe.py"
+    script.write_text(_FORKSERVER_PROBE)
+    node_temp = tmp_path / "node-temp"
+    node_temp.mkdir()
+    done = subprocess.run([sys.executable, str(script), mode, str(node_temp)], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_workers_forkserver_is_a_fork_of_the_agent_that_forgets_its_logging_and_temp_dir(tmp_path: Path) -> None:
+    """The forkserver is forked from the agent once torch is imported there (no second import of
+    torch), and its workers start as they would from a fresh interpreter: no agent log handler
+    (the session installs its own), and the machine's temporary directory, not the node's."""
+    import tempfile
+
+    out = _probe_forkserver(tmp_path, "single-thread")
+    assert out["forked"] is True
+    assert out["marker"] == "set in the agent"  # the worker's torch is the agent's, imported once
+    assert out["ppid"] == out["server"] and out["server"] != out["agent"]
+    assert node_setup.FORKSERVER_TITLE in out["cmdline"]
+    assert out["handlers"] == 0 and out["level"] == 0  # _logging.setup() undone
+    assert out["tempdir"] == tempfile.gettempdir()
+    assert out["exitcode"] == 0
+
+
+def test_an_agent_with_a_thread_running_gets_multiprocessing_s_own_forkserver(tmp_path: Path) -> None:
+    """A fork copies one thread only, and the locks the others held: with a second thread
+    running, the agent is not forked; multiprocessing spawns a fresh forkserver instead."""
+    out = _probe_forkserver(tmp_path, "thread")
+    assert out["forked"] is False
+    assert out["marker"] is None
+    assert "from multiprocessing.forkserver import main" in out["cmdline"]
+    assert out["ppid"] == out["server"] and out["exitcode"] == 0
+
+
+def test_a_forked_forkserver_exits_with_its_agent(tmp_path: Path) -> None:
+    """The forkserver serves until no client holds its liveness pipe: an agent SIGKILLed leaves
+    no forkserver behind (and with it, no worker: they die with their parent)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    agent = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys, time, torch\n"
+        "from elastictrain import node_setup\n"
+        "assert node_setup.start_forkserver()\n"
+        "import multiprocessing.forkserver as f\n"
+        "print(f._forkserver._forkserver_pid, flush=True)\n"
+        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        server = int(agent.stdout.readline())
+        os.kill(server, 0)  # serving
+        agent.send_signal(signal.SIGKILL)
+        agent.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(server, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail(f"forkserver {server} outlived its agent")
+    finally:
+        agent.kill()
+        agent.wait()
 
 
 def test_a_killed_nodes_temp_dir_is_removed_at_the_next_start(tmp_path: Path, monkeypatch) -> None:
