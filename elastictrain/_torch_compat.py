@@ -118,6 +118,8 @@ def _check() -> None:
     for attr in _AGENT_STATE:
         if f"self.{attr}" not in init:
             raise _fail(f"no longer sets SimpleElasticAgent.{attr}")
+    if "if self._remaining_restarts > 0:" not in inspect.getsource(SimpleElasticAgent._invoke_run):
+        raise _fail("no longer decides on SimpleElasticAgent._remaining_restarts whether to restart failed workers")
     if "self._pcontext" not in inspect.getsource(LocalElasticAgent.__init__):
         raise _fail("no longer sets LocalElasticAgent._pcontext (its workers' process context)")
     if "self._pc" not in inspect.getsource(MultiprocessContext.__init__):
@@ -148,6 +150,11 @@ def import_ddp_modules() -> None:
 def remaining_restarts(agent: SimpleElasticAgent) -> int:
     """Restarts the agent may still make after worker failures."""
     return int(agent._remaining_restarts)  # noqa: SLF001 - checked above
+
+
+def forgo_restarts(agent: SimpleElasticAgent) -> None:
+    """Make the agent's run loop fail the job at the next worker failure instead of restarting."""
+    agent._remaining_restarts = 0  # noqa: SLF001 - checked above
 
 
 def worker_group(agent: SimpleElasticAgent) -> Any:

@@ -38,7 +38,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_pr
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 from torch.distributed.elastic.utils import macros
 
-from elastictrain import _torch_compat
+from elastictrain import _torch_compat, failure_report
 from elastictrain._control import Assignment, WorkerState as SlotState
 from elastictrain.errors import ElasticTrainError, EtcdError
 from elastictrain.events import NODE_ENV, EventLog
@@ -77,6 +77,16 @@ def _failure_cause(failures: dict[int, Any]) -> str:
     return f"worker(s) {', '.join(str(rank) for rank in sorted(failures))} failed ({how})"
 
 
+def _refused_input(failures: dict[int, Any]) -> bool:
+    """Whether a worker raised elastictrain's ``ConfigError`` (said here; the job then fails
+    at once: a restart would refuse the same input again, and spend the restart budget on it)."""
+    rank = failure_report.config_error(failures)
+    if rank is not None:
+        logger.error("rank %d refused its input (ConfigError): the job fails without a restart, which would "
+                     "refuse it again", rank)
+    return rank is not None
+
+
 @dataclass(frozen=True, slots=True)
 class _Held:
     """A generation formed at the rendezvous whose publication waits for a joining node."""
@@ -104,11 +114,14 @@ class ElasticAgent(LocalElasticAgent):
         self._publisher = publisher
         self._stop_requested = stop_requested
         self._world_size: int | None = None
+        self._restarts_at_bad_input: int | None = None
         self.stopped_by_request = False
 
     @property
     def restarts(self) -> int:
         """Worker-group restarts after failures so far (membership changes excluded)."""
+        if self._restarts_at_bad_input is not None:
+            return self._restarts_at_bad_input
         spec = _torch_compat.worker_group(self).spec
         return spec.max_restarts - _torch_compat.remaining_restarts(self)
 
@@ -166,6 +179,9 @@ class ElasticAgent(LocalElasticAgent):
                 rank: {"exitcode": f.exitcode, "pid": f.pid, "signal": f.signal_name() if f.exitcode < 0 else None}
                 for rank, f in result.failures.items()
             })
+            if _refused_input(result.failures):
+                self._restarts_at_bad_input = self.restarts
+                _torch_compat.forgo_restarts(self)
         elif result.state == WorkerState.HEALTHY:
             return self._check_stop(worker_group) or result
         return result
@@ -341,6 +357,10 @@ class InProcessAgent(ElasticAgent):
             now = time.monotonic()
             cause = None
             if result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
+                if _refused_input(result.failures):
+                    self._stop_workers(group)
+                    group.state = WorkerState.FAILED
+                    return result
                 backoff = self._budget.spend(now)
                 if backoff is None:
                     logger.error("this node's workers failed %d times within %gs, more than --max-restarts %d "

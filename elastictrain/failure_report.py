@@ -24,8 +24,8 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["OUTCOME_FILE_ENV", "WorkerFailure", "from_process_failure", "job_line", "read_outcome", "report",
-           "root_cause", "write_outcome"]
+__all__ = ["OUTCOME_FILE_ENV", "WorkerFailure", "config_error", "from_process_failure", "job_line", "read_outcome",
+           "report", "root_cause", "write_outcome"]
 
 OUTCOME_FILE_ENV = "ELASTICTRAIN_OUTCOME_FILE"
 """Set by a ``--local-nodes`` launcher for each node: where the node writes its outcome (JSON)
@@ -49,6 +49,10 @@ _MACHINERY = ("/torch/", "/elastictrain/_worker_boot.py", "<frozen runpy>", "/ru
               "/torch/distributed/elastic/")
 
 _MAX_MESSAGE = 300
+
+_CONFIG_ERROR = "elastictrain.errors.ConfigError: "
+"""How a traceback ends when the worker raised elastictrain's ConfigError: input it refused,
+which a restart would only refuse again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +83,10 @@ class WorkerFailure:
 
     consequential: bool
     """Whether it failed because a peer went away (a consequence, not a cause)."""
+
+    bad_input: bool
+    """Whether it raised elastictrain's ``ConfigError`` (the job fails without a restart, and
+    the report gives no traceback: the line says what was refused, and where)."""
 
     timestamp: float
     """When it failed (seconds since the epoch, from its error file)."""
@@ -128,17 +136,28 @@ def _frames(callstack: str) -> tuple[list[list[str]], list[str]]:
 
 _FILE_LINE = re.compile(r'^  File "(?P<path>[^"]+)", line (?P<line>\d+)')
 
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+"""elastictrain's own files: a library frame, where the user's code called it is the location."""
+
+
+def _location(frames: list[list[str]]) -> str:
+    """``file:line`` of the innermost frame of the user's code: not installed packages, and not
+    elastictrain's (an error it raised, a ConfigError for one, is placed where the script called
+    it), unless no other frame is left."""
+    for skip_package in (True, False):
+        for frame in reversed(frames):
+            match = _FILE_LINE.match(frame[0])
+            if (match and not any(m in frame[0] for m in _MACHINERY) and "site-packages" not in frame[0]
+                    and not (skip_package and os.path.abspath(match["path"]).startswith(_PACKAGE))):
+                return f"{os.path.basename(match['path'])}:{match['line']}"
+    return ""
+
 
 def _trim(callstack: str) -> tuple[str, str]:
     """The traceback without the launcher's own frames, and the innermost user frame as ``file:line``."""
     frames, tail = _frames(callstack)
     kept = [f for f in frames if not any(m in f[0] for m in _MACHINERY)] or frames
-    location = ""
-    for frame in reversed(kept):
-        match = _FILE_LINE.match(frame[0])
-        if match and not any(m in frame[0] for m in _MACHINERY) and "site-packages" not in frame[0]:
-            location = f"{os.path.basename(match['path'])}:{match['line']}"
-            break
+    location = _location(kept)
     if not frames:
         return "", location
     lines = ["Traceback (most recent call last):", *(line for f in kept for line in f), *tail]
@@ -151,6 +170,28 @@ def from_process_failure(rank: int, failure: Any, node: str) -> WorkerFailure:
     The error file ``@record`` wrote holds the exception as ``{"message": ..., "extraInfo":
     {"py_callstack": ...}}``; without one (a signal, ``sys.exit``) only the exit code is known.
     """
+    message, callstack = _recorded(failure)
+    code = int(failure.exitcode)
+    signal = failure.signal_name() if code < 0 else None
+    traceback, location = _trim(callstack) if callstack else ("", "")
+    error = _clean(message)
+    return WorkerFailure(
+        rank=rank, node=node, pid=int(failure.pid), exit_code=code, signal=signal, error=error,
+        location=location, traceback=traceback, consequential=bool(_CONSEQUENTIAL.search(message)),
+        bad_input=_raised_config_error(callstack), timestamp=float(failure.timestamp or 0))
+
+
+def config_error(failures: dict[int, Any]) -> int | None:
+    """The first global rank among torch's ``ProcessFailure`` records (by global rank) whose
+    worker raised elastictrain's ``ConfigError``; ``None`` if none did."""
+    return next((rank for rank, failure in sorted(failures.items())
+                 if _raised_config_error(_recorded(failure)[1])), None)
+
+
+def _recorded(failure: Any) -> tuple[str, str]:
+    """The exception message and the traceback a ``ProcessFailure``'s error file holds
+    (``@record`` writes ``{"message": ..., "extraInfo": {"py_callstack": ...}}``); empty
+    strings for what was not recorded."""
     message: Any = failure.message
     callstack = ""
     if isinstance(message, dict):
@@ -160,14 +201,12 @@ def from_process_failure(rank: int, failure: Any, node: str) -> WorkerFailure:
     message = str(message or "")
     if message.startswith("To enable traceback") or message.startswith("Signal "):
         message = ""  # torch's placeholders: nothing was recorded
-    code = int(failure.exitcode)
-    signal = failure.signal_name() if code < 0 else None
-    traceback, location = _trim(callstack) if callstack else ("", "")
-    error = _clean(message)
-    return WorkerFailure(
-        rank=rank, node=node, pid=int(failure.pid), exit_code=code, signal=signal, error=error,
-        location=location, traceback=traceback, consequential=bool(_CONSEQUENTIAL.search(message)),
-        timestamp=float(failure.timestamp or 0))
+    return message, callstack
+
+
+def _raised_config_error(callstack: str) -> bool:
+    lines = callstack.rstrip().splitlines()
+    return bool(lines) and lines[-1].startswith(_CONFIG_ERROR)
 
 
 def root_cause(failures: list[WorkerFailure]) -> WorkerFailure | None:
@@ -197,11 +236,11 @@ def job_line(failures: list[WorkerFailure], restarts: int) -> str:
 
 
 def report(failures: list[WorkerFailure], restarts: int) -> str:
-    """The text for the terminal: the root cause's traceback (once; none for a consequence or a
-    signal), then the job's one line."""
+    """The text for the terminal: the root cause's traceback (once; none for a consequence, a
+    signal or a ``ConfigError``), then the job's one line."""
     root = root_cause(failures)
     line = job_line(failures, restarts)
-    if root is None or root.consequential or not root.traceback:
+    if root is None or root.consequential or root.bad_input or not root.traceback:
         return line
     return f"traceback of rank {root.rank} on {root.node} (the root cause):\n{root.traceback}\n{line}"
 

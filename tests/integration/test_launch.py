@@ -137,6 +137,33 @@ def test_failing_worker_exhausts_restarts_and_job_exits_with_its_code(tmp_path: 
     assert sorted(p.name for p in out.glob("pid-0-*")) == ["pid-0-0", "pid-0-1"]
 
 
+_REFUSED_INPUT = """
+import os, pathlib, sys
+from elastictrain import ElasticSampler
+pathlib.Path(sys.argv[1], f"start-{os.getpid()}").touch()
+ElasticSampler(1000, global_batch_size=0)  # refused: ConfigError
+"""
+
+
+@pytest.mark.parametrize("recovery", ["in-process", "restart"])
+def test_a_worker_that_raises_config_error_fails_the_job_without_a_restart_or_traceback(
+        tmp_path: Path, recovery: str) -> None:
+    """A restart would refuse the same input again: the job fails at once, with the one line
+    that says what was refused and where, and no restart budget (nor back-off) spent on it."""
+    script = tmp_path / "refused.py"
+    script.write_text(_REFUSED_INPUT)
+    result = elastictrain("run", "--recovery", recovery, "--max-restarts", "3", str(script), str(tmp_path),
+                          timeout=60)
+    assert result.returncode == 1
+    assert len(list(tmp_path.glob("start-*"))) == 1, result.stderr[-3000:]  # never restarted
+    err = result.stderr
+    last = err.strip().splitlines()[-1]
+    assert "rank 0 on " in last and "failed: ConfigError: global_batch_size must be >= 1, got 0 (refused.py:5)" in last
+    assert "job failed after 0 restart(s)" in last
+    assert "rank 0 refused its input (ConfigError): the job fails without a restart" in err
+    assert "Traceback" not in err, err
+
+
 def test_a_raising_rank_is_reported_once_root_cause_first(tmp_path: Path) -> None:
     # A short TMPDIR of its own: multiprocessing's forkserver socket lives there, and a unix
     # socket path may not exceed 107 bytes (pytest-xdist's tmp_path is already long).

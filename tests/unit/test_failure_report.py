@@ -82,3 +82,24 @@ def test_an_outcome_file_round_trips_for_the_local_launcher(tmp_path: Path) -> N
     data = failure_report.read_outcome(path)
     assert data is not None and data["failures"] == [raised]
     assert failure_report.read_outcome(str(tmp_path / "missing.json")) is None
+
+
+def test_a_config_error_is_placed_where_the_script_called_elastictrain_and_printed_without_traceback(
+        tmp_path: Path) -> None:
+    """A ConfigError is raised inside elastictrain (its own files, wherever it is installed), but
+    refuses what the script passed: the location is the script's call, and no traceback shows."""
+    package = Path(failure_report.__file__).parent
+    stack = USER_STACK.replace('    raise ValueError("bad batch 1234 in shard 7")\nValueError: bad batch 1234 in shard 7\n', (
+        "    sampler = ElasticSampler(1000, global_batch_size=0)\n"
+        f'  File "{package}/sampler.py", line 56, in _check_int\n'
+        '    raise ConfigError(f"{name} must be {bound}, got {value}")\n'
+        "elastictrain.errors.ConfigError: global_batch_size must be >= 1, got 0\n"))
+    process_failure = _failure(tmp_path, "r0", "ConfigError: global_batch_size must be >= 1, got 0", stack=stack)
+    other = _failure(tmp_path, "r1", "ValueError: bad batch 1234 in shard 7", ts=101, stack=USER_STACK)
+    assert failure_report.config_error({1: other, 0: process_failure}) == 0
+    assert failure_report.config_error({1: other}) is None
+    refused = failure_report.from_process_failure(0, process_failure, "node0")
+    assert refused.bad_input and refused.location == "train.py:42"
+    assert failure_report.report([refused], restarts=0) == (
+        "rank 0 on node0 failed: ConfigError: global_batch_size must be >= 1, got 0 (train.py:42); "
+        "job failed after 0 restart(s)")
