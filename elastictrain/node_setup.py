@@ -102,6 +102,8 @@ def start_forkserver(tempdir: str | None = None) -> bool:
         listener.listen()
         # Every client holds the write end; the server exits once none is left.
         alive_r, alive_w = os.pipe()
+        for stream in (sys.stdout, sys.stderr):  # or the child (its workers) would write it again
+            stream.flush()
         try:
             pid = os.fork()
         except BaseException:

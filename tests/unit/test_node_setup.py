@@ -16,6 +16,7 @@ from elastictrain import _logging, node_setup
 
 def report(queue):
     import torch._dynamo  # preloaded: already there
+    sys.stdout.flush()  # what every worker does as it ends
     queue.put({"pid": os.getpid(), "ppid": os.getppid(), "tempdir": tempfile.gettempdir(),
                "handlers": len(logging.getLogger("elastictrain").handlers),
                "level": logging.getLogger("elastictrain").level,
@@ -27,6 +28,7 @@ if __name__ == "__main__":
     torch._probe_marker = "set in the agent"  # only a fork of this process has it
     multiprocessing.util.get_temp_dir()  # as prepare() does: the socket's path must stay short
     tempfile.tempdir = sys.argv[2]  # the node's own temporary directory
+    sys.stdout.write("written by the agent, not flushed yet\n")  # stdout is a pipe: buffered
     if mode == "thread":
         threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
     forked = node_setup.start_forkserver(tempdir=None)
@@ -44,8 +46,9 @@ if __name__ == "__main__":
 """
 
 
-def _probe_forkserver(tmp_path: Path, mode: str) -> dict:
+def _probe_forkserver(tmp_path: Path, mode: str) -> tuple[dict, str]:
     import json
+    import os
     import subprocess
     import sys
 
@@ -53,10 +56,11 @@ def _probe_forkserver(tmp_path: Path, mode: str) -> dict:
     script.write_text(_FORKSERVER_PROBE)
     node_temp = tmp_path / "node-temp"
     node_temp.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout buffered, as by default
     done = subprocess.run([sys.executable, str(script), mode, str(node_temp)], capture_output=True, text=True,
-                          timeout=120, check=False)
+                          timeout=120, check=False, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stdout
 
 
 def test_the_workers_forkserver_is_a_fork_of_the_agent_that_forgets_its_logging_and_temp_dir(tmp_path: Path) -> None:
@@ -65,8 +69,9 @@ def test_the_workers_forkserver_is_a_fork_of_the_agent_that_forgets_its_logging_
     (the session installs its own), and the machine's temporary directory, not the node's."""
     import tempfile
 
-    out = _probe_forkserver(tmp_path, "single-thread")
+    out, stdout = _probe_forkserver(tmp_path, "single-thread")
     assert out["forked"] is True
+    assert stdout.count("written by the agent") == 1  # not again by a worker's flush
     assert out["marker"] == "set in the agent"  # the worker's torch is the agent's, imported once
     assert out["ppid"] == out["server"] and out["server"] != out["agent"]
     assert node_setup.FORKSERVER_TITLE in out["cmdline"]
@@ -78,7 +83,7 @@ def test_the_workers_forkserver_is_a_fork_of_the_agent_that_forgets_its_logging_
 def test_an_agent_with_a_thread_running_gets_multiprocessing_s_own_forkserver(tmp_path: Path) -> None:
     """A fork copies one thread only, and the locks the others held: with a second thread
     running, the agent is not forked; multiprocessing spawns a fresh forkserver instead."""
-    out = _probe_forkserver(tmp_path, "thread")
+    out, _ = _probe_forkserver(tmp_path, "thread")
     assert out["forked"] is False
     assert out["marker"] is None
     assert "from multiprocessing.forkserver import main" in out["cmdline"]
