@@ -364,7 +364,9 @@ def _count_of(kind: str) -> int:
         return cpus
     import torch  # only for these spellings: the CLI path does not import torch otherwise
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    # NVML's count, which leaves CUDA uninitialized here: is_available() would initialize the
+    # driver (cuInit), and the workers, forked from this process, could then not use CUDA.
+    gpus = torch.cuda.device_count()
     if kind == "gpu" and gpus == 0:
         raise ConfigError("--nproc-per-node gpu: no CUDA device is visible on this node; pass a number, cpu or auto")
     return gpus or cpus

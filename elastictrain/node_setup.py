@@ -84,7 +84,7 @@ def start_forkserver(tempdir: str | None = None) -> bool:
     goes when the node ends: torch's compile cache, for one, lives in it).
 
     This process is forked only while it has one thread and CUDA untouched (a thread's locks
-    and a CUDA context do not survive a fork), on Linux, with a multiprocessing whose
+    and an initialized CUDA driver do not survive a fork), on Linux, with a multiprocessing whose
     forkserver this function knows how to start (CPython 3.10-3.13); otherwise
     multiprocessing starts its own, as before.
     """
@@ -128,10 +128,28 @@ def _can_fork(server: Any) -> bool:
     return (sys.platform == "linux"
             and threading.active_count() == 1
             and not (torch is not None and torch.cuda.is_initialized())
+            and not _cuda_driver_open()
             and all(hasattr(server, name) for name in _SERVER_STATE)
             and not hasattr(server, "_forkserver_authkey")  # 3.14 authenticates its clients
             and tuple(inspect.signature(multiprocessing.forkserver.main).parameters) == _SERVER_MAIN_PARAMS
             and server._forkserver_pid is None)  # noqa: SLF001 - not started yet
+
+
+def _cuda_driver_open(fd_dir: str = "/proc/self/fd") -> bool:
+    """Whether this process holds the CUDA driver's unified-memory device open, as it does once
+    the driver is initialized (``cuInit``: ``torch.cuda.is_available()`` does it, and
+    ``torch.cuda.is_initialized()`` does not tell): a fork of it could not use CUDA."""
+    try:
+        names = os.listdir(fd_dir)
+    except OSError:
+        return False
+    for name in names:
+        try:
+            if os.readlink(os.path.join(fd_dir, name)).startswith("/dev/nvidia-uvm"):
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def _serve(listener_fd: int, alive_r: int, alive_w: int, preload: list[str], tempdir: str | None) -> None:

@@ -47,6 +47,22 @@ def test_nproc_per_node_cpu_and_auto_count_this_host(script: str) -> None:
     assert _config("--nproc-per-node", "auto", script).nproc_per_node >= 1
 
 
+def test_nproc_per_node_gpu_counts_without_initializing_cuda(script: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The count comes from NVML (torch.cuda.device_count): torch.cuda.is_available() initializes
+    the CUDA driver, and the workers' forkserver, a fork of this process, could then not use CUDA."""
+    import torch
+
+    def initializes_the_driver() -> bool:
+        raise AssertionError("torch.cuda.is_available() called: it initializes the CUDA driver")
+
+    monkeypatch.setattr(torch.cuda, "is_available", initializes_the_driver)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert _config("--nproc-per-node", "gpu", script).nproc_per_node == 4
+    assert _config("--nproc-per-node", "auto", script).nproc_per_node == 4
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert _config("--nproc-per-node", "auto", script).nproc_per_node >= 1  # the CPUs
+
+
 def test_module_and_program_entries(script: str) -> None:
     assert _config("-m", "pkg.train", "--x").entry == "module"
     assert _config("--no-python", "echo", "hi").entry == "program"

@@ -90,6 +90,21 @@ def test_an_agent_with_a_thread_running_gets_multiprocessing_s_own_forkserver(tm
     assert out["ppid"] == out["server"] and out["exitcode"] == 0
 
 
+def test_an_agent_holding_the_cuda_driver_open_is_not_forked(tmp_path: Path) -> None:
+    """Once the CUDA driver is initialized (its unified-memory device open), a fork of the process
+    cannot use CUDA: the agent is then not forked (torch.cuda.is_initialized() would not say)."""
+    import os
+
+    fds = tmp_path / "fd"
+    fds.mkdir()
+    os.symlink("/dev/null", fds / "3")
+    os.symlink("/dev/nvidiactl", fds / "4")  # NVML opens this one too: no sign of cuInit
+    assert not node_setup._cuda_driver_open(str(fds))  # noqa: SLF001
+    os.symlink("/dev/nvidia-uvm", fds / "5")
+    assert node_setup._cuda_driver_open(str(fds))  # noqa: SLF001
+    assert not node_setup._cuda_driver_open()  # noqa: SLF001 - this machine has no GPU
+
+
 def test_a_forked_forkserver_exits_with_its_agent(tmp_path: Path) -> None:
     """The forkserver serves until no client holds its liveness pipe: an agent SIGKILLed leaves
     no forkserver behind (and with it, no worker: they die with their parent)."""
