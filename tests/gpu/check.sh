@@ -9,4 +9,13 @@ python3 tests/gpu/nccl_reform.py || failed=1
 # Every CUDA test of the suite (they skip on CPU): mixed precision, the overlapped snapshot's
 # side stream and pinned buffers, the NCCL process group, the session on a GPU.
 python3 -m pytest -q -p no:cacheprovider -k "cuda or CUDA or gpu" tests/unit || failed=1
+# The launcher: workers forked from a forkserver that is a fork of the agent (the agent never
+# initializes CUDA: --nproc-per-node gpu counts through NVML) train on the GPU over NCCL.
+out=$(mktemp)
+if elastictrain run --debug --nproc-per-node gpu examples/mlp.py --steps 300 >"$out" 2>&1 \
+    && grep -q "workers' forkserver: a fork of this process" "$out" && grep -q "backend nccl" "$out"; then
+  echo "launcher on the GPU: OK (forked forkserver, NCCL)"
+else
+  echo "launcher on the GPU: FAILED"; tail -30 "$out"; failed=1
+fi
 exit "$failed"
