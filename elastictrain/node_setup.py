@@ -83,7 +83,7 @@ def start_forkserver(tempdir: str | None = None) -> bool:
     ``tempdir`` is the workers' ``tempfile.tempdir`` (not this node's temporary directory, which
     goes when the node ends: torch's compile cache, for one, lives in it).
 
-    This process is forked only while it has one thread and CUDA untouched (a thread's locks
+    This process is forked only while it has one Python thread and CUDA untouched (a thread's locks
     and an initialized CUDA driver do not survive a fork), on Linux, with a multiprocessing whose
     forkserver this function knows how to start (CPython 3.10-3.13); otherwise
     multiprocessing starts its own, as before.
@@ -103,7 +103,10 @@ def start_forkserver(tempdir: str | None = None) -> bool:
         # Every client holds the write end; the server exits once none is left.
         alive_r, alive_w = os.pipe()
         for stream in (sys.stdout, sys.stderr):  # or the child (its workers) would write it again
-            stream.flush()
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # gone or closed: nothing of it can be written twice
+                pass
         try:
             pid = os.fork()
         except BaseException:

@@ -105,6 +105,24 @@ def test_an_agent_holding_the_cuda_driver_open_is_not_forked(tmp_path: Path) -> 
     assert not node_setup._cuda_driver_open()  # noqa: SLF001 - this machine has no GPU
 
 
+def test_an_agent_whose_stdout_is_gone_still_starts_its_forkserver() -> None:
+    """The flush before the fork must not fail the node when its stdout cannot be written
+    (a closed descriptor, a reader gone): nothing of it can be written twice then."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    done = subprocess.run([sys.executable, "-c", (
+        "import os, sys, torch\n"
+        "from elastictrain import node_setup\n"
+        "sys.stdout.write('buffered')\n"
+        "os.close(1)\n"
+        "print('forked', node_setup.start_forkserver(), file=sys.stderr, flush=True)\n")],
+        capture_output=True, text=True, timeout=60, env=env, check=False)
+    assert "forked True" in done.stderr, done.stderr[-2000:]
+
+
 def test_a_forked_forkserver_exits_with_its_agent(tmp_path: Path) -> None:
     """The forkserver serves until no client holds its liveness pipe: an agent SIGKILLed leaves
     no forkserver behind (and with it, no worker: they die with their parent)."""
