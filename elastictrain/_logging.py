@@ -24,13 +24,18 @@ class _WorkerFailureFilter(logging.Filter):
                     and isinstance(record.msg, str) and record.msg.startswith("failed (exitcode"))
 
 
+_OURS, _TORCH_ELASTIC, _EVENTS = "elastictrain", "torch.distributed.elastic", "elastictrain.events"
+_CONFIGURED = (_OURS, _TORCH_ELASTIC, _EVENTS)
+"""The loggers :func:`setup` configures (and :func:`forget` resets)."""
+
+
 def setup(*, debug: bool = False, node: str | None = None) -> None:
     """Send elastictrain's logs to stderr with a ``[elastictrain node=...]`` prefix."""
     level = logging.DEBUG if debug else getattr(logging, os.environ.get("ELASTICTRAIN_LOG_LEVEL", "INFO").upper(), logging.INFO)
     prefix = f"[elastictrain{' ' + node if node else ''}]"
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"{prefix} %(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
-    root = logging.getLogger("elastictrain")
+    root = logging.getLogger(_OURS)
     root.handlers[:] = [handler]
     root.setLevel(level)
     root.propagate = False
@@ -38,7 +43,7 @@ def setup(*, debug: bool = False, node: str | None = None) -> None:
     # carries an exception, and torch's agent logs every worker failure that way:
     # measured 2.2-3.5 s before the agent even reacted to a crash. A plain formatter
     # on torch's elastic loggers says the same in microseconds.
-    elastic = logging.getLogger("torch.distributed.elastic")
+    elastic = logging.getLogger(_TORCH_ELASTIC)
     elastic_handler = logging.StreamHandler(sys.stderr)
     elastic_handler.setFormatter(logging.Formatter("%(levelname).1s%(asctime)s %(process)d %(name)s] %(message)s"))
     if not debug:
@@ -47,11 +52,7 @@ def setup(*, debug: bool = False, node: str | None = None) -> None:
     elastic.propagate = False
     # Events go to the run's JSON-lines file; on the terminal they would drown the
     # log, so they show there only with --debug.
-    logging.getLogger("elastictrain.events").propagate = debug
-
-
-_CONFIGURED = ("elastictrain", "torch.distributed.elastic", "elastictrain.events")
-"""The loggers :func:`setup` configures."""
+    logging.getLogger(_EVENTS).propagate = debug
 
 
 def forget() -> None:
