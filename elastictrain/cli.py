@@ -226,7 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_switch(run, "--debug", help="show tracebacks and debug logs")
     _add(run, "--nnodes", default=None, type=_nnodes, help="torchrun's spelling of the node counts: N, or "
          "MIN:MAX (same as --min-nodes MIN --max-nodes MAX)")
-    _add(run, "--min-nodes", default=1, type=_positive_int, help="fewest nodes the job trains with")
+    _add(run, "--min-nodes", default=None, type=_positive_int,
+         help="fewest nodes the job trains with; none means --local-nodes N (no more than --max-nodes), else 1")
     _add(run, "--max-nodes", default=None, type=_positive_int, help="most nodes admitted; none means --min-nodes")
     _add(run, "--nproc-per-node", "--nproc_per_node", default=1, type=_nproc,
          help="workers (ranks) started on each node: N, or auto (one per GPU, else per CPU), gpu, cpu")
@@ -347,12 +348,21 @@ _PARENT_ONLY = {"local_nodes", "standalone", "etcd", "run_id", "local_addr", "no
 
 
 def _resolve_torchrun_spellings(args: argparse.Namespace) -> None:
-    """``--nnodes`` into ``--min-nodes``/``--max-nodes``, ``--nproc-per-node auto|gpu|cpu`` into a count."""
+    """``--nnodes`` into ``--min-nodes``/``--max-nodes``, ``--nproc-per-node auto|gpu|cpu`` into a count,
+    and the default ``--min-nodes``.
+
+    ``--local-nodes N`` alone is a job of N nodes: with a default of 1, the first node formed a
+    1-node job and the others waited for a place that never came, until the join timeout. Below
+    N, ``--max-nodes`` caps the job and the other local nodes wait as its hot spares.
+    """
     if args.nnodes is not None:
-        if args.max_nodes is not None or args.min_nodes != 1:
+        if args.max_nodes is not None or args.min_nodes is not None:
             raise ConfigError("--nnodes and --min-nodes/--max-nodes say the same thing: pass one of them")
         args.min_nodes, args.max_nodes = args.nnodes
         args.nnodes = None
+    if args.min_nodes is None:
+        local = args.local_nodes or 1
+        args.min_nodes = min(local, args.max_nodes) if args.max_nodes is not None else local
     if isinstance(args.nproc_per_node, str):
         args.nproc_per_node = _count_of(args.nproc_per_node)
 

@@ -8,6 +8,7 @@ import pytest
 
 from elastictrain import cli
 from elastictrain.config import RunConfig
+from elastictrain.errors import ConfigError
 
 
 def _config(*argv: str) -> RunConfig:
@@ -94,3 +95,21 @@ def test_every_unknown_and_refused_flag_is_reported_at_once(capsys: pytest.Captu
     err = capsys.readouterr().err
     assert "unrecognized arguments: --bogus --x" in err and "--node-rank:" in err and "--master-addr/" in err
     assert "--y" not in err  # the script's own
+
+
+def test_local_nodes_alone_is_a_job_of_that_many_nodes(script: str) -> None:
+    """With --min-nodes defaulting to 1, `--local-nodes 2` formed a 1-node job and the second
+    node waited for a place until the join timeout."""
+    assert (_config("--local-nodes", "3", script).min_nodes, _config("--local-nodes", "3", script).max_nodes) == (3, 3)
+    spares = _config("--local-nodes", "3", "--max-nodes", "2", script)  # the third waits as a hot spare
+    assert (spares.min_nodes, spares.max_nodes) == (2, 2)
+    grows = _config("--local-nodes", "2", "--max-nodes", "4", script)
+    assert (grows.min_nodes, grows.max_nodes) == (2, 4)
+    explicit = _config("--local-nodes", "3", "--min-nodes", "1", script)
+    assert (explicit.min_nodes, explicit.max_nodes) == (1, 1)
+    assert (_config(script).min_nodes, _config(script).max_nodes) == (1, 1)
+
+
+def test_nnodes_with_an_explicit_min_nodes_of_one_is_refused(script: str) -> None:
+    with pytest.raises(ConfigError, match="say the same thing"):
+        _config("--nnodes", "2", "--min-nodes", "1", script)
