@@ -50,7 +50,7 @@ def exited_cleanly(context: Any) -> bool:
     that value forever (stock torchrun runs a script as a plain child process, with no such wait):
     the caller takes them as finished (:func:`finished_without_a_word`).
     """
-    from elastictrain import _torch_compat  # noqa: PLC0415 - imports torch (see node_setup)
+    from elastictrain import _torch_compat  # noqa: PLC0415 - imports torch, and the CLI imports this module before it
 
     codes = _torch_compat.worker_exit_codes(context)
     return bool(codes) and all(code == 0 for code in codes)
@@ -92,7 +92,7 @@ class WorkerProcesses:
             if result is None and exited_cleanly(context):
                 result = context.wait(0)  # one that returned just before: its value (see exited_cleanly)
                 if result is None:
-                    # Imported here: this module is imported before torch (see node_setup).
+                    # Imported here: the CLI imports this module (node_setup) before torch.
                     from torch.distributed.elastic.multiprocessing import RunProcsResult  # noqa: PLC0415
 
                     finished_without_a_word(context)
