@@ -660,7 +660,10 @@ class CheckpointManager:
         except OSError as exc:
             logger.warning("retention skipped: cannot list %s: %s", self.location, exc)
             return
-        others = sorted((s for n in names if (s := fmt.parse_step_dir(n)) is not None and s != committed), reverse=True)
+        # Only directories holding a manifest are checkpoints this manager committed (a commit
+        # renames a staging directory that holds one): another ``step_N`` is not ours to delete.
+        others = sorted((s for n in names if (s := fmt.parse_step_dir(n)) is not None and s != committed
+                         and self._storage.exists(fmt.join(self._prefix, n, fmt.MANIFEST))), reverse=True)
         if others and others[0] > committed:
             logger.warning("checkpoints of later steps exist (%s); restore prefers the highest step", others[0])
         # Every staging dir is stale here: at most one save is in flight, and it just committed.

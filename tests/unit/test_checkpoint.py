@@ -145,6 +145,29 @@ def test_keep_last_deletes_older_checkpoints_only_after_a_newer_commit(tmp_path:
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["step_00000030", "step_00000040"]
 
 
+def test_retention_counts_and_deletes_only_checkpoints_it_committed(tmp_path: Path, caplog: Any) -> None:
+    """A ``step_N`` directory without a manifest was never committed by elastictrain (a commit
+    renames a staging directory that holds one): retention neither deletes it nor counts it
+    among the ``keep_last``. Before, it deleted the user's directory and kept one valid
+    checkpoint fewer, while warning that restore would prefer it (restore skips it)."""
+    foreign = tmp_path / "step_00000099"
+    foreign.mkdir(parents=True)
+    (foreign / "data.txt").write_text("the user's")
+    trainer = Trainer()
+    with caplog.at_level(logging.WARNING), CheckpointManager(tmp_path, keep_last=2) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, trainer.state())
+        assert mgr.latest_step() == 3
+    names = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
+    assert names == ["step_00000002", "step_00000003", "step_00000099"]
+    assert (foreign / "data.txt").read_text() == "the user's"
+    assert "later steps exist" not in caplog.text
+    with CheckpointManager(tmp_path, keep_last=1) as mgr:
+        mgr.save(4, trainer.state())
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["step_00000004",
+                                                                                        "step_00000099"]
+
+
 def _corrupt(checkpoint: Path, how: str) -> None:
     target = checkpoint / "replicated.pt"
     if how == "truncated":
