@@ -77,14 +77,14 @@ def _failure_cause(failures: dict[int, Any]) -> str:
     return f"worker(s) {', '.join(str(rank) for rank in sorted(failures))} failed ({how})"
 
 
-def _refused_input(failures: dict[int, Any]) -> bool:
-    """Whether a worker raised elastictrain's ``ConfigError`` (said here; the job then fails
-    at once: a restart would refuse the same input again, and spend the restart budget on it)."""
-    rank = failure_report.config_error(failures)
-    if rank is not None:
-        logger.error("rank %d refused its input (ConfigError): the job fails without a restart, which would "
-                     "refuse it again", rank)
-    return rank is not None
+def _final_failure(failures: dict[int, Any]) -> bool:
+    """Whether a worker raised an error that a restart would meet again (said here; the job
+    then fails at once, without spending the restart budget on it): refused input
+    (``ConfigError``), a checkpoint that does not fit, a diverged state (see failure_report)."""
+    found = failure_report.final_error(failures)
+    if found is not None:
+        logger.error("rank %d raised %s: the job fails without a restart, which would meet it again", *found)
+    return found is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,14 +114,14 @@ class ElasticAgent(LocalElasticAgent):
         self._publisher = publisher
         self._stop_requested = stop_requested
         self._world_size: int | None = None
-        self._restarts_at_bad_input: int | None = None
+        self._restarts_at_final_error: int | None = None
         self.stopped_by_request = False
 
     @property
     def restarts(self) -> int:
         """Worker-group restarts after failures so far (membership changes excluded)."""
-        if self._restarts_at_bad_input is not None:
-            return self._restarts_at_bad_input
+        if self._restarts_at_final_error is not None:
+            return self._restarts_at_final_error
         spec = _torch_compat.worker_group(self).spec
         return spec.max_restarts - _torch_compat.remaining_restarts(self)
 
@@ -179,8 +179,8 @@ class ElasticAgent(LocalElasticAgent):
                 rank: {"exitcode": f.exitcode, "pid": f.pid, "signal": f.signal_name() if f.exitcode < 0 else None}
                 for rank, f in result.failures.items()
             })
-            if _refused_input(result.failures):
-                self._restarts_at_bad_input = self.restarts
+            if _final_failure(result.failures):
+                self._restarts_at_final_error = self.restarts
                 _torch_compat.forgo_restarts(self)
         elif result.state == WorkerState.HEALTHY:
             return self._check_stop(worker_group) or result
@@ -357,7 +357,7 @@ class InProcessAgent(ElasticAgent):
             now = time.monotonic()
             cause = None
             if result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
-                if _refused_input(result.failures):
+                if _final_failure(result.failures):
                     self._stop_workers(group)
                     group.state = WorkerState.FAILED
                     return result

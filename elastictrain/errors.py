@@ -27,6 +27,7 @@ __all__ = [
     "CorruptCheckpointError",
     "NoCheckpointError",
     "CheckpointMismatchError",
+    "NonFiniteStateError",
     "SessionError",
 ]
 
@@ -77,6 +78,11 @@ class NoCheckpointError(CheckpointError):
 
 class CheckpointMismatchError(CheckpointError):
     """A checkpoint does not fit the model/optimizer it is loaded into."""
+
+
+class NonFiniteStateError(CheckpointError):
+    """A model parameter to be checkpointed holds NaN or infinity (training diverged): the step
+    is not committed, so that it cannot push the good checkpoints out."""
 
 
 class SessionError(ElasticTrainError, RuntimeError):

@@ -24,7 +24,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["OUTCOME_FILE_ENV", "WorkerFailure", "config_error", "from_process_failure", "job_line", "read_outcome",
+__all__ = ["OUTCOME_FILE_ENV", "WorkerFailure", "final_error", "from_process_failure", "job_line", "read_outcome",
            "report", "root_cause", "write_outcome"]
 
 OUTCOME_FILE_ENV = "ELASTICTRAIN_OUTCOME_FILE"
@@ -50,9 +50,11 @@ _MACHINERY = ("/torch/", "/elastictrain/_worker_boot.py", "<frozen runpy>", "/ru
 
 _MAX_MESSAGE = 300
 
-_CONFIG_ERROR = "elastictrain.errors.ConfigError: "
-"""How a traceback ends when the worker raised elastictrain's ConfigError: input it refused,
-which a restart would only refuse again."""
+_FINAL_ERRORS = ("ConfigError", "CheckpointMismatchError", "NonFiniteStateError")
+"""elastictrain's errors that a restart would meet again, by name (a traceback ends with
+``elastictrain.errors.<name>: ...``): input it refused, a checkpoint that does not fit the
+model, a training state gone NaN (live peers and a restart from a checkpoint carry it on
+or train into it again)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,9 +86,9 @@ class WorkerFailure:
     consequential: bool
     """Whether it failed because a peer went away (a consequence, not a cause)."""
 
-    bad_input: bool
-    """Whether it raised elastictrain's ``ConfigError`` (the job fails without a restart, and
-    the report gives no traceback: the line says what was refused, and where)."""
+    final: bool
+    """Whether it raised an error that a restart would meet again (:data:`_FINAL_ERRORS`): the job
+    fails without a restart, and the report gives no traceback (the line says what and where)."""
 
     timestamp: float
     """When it failed (seconds since the epoch, from its error file)."""
@@ -178,14 +180,18 @@ def from_process_failure(rank: int, failure: Any, node: str) -> WorkerFailure:
     return WorkerFailure(
         rank=rank, node=node, pid=int(failure.pid), exit_code=code, signal=signal, error=error,
         location=location, traceback=traceback, consequential=bool(_CONSEQUENTIAL.search(message)),
-        bad_input=_raised_config_error(callstack), timestamp=float(failure.timestamp or 0))
+        final=_final_error(callstack) is not None, timestamp=float(failure.timestamp or 0))
 
 
-def config_error(failures: dict[int, Any]) -> int | None:
+def final_error(failures: dict[int, Any]) -> tuple[int, str] | None:
     """The first global rank among torch's ``ProcessFailure`` records (by global rank) whose
-    worker raised elastictrain's ``ConfigError``; ``None`` if none did."""
-    return next((rank for rank, failure in sorted(failures.items())
-                 if _raised_config_error(_recorded(failure)[1])), None)
+    worker raised an error that a restart would meet again, and that error's name; ``None``
+    if none did."""
+    for rank, failure in sorted(failures.items()):
+        name = _final_error(_recorded(failure)[1])
+        if name is not None:
+            return rank, name
+    return None
 
 
 def _recorded(failure: Any) -> tuple[str, str]:
@@ -204,9 +210,11 @@ def _recorded(failure: Any) -> tuple[str, str]:
     return message, callstack
 
 
-def _raised_config_error(callstack: str) -> bool:
+def _final_error(callstack: str) -> str | None:
+    """The name of the error among :data:`_FINAL_ERRORS` that closes ``callstack``, if one does."""
     lines = callstack.rstrip().splitlines()
-    return bool(lines) and lines[-1].startswith(_CONFIG_ERROR)
+    last = lines[-1] if lines else ""
+    return next((name for name in _FINAL_ERRORS if last.startswith(f"elastictrain.errors.{name}: ")), None)
 
 
 def root_cause(failures: list[WorkerFailure]) -> WorkerFailure | None:
@@ -240,7 +248,7 @@ def report(failures: list[WorkerFailure], restarts: int) -> str:
     signal or a ``ConfigError``), then the job's one line."""
     root = root_cause(failures)
     line = job_line(failures, restarts)
-    if root is None or root.consequential or root.bad_input or not root.traceback:
+    if root is None or root.consequential or root.final or not root.traceback:
         return line
     return f"traceback of rank {root.rank} on {root.node} (the root cause):\n{root.traceback}\n{line}"
 

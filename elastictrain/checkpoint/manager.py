@@ -32,13 +32,13 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from elastictrain.errors import CheckpointError, ConfigError, CorruptCheckpointError
+from elastictrain.errors import CheckpointError, ConfigError, CorruptCheckpointError, NonFiniteStateError
 
 from . import _fence
 from . import _manifest as fmt
@@ -95,6 +95,7 @@ class _Payload:
     replicated: dict[str, Any] | None  # rank 0 only: {"stateful": {...}, "extras": {...}}
     local: dict[str, Any]  # {"rng": {...}}
     copy: SnapshotCopy | None = None  # overlapped: makes ``replicated``'s tensors CPU copies
+    parameters: dict[str, list[str]] = field(default_factory=dict)  # rank 0: each module's parameter keys
 
 
 class CheckpointManager:
@@ -290,6 +291,8 @@ class CheckpointManager:
             ConfigError: ``step`` or ``state`` is invalid.
             CheckpointError: This save failed (nothing was committed), or a
                 previous async save failed (and this one was not started).
+            NonFiniteStateError: A parameter of a module in ``state`` holds NaN or
+                infinity (training diverged); the step was not committed.
         """
         self._ensure_open()
         snap.check_step(step)
@@ -340,7 +343,8 @@ class CheckpointManager:
         failure, self._error = self._error, None
         if failure is not None:
             step, exc = failure
-            raise CheckpointError(f"the background save of step {step} failed and was not committed: {exc}") from exc
+            kind = NonFiniteStateError if isinstance(exc, NonFiniteStateError) else CheckpointError
+            raise kind(f"the background save of step {step} failed and was not committed: {exc}") from exc
 
     def latest_step(self) -> int | None:
         """Return the newest step whose checkpoint verifies, agreed by all ranks; a collective.
@@ -489,6 +493,9 @@ class CheckpointManager:
                 content[kind][name] = snap.snapshot(value, copy=self._async, pool=self._pool, where=where)
         local = snap.snapshot({"rng": snap.capture_rng()}, copy=False, pool=self._pool)  # fresh tensors already
         payload = _Payload(step=step, replicated=content if rank0 else None, local=local)
+        if rank0:  # checked for NaN and infinity before the write (see _diverged)
+            payload.parameters = {name: [key for key, _ in obj.named_parameters()]
+                                  for name, obj in state.items() if isinstance(obj, torch.nn.Module)}
         if references and self._overlap is not None:
             payload.copy = self._overlap.start(references, state)
         return payload
@@ -513,10 +520,17 @@ class CheckpointManager:
             except Exception as exc:  # noqa: BLE001 - reported at the barrier below
                 copy_error = CheckpointError(f"copying the state to CPU memory failed: {exc!r}")
             payload.copy = None
-        proposals = self._coord.all_gather((step, secrets.token_hex(4)))
-        if len({s for s, _ in proposals}) != 1:
-            raise CheckpointError(f"ranks disagree on the step to save: {[s for s, _ in proposals]}")
+        diverged = self._diverged(payload) if copy_error is None else None
+        proposals = self._coord.all_gather((step, secrets.token_hex(4), diverged))
+        if len({s for s, _, _ in proposals}) != 1:
+            raise CheckpointError(f"ranks disagree on the step to save: {[s for s, _, _ in proposals]}")
         nonce = proposals[0][1]
+        # Before anything is written: a diverged step committed would push good checkpoints out.
+        diverged = next((d for _, _, d in proposals if d is not None), None)
+        if diverged is not None:
+            raise NonFiniteStateError(
+                f"step {step}: {diverged} holds NaN or infinity (training diverged); the step is not checkpointed, "
+                f"and the checkpoints committed before it are kept in {self.location}")
         staging = fmt.join(self._prefix, fmt.staging_dir(step, nonce))
 
         written: list[tuple[str, int, str]] = []
@@ -559,6 +573,21 @@ class CheckpointManager:
             elapsed = time.monotonic() - started
             logger.info("committed step %d to %s in %.2fs", step, self.location, elapsed)
             _events.info("checkpoint_commit", extra={"elastictrain_event": {"step": step, "seconds": elapsed}})
+
+    @staticmethod
+    def _diverged(payload: _Payload) -> str | None:
+        """Which model parameter of the state to write holds NaN or infinity, if one does (rank 0:
+        the others hold no replicated state). Parameters only: a buffer may hold infinity on
+        purpose (an attention mask)."""
+        if payload.replicated is None:
+            return None
+        for name, keys in payload.parameters.items():
+            saved = payload.replicated["stateful"].get(name)
+            if isinstance(saved, dict):
+                found = snap.first_non_finite((key, saved.get(key)) for key in keys)
+                if found is not None:
+                    return f"parameter {found!r} of state[{name!r}]"
+        return None
 
     def _await_writers(self, staging: str) -> None:
         """Mark this rank's part of ``staging`` written, then wait until every rank has.

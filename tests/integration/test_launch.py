@@ -160,9 +160,46 @@ def test_a_worker_that_raises_config_error_fails_the_job_without_a_restart_or_tr
     last = err.strip().splitlines()[-1]
     assert "rank 0 on " in last and "failed: ConfigError: global_batch_size must be >= 1, got 0 (refused.py:5)" in last
     assert "job failed after 0 restart(s)" in last
-    assert "rank 0 refused its input (ConfigError): the job fails without a restart" in err
+    assert "rank 0 raised ConfigError: the job fails without a restart" in err
     assert "Traceback" not in err, err
 
+
+_DIVERGES = """
+import math, os, pathlib, sys
+import torch
+from torch.utils.data import TensorDataset
+import elastictrain
+pathlib.Path(sys.argv[1], f"start-{os.getpid()}").touch()
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+with elastictrain.Session(model, torch.optim.SGD(model.parameters(), lr=0.1), data, global_batch_size=8,
+                          checkpoint_dir=sys.argv[2], checkpoint_every=2, epochs=3) as s:
+    for step in s.steps():
+        for micro in step:
+            x, y = micro.batch
+            scale = math.nan if step.number >= 5 else 1.0  # the loss diverges at step 5
+            micro.backward(torch.nn.functional.mse_loss(s.model(x), y) * scale)
+"""
+
+
+@pytest.mark.parametrize("recovery", ["in-process", "restart"])
+def test_a_diverged_job_fails_without_a_restart_and_keeps_its_good_checkpoints(
+        tmp_path: Path, recovery: str) -> None:
+    """Before, NaN steps were committed like any other and pushed the good checkpoints out,
+    and the job exited 0 with NaN weights."""
+    script, ckpt = tmp_path / "diverges.py", tmp_path / "ckpt"
+    script.write_text(_DIVERGES)
+    result = elastictrain("run", "--recovery", recovery, "--nproc-per-node", "2", "--max-restarts", "3",
+                          str(script), str(tmp_path), str(ckpt), timeout=60)
+    err = result.stderr
+    assert result.returncode == 1, err[-3000:]
+    assert len(list(tmp_path.glob("start-*"))) == 2, err[-3000:]  # never restarted
+    last = err.strip().splitlines()[-1]
+    assert "failed: NonFiniteStateError:" in last and "holds NaN or infinity (training diverged)" in last, last
+    assert "job failed after 0 restart(s)" in last
+    assert "Traceback" not in err, err[-3000:]
+    assert sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".")) == ["step_00000002", "step_00000004"]
 
 def test_a_raising_rank_is_reported_once_root_cause_first(tmp_path: Path) -> None:
     # A short TMPDIR of its own: multiprocessing's forkserver socket lives there, and a unix

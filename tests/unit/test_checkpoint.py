@@ -21,6 +21,7 @@ from elastictrain.errors import (
     ConfigError,
     CorruptCheckpointError,
     NoCheckpointError,
+    NonFiniteStateError,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -418,3 +419,46 @@ def test_async_save_of_a_cuda_model_round_trips_weights_and_cuda_rng(tmp_path: P
         mgr.restore({"model": fresh})
     assert torch.equal(torch.rand(3, device="cuda"), expected_draw)
     assert all(torch.equal(fresh.state_dict()[k].cpu(), v) for k, v in expected.items())
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "overlap"])
+def test_a_diverged_step_is_not_committed_and_keeps_the_good_checkpoints(tmp_path: Path, mode: str) -> None:
+    """Before, a NaN step was committed like any other, and keep_last pushed the good
+    checkpoints out: after 2 such saves only NaN weights were left."""
+    trainer = Trainer()
+    # An infinite buffer is no divergence (a causal attention mask holds -inf on purpose).
+    trainer.model.register_buffer("mask", torch.full((2, 2), float("-inf")))
+    options = {"async_save": mode != "sync", "overlap": mode == "overlap"}
+    with CheckpointManager(tmp_path, keep_last=2, **options) as mgr:
+        for step in (1, 2):
+            trainer.train(1)
+            mgr.save(step, trainer.state())
+        mgr.wait()
+        good = weights(trainer.model)
+        with torch.no_grad():
+            trainer.model[0].weight[0, 0] = float("nan")
+        with pytest.raises(NonFiniteStateError, match=r"step 3: parameter '0.weight' of state\['model'\] holds NaN"):
+            mgr.save(3, trainer.state())
+            mgr.wait()
+        with torch.no_grad():
+            trainer.model[0].weight[0, 0] = float("inf")
+        with pytest.raises(NonFiniteStateError):
+            mgr.save(4, trainer.state())
+            mgr.wait()
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["step_00000001",
+                                                                                        "step_00000002"]
+    restored = Trainer(seed=1)
+    restored.model.register_buffer("mask", torch.zeros(2, 2))
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.restore(restored.state()).step == 2
+    assert_same_weights(weights(restored.model), good)
+
+
+def test_large_finite_parameters_are_no_divergence(tmp_path: Path) -> None:
+    trainer = Trainer()
+    with torch.no_grad():
+        trainer.model[0].weight.fill_(3e38)  # their float32 sum overflows; every value is finite
+        trainer.model[2].half().weight.fill_(60000)  # a float16 sum of them would overflow
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, trainer.state())
+        assert mgr.latest_step() == 1

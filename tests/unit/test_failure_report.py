@@ -6,6 +6,7 @@ import json
 import time
 from pathlib import Path
 
+import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from elastictrain import failure_report
@@ -96,10 +97,22 @@ def test_a_config_error_is_placed_where_the_script_called_elastictrain_and_print
         "elastictrain.errors.ConfigError: global_batch_size must be >= 1, got 0\n"))
     process_failure = _failure(tmp_path, "r0", "ConfigError: global_batch_size must be >= 1, got 0", stack=stack)
     other = _failure(tmp_path, "r1", "ValueError: bad batch 1234 in shard 7", ts=101, stack=USER_STACK)
-    assert failure_report.config_error({1: other, 0: process_failure}) == 0
-    assert failure_report.config_error({1: other}) is None
+    assert failure_report.final_error({1: other, 0: process_failure}) == (0, "ConfigError")
+    assert failure_report.final_error({1: other}) is None
     refused = failure_report.from_process_failure(0, process_failure, "node0")
-    assert refused.bad_input and refused.location == "train.py:42"
+    assert refused.final and refused.location == "train.py:42"
     assert failure_report.report([refused], restarts=0) == (
         "rank 0 on node0 failed: ConfigError: global_batch_size must be >= 1, got 0 (train.py:42); "
         "job failed after 0 restart(s)")
+
+
+@pytest.mark.parametrize(("error", "final"), [
+    ("ConfigError", True), ("CheckpointMismatchError", True), ("NonFiniteStateError", True),
+    ("CheckpointError", False), ("CorruptCheckpointError", False), ("SessionError", False)])
+def test_errors_a_restart_would_meet_again_end_the_job_at_once(tmp_path: Path, error: str, final: bool) -> None:
+    """A checkpoint that does not fit the model, or a diverged state, comes back after a restart
+    as surely as refused input; a failed write or a corrupt checkpoint may not."""
+    stack = USER_STACK.replace('ValueError: bad batch 1234 in shard 7\n', f"elastictrain.errors.{error}: it\n")
+    failure = _failure(tmp_path, "r0", f"{error}: it", stack=stack)
+    assert failure_report.final_error({0: failure}) == ((0, error) if final else None)
+    assert failure_report.from_process_failure(0, failure, "node0").final is final
