@@ -276,6 +276,9 @@ class ElasticSampler(Sampler[int]):
         self.micro_batch_size: int | None = micro_batch_size
         self.shuffle: bool = bool(shuffle)
         self.drop_last: bool = bool(drop_last)
+        if self.drop_last and self.global_batch_size > self.num_samples:
+            raise ConfigError(f"with drop_last, a global batch of {self.global_batch_size} is more than the "
+                              f"dataset's {self.num_samples} samples: no step would ever run")
         self._seed = _check_int("seed", seed, 0, _MASK64)
         self._epoch, self._cursor = 0, 0
         self._perm_cache: tuple[tuple[int, int, int, bool], torch.Tensor] | None = None

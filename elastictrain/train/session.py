@@ -89,6 +89,19 @@ def _seed_everything(seed: int) -> None:
     np.random.seed(seed % 2**32)
 
 
+def _check_trains(model: torch.nn.Module, optimizer: Any) -> None:
+    """Refuse an optimizer that would not train ``model``: training would change nothing,
+    silently (an optimizer over another model's parameters, or a model with none to train)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    if not trainable:
+        raise ConfigError("the model has no parameter that requires grad: there is nothing to train")
+    if not any(id(p) in trainable for group in optimizer.param_groups for p in group["params"]):
+        raise ConfigError("the optimizer updates none of the model's trainable parameters (was it built over "
+                          "another model, or a copy of this one?): training would change nothing")
+
+
 class Session:
     """Train a model elastically: a context manager yielding optimizer steps.
 
@@ -152,6 +165,7 @@ class Session:
             raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if isinstance(model, DistributedDataParallel):
             raise ConfigError("pass the unwrapped model; the session wraps it in DDP itself")
+        _check_trains(model, optimizer)
         extra = dict(extra_state or {})
         clash = sorted(set(extra) & set(_RESERVED))
         if clash:

@@ -322,6 +322,23 @@ def test_bad_options_raise_config_error_naming_them(options: dict[str, Any], mat
         elastictrain.Session(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset(), **options)
 
 
+def test_an_optimizer_that_would_not_train_the_model_is_refused() -> None:
+    """Before, an optimizer over another model's parameters trained nothing and the job exited 0;
+    a model without parameters failed later with a message about its output."""
+    model = make_model()
+    with pytest.raises(ConfigError, match="updates none of the model's trainable parameters"):
+        elastictrain.Session(model, torch.optim.SGD(make_model().parameters(), lr=0.1), dataset(),
+                             global_batch_size=8)
+    with pytest.raises(ConfigError, match="must be a torch.optim.Optimizer, got str"):
+        elastictrain.Session(model, "sgd", dataset(), global_batch_size=8)  # type: ignore[arg-type]
+    frozen = make_model().requires_grad_(False)
+    with pytest.raises(ConfigError, match="no parameter that requires grad"):
+        elastictrain.Session(frozen, torch.optim.SGD(frozen.parameters(), lr=0.1), dataset(), global_batch_size=8)
+    # Partly the model's (a head frozen, a learnable scale outside it) is fine.
+    scale = torch.nn.Parameter(torch.ones(()))
+    elastictrain.Session(model, torch.optim.SGD([*model.parameters(), scale], lr=0.1), dataset(), global_batch_size=8)
+
+
 def test_extra_state_may_not_reuse_a_reserved_name() -> None:
     model = make_model()
     with pytest.raises(ConfigError, match="reserved"):
