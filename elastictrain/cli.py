@@ -469,9 +469,27 @@ def _check_metrics_ports(first: int, count: int) -> None:
                 raise ConfigError(f"--metrics-port {port}: cannot serve metrics there: {exc.strerror or exc}") from None
 
 
+class _Stopped(BaseException):
+    """SIGTERM or SIGHUP before torch's agent handles them (it raises its own SignalException
+    once workers start): a BaseException, so that every ``finally`` on the way runs (the
+    private etcd is stopped and its data removed) and no ``except Exception`` swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop_on_signal(signum: int, _frame: object) -> None:
+    raise _Stopped(signum)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from elastictrain.etcd.server import EtcdServer
 
+    # Python's default for SIGTERM ends the process at once: no finally, the private etcd's
+    # data left in /tmp (a node forks its workers' forkserver with these, which resets them).
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _stop_on_signal)
     _resolve_torchrun_spellings(args)
     embedded = args.standalone or not args.etcd
     etcd = None if embedded else args.etcd
@@ -730,14 +748,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"elastictrain: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("elastictrain: interrupted", file=sys.stderr)
-        return 128 + signal.SIGINT
+        return _stopped_by(signal.SIGINT, "interrupted")
+    except _Stopped as exc:
+        return _stopped_by(signal.Signals(exc.signum), f"stopped by {signal.Signals(exc.signum).name}")
     except Exception as exc:
         # torch's agent turns SIGTERM/SIGHUP/SIGQUIT into a SignalException: one line, 128+N.
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
         if debug or not isinstance(exc, SignalException):
             raise
-        print(f"elastictrain: stopped by {exc.sigval.name}; workers were stopped", file=sys.stderr)
-        return 128 + int(exc.sigval)
+        return _stopped_by(exc.sigval, f"stopped by {exc.sigval.name}; workers were stopped")
+
+
+def _stopped_by(signum: signal.Signals, what: str) -> int:
+    """Say that a signal stopped this process (once per job: a node that a ``--local-nodes``
+    launcher started leaves it to the launcher); return 128+N."""
+    from elastictrain.failure_report import OUTCOME_FILE_ENV
+
+    if OUTCOME_FILE_ENV in os.environ:
+        logger.debug("%s", what)
+    else:
+        print(f"elastictrain: {what}", file=sys.stderr)
+    return 128 + int(signum)
 

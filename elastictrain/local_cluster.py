@@ -74,8 +74,10 @@ def run_local_nodes(count: int, node_args: Sequence[str], *, grace_seconds: floa
                 for proc in pending:
                     proc.kill()
             time.sleep(0.05)
-        if received and first_failure == 0:
-            first_failure = 128 + received[0]
+        if received:  # said once here, not by each node
+            print(f"elastictrain: stopped by {signal.Signals(received[0]).name}; the {count} local nodes were "
+                  "stopped", file=sys.stderr, flush=True)
+            return 128 + received[0]
         if first_failure:
             first_failure = _report(outcomes, count, first_failure)
         return first_failure

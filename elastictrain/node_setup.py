@@ -11,12 +11,14 @@ second time: a node joining two training nodes on this 2-core machine started it
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.util
 import os
 import shutil
+import signal
 import socket
 import stat
 import sys
@@ -160,10 +162,21 @@ def _serve(listener_fd: int, alive_r: int, alive_w: int, preload: list[str], tem
     exit without running the agent's exit handlers or finalizers."""
     code = 0
     try:
+        # The agent's signal handlers are not the workers' (they restore what main() finds),
+        # and a Ctrl-C at the terminal is the agent's to handle, also while this imports.
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         os.close(alive_w)
         tempfile.tempdir = tempdir
         _logging.forget()  # workers configure their own, as in a fresh interpreter
         set_process_title(FORKSERVER_TITLE)
+        for name in preload:  # as main() would, but uninterrupted
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                pass
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         multiprocessing.forkserver.main(listener_fd, alive_r, preload)
     except SystemExit:
         pass  # how main ends once every client is gone

@@ -109,6 +109,34 @@ def test_two_local_nodes_train_ddp_steps_and_exit_zero(tmp_path: Path) -> None:
     assert "run 'local' finished" in result.stderr
 
 
+@pytest.mark.parametrize("local_nodes", [None, "2"])
+def test_sigterm_while_a_job_starts_stops_it_with_one_line_and_removes_the_private_etcd(
+        tmp_path: Path, local_nodes: str | None) -> None:
+    """Python's default for SIGTERM ended the process at once, before torch's agent installs its
+    handler: no line, and the private etcd's data directory left behind."""
+    nodes = ["--local-nodes", local_nodes] if local_nodes else []
+    proc = subprocess.Popen([sys.executable, "-m", "elastictrain", "run", *nodes, SCRIPT, str(tmp_path / "out"),
+                             "--steps", "100000"], env=subprocess_env(), cwd=tmp_path, stderr=subprocess.PIPE,
+                            text=True)
+    lines = []
+    try:
+        for line in proc.stderr:  # type: ignore[union-attr]
+            lines.append(line)
+            if "private etcd at" in line:
+                break
+        proc.send_signal(signal.SIGTERM)  # the node(s) are importing torch
+        rest = proc.communicate(timeout=60)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    err = "".join(lines) + rest
+    data = next(line for line in lines if "started etcd" in line).rpartition("data ")[2].rstrip(")\n")
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert err.count("elastictrain: stopped by SIGTERM") == 1, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert not os.path.exists(data), err[-3000:]
+
 def test_stock_torchrun_with_etcd3_backend_trains(etcd_server: Any, run_id: str, tmp_path: Path) -> None:
     out = tmp_path / "out"
     torchrun = [sys.executable, "-m", "torch.distributed.run"]

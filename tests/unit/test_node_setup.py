@@ -10,7 +10,7 @@ from elastictrain import node_setup
 
 
 _FORKSERVER_PROBE = r"""
-import json, logging, multiprocessing, multiprocessing.util, os, sys, tempfile, threading, time
+import json, logging, multiprocessing, multiprocessing.util, os, signal, sys, tempfile, threading, time
 import torch
 from elastictrain import _logging, node_setup
 
@@ -20,7 +20,9 @@ def report(queue):
     queue.put({"pid": os.getpid(), "ppid": os.getppid(), "tempdir": tempfile.gettempdir(),
                "handlers": len(logging.getLogger("elastictrain").handlers),
                "level": logging.getLogger("elastictrain").level,
-               "marker": getattr(torch, "_probe_marker", None)})
+               "marker": getattr(torch, "_probe_marker", None),
+               "python_sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+               "default_sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL})
 
 if __name__ == "__main__":
     mode = sys.argv[1]
@@ -31,7 +33,16 @@ if __name__ == "__main__":
     sys.stdout.write("written by the agent, not flushed yet\n")  # stdout is a pipe: buffered
     if mode == "thread":
         threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+    signal.signal(signal.SIGTERM, lambda *_: print("the agent's handler"))  # as the CLI sets one
+    mark = os.path.join(sys.argv[2], "preloading")
+    if mode == "ctrl-c":  # a preload slow enough to be interrupted
+        os.environ["PRELOAD_MARK"] = mark
+        node_setup._FORKSERVER_PRELOAD = ["slow_preload"]
     forked = node_setup.start_forkserver(tempdir=None)
+    if mode == "ctrl-c":
+        while not os.path.exists(mark):
+            time.sleep(0.01)
+        os.kill(multiprocessing.forkserver._forkserver._forkserver_pid, signal.SIGINT)
     context = multiprocessing.get_context("forkserver")
     queue = context.SimpleQueue()
     worker = context.Process(target=report, args=(queue,))
@@ -54,12 +65,15 @@ def _probe_forkserver(tmp_path: Path, mode: str) -> tuple[dict, str]:
 
     script = tmp_path / "probe.py"
     script.write_text(_FORKSERVER_PROBE)
+    (tmp_path / "slow_preload.py").write_text(
+        "import os, time\nopen(os.environ['PRELOAD_MARK'], 'w').close()\ntime.sleep(1.5)\n")
     node_temp = tmp_path / "node-temp"
     node_temp.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout buffered, as by default
     done = subprocess.run([sys.executable, str(script), mode, str(node_temp)], capture_output=True, text=True,
                           timeout=120, check=False, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stdout
 
 
@@ -78,6 +92,16 @@ def test_the_workers_forkserver_is_a_fork_of_the_agent_that_forgets_its_logging_
     assert out["handlers"] == 0 and out["level"] == 0  # _logging.setup() undone
     assert out["tempdir"] == tempfile.gettempdir()
     assert out["exitcode"] == 0
+    assert out["python_sigint"] and out["default_sigterm"]  # not the agent's handlers
+
+
+def test_a_ctrl_c_while_the_forkserver_imports_is_left_to_the_agent(tmp_path: Path) -> None:
+    """Ctrl-C in a job's first seconds reached the forkserver (a fork of the agent, in its
+    process group) while it imported torch._dynamo: a KeyboardInterrupt traceback, and no
+    forkserver. It now ignores SIGINT until it serves; its workers get Python's handler."""
+    out, _ = _probe_forkserver(tmp_path, "ctrl-c")
+    assert out["forked"] is True and out["exitcode"] == 0
+    assert out["python_sigint"] and out["default_sigterm"]
 
 
 def test_an_agent_with_a_thread_running_gets_multiprocessing_s_own_forkserver(tmp_path: Path) -> None:
