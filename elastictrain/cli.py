@@ -22,6 +22,7 @@ import re
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -147,15 +148,15 @@ class _Refused(argparse.Action):
         raise ConfigError(_REFUSED[_REFUSED_SPELLINGS[option_string or ""]])
 
 
-def _int_at_least(minimum: int, kind: str) -> Callable[[str], int]:
-    """An argparse ``type`` accepting integers >= ``minimum``, described as ``kind``."""
+def _int_at_least(minimum: int, kind: str, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type`` accepting integers >= ``minimum`` (and <= ``maximum``), described as ``kind``."""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             value = minimum - 1
-        if value < minimum:
+        if value < minimum or (maximum is not None and value > maximum):
             raise argparse.ArgumentTypeError(f"expected a {kind} integer, got {text!r}")
         return value
 
@@ -164,6 +165,7 @@ def _int_at_least(minimum: int, kind: str) -> Callable[[str], int]:
 
 _positive_int = _int_at_least(1, "positive")
 _non_negative_int = _int_at_least(0, "non-negative")
+_port = _int_at_least(1, "port (1-65535)", 65535)
 
 
 def _kv_pairs(text: str) -> dict[str, str]:
@@ -256,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(run, "--local-ranks-filter", "--local_ranks_filter", default=None, type=_int_set,
          help="only these local ranks (N[,N...]) print on the terminal; the others only to their files")
     _add(run, "--role", default="trainer", help="the workers' role name (ROLE_NAME)")
-    _add(run, "--metrics-port", default=None, type=_positive_int, help="serve this node agent's Prometheus "
+    _add(run, "--metrics-port", default=None, type=_port, help="serve this node agent's Prometheus "
          "metrics on this port (with --local-nodes N: PORT..PORT+N-1); needs prometheus_client")
     _add_switch(run, "--module", "-m", help="SCRIPT is a module name, run as python -m SCRIPT")
     _add_switch(run, "--no-python", "--no_python", help="SCRIPT is a program, executed as is (not by python)")
@@ -293,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     etcd = sub.add_parser("etcd", help="run an etcd server in the foreground", description="Run an etcd server until Ctrl-C.")
     _add(etcd, "--host", default="127.0.0.1", help="address to listen on; one other hosts reach needs TLS and "
          "client certificates, or --insecure")
-    _add(etcd, "--port", default=2379, type=_positive_int, help="client port")
+    _add(etcd, "--port", default=2379, type=_port, help="client port")
     _add(etcd, "--data-dir", default=None, help="data directory, fsynced (default: on a loopback --host a temporary "
          "one, removed on exit, without fsync; otherwise elastictrain-runs/etcd-PORT, kept)")
     _add(etcd, "--cert-file", default=None, help="server certificate: serve TLS (etcd's --cert-file)")
@@ -454,6 +456,28 @@ def _check_event_log(path: str) -> None:
                           "path in a writable directory") from None
 
 
+def _check_log_dir(path: str) -> None:
+    """``--log-dir`` a directory this process can write in (made if missing), before any process starts."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"--log-dir {path!r} is a file, not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--log-dir {path!r}: cannot make it a directory: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"--log-dir {path!r}: this user cannot write in it")
+
+
+def _check_local_addr(address: str) -> None:
+    """``--local-addr`` resolves: other nodes are told to reach this one there, and a name that
+    does not resolve left the job retrying its store connection for minutes."""
+    try:
+        socket.getaddrinfo(address, None)
+    except (OSError, UnicodeError) as exc:
+        raise ConfigError(f"--local-addr {address!r} does not resolve to an address: "
+                          f"{getattr(exc, 'strerror', None) or exc}") from None
+
+
 def _check_metrics_ports(first: int, count: int) -> None:
     """``--metrics-port`` (and the next ones, one per local node) free, and ``prometheus_client``
     there, before any process starts."""
@@ -484,12 +508,21 @@ def _stop_on_signal(signum: int, _frame: object) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from elastictrain.etcd.server import EtcdServer
-
     # Python's default for SIGTERM ends the process at once: no finally, the private etcd's
     # data left in /tmp (a node forks its workers' forkserver with these, which resets them).
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, _stop_on_signal)
+    if threading.current_thread() is not threading.main_thread():
+        return _run(args)
+    previous = {signum: signal.signal(signum, _stop_on_signal) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return _run(args)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from elastictrain.etcd.server import EtcdServer
+
     _resolve_torchrun_spellings(args)
     embedded = args.standalone or not args.etcd
     etcd = None if embedded else args.etcd
@@ -500,7 +533,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # Validate everything before starting any process; a private etcd's address comes later.
     config = _run_config(args, etcd=etcd or "127.0.0.1", run_id=run_id, local_addr=local_addr)
     _check_event_log(str(config.event_log))
+    if config.log_dir:
+        _check_log_dir(config.log_dir)
+    if args.local_addr:
+        _check_local_addr(args.local_addr)
     if config.metrics_port:
+        if config.metrics_port + (args.local_nodes or 1) - 1 > 65535:
+            raise ConfigError(f"--metrics-port {config.metrics_port} with {args.local_nodes} local nodes needs "
+                              f"ports up to {config.metrics_port + args.local_nodes - 1}, beyond 65535")
         _check_metrics_ports(config.metrics_port, args.local_nodes or 1)
     nodes_here = args.local_nodes or 1
     if embedded and nodes_here < config.min_nodes:

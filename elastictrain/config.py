@@ -13,10 +13,12 @@ workers started, and the other nodes dropped it from the rendezvous.)
 
 from __future__ import annotations
 
+import importlib.machinery
 import os
 import re
 import shutil
 import socket
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -101,6 +103,9 @@ class RendezvousConfig:
                 raise ConfigError(f"{name} must be a timedelta, got {value!r}")
         if self.keep_alive_interval.total_seconds() <= 0:
             raise ConfigError("keep_alive_interval must be positive")
+        if self.join_timeout.total_seconds() <= 0:
+            # 0 timed the first round out before a node could form it, blaming a stale run
+            raise ConfigError(f"join_timeout (--join-timeout) must be positive, got {self.join_timeout.total_seconds():g} s")
         if self.keep_alive_max_attempt < 2:
             # With one attempt a single late keep-alive expires a live node.
             raise ConfigError(
@@ -396,6 +401,13 @@ class RunConfig:
         if self.entry == "module":
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", self.script):
                 raise ConfigError(f"-m/--module takes a module name (pkg.mod), got {self.script!r}")
+            # Where a worker looks (`python -m` puts the working directory first). Only the top
+            # package: finding a submodule would import (run) its package here.
+            top = self.script.partition(".")[0]
+            if importlib.machinery.PathFinder.find_spec(top, [os.getcwd(), *sys.path]) is None and \
+                    top not in sys.builtin_module_names:
+                raise ConfigError(f"-m/--module {self.script}: no module named {top!r} in the working directory "
+                                  "or on this Python's path")
             return
         if self.entry == "program":
             if not shutil.which(self.script):

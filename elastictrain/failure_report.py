@@ -50,11 +50,12 @@ _MACHINERY = ("/torch/", "/elastictrain/_worker_boot.py", "<frozen runpy>", "/ru
 
 _MAX_MESSAGE = 300
 
-_FINAL_ERRORS = ("ConfigError", "CheckpointMismatchError", "NonFiniteStateError")
-"""elastictrain's errors that a restart would meet again, by name (a traceback ends with
-``elastictrain.errors.<name>: ...``): input it refused, a checkpoint that does not fit the
-model, a training state gone NaN (live peers and a restart from a checkpoint carry it on
-or train into it again)."""
+_FINAL_ERRORS = ("elastictrain.errors.ConfigError", "elastictrain.errors.CheckpointMismatchError",
+                 "elastictrain.errors.NonFiniteStateError", "SyntaxError", "IndentationError", "TabError")
+"""Errors that a restart would meet again, as a traceback's last line names them: input
+elastictrain refused, a checkpoint that does not fit the model, a training state gone NaN
+(live peers and a restart from a checkpoint carry it on or train into it again), and code
+that does not compile."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,7 +215,7 @@ def _final_error(callstack: str) -> str | None:
     """The name of the error among :data:`_FINAL_ERRORS` that closes ``callstack``, if one does."""
     lines = callstack.rstrip().splitlines()
     last = lines[-1] if lines else ""
-    return next((name for name in _FINAL_ERRORS if last.startswith(f"elastictrain.errors.{name}: ")), None)
+    return next((error.rpartition(".")[2] for error in _FINAL_ERRORS if last.startswith(f"{error}: ")), None)
 
 
 def root_cause(failures: list[WorkerFailure]) -> WorkerFailure | None:

@@ -44,6 +44,15 @@ CASES = [
      "ca_cert, client_cert, cert, client_key, key, user, password"),
     (["status", "--etcd", "127.0.0.1:1", "--all", "--rdzv-conf", "retry_deadline=1,timeout=3"], 2,
      "argument --rdzv-conf: unknown key 'timeout'; valid keys: join_timeout"),
+    # Each of these used to end in a traceback, a hang or a contradiction (found by probing the CLI).
+    (["run", "--metrics-port", "70000", SCRIPT], 2, "--metrics-port: expected a port (1-65535) integer, got '70000'"),
+    (["run", "--local-nodes", "3", "--metrics-port", "65534", SCRIPT], 2, "needs ports up to 65536, beyond 65535"),
+    (["etcd", "--port", "70000"], 2, "--port: expected a port (1-65535) integer, got '70000'"),
+    (["run", "--join-timeout", "0", SCRIPT], 2, "join_timeout (--join-timeout) must be positive, got 0 s"),
+    (["run", "-m", "no_such_module_xyz"], 2, "no module named 'no_such_module_xyz' in the working directory"),
+    (["run", "--log-dir", str(REPO_ROOT / "pyproject.toml"), SCRIPT], 2, "is a file, not a directory"),
+    (["run", "--local-addr", "not_an_addr.invalid", SCRIPT], 2,
+     "--local-addr 'not_an_addr.invalid' does not resolve to an address"),
 ]
 
 

@@ -64,7 +64,10 @@ def test_nproc_per_node_gpu_counts_without_initializing_cuda(script: str, monkey
     assert _config("--nproc-per-node", "auto", script).nproc_per_node >= 1  # the CPUs
 
 
-def test_module_and_program_entries(script: str) -> None:
+def test_module_and_program_entries(script: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "train.py").write_text("")
+    monkeypatch.chdir(tmp_path)  # found where `python -m` looks first
     assert _config("-m", "pkg.train", "--x").entry == "module"
     assert _config("--no-python", "echo", "hi").entry == "program"
     assert _config(script).entry == "script"

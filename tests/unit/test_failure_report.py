@@ -106,13 +106,20 @@ def test_a_config_error_is_placed_where_the_script_called_elastictrain_and_print
         "job failed after 0 restart(s)")
 
 
-@pytest.mark.parametrize(("error", "final"), [
-    ("ConfigError", True), ("CheckpointMismatchError", True), ("NonFiniteStateError", True),
-    ("CheckpointError", False), ("CorruptCheckpointError", False), ("SessionError", False)])
-def test_errors_a_restart_would_meet_again_end_the_job_at_once(tmp_path: Path, error: str, final: bool) -> None:
-    """A checkpoint that does not fit the model, or a diverged state, comes back after a restart
-    as surely as refused input; a failed write or a corrupt checkpoint may not."""
-    stack = USER_STACK.replace('ValueError: bad batch 1234 in shard 7\n', f"elastictrain.errors.{error}: it\n")
-    failure = _failure(tmp_path, "r0", f"{error}: it", stack=stack)
-    assert failure_report.final_error({0: failure}) == ((0, error) if final else None)
+_ERRORS = "elastictrain.errors."
+
+
+@pytest.mark.parametrize(("raised", "final"), [
+    (_ERRORS + "ConfigError", True), (_ERRORS + "CheckpointMismatchError", True),
+    (_ERRORS + "NonFiniteStateError", True), ("SyntaxError", True), ("IndentationError", True),
+    (_ERRORS + "CheckpointError", False), (_ERRORS + "CorruptCheckpointError", False),
+    (_ERRORS + "SessionError", False), ("ValueError", False), ("ModuleNotFoundError", False)])
+def test_errors_a_restart_would_meet_again_end_the_job_at_once(tmp_path: Path, raised: str, final: bool) -> None:
+    """A checkpoint that does not fit the model, a diverged state, or code that does not compile
+    comes back after a restart as surely as refused input; a failed write or a corrupt
+    checkpoint may not."""
+    stack = USER_STACK.replace('ValueError: bad batch 1234 in shard 7\n', f"{raised}: it\n")
+    name = raised.rpartition(".")[2]
+    failure = _failure(tmp_path, "r0", f"{name}: it", stack=stack)
+    assert failure_report.final_error({0: failure}) == ((0, name) if final else None)
     assert failure_report.from_process_failure(0, failure, "node0").final is final
