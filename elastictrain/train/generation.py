@@ -22,12 +22,15 @@ from torch.nn.parallel import DistributedDataParallel
 from elastictrain import _torch_compat
 from elastictrain import process_group as pg
 from elastictrain.checkpoint import CheckpointManager, TorchDistributedCoordinator
-from elastictrain.errors import CheckpointError
+from elastictrain.errors import CheckpointError, ConfigError
 from elastictrain.train.control import WorkerControl
 from elastictrain.train.recovery import BoundaryFlag, abort_default_group, wrap_in_ddp
 from elastictrain.train.session_config import SessionConfig
 
 __all__ = ["Generation"]
+
+_INT63 = (1 << 63) - 1
+"""What of a setting crosses ranks in an int64 (a seed may take 64 bits)."""
 
 
 class Generation:
@@ -61,6 +64,28 @@ class Generation:
         if self._gloo is None:
             self._gloo = dist.new_group(backend="gloo", timeout=self.placement.timeout)
         return self._gloo
+
+    def check_same_settings(self, settings: Mapping[str, int | bool | None]) -> None:
+        """Refuse a group whose ranks were given different ``settings``; a collective (a small one).
+
+        Ranks that plan different data or a different number of steps would train apart
+        silently, or one would finish while the others wait on it forever.
+
+        Raises:
+            ConfigError: Some rank's value differs (every rank raises it).
+        """
+        if not self.placement.distributed:
+            return
+        group = self.cpu_group()
+        mine = torch.tensor([-1 if v is None else int(v) & _INT63 for v in settings.values()], dtype=torch.int64)
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(everyone, mine, group=group)
+        for index, name in enumerate(settings):
+            values = [int(t[index]) for t in everyone]
+            if len(set(values)) > 1:
+                by_rank = ", ".join(f"rank {rank}: {'None' if v == -1 else v}" for rank, v in enumerate(values))
+                raise ConfigError(f"ranks disagree on {name} ({by_rank}): every rank must run the same "
+                                  "script with the same settings and data")
 
     def open_checkpoints(self, config: SessionConfig, control: WorkerControl | None) -> CheckpointManager:
         """The checkpoint manager of this generation, coordinating over its group.

@@ -378,6 +378,10 @@ class Session:
         """
         config, generation = self.config, self._generation
         assert generation is not None and self.sampler is not None  # noqa: S101 - private invariant
+        generation.check_same_settings({
+            "the dataset's length": self.sampler.num_samples, "global_batch_size": config.global_batch_size,
+            "micro_batch_size": config.micro_batch_size, "epochs": config.epochs, "max_steps": config.max_steps,
+            "seed": config.seed, "shuffle": config.shuffle, "drop_last": config.drop_last})
         received = peer_state = False
         if generation.in_process:
             group = generation.cpu_group()

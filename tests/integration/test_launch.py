@@ -229,6 +229,36 @@ def test_a_diverged_job_fails_without_a_restart_and_keeps_its_good_checkpoints(
     assert "Traceback" not in err, err[-3000:]
     assert sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".")) == ["step_00000002", "step_00000004"]
 
+_RANKS_DISAGREE = """
+import os, sys
+import torch
+from torch.utils.data import TensorDataset
+import elastictrain
+rank = int(os.environ["RANK"])
+model = torch.nn.Linear(4, 1)
+data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+with elastictrain.Session(model, torch.optim.SGD(model.parameters(), lr=0.1), data, global_batch_size=8,
+                          max_steps=3 if rank == 0 else 2) as s:  # rank 1 would leave rank 0 waiting
+    for step in s.steps():
+        for micro in step:
+            x, y = micro.batch
+            micro.backward(torch.nn.functional.mse_loss(s.model(x), y))
+"""
+
+
+@pytest.mark.parametrize("recovery", ["in-process", "restart"])
+def test_ranks_given_different_settings_fail_the_job_at_once(tmp_path: Path, recovery: str) -> None:
+    """Before, rank 1 finished after 2 steps and rank 0 waited for it in its third, for ever
+    (in-process: re-forming without it, then waiting again)."""
+    script = tmp_path / "disagree.py"
+    script.write_text(_RANKS_DISAGREE)
+    result = elastictrain("run", "--recovery", recovery, "--nproc-per-node", "2", str(script), timeout=60)
+    err = result.stderr
+    assert result.returncode == 1, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert "failed: ConfigError: ranks disagree on max_steps (rank 0: 3, rank 1: 2)" in last, last
+    assert "job failed after 0 restart(s)" in last and "Traceback" not in err
+
 def test_a_raising_rank_is_reported_once_root_cause_first(tmp_path: Path) -> None:
     # A short TMPDIR of its own: multiprocessing's forkserver socket lives there, and a unix
     # socket path may not exceed 107 bytes (pytest-xdist's tmp_path is already long).
