@@ -428,6 +428,28 @@ def _check_module_shapes(name: str, module: torch.nn.Module, saved: Any) -> None
             )
 
 
+def _check_optimizer_kind(name: str, optimizer: torch.optim.Optimizer, saved: Any, step: int) -> None:
+    """Refuse the state of another kind of optimizer: torch's ``load_state_dict`` takes it and
+    replaces the options of every parameter group, and the first ``step()`` fails on an
+    option that is gone (``KeyError: 'betas'`` for SGD's state in Adam)."""
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(groups, list) or not all(isinstance(group, dict) for group in groups):
+        return
+    # An option an older torch did not save is filled in by the class's own __setstate__
+    # (group.setdefault(...)): ask it, on a bare instance, which options stay missing.
+    probe = object.__new__(type(optimizer))
+    try:
+        probe.__setstate__({"defaults": dict(optimizer.defaults), "state": {},
+                            "param_groups": [dict(group) for group in groups]})
+        missing = sorted({key for group in probe.param_groups for key in optimizer.defaults if key not in group})
+    except Exception:  # noqa: BLE001 - an optimizer of its own kind: torch's load decides
+        return
+    if missing:
+        raise CheckpointMismatchError(
+            f"checkpoint of step {step} holds another kind of optimizer for {name!r}: its parameter groups lack "
+            f"{', '.join(repr(k) for k in missing)}, which {type(optimizer).__name__} needs")
+
+
 def check_step(step: object) -> None:
     """Check a ``step`` argument.
 
@@ -472,6 +494,8 @@ def load_into(state: Mapping[str, Any], stateful: dict[str, Any], extras: dict[s
             )
         if isinstance(obj, torch.nn.Module):
             _check_module_shapes(name, obj, saved[name])
+        if isinstance(obj, torch.optim.Optimizer):
+            _check_optimizer_kind(name, obj, saved[name], step)
     for name, obj in state.items():
         if isinstance(obj, dict):
             obj.clear()

@@ -234,6 +234,42 @@ def test_restore_of_an_entry_the_checkpoint_lacks_raises_mismatch(tmp_path: Path
         mgr.restore({**Trainer().state(), "ema": Cursor()})
 
 
+def test_restore_into_another_kind_of_optimizer_raises_mismatch_and_changes_nothing(tmp_path: Path) -> None:
+    """torch's load_state_dict took SGD's state into Adam, and the first step() failed with
+    KeyError: 'betas'. Adam into AdamW (the same options) still restores."""
+    model = torch.nn.Linear(4, 2)
+    with CheckpointManager(tmp_path / "sgd") as mgr:
+        mgr.save(1, {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)})
+    adam = torch.optim.Adam(model.parameters(), lr=0.01)
+    before = str(adam.state_dict())
+    with CheckpointManager(tmp_path / "sgd") as mgr, pytest.raises(
+            CheckpointMismatchError, match=r"another kind of optimizer for 'optimizer'.*'betas', 'eps'.*Adam needs"):
+        mgr.restore({"model": model, "optimizer": adam})
+    assert str(adam.state_dict()) == before
+    with CheckpointManager(tmp_path / "adam") as mgr:
+        mgr.save(1, {"model": model, "optimizer": adam})
+        assert mgr.restore({"model": model, "optimizer": torch.optim.AdamW(model.parameters())}).step == 1
+    # An option a checkpoint of an older torch lacks is one the class fills in itself: no mismatch.
+    with CheckpointManager(tmp_path / "adam") as mgr:
+        adam_state = adam.state_dict()
+        for group in adam_state["param_groups"]:
+            del group["amsgrad"]
+        mgr.save(2, {"model": model, "optimizer": _Raw(adam_state)})
+        assert mgr.restore({"model": model, "optimizer": torch.optim.Adam(model.parameters())}).step == 2
+
+
+class _Raw:
+    """A saved state dict as it is (what an older torch's optimizer saved)."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = state
+
 def test_unreadable_checkpoint_directory_raises_checkpoint_error(tmp_path: Path) -> None:
     class Unreadable(LocalStorage):
         def list_dir(self, path: str) -> list[str]:
