@@ -46,7 +46,8 @@ class _Parser(argparse.ArgumentParser):
     """argparse that raises instead of printing usage and exiting, so errors stay one line."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(message)
+        # `run`'s script arguments are optional; argparse names them with the script.
+        raise ConfigError(message.replace("required: script, script_args", "required: script"))
 
 
 def _env(dest: str, default: Any) -> Any:

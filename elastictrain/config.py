@@ -275,8 +275,13 @@ def default_local_addr(endpoints: str) -> str:
         ConfigError: The address would be a loopback one while etcd is on another host.
     """
     parsed = _endpoints(endpoints)
-    addr = next(filter(None, (source_address_towards(e.host, e.port) for e in parsed)), None) or socket.getfqdn()
+    routed = next(filter(None, (source_address_towards(e.host, e.port) for e in parsed)), None)
+    addr = routed or socket.getfqdn()
     if is_loopback(addr) and not all(is_loopback(e.host) for e in parsed):
+        if routed is None:
+            raise ConfigError(
+                f"etcd ({endpoints}) does not resolve to an address here, and this host's own name is {addr!r}, "
+                "a loopback address: check --etcd, or pass --local-addr with an address the other nodes can reach")
         raise ConfigError(
             f"this node would tell the others to reach it at {addr!r}, a loopback address, but etcd "
             f"({endpoints}) is not on this host: pass --local-addr with an address the other nodes can reach"

@@ -417,7 +417,7 @@ class CheckpointManager:
                 message = f"checkpoint of step {chosen} does not verify on " + "; ".join(corrupt)
                 if step is not None:
                     raise CorruptCheckpointError(message)
-                logger.warning("skipping %s", message)
+                logger.warning("%s: trying an older one", message)
                 skip.add(chosen)
             # Otherwise it vanished under a rank (retired by its writer): agree again.
         else:

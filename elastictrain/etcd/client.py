@@ -554,6 +554,6 @@ def connect(settings: EtcdSettings) -> EtcdClient:
         errors.EtcdAuthError: etcd refused our credentials or TLS setup.
     """
     client = EtcdClient(settings)
-    client.call(lambda c: c.status(), what="a status check")
+    client.call(lambda c: c.status(), what="connecting")
     return client
 

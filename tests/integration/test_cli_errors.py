@@ -53,6 +53,7 @@ CASES = [
     (["run", "--log-dir", str(REPO_ROOT / "pyproject.toml"), SCRIPT], 2, "is a file, not a directory"),
     (["run", "--local-addr", "not_an_addr.invalid", SCRIPT], 2,
      "--local-addr 'not_an_addr.invalid' does not resolve to an address"),
+    (["run"], 2, "the following arguments are required: script"),
 ]
 
 
@@ -108,9 +109,10 @@ def test_a_loopback_node_address_is_refused_when_etcd_is_elsewhere(capsys: pytes
     argv = ["run", "--etcd", "etcd.example.invalid:2379", "--run-id", "x", SCRIPT]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"elastictrain: error: this node would tell the others to reach it at {socket.getfqdn()!r}, a "
-                   "loopback address, but etcd (etcd.example.invalid:2379) is not on this host: pass --local-addr "
-                   "with an address the other nodes can reach"]
+    # The message says first that etcd's name does not resolve (it blamed only the node's address before).
+    assert err == ["elastictrain: error: etcd (etcd.example.invalid:2379) does not resolve to an address here, and "
+                   f"this host's own name is {socket.getfqdn()!r}, a loopback address: check --etcd, or pass "
+                   "--local-addr with an address the other nodes can reach"]
 
 
 def test_an_unwritable_event_log_is_refused_before_anything_starts(tmp_path: Path,

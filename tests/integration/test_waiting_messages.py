@@ -34,6 +34,6 @@ def test_an_unreachable_etcd_is_named_while_retrying(capsys) -> None:
     port = free_port()  # nothing listens there
     assert main(["status", "--etcd", f"127.0.0.1:{port}", "--run-id", "x", "--rdzv-conf", "retry_deadline=1.5"]) == 1
     lines = capsys.readouterr().err.strip().splitlines()
-    assert any(f"etcd at 127.0.0.1:{port} does not answer a status check" in line and
+    assert any(f"etcd at 127.0.0.1:{port} does not answer connecting" in line and
                "retrying for up to 1.5s" in line for line in lines[:-1]), lines
-    assert lines[-1].startswith("elastictrain: error: etcd unreachable")
+    assert lines[-1].startswith("elastictrain: error: etcd unreachable for connecting")
