@@ -627,6 +627,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
     if args.verify_checksums and not args.checkpoint_dir:
         raise ConfigError("--verify-checksums needs --checkpoint-dir (the directory whose checkpoint to verify)")
+    if args.checkpoint_dir and not os.path.isdir(args.checkpoint_dir):
+        raise ConfigError(f"--checkpoint-dir {args.checkpoint_dir!r} is not a directory")
     client = _client_for(args)
     if args.all:
         runs = [read_status(client, run_id, lease_ttls=False) for run_id in list_runs(client)]
@@ -640,7 +642,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**status.to_json(), "checkpoint": checkpoint}, indent=2))
     else:
-        print(status_report.run_table(status, checkpoint))
+        print(status_report.run_table(status, checkpoint, args.checkpoint_dir))
     return 0 if status.exists else 1
 
 

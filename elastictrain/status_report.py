@@ -52,7 +52,7 @@ def _clock(ts: float) -> str:
     return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def run_table(status: RunStatus, checkpoint: dict[str, Any] | None) -> str:
+def run_table(status: RunStatus, checkpoint: dict[str, Any] | None, checkpoint_dir: str | None = None) -> str:
     if not status.exists:
         return f"run {status.run_id!r}: no keys on this etcd (never started, or expired)"
     meta = status.meta
@@ -87,6 +87,8 @@ def run_table(status: RunStatus, checkpoint: dict[str, Any] | None) -> str:
     if checkpoint is not None:
         lines.append(f"newest checkpoint: step {checkpoint['step']} at {_clock(checkpoint['time'])} "
                      f"(world size {checkpoint['world_size']}) {checkpoint['path']}")
+    elif checkpoint_dir is not None:
+        lines.append(f"newest checkpoint: none in {checkpoint_dir}")
     lines += [f"unreadable: {problem}" for problem in status.problems]
     return "\n".join(lines)
 

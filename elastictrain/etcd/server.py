@@ -11,6 +11,7 @@ wheel (installed next to the Python interpreter), else ``etcd`` on ``PATH``.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -87,9 +88,10 @@ def _check_port_free(host: str, port: int, what: str) -> None:
         try:
             sock.bind((host, port))
         except OSError as exc:
+            hint = (" (another etcd, or another program, may listen there)" if exc.errno == errno.EADDRINUSE
+                    else f" (is {host!r} an address of this host?)")
             raise EtcdServerError(
-                f"cannot serve etcd's {what} port on {Endpoint(host, port)}: {exc.strerror or exc} "
-                "(another etcd, or another program, may listen there)"
+                f"cannot serve etcd's {what} port on {Endpoint(host, port)}: {exc.strerror or exc}{hint}"
             ) from None
 
 

@@ -70,6 +70,10 @@ def test_status_duplicate_run_id_stop_and_events(etcd_server: Any, run_id: str, 
         assert "127.0.0.1" in table.stdout and "LEASE" in table.stdout and "s left" in table.stdout
         listing = cli("status", "--etcd", endpoint, "--all")
         assert run_id in listing.stdout
+        empty = tmp_path / "no-checkpoints"
+        empty.mkdir()  # a directory asked about is answered, even when it holds none (it said nothing)
+        table = cli("status", "--etcd", endpoint, "--run-id", run_id, "--checkpoint-dir", str(empty))
+        assert table.returncode == 0 and f"newest checkpoint: none in {empty}" in table.stdout
 
         nodes_before = {n["node_id"] for n in status["nodes"]}
         duplicate = cli_process("run", "--etcd", endpoint, "--run-id", run_id, MLP)
