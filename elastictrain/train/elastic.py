@@ -38,7 +38,7 @@ import torch.distributed as dist
 from elastictrain import events
 from elastictrain import process_group as pg
 from elastictrain._control import WorkerState
-from elastictrain.errors import ConfigError
+from elastictrain.errors import ConfigError, SessionError
 from elastictrain.sampler import ElasticSampler
 from elastictrain.train.control import WorkerControl
 from elastictrain.train.recovery import (
@@ -83,6 +83,7 @@ class ElasticState:
         self._objects = dict(objects)
         self._progress: dict[str, int] = {"step": 0}
         self._control: WorkerControl | None = None
+        self._training = False  # inside train(), run by run_elastic()
         self.context = WorkerContext()
         self.generation = 0
         """The generation of the group this rank trains in (1 at the first formation)."""
@@ -115,7 +116,14 @@ class ElasticState:
 
         Raises (caught by :func:`run_elastic`): a re-formation is due after this step, agreed by
         every rank through one small all-reduce.
+
+        Raises:
+            SessionError: Called outside the ``train`` function that :func:`run_elastic` runs
+                (it would count a step that no group agreed on).
         """
+        if not self._training:
+            raise SessionError("commit() marks the end of a step of the train function that "
+                               "run_elastic(train, state) runs; it was called outside it")
         self._progress["step"] += 1  # before any collective: this rank applied the step
         control = self._control
         if control is None:
@@ -167,7 +175,11 @@ def run_elastic(train: Callable[[ElasticState], _T], state: ElasticState, *, res
                 _form(state, holds=holds, restore=restore, placement=placement)
                 if control is not None:
                     control.set_state(WorkerState.TRAINING)
-                return train(state)
+                state._training = True  # noqa: SLF001
+                try:
+                    return train(state)
+                finally:
+                    state._training = False  # noqa: SLF001
             except _Reform as reform:
                 cause = reform.cause
             except Exception as exc:

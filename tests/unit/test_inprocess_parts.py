@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import elastictrain
 from elastictrain._control import Assignment, AssignmentWatch, Progress, ProgressTable, WorkerState, write_assignment
 from elastictrain._process import proc_stat
 from elastictrain.train.control import JobEnded, WorkerControl
@@ -658,3 +659,22 @@ def test_the_ranks_train_on_while_a_checkpoint_save_is_in_flight_before_re_formi
     out = _run_ranks(2, _save_in_flight_worker, lambda rank: (controls[rank], str(ckpt), port2), port=port)
     for rank, (after_steps,) in out.items():
         assert len(after_steps) == 1 and 7 <= after_steps[0] < 40, (rank, after_steps)
+
+
+def test_commit_outside_the_loop_run_elastic_runs_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, a commit() before run_elastic() counted a step that never ran, silently."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    state = elastictrain.ElasticState(model=torch.nn.Linear(2, 1))
+    with pytest.raises(SessionError, match="called outside it"):
+        state.commit()
+    assert state.step == 0
+
+    def train(s: elastictrain.ElasticState) -> int:
+        s.commit()
+        s.commit()
+        return s.step
+
+    assert elastictrain.run_elastic(train, state) == 2
+    with pytest.raises(SessionError):
+        state.commit()  # after the loop, too
