@@ -47,6 +47,7 @@ from elastictrain import events
 from elastictrain import process_group as pg
 from elastictrain._control import Assignment, WorkerState
 from elastictrain.checkpoint import CheckpointManager, RestoreInfo
+from elastictrain.checkpoint import _snapshot as snap
 from elastictrain.errors import ConfigError, SessionError
 from elastictrain.hooks import HookDispatcher
 from elastictrain.precision import MixedPrecision
@@ -170,6 +171,10 @@ class Session:
         clash = sorted(set(extra) & set(_RESERVED))
         if clash:
             raise ConfigError(f"extra_state names {clash} are reserved ({', '.join(_RESERVED)})")
+        # Now, not at the first save (checkpoint_every steps of training later).
+        snap.check_state(extra)
+        for name, obj in extra.items():
+            snap.validate(obj if isinstance(obj, dict) else obj.state_dict(), where=f"extra_state[{name!r}]")
         if process_group is not None and config.async_save and config.checkpoint_dir:
             raise ConfigError("async_save with an explicit process_group is not supported")
         self.config = config

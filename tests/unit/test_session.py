@@ -339,6 +339,17 @@ def test_an_optimizer_that_would_not_train_the_model_is_refused() -> None:
     elastictrain.Session(model, torch.optim.SGD([*model.parameters(), scale], lr=0.1), dataset(), global_batch_size=8)
 
 
+def test_extra_state_that_a_checkpoint_could_not_hold_is_refused_at_once() -> None:
+    """Before, it was refused at the first save, checkpoint_every steps into training."""
+    model = make_model()
+    with pytest.raises(ConfigError, match=r"extra_state\['progress'\]"):
+        elastictrain.Session(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset(), global_batch_size=8,
+                             extra_state={"progress": {"best": object()}})
+    with pytest.raises(ConfigError, match=r"state\['ema'\] is a float"):
+        elastictrain.Session(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset(), global_batch_size=8,
+                             extra_state={"ema": 0.5})
+
+
 def test_extra_state_may_not_reuse_a_reserved_name() -> None:
     model = make_model()
     with pytest.raises(ConfigError, match="reserved"):
