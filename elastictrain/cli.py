@@ -453,7 +453,10 @@ def _check_event_log(path: str) -> None:
         with open(path, "ab"):
             pass
     except OSError as exc:
-        raise ConfigError(f"cannot write the event log {path!r}: {exc.strerror or exc}; pass --event-log with a "
+        # makedirs says "File exists" where a file stands in the way of the directory
+        reason = "a file stands where its directory would be" if isinstance(exc, FileExistsError) else (
+            exc.strerror or exc)
+        raise ConfigError(f"cannot write the event log {path!r}: {reason}; pass --event-log with a "
                           "path in a writable directory") from None
 
 

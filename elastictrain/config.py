@@ -229,8 +229,9 @@ def _check_etcd_security(settings: EtcdSettings, endpoints: str) -> None:
         raise ConfigError(f"etcd endpoint {endpoints!r} asks for TLS (https://): pass --etcd-ca-cert with the CA that "
                           "signed etcd's certificate (the system bundle, e.g. /etc/ssl/certs/ca-certificates.crt, "
                           "for a public CA)")
-    for flag, path in (("--etcd-ca-cert", settings.ca_cert), ("--etcd-cert", settings.cert_cert),
-                       ("--etcd-key", settings.cert_key)):
+    # Given as flags or in --rdzv-conf (torchrun's only way): name both spellings.
+    for flag, path in (("--etcd-ca-cert (ca_cert)", settings.ca_cert), ("--etcd-cert (client_cert)", settings.cert_cert),
+                       ("--etcd-key (client_key)", settings.cert_key)):
         if path is not None:
             check_readable_file(path, flag)
     if settings.user and not settings.password:

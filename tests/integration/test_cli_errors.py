@@ -54,6 +54,8 @@ CASES = [
     (["run", "--local-addr", "not_an_addr.invalid", SCRIPT], 2,
      "--local-addr 'not_an_addr.invalid' does not resolve to an address"),
     (["run"], 2, "the following arguments are required: script"),
+    (["run", "--event-log", str(REPO_ROOT / "pyproject.toml" / "events.jsonl"), SCRIPT], 2,
+     "a file stands where its directory would be"),
     (["status", "--etcd", "127.0.0.1:1", "--run-id", "x", "--checkpoint-dir", "/nonexistent"], 2,
      "--checkpoint-dir '/nonexistent' is not a directory"),
 ]

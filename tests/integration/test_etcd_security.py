@@ -139,10 +139,10 @@ BAD_SECURITY = [
     ("key-without-cert", lambda pki: ["--etcd-ca-cert", str(pki / "ca.crt"), "--etcd-key", str(pki / "client.key")],
      "--etcd-key needs --etcd-cert"),
     ("missing-ca-file", lambda pki: ["--etcd-ca-cert", str(pki / "nope.crt")],
-     "cannot read --etcd-ca-cert '{pki}/nope.crt': No such file or directory"),
+     "cannot read --etcd-ca-cert (ca_cert) '{pki}/nope.crt': No such file or directory"),
     ("missing-cert-file", lambda pki: ["--etcd-ca-cert", str(pki / "ca.crt"), "--etcd-cert", str(pki / "nope.crt"),
                                        "--etcd-key", str(pki / "client.key")],
-     "cannot read --etcd-cert '{pki}/nope.crt'"),
+     "cannot read --etcd-cert (client_cert) '{pki}/nope.crt'"),
     ("user-without-password", lambda pki: ["--etcd-user", "trainer"],
      "--etcd-user 'trainer' needs its password in ELASTICTRAIN_ETCD_PASSWORD"),
 ]
