@@ -23,6 +23,7 @@ import atexit
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,7 +35,7 @@ import torch.distributed as dist
 
 from elastictrain.config import parse_duration
 from elastictrain.errors import ConfigError
-from elastictrain.worker import WorkerContext
+from elastictrain.worker import STANDALONE_RUN_ID, WorkerContext
 
 __all__ = [
     "BACKEND_ENV",
@@ -60,6 +61,9 @@ TIMEOUT_ENV = "ELASTICTRAIN_PG_TIMEOUT"
 _NCCL_ASYNC_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
 _POLL = timedelta(milliseconds=250)
+
+_SAY_WAITING = timedelta(seconds=10)
+"""How long a rank waits for the others, as the group forms, before it says so."""
 
 
 class GroupSuperseded(Exception):  # noqa: N818 - a signal to follow the newer group, not an error
@@ -238,21 +242,38 @@ def init_process_group(
                                 device_id=device_id)
     else:
         host = f"[{context.master_addr}]" if ":" in str(context.master_addr) else context.master_addr
-        dist.init_process_group(
-            backend=chosen,
-            # tcp:// from the context rather than env://, so that an explicit
-            # context is honoured; both share torch's store logic (rank 0 hosts
-            # it, or the agent does under TORCHELASTIC_USE_AGENT_STORE).
-            init_method=f"tcp://{host}:{context.master_port}",
-            rank=context.rank,
-            world_size=context.world_size,
-            timeout=resolved_timeout,
-            device_id=device_id,
-        )
+        # torch waits for the other ranks in C++, silently, for the whole timeout.
+        waiting = threading.Timer(_SAY_WAITING.total_seconds(), _say_waiting, (context, resolved_timeout))
+        waiting.daemon = True
+        waiting.start()
+        try:
+            dist.init_process_group(
+                backend=chosen,
+                # tcp:// from the context rather than env://, so that an explicit
+                # context is honoured; both share torch's store logic (rank 0 hosts
+                # it, or the agent does under TORCHELASTIC_USE_AGENT_STORE).
+                init_method=f"tcp://{host}:{context.master_port}",
+                rank=context.rank,
+                world_size=context.world_size,
+                timeout=resolved_timeout,
+                device_id=device_id,
+            )
+        finally:
+            waiting.cancel()
     _owned = True
     logger.debug("process group formed: backend %s, rank %d of %d, device %s, timeout %ss",
                  chosen, context.rank, context.world_size, place, resolved_timeout.total_seconds())
     return Placement(place, chosen, resolved_timeout, context.rank, context.world_size, owned=True)
+
+
+def _say_waiting(context: WorkerContext, timeout: timedelta) -> None:
+    """Say what a rank waits for while the group forms (and, outside a launcher, why it may wait
+    in vain: variables left over in the environment)."""
+    leftover = "" if context.run_id != STANDALONE_RUN_ID else (
+        "; no launcher started this process: are RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT left over in "
+        "its environment? (unset them to train in one process)")
+    logger.warning("rank %d of %d still waits for the other ranks at %s:%s (for up to %gs in all)%s", context.rank,
+                   context.world_size, context.master_addr, context.master_port, timeout.total_seconds(), leftover)
 
 
 def _meet(context: WorkerContext, timeout: timedelta, tag: str, superseded: Callable[[], bool]) -> dist.Store:

@@ -80,6 +80,21 @@ def test_without_a_launcher_no_group_is_formed() -> None:
     assert (placement.rank, placement.world_size, placement.device.type) == (0, 1, "cpu")
 
 
+def test_a_rank_whose_peers_never_come_says_what_it_waits_for(monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """Launcher variables left over in a shell made a plain `python train.py` wait the whole
+    timeout in silence, then fail with torch's store traceback."""
+    monkeypatch.setattr(pg, "_SAY_WAITING", timedelta(seconds=0.3))
+    with caplog.at_level("WARNING", logger=pg.__name__), pytest.raises(dist.DistError):
+        pg.init_process_group(launched(world_size=2), backend="gloo", timeout=2)
+    assert "rank 0 of 2 still waits for the other ranks at 127.0.0.1:" in caplog.text
+    assert "are RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT left over" in caplog.text
+    caplog.clear()
+    pg.init_process_group(launched(), backend="gloo", timeout=2)  # formed at once: nothing said
+    pg.destroy_process_group()
+    assert "still waits" not in caplog.text
+
+
 def test_the_scope_forms_a_group_and_destroys_it_when_the_body_raises() -> None:
     with pytest.raises(RuntimeError, match="boom"):
         with pg.process_group_scope(launched(), backend="gloo", timeout=7) as placement:
