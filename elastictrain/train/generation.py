@@ -74,14 +74,20 @@ class Generation:
         Raises:
             ConfigError: Some rank's value differs (every rank raises it).
         """
-        if not self.placement.distributed:
+        placement = self.placement
+        if not placement.distributed:
             return
-        group = self.cpu_group()
-        mine = torch.tensor([-1 if v is None else int(v) & _INT63 for v in settings.values()], dtype=torch.int64)
+        # In-process: over gloo, as the state's agreement (a dead peer fails it at once). Else over
+        # the group as it is: the caller's may be NCCL's, which gathers device tensors.
+        group = self.cpu_group() if self.in_process else self.group
+        nccl = not self.in_process and "nccl" in str(placement.backend)
+        mine = torch.tensor([-1 if v is None else int(v) & _INT63 for v in settings.values()], dtype=torch.int64,
+                            device=placement.device if nccl else torch.device("cpu"))
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(everyone, mine, group=group)
+        rows = [t.tolist() for t in everyone]
         for index, name in enumerate(settings):
-            values = [int(t[index]) for t in everyone]
+            values = [row[index] for row in rows]
             if len(set(values)) > 1:
                 by_rank = ", ".join(f"rank {rank}: {'None' if v == -1 else v}" for rank, v in enumerate(values))
                 raise ConfigError(f"ranks disagree on {name} ({by_rank}): every rank must run the same "

@@ -18,4 +18,10 @@ if elastictrain run --debug --nproc-per-node gpu examples/mlp.py --steps 300 >"$
 else
   echo "launcher on the GPU: FAILED"; tail -30 "$out"; failed=1
 fi
+# Restart mode on the GPU: the session's settings check gathers CUDA tensors over NCCL there.
+if elastictrain run --recovery restart --nproc-per-node gpu examples/mlp.py --steps 50 >"$out" 2>&1; then
+  echo "restart mode on the GPU: OK"
+else
+  echo "restart mode on the GPU: FAILED"; tail -30 "$out"; failed=1
+fi
 exit "$failed"
