@@ -83,7 +83,7 @@ def _final_failure(failures: dict[int, Any]) -> bool:
     (``ConfigError``), a checkpoint that does not fit, a diverged state (see failure_report)."""
     found = failure_report.final_error(failures)
     if found is not None:
-        logger.error("rank %d raised %s: the job fails without a restart, which would meet it again", *found)
+        logger.info("rank %d raised %s: the job fails without a restart, which would meet it again", *found)
     return found is not None
 
 
