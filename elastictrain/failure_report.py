@@ -146,12 +146,14 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 def _location(frames: list[list[str]]) -> str:
     """``file:line`` of the innermost frame of the user's code: not installed packages, and not
     elastictrain's (an error it raised, a ConfigError for one, is placed where the script called
-    it), unless no other frame is left."""
+    it), nor code without a file (``<string>``: a dataclass's ``__init__``, elastictrain's
+    SessionConfig for one), unless no other frame is left."""
     for skip_package in (True, False):
         for frame in reversed(frames):
             match = _FILE_LINE.match(frame[0])
             if (match and not any(m in frame[0] for m in _MACHINERY) and "site-packages" not in frame[0]
-                    and not (skip_package and os.path.abspath(match["path"]).startswith(_PACKAGE))):
+                    and not (skip_package and (os.path.abspath(match["path"]).startswith(_PACKAGE)
+                                               or match["path"].startswith("<")))):
                 return f"{os.path.basename(match['path'])}:{match['line']}"
     return ""
 

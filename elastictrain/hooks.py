@@ -25,10 +25,12 @@ joined a live group and received its state).
 
 from __future__ import annotations
 
+import difflib
 import logging
 from collections.abc import Iterable
 from typing import Any, Protocol
 
+from elastictrain.errors import ConfigError
 from elastictrain.worker import WorkerContext
 
 __all__ = ["EVENTS", "HookDispatcher", "Hooks"]
@@ -106,6 +108,8 @@ EVENTS = ("on_start", "on_rendezvous", "on_restore", "on_recovery", "on_world_ch
           "after_save", "on_step_end", "on_end", "on_failure")
 """Every event :class:`Hooks` defines."""
 
+_EVENT_PREFIXES = ("on_", "before_", "after_")
+
 
 def _name(hook: object) -> str:
     return getattr(hook, "name", None) or type(hook).__qualname__
@@ -126,8 +130,8 @@ class HookDispatcher:
         hooks: Hook objects; any object with some of :class:`Hooks`' methods.
 
     Raises:
-        TypeError: A hook has none of the event methods (a likely mistake,
-            such as passing the class instead of an instance).
+        ConfigError: A hook is a class, has none of the event methods, or has a method
+            named like an event that is none (``on_step_ended``: it would never be called).
     """
 
     def __init__(self, hooks: Iterable[object] = ()) -> None:
@@ -139,12 +143,20 @@ class HookDispatcher:
         """Register ``hook`` after the others.
 
         Raises:
-            TypeError: ``hook`` is a class, or has no event method.
+            ConfigError: ``hook`` is a class, has no event method, or has a method named
+                like an event that is none.
         """
         if isinstance(hook, type):
-            raise TypeError(f"hook {hook.__qualname__} is a class; pass an instance")
+            raise ConfigError(f"hook {hook.__qualname__} is a class; pass an instance")
+        # A method named like an event but none of them is never called: most likely a typo.
+        for name in dir(hook):
+            if name.startswith(_EVENT_PREFIXES) and name not in EVENTS and callable(getattr(hook, name, None)):
+                close = difflib.get_close_matches(name, EVENTS, n=1)
+                hint = f"did you mean {close[0]}? " if close else ""
+                raise ConfigError(f"hook {_name(hook)} has a method {name}, which is no event and would never be "
+                                  f"called ({hint}events: {', '.join(EVENTS)}; rename a helper to start with _)")
         if not any(callable(getattr(hook, event, None)) for event in EVENTS):
-            raise TypeError(f"hook {_name(hook)} has none of the methods {', '.join(EVENTS)}")
+            raise ConfigError(f"hook {_name(hook)} has none of the methods {', '.join(EVENTS)}")
         self._hooks.append(hook)
 
     @property

@@ -122,6 +122,7 @@ class SessionConfig:
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.grad_clip_norm is not None and not (isinstance(self.grad_clip_norm, (int, float))
+                                                    and not isinstance(self.grad_clip_norm, bool)
                                                     and self.grad_clip_norm > 0):
             raise ConfigError(f"grad_clip_norm must be a positive number or None, got {self.grad_clip_norm!r}")
         if self.checkpoint_every is not None and self.checkpoint_dir is None:

@@ -123,3 +123,20 @@ def test_errors_a_restart_would_meet_again_end_the_job_at_once(tmp_path: Path, r
     failure = _failure(tmp_path, "r0", f"{name}: it", stack=stack)
     assert failure_report.final_error({0: failure}) == ((0, name) if final else None)
     assert failure_report.from_process_failure(0, failure, "node0").final is final
+
+
+def test_a_config_error_from_a_dataclass_init_is_placed_at_the_script_s_call(tmp_path: Path) -> None:
+    """SessionConfig's __init__ is generated code (File "<string>"): the report said
+    '(<string>:27)' instead of the script's line."""
+    package = Path(failure_report.__file__).parent
+    stack = USER_STACK.replace('    raise ValueError("bad batch 1234 in shard 7")\nValueError: bad batch 1234 in shard 7\n', (
+        "    session = Session(model, opt, data, precision='fp8')\n"
+        f'  File "{package}/train/session.py", line 163, in __init__\n'
+        "    config = SessionConfig(**options)\n"
+        '  File "<string>", line 27, in __init__\n'
+        f'  File "{package}/train/session_config.py", line 123, in __post_init__\n'
+        '    raise ConfigError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")\n'
+        "elastictrain.errors.ConfigError: precision must be one of ('auto', 'fp32'), got 'fp8'\n"))
+    failure = _failure(tmp_path, "r0", "ConfigError: precision must be one of ('auto', 'fp32'), got 'fp8'",
+                       stack=stack)
+    assert failure_report.from_process_failure(0, failure, "node0").location == "train.py:42"

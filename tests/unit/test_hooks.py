@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from elastictrain.errors import ConfigError
 from elastictrain.hooks import HookDispatcher, Hooks
 
 pytestmark = pytest.mark.timeout(10)
@@ -58,10 +59,32 @@ def test_inherited_no_op_defaults_are_not_wanted() -> None:
 
 
 def test_a_class_or_an_object_without_hook_methods_is_refused() -> None:
-    with pytest.raises(TypeError, match="pass an instance"):
+    # ConfigError: the job fails at once, without a restart (before: a TypeError, 3 restarts)
+    with pytest.raises(ConfigError, match="pass an instance"):
         HookDispatcher([Raises])
-    with pytest.raises(TypeError, match="none of the methods"):
+    with pytest.raises(ConfigError, match="none of the methods"):
         HookDispatcher([object()])
+
+
+def test_a_method_named_like_an_event_that_is_none_is_refused() -> None:
+    """Before, a misspelled event method was never called, silently, next to a valid one."""
+
+    class Typo:
+        def on_start(self, **kwargs: Any) -> None: ...
+
+        def on_step_ended(self, **kwargs: Any) -> None: ...
+
+    with pytest.raises(ConfigError, match="has a method on_step_ended, which is no event.*did you mean on_step_end"):
+        HookDispatcher([Typo()])
+
+    class Helper:
+        def on_start(self, **kwargs: Any) -> None: ...
+
+        def _on_internal(self) -> None: ...  # private: not taken for an event
+
+        def compute(self) -> None: ...
+
+    assert len(HookDispatcher([Helper()]).hooks) == 1
 
 
 def test_unknown_events_are_refused() -> None:

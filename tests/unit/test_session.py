@@ -315,6 +315,7 @@ def test_max_steps_stops_mid_epoch_and_counts_restored_steps(tmp_path: Path) -> 
     ({"global_batch_size": 8, "checkpoint_every": 5}, "checkpoint_dir"),
     ({"global_batch_size": 8, "timeout": -1}, "timeout"),
     ({"global_batch_size": 8, "no_such_option": 1}, "no_such_option"),
+    ({"global_batch_size": 8, "grad_clip_norm": True}, "grad_clip_norm"),  # was taken as 1
 ])
 def test_bad_options_raise_config_error_naming_them(options: dict[str, Any], match: str) -> None:
     model = make_model()
