@@ -99,6 +99,8 @@ def _demo_args(args: argparse.Namespace, schedule_steps: int) -> tuple[str, ...]
 
 
 def config_from(args: argparse.Namespace) -> ChaosConfig:
+    if args.step_time < 0 or not math.isfinite(args.step_time):
+        raise ConfigError(f"--step-time must be a finite number of seconds >= 0, got {args.step_time}")
     schedule = tuple(parse_schedule(args.schedule))
     if args.kinds:
         kinds = parse_kinds(args.kinds)

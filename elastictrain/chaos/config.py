@@ -6,6 +6,7 @@ values raise :class:`~elastictrain.errors.ConfigError` naming them.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -129,10 +130,18 @@ class ChaosConfig:
                 object.__setattr__(self, name, parse_duration(name, value, minimum=0.001))
         if not os.path.isfile(self.script):
             raise ConfigError(f"training script {self.script!r} is not a file")
+        # The nodes run in the run directory: a path relative to here would not be found there.
+        object.__setattr__(self, "script", os.path.abspath(self.script))
         if not 1 <= self.min_nodes <= self.max_nodes:
             raise ConfigError(f"need 1 <= min_nodes <= max_nodes, got {self.min_nodes}, {self.max_nodes}")
-        if not 1 <= self.nodes <= self.max_nodes:
-            raise ConfigError(f"nodes must be in [1, max_nodes={self.max_nodes}], got {self.nodes}")
+        if not self.min_nodes <= self.nodes <= self.max_nodes:
+            raise ConfigError(f"nodes must be in [min_nodes={self.min_nodes}, max_nodes={self.max_nodes}] (fewer "
+                              f"could never form the job), got {self.nodes}")
+        if self.seed < 0:
+            raise ConfigError(f"seed must be >= 0 (a negative one replays its positive twin), got {self.seed}")
+        for name in ("atol", "rtol"):
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
         if self.etcd_members not in (1, 3):
             raise ConfigError(f"etcd_members must be 1 or 3, got {self.etcd_members}")
         kinds = {f.kind for f in self.schedule} | (set(self.kinds) if self.faults else set())

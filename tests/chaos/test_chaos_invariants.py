@@ -241,6 +241,22 @@ def test_a_chaos_config_refuses_what_cannot_run(tmp_path: Path) -> None:
                     schedule=tuple(parse_schedule("kill_etcd_leader@2")))
     with pytest.raises(ConfigError, match="pg_timeout"):
         ChaosConfig(script=str(script), run_dir=str(tmp_path / "run"), pg_timeout="soon")
+    # Found by probing the harness; each used to start a run that failed, hung or misreported.
+    with pytest.raises(ConfigError, match="could never form the job"):
+        ChaosConfig(script=str(script), run_dir=str(tmp_path / "run"), nodes=1, min_nodes=2)
+    with pytest.raises(ConfigError, match="seed must be >= 0"):
+        ChaosConfig(script=str(script), run_dir=str(tmp_path / "run"), seed=-5)
+    with pytest.raises(ConfigError, match="atol must be a finite number >= 0"):
+        ChaosConfig(script=str(script), run_dir=str(tmp_path / "run"), atol=-1)
+
+
+def test_a_relative_script_is_found_by_the_nodes_in_the_run_directory(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The nodes run in the run directory: a relative path passed the check, then no node found it."""
+    (tmp_path / "train.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    config = ChaosConfig(script="train.py", run_dir=str(tmp_path / "run"))
+    assert config.script == str(tmp_path / "train.py")
 
 
 def test_partition_node_needs_netns_and_netns_needs_root_and_ip(
