@@ -40,29 +40,39 @@ LINE_PREFIX_ENV = "ELASTICTRAIN_LINE_PREFIX"
 
 
 class _PrefixedStream(io.TextIOBase):
-    """A text stream that starts every line it writes with a prefix, then hands it on."""
+    """A text stream that starts every line it writes with a prefix, then hands it on.
+
+    Whole lines go out in one write each (a partial line waits for its end, or a flush):
+    ``print`` writes the text and its newline separately, and the ranks of a node share
+    the terminal, so lines written piecemeal interleaved (``[vm 0] a[vm 1] b``).
+    """
 
     def __init__(self, stream: Any, prefix: Callable[[], str]) -> None:
         super().__init__()
         self._stream = stream
         self._prefix = prefix
         self._at_line_start = True
+        self._pending = ""
 
     def write(self, text: str) -> int:
         if not text:
             return 0
-        out = []
+        out = [self._pending]
         for line in text.splitlines(keepends=True):
             if self._at_line_start:
                 out.append(self._prefix())
             out.append(line)
             self._at_line_start = line.endswith("\n")
-        self._stream.write("".join(out))
-        if "\n" in text:
+        lines, newline, self._pending = "".join(out).rpartition("\n")
+        if newline:
+            self._stream.write(lines + newline)
             self._stream.flush()  # line-buffered, as a terminal would be
         return len(text)
 
     def flush(self) -> None:
+        pending, self._pending = self._pending, ""
+        if pending:
+            self._stream.write(pending)
         self._stream.flush()
 
     def fileno(self) -> int:

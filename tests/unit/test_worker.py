@@ -44,3 +44,34 @@ def test_bad_variables_raise_config_error_naming_them(changes: dict[str, str], m
 def test_a_world_of_several_needs_a_rendezvous_address() -> None:
     with pytest.raises(ConfigError, match="MASTER_ADDR"):
         WorkerContext.from_env({"RANK": "0", "WORLD_SIZE": "2"})
+
+
+class _Recording:
+    """A stream that records each write call."""
+
+    def __init__(self) -> None:
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_each_prefixed_line_goes_out_in_one_write() -> None:
+    """print() writes a line's text and its newline apart; written through as they came, the
+    lines of two ranks sharing the terminal interleaved ('[vm 0] a[vm 1] b')."""
+    from elastictrain._worker_boot import _PrefixedStream
+
+    sink = _Recording()
+    stream = _PrefixedStream(sink, lambda: "[n 0] ")
+    print("RESULT rank=0 done", file=stream)
+    stream.write("two\nlines\n")
+    stream.write("partial")
+    assert sink.writes == ["[n 0] RESULT rank=0 done\n", "[n 0] two\n[n 0] lines\n"]
+    stream.flush()  # a partial line goes out on a flush (a progress bar's \r updates do)
+    assert sink.writes[-1] == "[n 0] partial"
+    stream.write(" end\n")
+    assert sink.writes[-1] == " end\n"
