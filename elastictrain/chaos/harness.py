@@ -56,6 +56,10 @@ __all__ = ["DEFAULT_KINDS", "ChaosConfig", "ChaosResult", "run_chaos"]
 
 _OPEN = 2**62  # a gate that holds nothing
 
+_REFERENCE_GRACE_S = 30.0
+"""How long the job may go without a step after its reference run failed, before the run
+ends: a job that cannot run as one process still trains distributed within it."""
+
 # Launcher variables a reference run must not inherit (it is one plain process).
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                  "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "ELASTICTRAIN_ETCD",
@@ -452,7 +456,7 @@ class _Harness:
             reference = self.start_reference()
             for _ in range(config.nodes):
                 self.start_node(join=False)
-            self._loop()
+            self._loop(reference)
         finally:
             self._teardown()
         if reference is not None:
@@ -478,9 +482,9 @@ class _Harness:
             end=end)
         return ChaosResult(self.run_dir, report, verdict.results)
 
-    def _loop(self) -> None:
+    def _loop(self, reference: subprocess.Popen[bytes] | None) -> None:
         try:
-            self._follow()
+            self._follow(reference)
         finally:
             self.progress.poll()
             for fault in self.faults:
@@ -500,7 +504,7 @@ class _Harness:
         tmp.write_text(str(value))
         os.replace(tmp, self.gate_file)
 
-    def _follow(self) -> None:
+    def _follow(self, reference: subprocess.Popen[bytes] | None) -> None:
         """Inject the faults one after the other as the job progresses, until every node has exited.
 
         The gate holds the job after the step of the next fault; once the fault
@@ -510,6 +514,7 @@ class _Harness:
         pending: FaultRecord | None = None  # planned, not injected yet
         current: FaultRecord | None = None  # injected, not recovered yet
         planning = True
+        reference_failed_at: float | None = None
         waiting_since: float | None = None
         config, progress = self.config, self.progress
         while True:
@@ -523,6 +528,17 @@ class _Harness:
             if now - self.start > config.deadline.total_seconds():
                 self.aborted = f"deadline of {config.deadline.total_seconds():g}s reached"
                 return
+            failed = reference.poll() if reference is not None else None
+            if failed not in (None, 0) and not progress.steps:
+                # The job fails as one plain process too, and trains no step distributed either: its
+                # nodes would be replaced until the deadline. (A job that only runs distributed
+                # trains within the grace; it needs --no-reference for its final parameters.)
+                reference_failed_at = reference_failed_at or now
+                if now - reference_failed_at > _REFERENCE_GRACE_S:
+                    self.aborted = (f"the reference run (the job as one plain process) exited {failed}, and the job "
+                                    f"trained no step in {_REFERENCE_GRACE_S:g}s since: the job itself does not run "
+                                    f"(see {self.run_dir / 'reference' / 'log.txt'})")
+                    return
             if current is not None:
                 if self.check_recovered(current):
                     logger.info("fault %d (%s) recovered in %.1fs", current.index, current.kind.value,

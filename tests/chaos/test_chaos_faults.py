@@ -152,3 +152,21 @@ def test_a_node_cut_off_the_network_is_left_behind_then_rejoins_after_the_heal(t
     assert all(code == 0 for code in report["node_exit_codes"].values()), report["node_exit_codes"]
     # Nothing of the namespaces outlives the run.
     assert _chaos_namespaces() <= namespaces_before
+
+
+@pytest.mark.timeout(120)
+def test_a_job_that_fails_as_one_plain_process_ends_the_run_at_once(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, its nodes were replaced (a budget of 1000 failures) until the deadline."""
+    from elastictrain.chaos import harness
+
+    monkeypatch.setattr(harness, "_REFERENCE_GRACE_S", 3.0)  # 30 s in a real run
+    script = tmp_path / "exits.py"
+    script.write_text("import sys\nsys.exit(3)\n")
+    config = ChaosConfig(script=str(script), run_dir=str(tmp_path / "run"), nodes=2, min_nodes=2, max_nodes=2,
+                         deadline=90)
+    result = run_chaos(config)
+    assert not result.ok
+    aborted = result.report["invariants"]["no_hang"]["detail"]
+    assert "the reference run (the job as one plain process) exited 3, and the job trained no step in 3s" in aborted
+    assert result.report["duration_s"] < 30, result.report["duration_s"]
