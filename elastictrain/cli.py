@@ -28,7 +28,14 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from elastictrain import _logging
-from elastictrain.config import RendezvousConfig, RunConfig, check_conf_keys, default_local_addr, parse_duration
+from elastictrain.config import (
+    RendezvousConfig,
+    RunConfig,
+    check_conf_keys,
+    check_writable_dir,
+    default_local_addr,
+    parse_duration,
+)
 from elastictrain.errors import ConfigError, ElasticTrainError
 from elastictrain.progress import PROGRESS_ENV
 
@@ -460,18 +467,6 @@ def _check_event_log(path: str) -> None:
                           "path in a writable directory") from None
 
 
-def _check_log_dir(path: str) -> None:
-    """``--log-dir`` a directory this process can write in (made if missing), before any process starts."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ConfigError(f"--log-dir {path!r} is a file, not a directory")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"--log-dir {path!r}: cannot make it a directory: {exc.strerror or exc}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"--log-dir {path!r}: this user cannot write in it")
-
-
 def _check_local_addr(address: str) -> None:
     """``--local-addr`` resolves: other nodes are told to reach this one there, and a name that
     does not resolve left the job retrying its store connection for minutes."""
@@ -538,7 +533,7 @@ def _run(args: argparse.Namespace) -> int:
     config = _run_config(args, etcd=etcd or "127.0.0.1", run_id=run_id, local_addr=local_addr)
     _check_event_log(str(config.event_log))
     if config.log_dir:
-        _check_log_dir(config.log_dir)
+        check_writable_dir(config.log_dir, "--log-dir")
     if args.local_addr:
         _check_local_addr(args.local_addr)
     if config.metrics_port:
@@ -679,7 +674,7 @@ def _etcd_server_options(args: argparse.Namespace) -> EtcdServerOptions:
     trade for speed there. On loopback it is a throwaway for trials on one machine.
     """
     from elastictrain._addresses import is_loopback
-    from elastictrain.config import check_readable_file, check_writable_dir
+    from elastictrain.config import check_readable_file
     from elastictrain.etcd.server import EtcdServerOptions
 
     if bool(args.cert_file) != bool(args.key_file):

@@ -255,8 +255,10 @@ def check_writable_dir(path: str, flag: str) -> None:
     """Create directory ``path`` if needed and check that files can be made in it.
 
     Raises:
-        ConfigError: It cannot be created or written (named as ``flag``, with the reason).
+        ConfigError: It is a file, or cannot be created or written (named as ``flag``, with the reason).
     """
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{flag} {path!r} is a file, not a directory")
     try:
         os.makedirs(path, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".elastictrain-probe-"):
