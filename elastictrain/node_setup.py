@@ -171,13 +171,13 @@ def _serve(listener_fd: int, alive_r: int, alive_w: int, preload: list[str], tem
         tempfile.tempdir = tempdir
         _logging.forget()  # workers configure their own, as in a fresh interpreter
         set_process_title(FORKSERVER_TITLE)
-        for name in preload:  # as main() would, but uninterrupted
+        for name in preload:  # as main() would, but uninterrupted; main() then has none left to import
             try:
                 importlib.import_module(name)
             except ImportError:
                 pass
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        multiprocessing.forkserver.main(listener_fd, alive_r, preload)
+        multiprocessing.forkserver.main(listener_fd, alive_r, [])
     except SystemExit:
         pass  # how main ends once every client is gone
     except BaseException:  # noqa: BLE001 - reported; the agent sees its workers fail to start
