@@ -14,7 +14,13 @@ worker hosts). This module owns that group's life in the process:
   watchdog aborts a collective that times out instead of hanging forever;
 - ``destroy_process_group`` on every exit path: the context manager's exit
   (normal or exception) and an ``atexit`` handler, so nothing in this process
-  ever meets a stale group. A process killed by a signal takes its group with it.
+  ever meets a stale group. A process killed by a signal takes its group with it;
+- :func:`sever` for a worker that leaves its group and lives on (in-process
+  recovery): gloo cannot abort a collective (pytorch/pytorch#130345), and a group
+  outlives ``destroy`` while anything holds it (DDP, a pending collective), so a
+  peer blocked on this rank would wait out the whole timeout. Severing shuts down
+  the group's connections to its peers: their collectives, and this rank's own
+  pending ones, fail at once.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -47,8 +53,10 @@ __all__ = [
     "destroy_process_group",
     "device_for",
     "init_process_group",
+    "new_gloo_group",
     "process_group_scope",
     "resolve_timeout",
+    "sever",
 ]
 
 logger = logging.getLogger(__name__)
@@ -236,10 +244,14 @@ def init_process_group(
             os.environ.setdefault(_NCCL_ASYNC_ENV, "1")
             device_id = place  # eager NCCL init: errors surface here, not at the first step
     _register_atexit()
+    # gloo's connections to its peers, to sever if this worker leaves the group and lives on
+    # (NCCL's communicators are aborted instead); the store's own connections are left alone.
+    record = _recording(exclude_port=context.master_port) if chosen == "gloo" else nullcontext([])
     if generation is not None:
-        dist.init_process_group(backend=chosen, store=_meet(context, resolved_timeout, *generation),
-                                rank=context.rank, world_size=context.world_size, timeout=resolved_timeout,
-                                device_id=device_id)
+        store = _meet(context, resolved_timeout, *generation)
+        with record as connections:
+            dist.init_process_group(backend=chosen, store=store, rank=context.rank, world_size=context.world_size,
+                                    timeout=resolved_timeout, device_id=device_id)
     else:
         host = f"[{context.master_addr}]" if ":" in str(context.master_addr) else context.master_addr
         # torch waits for the other ranks in C++, silently, for the whole timeout.
@@ -247,19 +259,22 @@ def init_process_group(
         waiting.daemon = True
         waiting.start()
         try:
-            dist.init_process_group(
-                backend=chosen,
-                # tcp:// from the context rather than env://, so that an explicit
-                # context is honoured; both share torch's store logic (rank 0 hosts
-                # it, or the agent does under TORCHELASTIC_USE_AGENT_STORE).
-                init_method=f"tcp://{host}:{context.master_port}",
-                rank=context.rank,
-                world_size=context.world_size,
-                timeout=resolved_timeout,
-                device_id=device_id,
-            )
+            with record as connections:
+                dist.init_process_group(
+                    backend=chosen,
+                    # tcp:// from the context rather than env://, so that an explicit
+                    # context is honoured; both share torch's store logic (rank 0 hosts
+                    # it, or the agent does under TORCHELASTIC_USE_AGENT_STORE).
+                    init_method=f"tcp://{host}:{context.master_port}",
+                    rank=context.rank,
+                    world_size=context.world_size,
+                    timeout=resolved_timeout,
+                    device_id=device_id,
+                )
         finally:
             waiting.cancel()
+    _connections.clear()
+    _connections[_WORLD] = connections
     _owned = True
     logger.debug("process group formed: backend %s, rank %d of %d, device %s, timeout %ss",
                  chosen, context.rank, context.world_size, place, resolved_timeout.total_seconds())
@@ -320,6 +335,38 @@ def _meet(context: WorkerContext, timeout: timedelta, tag: str, superseded: Call
             check(f"{context.world_size - store.add('arrived', 0)} rank(s) of {context.world_size}")
 
 
+def new_gloo_group(timeout: timedelta | None = None) -> dist.ProcessGroup:
+    """A gloo group over every rank of the default group (a collective), whose connections
+    :func:`sever` can shut down."""
+    with _recording() as connections:
+        group = dist.new_group(backend="gloo", timeout=timeout)
+    _connections[group.group_name] = connections
+    return group
+
+
+def sever(*groups: dist.ProcessGroup | None) -> int:
+    """Shut down the connections to its peers of each gloo group given (``None``: the default
+    group) that :func:`init_process_group` or :func:`new_gloo_group` formed; others are left
+    alone. Never raises.
+
+    The group stays to be destroyed, but is of no use any more: each of its collectives in
+    flight here or on a peer (one that waits for this rank) fails at once, where it would
+    otherwise wait out the group's timeout. gloo cannot abort a collective, and destroying a
+    group closes its connections only once nothing holds it: DDP, a collective still queued
+    on it (a DDP bucket launched before another failed) keep it, and the group's destructor
+    itself waits for its queued collectives. For a worker that leaves its group and lives on.
+
+    Returns:
+        How many connections were shut down.
+    """
+    severed = 0
+    for group in groups:
+        key = _WORLD if group is None else group.group_name
+        for fd, link in _connections.pop(key, []):
+            severed += _shut_down(fd, link)
+    return severed
+
+
 def destroy_process_group() -> None:
     """Destroy the default group if :func:`init_process_group` created it. Idempotent; never raises.
 
@@ -329,12 +376,82 @@ def destroy_process_group() -> None:
     if not _owned:
         return
     _owned = False
+    _connections.clear()
     if not (dist.is_available() and dist.is_initialized()):
         return
     try:
         dist.destroy_process_group()
     except Exception as exc:  # noqa: BLE001 - teardown after a failure must not mask it
         logger.warning("destroying the process group failed: %s", exc)
+
+
+_WORLD = ""
+"""The default group's key among the groups whose connections are on record."""
+
+_connections: dict[str, list[tuple[int, str]]] = {}
+"""The peer connections of each gloo group formed here (by group name): (fd, its socket's
+``/proc`` link, which tells the same socket from a later one that reuses the fd)."""
+
+
+def _sockets() -> dict[int, str]:
+    """This process's sockets: fd -> ``socket:[inode]``; empty where ``/proc`` is not (not Linux)."""
+    found = {}
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for name in fds:
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # closed meanwhile (or the listing's own fd)
+        if link.startswith("socket:"):
+            found[int(name)] = link
+    return found
+
+
+@contextmanager
+def _recording(exclude_port: int | None = None) -> Iterator[list[tuple[int, str]]]:
+    """The TCP connections this process opened while the block ran (a group's to its peers),
+    listening sockets and connections to or from ``exclude_port`` (the store's) left out."""
+    before = _sockets()
+    connections: list[tuple[int, str]] = []
+    yield connections
+    for fd, link in _sockets().items():
+        if before.get(fd) == link:
+            continue
+        try:
+            sock = socket.socket(fileno=fd)  # a view on the fd: detached below, never closed
+        except OSError:
+            continue  # closed meanwhile, the fd reused by something else
+        try:
+            if (sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM
+                    or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
+                continue  # shutting gloo's listener down kills the process (its accept() fails)
+            ports = {sock.getsockname()[1], sock.getpeername()[1]}
+            if exclude_port is None or exclude_port not in ports:
+                connections.append((fd, link))
+        except OSError:
+            continue  # not connected (yet, or any more)
+        finally:
+            sock.detach()
+
+
+def _shut_down(fd: int, link: str) -> int:
+    """Shut down the connection on ``fd`` if it still holds the socket ``link``; 1 if it did."""
+    try:
+        if os.readlink(f"/proc/self/fd/{fd}") != link:
+            return 0  # closed, and the fd since reused
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return 0
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+        return 1
+    except OSError:
+        return 0
+    finally:
+        sock.detach()
 
 
 def _register_atexit() -> None:

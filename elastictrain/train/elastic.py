@@ -188,6 +188,7 @@ def run_elastic(train: Callable[[ElasticState], _T], state: ElasticState, *, res
                 cause = f"a collective failed ({describe(exc)})"
             logger.info("re-forming the group in place: %s", cause)
             holds = True
+            pg.sever(None)  # a peer blocked on this rank fails now, not at the timeout
             pg.destroy_process_group()
             assignment = wait_for_generation(control, recovery_timeout)
             state.context = context_for(state.context, assignment)
@@ -205,7 +206,7 @@ def _form(state: ElasticState, *, holds: bool, restore: Callable[[], None] | Non
         state.generation = state._control.generation  # noqa: SLF001
     received_or_held = holds
     if placement.distributed and state._control is not None:  # noqa: SLF001
-        group = None if placement.backend == "gloo" else dist.new_group(backend="gloo")
+        group = None if placement.backend == "gloo" else pg.new_gloo_group(placement.timeout)
         agreement = agree(group, holds=holds, step=state.step)
         if agreement.source is not None:
             transfer(group, agreement, state.objects(), step=state.step)

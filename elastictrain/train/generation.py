@@ -62,7 +62,7 @@ class Generation:
         if self.placement.backend == "gloo":
             return None
         if self._gloo is None:
-            self._gloo = dist.new_group(backend="gloo", timeout=self.placement.timeout)
+            self._gloo = pg.new_gloo_group(self.placement.timeout)
         return self._gloo
 
     def check_same_settings(self, settings: Mapping[str, int | bool | None]) -> None:
@@ -135,7 +135,13 @@ class Generation:
 
     def leave(self, log: logging.LoggerAdapter[Any]) -> None:
         """Drop the group and what was built on it, without a collective (peers may be dead):
-        a checkpoint save in flight fails at its barrier, so nothing commits."""
+        a checkpoint save in flight fails at its barrier, so nothing commits.
+
+        The training groups' connections are severed first (:func:`~elastictrain.process_group.sever`):
+        a peer blocked on this rank in a collective, or a DDP bucket still queued here, fails at
+        once instead of after the group's timeout, and so does a save that waits for that peer.
+        """
+        pg.sever(None, self._gloo)
         self.ddp = self.flag = None
         if self.checkpoints is not None:
             try:

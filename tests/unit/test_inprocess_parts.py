@@ -678,3 +678,43 @@ def test_commit_outside_the_loop_run_elastic_runs_is_refused(monkeypatch: pytest
     assert elastictrain.run_elastic(train, state) == 2
     with pytest.raises(SessionError):
         state.commit()  # after the loop, too
+
+
+def _leaving_worker(rank: int, port: int, results: Any) -> None:
+    import logging
+
+    from elastictrain import process_group as pg
+    from elastictrain.train.generation import Generation
+    from elastictrain.worker import WorkerContext
+
+    context = WorkerContext(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
+    generation = Generation(pg.init_process_group(context, backend="gloo", timeout=10), None, in_process=True)
+    generation.wrap(torch.nn.Linear(4, 4), {}, identical=False, on_forward=lambda *_: None, control=None)
+    held = generation.ddp  # as a failed step's traceback may hold it past the leave
+    waiting = torch.zeros(4)
+    if rank == 0:  # blocked on rank 1, which has moved on
+        try:
+            dist.broadcast(waiting, src=1)
+            results.put((rank, "the broadcast returned"))
+        except RuntimeError as exc:
+            results.put((rank, str(exc)))
+        pg.destroy_process_group()
+        return
+    queued = dist.all_reduce(waiting, async_op=True)  # a collective its peer never joins (a DDP bucket)
+    time.sleep(0.5)
+    generation.leave(logging.LoggerAdapter(logging.getLogger("test"), {}))
+    try:
+        queued.wait()
+        results.put((rank, "the queued all-reduce returned"))
+    except RuntimeError as exc:
+        results.put((rank, str(exc)))
+    del held
+
+
+def test_a_rank_that_leaves_its_group_frees_the_peers_blocked_on_it_at_once() -> None:
+    """gloo cannot abort a collective, and a group that something still holds (DDP, a queued
+    collective) keeps its connections after it is destroyed: without severing them, the peer
+    and the queued collective both waited out the 10 s timeout ("Timed out waiting")."""
+    reports = _run_ranks(2, _leaving_worker, lambda rank: ())
+    for rank, (message,) in reports.items():
+        assert "closed" in message.lower() or "reset" in message.lower(), (rank, message)
