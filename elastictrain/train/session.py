@@ -75,6 +75,10 @@ _SAVE_GRACE_S = 10.0
 """How long the ranks train on, when their agents want the group re-formed, while a checkpoint
 save is in flight (re-forming would wait for it to be written)."""
 
+_SKIPS_TO_WARN = 10
+"""Steps in a row whose fp16 update was skipped before a warning says the model does not train (a
+GradScaler skips a few as it finds its scale, from 2**16)."""
+
 _RESERVED = ("model", "optimizer", "scheduler", "scaler", "sampler", "session")
 _PROGRESS_VERSION = 1
 
@@ -201,6 +205,7 @@ class Session:
         self._step = 0
         self._saved_step: int | None = None
         self._forwards = 0
+        self._skipped_in_a_row = 0
         self._entered = False
         self._closed = False
         self._clock = time.perf_counter()
@@ -649,12 +654,13 @@ class Session:
     def _apply(self, step: Step) -> None:
         step._check_complete()
         config = self.config
-        self._precision.step(self.optimizer, self.module.parameters(), max_norm=config.grad_clip_norm)
+        applied = self._precision.step(self.optimizer, self.module.parameters(), max_norm=config.grad_clip_norm)
         if self.scheduler is not None:
             self.scheduler.step()
         assert self.sampler is not None  # noqa: S101 - private invariant
         self.sampler.commit_step(step.plan)
         self._step = step.number
+        self._say_if_skipped(applied.skipped)
         self._progress["step"] = self._step
         if self._control is not None:
             self._control.step_done(self._step)
@@ -676,6 +682,24 @@ class Session:
         if config.checkpoint_every is not None and self._step % config.checkpoint_every == 0:
             self.save()
             self._clock = time.perf_counter()  # a save's time is not a step's
+
+    def _say_if_skipped(self, skipped: bool) -> None:
+        """Say that fp16's GradScaler skipped this step's update (its gradients held inf or NaN),
+        and warn once a run of skipped steps shows that the model no longer trains."""
+        if not skipped:
+            self._skipped_in_a_row = 0
+            return
+        self._skipped_in_a_row += 1
+        assert self._precision.scaler is not None  # noqa: S101 - only a scaler skips
+        scale = self._precision.scaler.get_scale()
+        if self._skipped_in_a_row < _SKIPS_TO_WARN:
+            self.log.info("step %d: update skipped, its fp16 gradients held inf or NaN; the GradScaler lowered "
+                          "its scale to %g", self._step, scale)
+        elif self._skipped_in_a_row == _SKIPS_TO_WARN:
+            self.log.warning("the updates of the last %d steps (to step %d) were all skipped: their fp16 gradients "
+                             "held inf or NaN, and the model does not train. The GradScaler's scale is now %g: a "
+                             "loss or activations beyond fp16's range do this (bf16 has fp32's range), as does a "
+                             "diverged model", _SKIPS_TO_WARN, self._step, scale)
 
     def save(self) -> None:
         """Checkpoint the current state as step :attr:`step`; a collective (every rank calls it).

@@ -429,3 +429,19 @@ def test_on_gpu_the_session_trains_on_the_local_gpu_with_nccl_and_bf16_autocast(
                 micro.backward(torch.nn.functional.mse_loss(session.model(x).float(), y))
     assert next(model.parameters()).is_cuda and session.step == 2
     assert not dist.is_initialized()
+
+
+def test_skipped_fp16_updates_are_said_and_a_run_of_them_warned_of(caplog: pytest.LogCaptureFixture) -> None:
+    """Before, a GradScaler that skipped every update left the model as it was, without a line."""
+    data = TensorDataset(torch.randn(40, 6), torch.full((40, 1), 1e4))  # loss gradients beyond fp16's range
+    model = make_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    with caplog.at_level(logging.INFO, logger="elastictrain"), elastictrain.Session(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), data, global_batch_size=4, precision="fp16",
+            epochs=2, max_steps=12, log_every=None) as session:
+        train(session)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    said = [r for r in caplog.records if "update skipped" in r.getMessage()]
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "were all skipped" in r.getMessage()]
+    assert len(said) == 9 and "] step 1: update skipped" in said[0].getMessage()
+    assert len(warned) == 1 and "last 10 steps (to step 10)" in warned[0].getMessage()
