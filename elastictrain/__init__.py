@@ -19,10 +19,10 @@ _EXPORTS = {
     "HookDispatcher": "elastictrain.hooks",
     "Hooks": "elastictrain.hooks",
     "MixedPrecision": "elastictrain.precision",
-    "Placement": "elastictrain.process_group",
-    "destroy_process_group": "elastictrain.process_group",
-    "init_process_group": "elastictrain.process_group",
-    "process_group_scope": "elastictrain.process_group",
+    "Placement": "elastictrain.train.process_group",
+    "destroy_process_group": "elastictrain.train.process_group",
+    "init_process_group": "elastictrain.train.process_group",
+    "process_group_scope": "elastictrain.train.process_group",
     "RankLoggerAdapter": "elastictrain.rank_logging",
     "get_logger": "elastictrain.rank_logging",
     "setup_logging": "elastictrain.rank_logging",
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from elastictrain.errors import ElasticTrainError, SessionError
     from elastictrain.hooks import HookDispatcher, Hooks
     from elastictrain.precision import MixedPrecision
-    from elastictrain.process_group import Placement, destroy_process_group, init_process_group, process_group_scope
+    from elastictrain.train.process_group import Placement, destroy_process_group, init_process_group, process_group_scope
     from elastictrain.rank_logging import RankLoggerAdapter, get_logger, setup_logging
     from elastictrain.sampler import ElasticBatchSampler, ElasticSampler, MicroBatch, StepPlan
     from elastictrain.train.elastic import ElasticState, run_elastic

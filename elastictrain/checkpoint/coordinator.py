@@ -24,7 +24,6 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from elastictrain import process_group as pg
 from elastictrain.errors import CheckpointError
 
 __all__ = ["Coordinator", "SingleProcessCoordinator", "TorchDistributedCoordinator", "default_coordinator"]
@@ -118,7 +117,7 @@ class TorchDistributedCoordinator(Coordinator):
         self._owns_group = group is None
         if group is None:
             try:
-                group = pg.new_gloo_group(timeout)
+                group = dist.new_group(backend="gloo", timeout=timeout)
             except (RuntimeError, ValueError) as exc:
                 raise CheckpointError("could not create the checkpoint gloo group") from exc
         self._group: dist.ProcessGroup | None = group
@@ -166,7 +165,6 @@ class TorchDistributedCoordinator(Coordinator):
         # Destroying a group after the default group is gone raises; by then torch
         # has torn it down anyway.
         if group is not None and self._owns_group and dist.is_initialized():
-            pg.sever(group)  # a peer still in one of its collectives fails now, not at the timeout
             try:
                 dist.destroy_process_group(group)
             except (RuntimeError, ValueError) as exc:

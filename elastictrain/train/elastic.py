@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from elastictrain import events
-from elastictrain import process_group as pg
+from elastictrain.train import process_group as pg
 from elastictrain._control import WorkerState
 from elastictrain.errors import ConfigError, SessionError
 from elastictrain.sampler import ElasticSampler

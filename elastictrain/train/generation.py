@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from elastictrain import _torch_compat
-from elastictrain import process_group as pg
+from elastictrain.train import process_group as pg
 from elastictrain.checkpoint import CheckpointManager, TorchDistributedCoordinator
 from elastictrain.errors import CheckpointError, ConfigError
 from elastictrain.train.control import WorkerControl
@@ -28,6 +28,8 @@ from elastictrain.train.recovery import BoundaryFlag, abort_default_group, wrap_
 from elastictrain.train.session_config import SessionConfig
 
 __all__ = ["Generation"]
+
+logger = logging.getLogger(__name__)
 
 _INT63 = (1 << 63) - 1
 """What of a setting crosses ranks in an int64 (a seed may take 64 bits)."""
@@ -53,6 +55,7 @@ class Generation:
         self.checkpoints: CheckpointManager | None = None
         self._sync_buffers = False
         self._gloo: Any = None
+        self._checkpoint_group: Any = None
 
     def cpu_group(self) -> Any:
         """A gloo group of this generation, for the state transfer: the caller's group, the
@@ -100,7 +103,14 @@ class Generation:
         (cut off from etcd while this one formed) can no longer commit there.
         """
         assert config.checkpoint_dir is not None  # noqa: S101 - the caller checks
-        coordinator = TorchDistributedCoordinator(self.group) if self.group is not None else None
+        coordinator = None
+        if self.group is not None:
+            coordinator = TorchDistributedCoordinator(self.group)
+        elif self.placement.distributed:
+            # A gloo group of the checkpoint's own (its saves run on a thread of their own),
+            # made here so that leaving the generation can sever it.
+            self._checkpoint_group = pg.new_gloo_group(self.placement.timeout)
+            coordinator = TorchDistributedCoordinator(self._checkpoint_group)
         self.checkpoints = CheckpointManager(
             config.checkpoint_dir, keep_last=config.keep_last, async_save=config.async_save,
             overlap=config.overlap_save, coordinator=coordinator, timeout=self.placement.timeout, fence=True,
@@ -137,7 +147,7 @@ class Generation:
         """Drop the group and what was built on it, without a collective (peers may be dead):
         a checkpoint save in flight fails at its barrier, so nothing commits.
 
-        The training groups' connections are severed first (:func:`~elastictrain.process_group.sever`):
+        The training groups' connections are severed first (:func:`~elastictrain.train.process_group.sever`):
         a peer blocked on this rank in a collective, or a DDP bucket still queued here, fails at
         once instead of after the group's timeout, and so does a save that waits for that peer.
         """
@@ -149,12 +159,22 @@ class Generation:
             except CheckpointError as exc:
                 log.info("checkpoint save abandoned by the re-formation: %s", exc)
             self.checkpoints = None
-        self._gloo = None
+        if self._checkpoint_group is not None:
+            pg.sever(self._checkpoint_group)  # a peer whose save still waits on this rank fails now
+        self._gloo = self._checkpoint_group = None
         pg.destroy_process_group()
 
     def end(self) -> None:
-        """Drop the wrappers and destroy the group if the session formed it (the run is over)."""
+        """Drop the wrappers and destroy the group if the session formed it (the run is over), else
+        the gloo groups the session made in the caller's."""
         self.ddp = self.flag = None
-        self._gloo = None
+        made = [g for g in (self._gloo, self._checkpoint_group) if g is not None]
+        self._gloo = self._checkpoint_group = None
         if self.placement.owned:
-            pg.destroy_process_group()
+            pg.destroy_process_group()  # and every group made in it
+            return
+        for group in made:  # made here in the caller's world, which lives on
+            try:
+                dist.destroy_process_group(group)
+            except (RuntimeError, ValueError) as exc:
+                logger.warning("could not destroy a gloo group of the session: %s", exc)

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from elastictrain import process_group as pg
+from elastictrain.train import process_group as pg
 from elastictrain._control import Assignment, WorkerState
 from elastictrain.errors import SessionError
 from elastictrain.train.control import WorkerControl

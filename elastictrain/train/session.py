@@ -44,7 +44,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from elastictrain import events
-from elastictrain import process_group as pg
+from elastictrain.train import process_group as pg
 from elastictrain._control import Assignment, WorkerState
 from elastictrain.checkpoint import CheckpointManager, RestoreInfo
 from elastictrain.checkpoint import _snapshot as snap

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from elastictrain import process_group as pg
+from elastictrain.train import process_group as pg
 from elastictrain.config import RECOVERY_MODES, parse_duration
 from elastictrain.errors import ConfigError
 from elastictrain.precision import PRECISIONS

@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from elastictrain.process_group import Placement
+from elastictrain.train.process_group import Placement
 from elastictrain.train.recovery import abort_default_group, is_collective_failure, wrap_in_ddp
 
 

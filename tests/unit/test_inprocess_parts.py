@@ -683,7 +683,7 @@ def test_commit_outside_the_loop_run_elastic_runs_is_refused(monkeypatch: pytest
 def _leaving_worker(rank: int, port: int, results: Any) -> None:
     import logging
 
-    from elastictrain import process_group as pg
+    from elastictrain.train import process_group as pg
     from elastictrain.train.generation import Generation
     from elastictrain.worker import WorkerContext
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastictrain import process_group as pg
+from elastictrain.train import process_group as pg
 from elastictrain.errors import ConfigError
 from elastictrain.worker import WorkerContext
 
