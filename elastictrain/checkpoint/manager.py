@@ -135,10 +135,11 @@ class CheckpointManager:
             job: ``Session`` does). Otherwise the token is claimed at the first
             save, so a reader that only restores (an eval job) never fences off
             the writer. A commit is refused once a newer world claimed the directory.
-        superseded: Whether this rank's group is being replaced (in-process recovery:
-            ``Session`` passes its control channel's). A save that waits for another
-            rank's files stops waiting then, and fails at its barrier, instead of
-            waiting out the stall deadline for a rank that is gone.
+        superseded: Whether this rank's group is being replaced or has lost a peer
+            (``Session`` passes its control channel's, and a check of its checkpoint
+            group's connections). A save that waits for another rank's files stops
+            waiting then, and fails at its barrier, instead of waiting out the stall
+            deadline for a rank that is gone.
 
     Raises:
         ConfigError: ``keep_last`` is not a positive integer, or ``overlap``
@@ -625,7 +626,7 @@ class CheckpointManager:
                                self._storage.location(staging), exc)
                 return
             if self._superseded is not None and self._superseded():
-                logger.warning("stopped waiting for ranks %s's part of %s: the group is re-forming",
+                logger.warning("stopped waiting for ranks %s's part of %s: a rank is gone, or the group re-forms",
                                sorted(int(n.rsplit("-", 1)[1]) for n in wanted - names),
                                self._storage.location(staging))
                 return

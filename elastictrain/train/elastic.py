@@ -188,6 +188,7 @@ def run_elastic(train: Callable[[ElasticState], _T], state: ElasticState, *, res
                 cause = f"a collective failed ({describe(exc)})"
             logger.info("re-forming the group in place: %s", cause)
             holds = True
+            control.set_state(WorkerState.RECOVERING)  # the agent re-forms now
             pg.sever(None)  # a peer blocked on this rank fails now, not at the timeout
             pg.destroy_process_group()
             assignment = wait_for_generation(control, recovery_timeout)

@@ -53,6 +53,7 @@ __all__ = [
     "destroy_process_group",
     "device_for",
     "init_process_group",
+    "lost_peer",
     "new_gloo_group",
     "process_group_scope",
     "resolve_timeout",
@@ -365,6 +366,34 @@ def sever(*groups: dist.ProcessGroup | None) -> int:
         for fd, link in _connections.pop(key, []):
             severed += _shut_down(fd, link)
     return severed
+
+
+def lost_peer(group: dist.ProcessGroup | None) -> bool:
+    """Whether a peer of ``group`` (``None``: the default group), one that
+    :func:`init_process_group` or :func:`new_gloo_group` formed, closed its connection to
+    this rank: its process died, or it left the group. A non-blocking peek per connection,
+    no collective; False for a group not on record.
+
+    For a rank that waits on its peers outside a collective (for their checkpoint files):
+    a collective would fail at once on a dead peer, a wait on files would not.
+    """
+    for fd, link in _connections.get(_WORLD if group is None else group.group_name, ()):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != link:
+                return True  # gloo closed it: the connection broke
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            return True
+        try:
+            if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                return True  # the peer's end is closed
+        except BlockingIOError:
+            pass  # open, nothing to read
+        except OSError:
+            return True  # reset
+        finally:
+            sock.detach()
+    return False
 
 
 def destroy_process_group() -> None:

@@ -433,6 +433,8 @@ class Session:
         self._due_since = None
         while True:
             assert self._generation is not None  # noqa: S101 - private invariant
+            # Said before leaving, which waits for a save in flight: the agent re-forms meanwhile.
+            self._control.set_state(WorkerState.RECOVERING)
             self._generation.leave(self.log)
             self._adopt(wait_for_generation(self._control, self.config.recovery_timeout.total_seconds()))
             try:

@@ -172,6 +172,34 @@ def test_a_hot_spare_takes_a_lost_nodes_place_and_the_survivor_keeps_its_process
     assert_every_step_once(out, [0, 1])
 
 
+@pytest.mark.timeout(300)
+def test_a_node_lost_while_its_peers_wait_for_its_checkpoint_files_is_noticed_at_once(
+        etcd_server: Any, run_id: str, tmp_path: Path) -> None:
+    """A rank waiting for a peer's checkpoint files makes no collective, so a dead peer went
+    unnoticed until its node's lease expired (30 s here: the agent then saw a membership change)."""
+    out = tmp_path / "job"
+    stalled = tmp_path / "stalled"
+    long_lease = ("--rdzv-conf", "keep_alive_max_attempt=30")
+    nodes = [start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.1", "--ckpt-every", "5",
+                        "--stall-save", f"0:{stalled}", min_nodes=1, extra=long_lease) for _ in range(2)]
+    wait_until(stalled.exists, "rank 0's checkpoint write stalled", nodes)
+    time.sleep(0.5)  # rank 1 has written its part, and waits for rank 0's
+    writer = int(stalled.read_text())
+    victim = next(n for n in nodes if writer in descendants(n.pid))
+    survivor = next(n for n in nodes if n is not victim)
+    survivor_pid = latest_pid(out, 1)
+    seen = len(records(out))
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    (output,) = finish([survivor])
+    assert survivor.returncode == 0, output[-3000:]
+    after = records(out)[seen:]
+    assert after and {r["world"] for r in after} == {1} and {r["pid"] for r in after} == {survivor_pid}, \
+        output[-3000:]
+    causes = [e["cause"] for e in events(out, "recovery") if "duration_s" in e and e["world_size"] == 1]
+    assert causes == ["a worker's collective failed (a peer is gone)"], causes
+
+
 def ready_nodes(etcd_client: Any, run_id: str, round_: int) -> int:
     """How many nodes said in etcd that their workers can form ``round_``'s group."""
     _, found = kv.range_(etcd_client, RunKeys.of(run_id).ready(round_), prefix=True, keys_only=True, what="test")

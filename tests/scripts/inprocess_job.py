@@ -10,7 +10,9 @@ step, world size, time) and, at the end, saves its parameters to ``final-<rank>.
 it (a crash loop). ``--hold-before STEP:FILE`` makes every rank wait inside STEP until FILE
 exists, writing ``FILE.held-RANK`` as it starts to wait (a test then changes the membership at
 a known step). ``--wait-before-session FILE`` makes the worker wait for FILE after building its
-model (a slow model build or data load).
+model (a slow model build or data load). ``--stall-save RANK:FILE`` makes RANK's first
+checkpoint write at world size 2 stall for good, writing its pid to ``FILE`` (a test then kills
+its node while its peers wait for its files).
 ``--api elastic`` trains through ``run_elastic`` instead of a Session.
 """
 
@@ -66,6 +68,8 @@ def with_session(args: argparse.Namespace, out: Path) -> None:
                                    checkpoint_dir=str(out / "ckpt"), checkpoint_every=args.ckpt_every)
     with session as s:
         for step in s.steps():
+            if args.stall_save and s.rank == args.stall_save[0] and s.world_size == 2 and s.checkpoints is not None:
+                s.checkpoints._fault_hook = lambda stage: _stall(stage, args.stall_save[1])  # noqa: SLF001
             if args.fail_at and (s.rank, step.number) == args.fail_at:
                 raise RuntimeError(f"injected failure on rank {s.rank} before step {step.number}")
             if args.hold_before and step.number == args.hold_before[0]:
@@ -82,6 +86,12 @@ def with_session(args: argparse.Namespace, out: Path) -> None:
             _append(out / "steps.jsonl", {"rank": s.rank, "pid": os.getpid(), "step": step.number,
                                           "world": s.world_size, "t": time.time()})
     torch.save(model.state_dict(), out / f"final-{session.rank}.pt")
+
+
+def _stall(stage: str, path: str) -> None:
+    if stage == "during_write":
+        Path(path).write_text(str(os.getpid()))
+        time.sleep(3600)
 
 
 def with_run_elastic(args: argparse.Namespace, out: Path) -> None:
@@ -120,6 +130,7 @@ def main() -> None:
     parser.add_argument("--fail-at", type=_pair, default=None)
     parser.add_argument("--hold-before", type=_step_and_path, default=None)
     parser.add_argument("--wait-before-session", default=None)
+    parser.add_argument("--stall-save", type=_step_and_path, default=None)
     parser.add_argument("--api", choices=("session", "elastic"), default="session")
     args = parser.parse_args()
     out = Path(args.out_dir)
