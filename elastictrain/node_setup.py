@@ -27,6 +27,7 @@ import threading
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing import connection, resource_tracker
+from types import TracebackType
 from typing import Any
 
 from elastictrain import _logging
@@ -177,6 +178,7 @@ def _serve(listener_fd: int, alive_r: int, alive_w: int, preload: list[str], tem
             except ImportError:
                 pass
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        sys.excepthook = _start_failed  # how main() reports a worker that could not start
         multiprocessing.forkserver.main(listener_fd, alive_r, [])
     except SystemExit:
         pass  # how main ends once every client is gone
@@ -185,6 +187,19 @@ def _serve(listener_fd: int, alive_r: int, alive_w: int, preload: list[str], tem
         code = 1
     finally:
         os._exit(code)
+
+
+def _start_failed(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+    """``sys.excepthook`` of the forkserver's children: a worker whose start data named files
+    that are gone (the semaphores of an agent that stopped while starting it: a SIGTERM or
+    Ctrl-C in a job's first seconds) says so in one line; anything else keeps its traceback."""
+    unpickling = any(frame.f_code.co_name == "_main" and frame.f_code.co_filename.endswith(
+        os.path.join("multiprocessing", "spawn.py")) for frame, _ in traceback.walk_tb(tb))
+    if issubclass(kind, FileNotFoundError) and unpickling:
+        sys.stderr.write(f"elastictrain: a worker start was abandoned: what its agent sent it is gone ({value}); "
+                         "the agent stopped meanwhile\n")
+        return
+    sys.__excepthook__(kind, value, tb)
 
 
 def prepare(config: RunConfig) -> NodeSetup:

@@ -279,3 +279,30 @@ def test_a_forkserver_bound_while_the_sockets_are_read_keeps_its_pymp_dir(tmp_pa
         assert (racing / "listener-4").exists() and not stale.exists()
     finally:
         listener.close()
+
+
+def test_a_worker_whose_start_data_is_gone_says_so_in_one_line() -> None:
+    """An agent stopped (SIGTERM, Ctrl-C) while it started its workers unlinks the semaphores it
+    sent them; each worker then failed to unpickle them, printing a multiprocessing traceback
+    (seen with ``elastictrain run --local-nodes 2`` stopped 2.2 s after its launch)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", (
+        "import multiprocessing, os, torch\n"
+        "from elastictrain import node_setup\n"
+        "class Gone:\n"
+        "    def __reduce__(self):  # unpickled in the worker: a file the agent has removed\n"
+        "        return (os.stat, ('/nonexistent/elastictrain-semaphore',))\n"
+        "if __name__ == '__main__':\n"
+        "    assert node_setup.start_forkserver()\n"
+        "    worker = multiprocessing.get_context('forkserver').Process(target=print, args=(Gone(),))\n"
+        "    worker.start()\n"
+        "    worker.join()\n"
+        "    print('exitcode', worker.exitcode, flush=True)\n")], capture_output=True, text=True, timeout=60,
+        check=False)
+    assert "exitcode 1" in done.stdout, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "elastictrain: a worker start was abandoned: what its agent sent it is gone ([Errno 2] No such file or "
+        "directory: '/nonexistent/elastictrain-semaphore'); the agent stopped meanwhile"], done.stderr
