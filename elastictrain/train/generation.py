@@ -104,17 +104,16 @@ class Generation:
         """
         assert config.checkpoint_dir is not None  # noqa: S101 - the caller checks
         coordinator = None
-        superseded: Callable[[], bool] | None = control.superseded if control is not None else None
+        superseded = control.superseded if control is not None else None
         if self.group is not None:
             coordinator = TorchDistributedCoordinator(self.group)
         elif self.placement.distributed:
             # A gloo group of the checkpoint's own (its saves run on a thread of their own),
             # made here so that leaving the generation can sever it, and so that a save that
             # waits for a peer's files stops once that peer is gone.
-            group = self._checkpoint_group = pg.new_gloo_group(self.placement.timeout)
-            coordinator = TorchDistributedCoordinator(group)
-            replaced = superseded
-            superseded = lambda: (replaced is not None and replaced()) or pg.lost_peer(group)  # noqa: E731
+            self._checkpoint_group = pg.new_gloo_group(self.placement.timeout)
+            coordinator = TorchDistributedCoordinator(self._checkpoint_group)
+            superseded = _replaced_or_peer_lost(control, self._checkpoint_group)
         self.checkpoints = CheckpointManager(
             config.checkpoint_dir, keep_last=config.keep_last, async_save=config.async_save,
             overlap=config.overlap_save, coordinator=coordinator, timeout=self.placement.timeout, fence=True,
@@ -182,3 +181,11 @@ class Generation:
                 dist.destroy_process_group(group)
             except (RuntimeError, ValueError) as exc:
                 logger.warning("could not destroy a gloo group of the session: %s", exc)
+
+
+def _replaced_or_peer_lost(control: WorkerControl | None, group: dist.ProcessGroup) -> Callable[[], bool]:
+    """What ends a save's wait for its peers' checkpoint files early: the agent announced the next
+    generation, or a peer's connection in the checkpoint ``group`` closed (it died, or left)."""
+    def check() -> bool:
+        return (control is not None and control.superseded()) or pg.lost_peer(group)
+    return check
