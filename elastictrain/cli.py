@@ -756,6 +756,18 @@ def _precheck(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
         _check_run_arguments(sub.choices["run"], argv[words[0] + 1:])
 
 
+def check_run_flags(argv: Sequence[str]) -> None:
+    """Parse ``elastictrain run ARGV`` as ``run`` does, running nothing: for a tool that starts
+    nodes with flags a user passed through (``elastictrain chaos --run-arg``).
+
+    Raises:
+        ConfigError: An unknown flag, or a value its flag refuses.
+    """
+    parser = build_parser()
+    _precheck(parser, ["run", *argv])
+    parser.parse_args(["run", *argv])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``elastictrain`` console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)

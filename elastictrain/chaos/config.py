@@ -14,6 +14,7 @@ from datetime import timedelta
 
 from elastictrain.chaos.faults import FaultKind, PlannedFault
 from elastictrain.chaos.netns import check_available
+from elastictrain.cli import check_run_flags
 from elastictrain.config import parse_duration
 from elastictrain.errors import ConfigError
 
@@ -153,6 +154,8 @@ class ChaosConfig:
             check_available()
         if self.faults < 0:
             raise ConfigError(f"faults must be >= 0, got {self.faults}")
+        # What every node gets from the user: refused now, not as the nodes' failure.
+        check_run_flags([*self.run_args, "--nproc-per-node", str(self.nproc_per_node), self.script])
 
     @property
     def hang_duration(self) -> timedelta:

@@ -248,6 +248,12 @@ def test_a_chaos_config_refuses_what_cannot_run(tmp_path: Path) -> None:
         ChaosConfig(script=str(script), run_dir=str(tmp_path / "run"), seed=-5)
     with pytest.raises(ConfigError, match="atol must be a finite number >= 0"):
         ChaosConfig(script=str(script), run_dir=str(tmp_path / "run"), atol=-1)
+    # What each node is started with: before, every node failed, and the run said so as a failed run (rc 1).
+    with pytest.raises(ConfigError, match="--nproc-per-node: expected a positive integer"):
+        ChaosConfig(script=str(script), run_dir=str(tmp_path / "run"), nproc_per_node=0)
+    with pytest.raises(ConfigError, match="unrecognized arguments: --bogus"):
+        ChaosConfig(script=str(script), run_dir=str(tmp_path / "run"), run_args=("--bogus",))
+    ChaosConfig(script=str(script), run_dir=str(tmp_path / "run"), run_args=("--recovery", "restart"))
 
 
 def test_a_relative_script_is_found_by_the_nodes_in_the_run_directory(tmp_path: Path,
