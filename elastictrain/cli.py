@@ -756,16 +756,22 @@ def _precheck(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
         _check_run_arguments(sub.choices["run"], argv[words[0] + 1:])
 
 
-def check_run_flags(argv: Sequence[str]) -> None:
+def check_run_flags(argv: Sequence[str]) -> str:
     """Parse ``elastictrain run ARGV`` as ``run`` does, running nothing: for a tool that starts
     nodes with flags a user passed through (``elastictrain chaos --run-arg``).
+
+    Returns:
+        The script it would run (a word among the flags would be taken for it).
 
     Raises:
         ConfigError: An unknown flag, or a value its flag refuses.
     """
     parser = build_parser()
     _precheck(parser, ["run", *argv])
-    parser.parse_args(["run", *argv])
+    try:
+        return str(parser.parse_args(["run", *argv]).script)
+    except SystemExit as exc:  # --help, --version: printed, and would end this process
+        raise ConfigError(f"'elastictrain run {' '.join(argv)}' prints its help and runs nothing") from exc
 
 
 def main(argv: Sequence[str] | None = None) -> int:

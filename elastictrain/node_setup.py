@@ -193,11 +193,11 @@ def _start_failed(kind: type[BaseException], value: BaseException, tb: Traceback
     """``sys.excepthook`` of the forkserver's children: a worker whose start data named files
     that are gone (the semaphores of an agent that stopped while starting it: a SIGTERM or
     Ctrl-C in a job's first seconds) says so in one line; anything else keeps its traceback."""
-    unpickling = any(frame.f_code.co_name == "_main" and frame.f_code.co_filename.endswith(
-        os.path.join("multiprocessing", "spawn.py")) for frame, _ in traceback.walk_tb(tb))
-    if issubclass(kind, FileNotFoundError) and unpickling:
-        sys.stderr.write(f"elastictrain: a worker start was abandoned: what its agent sent it is gone ({value}); "
-                         "the agent stopped meanwhile\n")
+    rebuilding = any(frame.f_code.co_name == "__setstate__" and frame.f_code.co_filename.endswith(
+        os.path.join("multiprocessing", "synchronize.py")) for frame, _ in traceback.walk_tb(tb))
+    if issubclass(kind, FileNotFoundError) and rebuilding:
+        sys.stderr.write(f"elastictrain: a worker start was abandoned: the semaphores its agent sent it are gone "
+                         f"({value}); the agent stopped meanwhile\n")
         return
     sys.__excepthook__(kind, value, tb)
 

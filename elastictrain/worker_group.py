@@ -165,6 +165,10 @@ _STOPPED = frozenset("Tt")
 """Scheduler states of a process that cannot run: stopped (SIGSTOP, a debugger)."""
 
 
+_JUDGED = frozenset({WorkerState.TRAINING, WorkerState.RECOVERING})
+"""The states in which a worker whose liveness thread falls silent may be hung."""
+
+
 class HangDetector:
     """Decides which workers are hung, from their progress slots and their processes' activity.
 
@@ -181,7 +185,9 @@ class HangDetector:
     steps does not stretch it), at least ``floor_s``; before its second step (imports,
     model building, restoring) ``startup_s`` applies. A worker blocked in a collective
     that waits for a hung peer is not frozen (its liveness thread runs): it is left
-    alone, and so is one that is recovering or forming a group.
+    alone, and so is one forming a group (``BUSY``). One recovering is judged as one that
+    trains: it says so before it leaves its group, which may freeze it (pytorch#75097), and
+    its liveness thread runs while it then waits for the next generation.
     """
 
     def __init__(self, *, floor_s: float = 2.0, factor: float = 10.0, startup_s: float = 120.0,
@@ -204,7 +210,7 @@ class HangDetector:
         not written yet while it starts)."""
         found = []
         for slot, p in enumerate(progress):
-            silent = (p.pid and p.pid == live.get(slot) and p.state == WorkerState.TRAINING
+            silent = (p.pid and p.pid == live.get(slot) and p.state in _JUDGED
                       and now - p.alive_at > self.deadline(p))
             if not silent:
                 self._suspects.pop(slot, None)

@@ -154,8 +154,11 @@ class ChaosConfig:
             check_available()
         if self.faults < 0:
             raise ConfigError(f"faults must be >= 0, got {self.faults}")
-        # What every node gets from the user: refused now, not as the nodes' failure.
-        check_run_flags([*self.run_args, "--nproc-per-node", str(self.nproc_per_node), self.script])
+        # What every node gets from the user, in the harness's order: refused now, not as the nodes' failure.
+        script = check_run_flags(["--nproc-per-node", str(self.nproc_per_node), *self.run_args, self.script])
+        if script != self.script:
+            raise ConfigError(f"run_args {list(self.run_args)}: {script!r} is no flag's value (each node would "
+                              "take it for the training script)")
 
     @property
     def hang_duration(self) -> timedelta:

@@ -156,16 +156,17 @@ class Generation:
         """
         pg.sever(None, self._gloo)
         self.ddp = self.flag = None
-        if self.checkpoints is not None:
-            try:
-                self.checkpoints.close()
-            except CheckpointError as exc:
-                log.info("checkpoint save abandoned by the re-formation: %s", exc)
-            self.checkpoints = None
-        if self._checkpoint_group is not None:
-            pg.sever(self._checkpoint_group)  # a peer whose save still waits on this rank fails now
-        self._gloo = self._checkpoint_group = None
-        pg.destroy_process_group()
+        checkpoints, self.checkpoints = self.checkpoints, None
+        try:
+            if checkpoints is not None:
+                checkpoints.close()
+        except CheckpointError as exc:
+            log.info("checkpoint save abandoned by the re-formation: %s", exc)
+        finally:
+            if self._checkpoint_group is not None:
+                pg.sever(self._checkpoint_group)  # a peer whose save still waits on this rank fails now
+            self._gloo = self._checkpoint_group = None
+            pg.destroy_process_group()
 
     def end(self) -> None:
         """Drop the wrappers and destroy the group if the session formed it (the run is over), else

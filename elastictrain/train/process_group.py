@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import select
 import socket
 import threading
 import time
@@ -247,7 +248,7 @@ def init_process_group(
     _register_atexit()
     # gloo's connections to its peers, to sever if this worker leaves the group and lives on
     # (NCCL's communicators are aborted instead); the store's own connections are left alone.
-    record = _recording(exclude_port=context.master_port) if chosen == "gloo" else nullcontext([])
+    record = _recording(context.world_size - 1, context.master_port) if chosen == "gloo" else nullcontext([])
     if generation is not None:
         store = _meet(context, resolved_timeout, *generation)
         with record as connections:
@@ -339,7 +340,7 @@ def _meet(context: WorkerContext, timeout: timedelta, tag: str, superseded: Call
 def new_gloo_group(timeout: timedelta | None = None) -> dist.ProcessGroup:
     """A gloo group over every rank of the default group (a collective), whose connections
     :func:`sever` can shut down."""
-    with _recording() as connections:
+    with _recording(dist.get_world_size() - 1) as connections:
         group = dist.new_group(backend="gloo", timeout=timeout)
     _connections[group.group_name] = connections
     return group
@@ -363,37 +364,35 @@ def sever(*groups: dist.ProcessGroup | None) -> int:
     severed = 0
     for group in groups:
         key = _WORLD if group is None else group.group_name
-        for fd, link in _connections.pop(key, []):
-            severed += _shut_down(fd, link)
+        for fd, inode in _connections.pop(key, []):
+            severed += _shut_down(fd, inode)
     return severed
 
 
 def lost_peer(group: dist.ProcessGroup | None) -> bool:
     """Whether a peer of ``group`` (``None``: the default group), one that
     :func:`init_process_group` or :func:`new_gloo_group` formed, closed its connection to
-    this rank: its process died, or it left the group. A non-blocking peek per connection,
-    no collective; False for a group not on record.
+    this rank: its process died, or it left the group. One ``poll`` of its connections, no
+    collective; False for a group not on record.
 
     For a rank that waits on its peers outside a collective (for their checkpoint files):
     a collective would fail at once on a dead peer, a wait on files would not.
     """
-    for fd, link in _connections.get(_WORLD if group is None else group.group_name, ()):
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}") != link:
-                return True  # gloo closed it: the connection broke
-            sock = socket.socket(fileno=fd)
-        except OSError:
-            return True
-        try:
-            if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
-                return True  # the peer's end is closed
-        except BlockingIOError:
-            pass  # open, nothing to read
-        except OSError:
-            return True  # reset
-        finally:
-            sock.detach()
-    return False
+    held: list[int] = []
+    try:
+        poller = select.poll()
+        for fd, inode in _connections.get(_WORLD if group is None else group.group_name, ()):
+            try:
+                held.append(os.dup(fd))
+                if os.fstat(held[-1]).st_ino != inode:
+                    return True  # gloo closed it (the connection broke), the fd was reused
+            except OSError:
+                return True  # gloo closed it
+            poller.register(held[-1], _HANGUP)
+        return any(events & _HANGUP for _, events in poller.poll(0))
+    finally:
+        for fd in held:
+            os.close(fd)
 
 
 def destroy_process_group() -> None:
@@ -417,13 +416,16 @@ def destroy_process_group() -> None:
 _WORLD = ""
 """The default group's key among the groups whose connections are on record."""
 
-_connections: dict[str, list[tuple[int, str]]] = {}
-"""The peer connections of each gloo group formed here (by group name): (fd, its socket's
-``/proc`` link, which tells the same socket from a later one that reuses the fd)."""
+_connections: dict[str, list[tuple[int, int]]] = {}
+"""The connections to its peers of each gloo group formed here (by group name): (fd, the
+socket's inode, which tells it from a later socket that reuses the fd)."""
+
+_HANGUP = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
+"""What :func:`select.poll` says of a connection whose other end closed or reset."""
 
 
-def _sockets() -> dict[int, str]:
-    """This process's sockets: fd -> ``socket:[inode]``; empty where ``/proc`` is not (not Linux)."""
+def _socket_inodes() -> dict[int, int]:
+    """This process's sockets: fd -> inode; empty where ``/proc`` is not (not Linux)."""
     found = {}
     try:
         fds = os.listdir("/proc/self/fd")
@@ -434,53 +436,74 @@ def _sockets() -> dict[int, str]:
             link = os.readlink(f"/proc/self/fd/{name}")
         except OSError:
             continue  # closed meanwhile (or the listing's own fd)
-        if link.startswith("socket:"):
-            found[int(name)] = link
+        if link.startswith("socket:["):
+            found[int(name)] = int(link[8:-1])
     return found
 
 
-@contextmanager
-def _recording(exclude_port: int | None = None) -> Iterator[list[tuple[int, str]]]:
-    """The TCP connections this process opened while the block ran (a group's to its peers),
-    listening sockets and connections to or from ``exclude_port`` (the store's) left out."""
-    before = _sockets()
-    connections: list[tuple[int, str]] = []
-    yield connections
-    for fd, link in _sockets().items():
-        if before.get(fd) == link:
+def _tcp_sockets() -> dict[int, tuple[int, int, bool]]:
+    """The TCP sockets of this network namespace: inode -> (local port, remote port, listening),
+    from ``/proc`` (nothing of a socket is touched: its flags, its blocking mode stay as they are)."""
+    table = {}
+    for path in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(path) as rows:
+                next(rows, None)  # the header
+                for row in rows:
+                    fields = row.split()
+                    if len(fields) > 9:
+                        table[int(fields[9])] = (int(fields[1].rsplit(":", 1)[1], 16),
+                                                 int(fields[2].rsplit(":", 1)[1], 16), fields[3] == "0A")
+        except OSError:
             continue
-        try:
-            sock = socket.socket(fileno=fd)  # a view on the fd: detached below, never closed
-        except OSError:
-            continue  # closed meanwhile, the fd reused by something else
-        try:
-            if (sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM
-                    or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
-                continue  # shutting gloo's listener down kills the process (its accept() fails)
-            ports = {sock.getsockname()[1], sock.getpeername()[1]}
-            if exclude_port is None or exclude_port not in ports:
-                connections.append((fd, link))
-        except OSError:
-            continue  # not connected (yet, or any more)
-        finally:
-            sock.detach()
+    return table
 
 
-def _shut_down(fd: int, link: str) -> int:
-    """Shut down the connection on ``fd`` if it still holds the socket ``link``; 1 if it did."""
+@contextmanager
+def _recording(peers: int, exclude_port: int | None = None) -> Iterator[list[tuple[int, int]]]:
+    """The connections a gloo group opened to its ``peers`` other ranks while the block ran: the
+    TCP connections this process opened meanwhile, but for those to or from ``exclude_port`` (the
+    store's). gloo opens one per peer for each of its listeners; when the count is not that (a
+    thread of the user's connected somewhere meanwhile, gloo connects lazily), none are
+    recorded: nothing that may not be gloo's is ever shut down or watched."""
+    before = set(_socket_inodes().items())
+    connections: list[tuple[int, int]] = []
+    yield connections
+    new = {fd: inode for fd, inode in _socket_inodes().items() if (fd, inode) not in before}
+    if not new:
+        return
+    tcp = _tcp_sockets()
+    ours = {fd: tcp[inode] for fd, inode in new.items() if inode in tcp and exclude_port not in tcp[inode][:2]}
+    listeners = sum(1 for _, _, listening in ours.values() if listening)
+    found = [(fd, new[fd]) for fd, (_, _, listening) in ours.items() if not listening]
+    if len(found) == listeners * peers:
+        connections.extend(found)
+    else:
+        logger.info("could not tell this gloo group's %d connection(s) from others opened meanwhile (found %d): "
+                    "a peer blocked on this rank as it leaves the group will wait out the group's timeout",
+                    listeners * peers, len(found))
+
+
+def _shut_down(fd: int, inode: int) -> int:
+    """Shut down the connection on ``fd`` if it still is the socket ``inode``; 1 if it did."""
     try:
-        if os.readlink(f"/proc/self/fd/{fd}") != link:
+        held = os.dup(fd)  # the socket stays this one, whatever becomes of the fd meanwhile
+    except OSError:
+        return 0
+    try:
+        if os.fstat(held).st_ino != inode:
+            os.close(held)
             return 0  # closed, and the fd since reused
-        sock = socket.socket(fileno=fd)
+        sock = socket.socket(fileno=held)
     except OSError:
+        os.close(held)
         return 0
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-        return 1
-    except OSError:
-        return 0
-    finally:
-        sock.detach()
+    with sock:  # closes the duplicate only
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+            return 1
+        except OSError:
+            return 0
 
 
 def _register_atexit() -> None:

@@ -253,6 +253,10 @@ def test_a_chaos_config_refuses_what_cannot_run(tmp_path: Path) -> None:
         ChaosConfig(script=str(script), run_dir=str(tmp_path / "run"), nproc_per_node=0)
     with pytest.raises(ConfigError, match="unrecognized arguments: --bogus"):
         ChaosConfig(script=str(script), run_dir=str(tmp_path / "run"), run_args=("--bogus",))
+    with pytest.raises(ConfigError, match="'stray.py' is no flag's value"):
+        ChaosConfig(script=str(script), run_dir=str(tmp_path / "run"), run_args=("--recovery", "restart", "stray.py"))
+    with pytest.raises(ConfigError, match="prints its help"):
+        ChaosConfig(script=str(script), run_dir=str(tmp_path / "run"), run_args=("--help",))
     ChaosConfig(script=str(script), run_dir=str(tmp_path / "run"), run_args=("--recovery", "restart"))
 
 

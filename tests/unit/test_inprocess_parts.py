@@ -106,8 +106,12 @@ def test_a_stopped_worker_is_hung_one_waiting_in_a_collective_is_not() -> None:
     assert _judged(detector, _progress(step_s=0.05, alive_at=t), t + 2.5) == []  # within its deadline at first
     # Blocked in a collective on a hung peer: no step, but its liveness thread runs.
     assert _judged(detector, _progress(step_s=0.05, alive_at=t + 2.9), t + 3.0) == []
-    # Recovering or busy (a checkpoint, a state transfer): never judged.
+    # Busy (forming a group, receiving the state): never judged.
     assert _judged(detector, _progress(step_s=0.05, alive_at=t, state=WorkerState.BUSY), t + 30) == []
+    # Recovering: judged as training. It waits for the next generation with its liveness thread
+    # running, unless it froze as it left its group (it says it recovers before it leaves).
+    assert _judged(detector, _progress(step_s=0.05, alive_at=t, state=WorkerState.RECOVERING), t + 4.0) == [0]
+    assert _judged(detector, _progress(step_s=0.05, alive_at=t + 29.9, state=WorkerState.RECOVERING), t + 30) == []
     assert _judged(detector, _progress(pid=0, step_s=0.05, alive_at=t), t + 30) == []  # an empty slot
     # The slot still holds a killed worker's last words; its replacement (pid 11) is starting.
     assert _judged(detector, _progress(step_s=0.05, alive_at=t), t + 30, {0: 11}) == []
@@ -718,3 +722,38 @@ def test_a_rank_that_leaves_its_group_frees_the_peers_blocked_on_it_at_once() ->
     reports = _run_ranks(2, _leaving_worker, lambda rank: ())
     for rank, (message,) in reports.items():
         assert "closed" in message.lower() or "reset" in message.lower(), (rank, message)
+
+
+def _foreign_connection_worker(rank: int, port: int, results: Any) -> None:
+    from elastictrain.train import process_group as pg
+    from elastictrain.worker import WorkerContext
+
+    pg.init_process_group(WorkerContext(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port),
+                          backend="gloo", timeout=10)
+    if rank == 1:
+        time.sleep(1.0)  # rank 0 waits in new_group meanwhile
+        pg.new_gloo_group()
+        dist.barrier()
+        results.put((rank, None, None))
+        pg.destroy_process_group()
+        return
+    server = socket.create_server(("127.0.0.1", 0))
+    opened: list[socket.socket] = []
+    threading.Timer(0.3, lambda: opened.append(socket.create_connection(server.getsockname()))).start()
+    group = pg.new_gloo_group()  # the user's thread connects somewhere while it forms
+    accepted, _ = server.accept()
+    severed = pg.sever(group)
+    opened[0].sendall(b"still open")
+    received = accepted.recv(10)
+    dist.barrier()
+    results.put((rank, severed, received))
+    pg.destroy_process_group()
+
+
+def test_a_connection_another_thread_opens_while_a_group_forms_is_never_taken_for_the_groups() -> None:
+    """Every TCP connection opened while a gloo group formed was taken for one of its own: a
+    user's thread connecting meanwhile (a metrics client) had its connection shut down when
+    the rank left the group."""
+    reports = _run_ranks(2, _foreign_connection_worker, lambda rank: ())
+    severed, received = reports[0]
+    assert received == b"still open" and severed == 0

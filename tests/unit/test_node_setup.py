@@ -289,11 +289,11 @@ def test_a_worker_whose_start_data_is_gone_says_so_in_one_line() -> None:
     import sys
 
     done = subprocess.run([sys.executable, "-c", (
-        "import multiprocessing, os, torch\n"
+        "import multiprocessing, multiprocessing.synchronize as s, torch\n"
         "from elastictrain import node_setup\n"
         "class Gone:\n"
-        "    def __reduce__(self):  # unpickled in the worker: a file the agent has removed\n"
-        "        return (os.stat, ('/nonexistent/elastictrain-semaphore',))\n"
+        "    def __reduce__(self):  # unpickled in the worker: a lock whose semaphore its agent removed\n"
+        "        return (s.Lock.__new__, (s.Lock,), (0, s.SEMAPHORE, 1, '/mp-elastictrain-gone'))\n"
         "if __name__ == '__main__':\n"
         "    assert node_setup.start_forkserver()\n"
         "    worker = multiprocessing.get_context('forkserver').Process(target=print, args=(Gone(),))\n"
@@ -304,5 +304,5 @@ def test_a_worker_whose_start_data_is_gone_says_so_in_one_line() -> None:
     assert "exitcode 1" in done.stdout, done.stdout + done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip().splitlines() == [
-        "elastictrain: a worker start was abandoned: what its agent sent it is gone ([Errno 2] No such file or "
-        "directory: '/nonexistent/elastictrain-semaphore'); the agent stopped meanwhile"], done.stderr
+        "elastictrain: a worker start was abandoned: the semaphores its agent sent it are gone ([Errno 2] No such "
+        "file or directory); the agent stopped meanwhile"], done.stderr
