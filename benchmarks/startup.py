@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -22,6 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "scripts" / "ddp_steps.py"
+_TIMEOUT_S = 120
+"""A job of a few steps takes seconds: one that runs this long hangs."""
 RDZV_LINE = re.compile(r"rendezvous round \d+ complete in ([0-9.]+)s")
 
 
@@ -29,16 +33,42 @@ def _first_step(out: Path) -> float:
     return min(json.loads(p.read_text())["first_step_at"] for p in out.glob("rank-*.json"))
 
 
+def _finish(cmds: list[list[str]], what: str) -> str:
+    """Run ``cmds`` side by side; the first one's stderr. A job that hangs (a torch teardown
+    deadlock, pytorch#75097, has been seen in both launchers) is killed after ``_TIMEOUT_S``,
+    and its output's end is printed before the benchmark fails."""
+    with tempfile.TemporaryDirectory() as logs:
+        files = [open(Path(logs) / f"{i}.err", "w+") for i in range(len(cmds))]  # noqa: SIM115 - closed below
+        procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+                 for cmd, err in zip(cmds, files)]
+        deadline = time.monotonic() + _TIMEOUT_S
+        try:
+            for proc in procs:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+        texts = []
+        for err in files:
+            err.seek(0)
+            texts.append(err.read())
+            err.close()
+    if any(proc.returncode != 0 for proc in procs):
+        hung = any(proc.returncode == -signal.SIGKILL for proc in procs)
+        raise RuntimeError(f"{what} {'hung for %d s' % _TIMEOUT_S if hung else 'failed'}; its output ended:\n"
+                           + "\n---\n".join(t[-4000:] for t in texts))
+    return texts[0]
+
+
 def run_elastictrain() -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out"
         started = time.time()
-        result = subprocess.run(
-            [sys.executable, "-m", "elastictrain", "run", "--local-nodes", "2", "--min-nodes", "2",
-             str(SCRIPT), str(out)],
-            capture_output=True, text=True, timeout=300, check=True,
-        )
-        rdzv = [float(x) for x in RDZV_LINE.findall(result.stderr)]
+        stderr = _finish([[sys.executable, "-m", "elastictrain", "run", "--local-nodes", "2", "--min-nodes", "2",
+                           str(SCRIPT), str(out)]], "the elastictrain job")
+        rdzv = [float(x) for x in RDZV_LINE.findall(stderr)]
         return {"launch_to_first_step_s": _first_step(out) - started, "rendezvous_s": max(rdzv)}
 
 
@@ -50,10 +80,7 @@ def run_torchrun() -> dict[str, float]:
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench",
                "--rdzv-conf", "last_call_timeout=1", "--local-addr", "127.0.0.1", str(SCRIPT), str(out)]
         started = time.time()
-        procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(2)]
-        for proc in procs:
-            if proc.wait(timeout=300) != 0:
-                raise RuntimeError("torchrun job failed")
+        _finish([cmd, cmd], "the torchrun job")
         return {"launch_to_first_step_s": _first_step(out) - started}
 
 
