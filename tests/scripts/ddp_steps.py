@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -63,11 +64,15 @@ def main() -> None:
         "first_step_at": first_step_at,
     }
     (out / f"rank-{rank}.json").write_text(json.dumps(record))
-    # Leave together: no rank tears its group down while a peer still waits in one of its
-    # collectives. (It does not prevent torch's teardown deadlock, pytorch#75097: a run of this
-    # script hung there with the barrier in place, its gloo thread destroying this barrier's work.)
+    # Leave together: no rank goes while a peer still waits in one of its collectives. Then exit
+    # without tearing the group down: torch's teardown can deadlock (pytorch#75097). Seen twice
+    # at stop 27 (a test that timed out, a benchmark job): the main thread, freeing DDP's reducer
+    # with the interpreter held, joined a gloo thread that waited for the interpreter to free
+    # this barrier's work. What this script tests is the launcher, not torch's teardown.
     dist.barrier()
-    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
