@@ -8,7 +8,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-__all__ = ["die_with_parent", "dying_with_us", "proc_stat", "set_process_title"]
+__all__ = ["die_with_parent", "dying_with_us", "fd_targets", "proc_stat", "set_process_title"]
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -24,6 +24,22 @@ def proc_stat(pid: int) -> list[str] | None:
         return None
     # The command name may hold spaces and parentheses: the fields after the last ')' are fixed.
     return data[data.rindex(")") + 2:].split()
+
+
+def fd_targets(fd_dir: str = "/proc/self/fd") -> dict[int, str]:
+    """What each open fd of this process refers to (``/dev/null``, ``socket:[inode]``...), from
+    ``fd_dir``; empty where it cannot be read (not Linux). An fd closed meanwhile is left out."""
+    try:
+        names = os.listdir(fd_dir)
+    except OSError:
+        return {}
+    found = {}
+    for name in names:
+        try:
+            found[int(name)] = os.readlink(os.path.join(fd_dir, name))
+        except OSError:
+            continue  # closed meanwhile (or the listing's own fd)
+    return found
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> bool:

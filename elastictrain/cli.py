@@ -482,6 +482,9 @@ def _check_metrics_ports(first: int, count: int) -> None:
     there, before any process starts."""
     import importlib.util
 
+    if first + count - 1 > 65535:
+        raise ConfigError(f"--metrics-port {first} with {count} local nodes needs ports up to {first + count - 1}, "
+                          "beyond 65535")
     if importlib.util.find_spec("prometheus_client") is None:
         raise ConfigError("--metrics-port needs the prometheus_client package: pip install 'elastictrain[metrics]'")
     for port in range(first, first + count):
@@ -537,9 +540,6 @@ def _run(args: argparse.Namespace) -> int:
     if args.local_addr:
         _check_local_addr(args.local_addr)
     if config.metrics_port:
-        if config.metrics_port + (args.local_nodes or 1) - 1 > 65535:
-            raise ConfigError(f"--metrics-port {config.metrics_port} with {args.local_nodes} local nodes needs "
-                              f"ports up to {config.metrics_port + args.local_nodes - 1}, beyond 65535")
         _check_metrics_ports(config.metrics_port, args.local_nodes or 1)
     nodes_here = args.local_nodes or 1
     if embedded and nodes_here < config.min_nodes:

@@ -32,7 +32,7 @@ from typing import Any
 
 from elastictrain import _logging
 from elastictrain._control import CONTROL_DIR_ENV
-from elastictrain._process import set_process_title
+from elastictrain._process import fd_targets, set_process_title
 from elastictrain._worker_boot import AGENT_PID_ENV, TERMINAL_ENV, terminal_identity
 from elastictrain.config import RunConfig, take_etcd_password
 from elastictrain.events import EVENT_LOG_ENV, NODE_ENV
@@ -145,17 +145,7 @@ def _cuda_driver_open(fd_dir: str = "/proc/self/fd") -> bool:
     """Whether this process holds the CUDA driver's unified-memory device open, as it does once
     the driver is initialized (``cuInit``: ``torch.cuda.is_available()`` does it, and
     ``torch.cuda.is_initialized()`` does not tell): a fork of it could not use CUDA."""
-    try:
-        names = os.listdir(fd_dir)
-    except OSError:
-        return False
-    for name in names:
-        try:
-            if os.readlink(os.path.join(fd_dir, name)).startswith("/dev/nvidia-uvm"):
-                return True
-        except OSError:
-            continue
-    return False
+    return any(target.startswith("/dev/nvidia-uvm") for target in fd_targets(fd_dir).values())
 
 
 def _serve(listener_fd: int, alive_r: int, alive_w: int, preload: list[str], tempdir: str | None) -> None:

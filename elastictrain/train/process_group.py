@@ -40,6 +40,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from elastictrain._process import fd_targets
 from elastictrain.config import parse_duration
 from elastictrain.errors import ConfigError
 from elastictrain.worker import STANDALONE_RUN_ID, WorkerContext
@@ -382,13 +383,11 @@ def lost_peer(group: dist.ProcessGroup | None) -> bool:
     try:
         poller = select.poll()
         for fd, inode in _connections.get(_WORLD if group is None else group.group_name, ()):
-            try:
-                held.append(os.dup(fd))
-                if os.fstat(held[-1]).st_ino != inode:
-                    return True  # gloo closed it (the connection broke), the fd was reused
-            except OSError:
-                return True  # gloo closed it
-            poller.register(held[-1], _HANGUP)
+            duplicate = _held(fd, inode)
+            if duplicate is None:
+                return True  # gloo closed it: the connection broke
+            held.append(duplicate)
+            poller.register(duplicate, _HANGUP)
         return any(events & _HANGUP for _, events in poller.poll(0))
     finally:
         for fd in held:
@@ -426,19 +425,24 @@ _HANGUP = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
 
 def _socket_inodes() -> dict[int, int]:
     """This process's sockets: fd -> inode; empty where ``/proc`` is not (not Linux)."""
-    found = {}
+    return {fd: int(target[8:-1]) for fd, target in fd_targets().items() if target.startswith("socket:[")}
+
+
+def _held(fd: int, inode: int) -> int | None:
+    """A duplicate of ``fd`` if it still is the socket ``inode`` (the caller closes it), else None
+    (gloo closed it, and the fd may have been reused): whatever becomes of ``fd`` meanwhile, the
+    duplicate stays that socket."""
     try:
-        fds = os.listdir("/proc/self/fd")
+        held = os.dup(fd)
     except OSError:
-        return found
-    for name in fds:
-        try:
-            link = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue  # closed meanwhile (or the listing's own fd)
-        if link.startswith("socket:["):
-            found[int(name)] = int(link[8:-1])
-    return found
+        return None
+    try:
+        if os.fstat(held).st_ino == inode:
+            return held
+    except OSError:
+        pass
+    os.close(held)
+    return None
 
 
 def _tcp_sockets() -> dict[int, tuple[int, int, bool]]:
@@ -486,14 +490,10 @@ def _recording(peers: int, exclude_port: int | None = None) -> Iterator[list[tup
 
 def _shut_down(fd: int, inode: int) -> int:
     """Shut down the connection on ``fd`` if it still is the socket ``inode``; 1 if it did."""
-    try:
-        held = os.dup(fd)  # the socket stays this one, whatever becomes of the fd meanwhile
-    except OSError:
+    held = _held(fd, inode)
+    if held is None:
         return 0
     try:
-        if os.fstat(held).st_ino != inode:
-            os.close(held)
-            return 0  # closed, and the fd since reused
         sock = socket.socket(fileno=held)
     except OSError:
         os.close(held)
