@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO_ROOT, subprocess_env
+from tests.support.leave import leave_together
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -141,7 +142,7 @@ def _worker(out: Path) -> None:
             results.append({"case": [n, global_batch, micro], "world_size": world_size,
                             "steps": len(optimizer.records), "max_error": worst, "padded": padded})
     (out / f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    leave_together()
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import torch
 from elastictrain.checkpoint import CheckpointManager, Coordinator, LocalStorage
 from elastictrain.checkpoint.manager import COPY_STAGE
 from elastictrain.errors import CheckpointError
+from tests.support.leave import leave_together
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -253,7 +254,7 @@ def _worker(role: str, rank: int, world_size: int, store: str, ckpt: str, out: s
         train_step()
         result["after_step"] = model.weight.detach().clone()
         torch.save(result, Path(out) / f"restored{rank}.pt")
-    dist.destroy_process_group()
+    leave_together()
 
 
 if __name__ == "__main__":
