@@ -173,6 +173,7 @@ def run_elastic(train: Callable[[ElasticState], _T], state: ElasticState, *, res
                 recovery_timeout=recovery_timeout)
             try:
                 _form(state, holds=holds, restore=restore, placement=placement)
+                holds = True  # restored, received or its own: not before (a fresh rank's state is no step's)
                 if control is not None:
                     control.set_state(WorkerState.TRAINING)
                 state._training = True  # noqa: SLF001
@@ -187,7 +188,6 @@ def run_elastic(train: Callable[[ElasticState], _T], state: ElasticState, *, res
                     raise
                 cause = f"a collective failed ({describe(exc)})"
             logger.info("re-forming the group in place: %s", cause)
-            holds = True
             control.set_state(WorkerState.RECOVERING)  # the agent re-forms now
             pg.sever(None)  # a peer blocked on this rank fails now, not at the timeout
             pg.destroy_process_group()

@@ -261,6 +261,10 @@ def join_generation(context: WorkerContext, control: WorkerControl | None, assig
     """Form the process group of ``assignment``, following the agent to a newer generation
     announced while it forms (two generations in quick succession: the peers went on).
 
+    In-process, a group that fails to form (a peer died meanwhile, or rank 0 left the round
+    and its store with it, before this worker's agent said anything) is no failure of this
+    worker: it says it recovers, which makes its agent re-form, and joins the next generation.
+
     Returns:
         The placement, and the context and assignment it was formed with.
     """
@@ -275,5 +279,11 @@ def join_generation(context: WorkerContext, control: WorkerControl | None, assig
         except pg.GroupSuperseded as exc:
             assert control is not None  # noqa: S101 - only an in-process join can be superseded
             logger.info("%s: joining the newer one", exc)
-            assignment = wait_for_generation(control, recovery_timeout)
-            context = context_for(context, assignment)
+        except Exception as exc:
+            if control is None or not is_collective_failure(exc):
+                raise
+            logger.info("the group of generation %d failed to form (%s): waiting for the next one",
+                        control.generation, describe(exc))
+            pg.destroy_process_group()  # whatever of it was formed
+        assignment = wait_for_generation(control, recovery_timeout)
+        context = context_for(context, assignment)

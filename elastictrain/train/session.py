@@ -316,10 +316,18 @@ class Session:
                                    restart_count=self.context.restart_count)
             self.hooks.add(progress)
         self._progress["world_size"] = self.context.world_size
-        received = self._form_generation(holds_state=False)
+        recovered = False
+        try:
+            received = self._form_generation(holds_state=False)
+        except Exception as exc:
+            if not (self.recovers_in_process and is_collective_failure(exc)):
+                raise
+            # A peer died while the state went round: no failure of this worker's.
+            received = self._recover(f"the group failed to form ({describe(exc)})", holds_state=False)
+            recovered = True
         if self._control is not None:
             self._control.set_state(WorkerState.TRAINING)
-        if received:
+        if received and not recovered:
             assert self._control is not None  # noqa: S101 - only in-process
             self.hooks.dispatch("on_recovery", step=self._step, cause="joined a live group and received its state",
                                 generation=self._control.generation, world_size=self.context.world_size, seconds=0.0)
@@ -420,8 +428,16 @@ class Session:
                         control=self._control)
         return received
 
-    def _recover(self, cause: str) -> None:
+    def _recover(self, cause: str, *, holds_state: bool = True) -> bool:
         """Re-form the group in place after ``cause``; the committed state is kept.
+
+        Args:
+            cause: What failed.
+            holds_state: Whether this worker holds training state (not while its first group
+                forms: a fresh worker's parameters are no step's).
+
+        Returns:
+            Whether this rank received the state from a peer.
 
         Raises:
             JobEnded: The agent closed the group (the job is over).
@@ -443,7 +459,7 @@ class Session:
                 # (Session._start): hooks' on_rendezvous, then the state agreement.
                 self.hooks.dispatch("on_rendezvous", rank=self.context.rank, world_size=self.context.world_size,
                                     restart_count=self.context.restart_count)
-                self._form_generation(holds_state=True)
+                received = self._form_generation(holds_state=holds_state)
                 break
             except Exception as exc:
                 if not is_collective_failure(exc):
@@ -461,6 +477,7 @@ class Session:
                             world_size=self.context.world_size, seconds=seconds)
         if old_world != self.context.world_size:
             self.hooks.dispatch("on_world_change", old_world_size=old_world, new_world_size=self.context.world_size)
+        return received
 
     def _count_forward(self, *_: Any) -> None:
         self._forwards += 1

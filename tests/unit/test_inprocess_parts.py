@@ -229,6 +229,16 @@ def test_the_budget_counts_failures_in_a_window_and_backs_off() -> None:
     assert FailureBudget(limit=0).spend(0.0) is None
 
 
+def test_only_a_crash_loop_backs_off_a_worker_that_trained_is_replaced_at_once() -> None:
+    budget = FailureBudget(limit=10, window_s=60.0, backoff_first_s=1.0, backoff_max_s=30.0)
+    assert [budget.spend(t, trained=True) for t in (0.0, 1.0, 2.0)] == [0.0, 0.0, 0.0]
+    # Then replacements that fail before their first step: a crash loop, backed off.
+    assert [budget.spend(t) for t in (3.0, 4.0, 5.0)] == [1.0, 2.0, 4.0]
+    assert budget.spend(6.0, trained=True) == 0.0  # one trained again: the loop is over
+    assert budget.spend(7.0) == 1.0
+    assert budget.used(7.0) == 8  # every failure spends the budget all the same
+
+
 def test_a_collective_failure_is_told_from_a_bug() -> None:
     assert is_collective_failure(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error"))
     assert is_collective_failure(dist.DistNetworkError("Connection closed by peer [127.0.0.1]:1234"))
@@ -757,3 +767,118 @@ def test_a_connection_another_thread_opens_while_a_group_forms_is_never_taken_fo
     reports = _run_ranks(2, _foreign_connection_worker, lambda rank: ())
     severed, received = reports[0]
     assert received == b"still open" and severed == 0
+
+
+def _abandoned_worker(port: int, control: str, results: Any) -> None:
+    """Rank 1 of generation 1 (world 2), started by its agent: a Session that forms its group."""
+    import os
+
+    from torch.utils.data import TensorDataset
+
+    from elastictrain._control import CONTROL_DIR_ENV
+
+    os.environ.update({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), CONTROL_DIR_ENV: control})
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    data = TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+    try:
+        with elastictrain.Session(model, torch.optim.SGD(model.parameters(), lr=0.1), data, global_batch_size=8,
+                                  seed=0, max_steps=3, log_every=None) as session:
+            for step in session.steps():
+                for micro in step:
+                    x, y = micro.batch
+                    micro.backward(torch.nn.functional.mse_loss(session.model(x), y))
+            results.put((session.context.rank, session.context.world_size, session.step, "finished"))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        results.put((None, None, None, f"{type(exc).__name__}: {describe(exc)}"))
+
+
+def _plain_loop_worker(port: int, control: str, results: Any) -> None:
+    """Rank 1 of generation 1 (world 2), started by its agent: a plain loop under run_elastic,
+    with a checkpoint to restore when no rank holds state."""
+    import os
+
+    from elastictrain._control import CONTROL_DIR_ENV
+
+    os.environ.update({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), CONTROL_DIR_ENV: control})
+    state = elastictrain.ElasticState(model=torch.nn.Linear(4, 1))
+    restored = []
+
+    def restore() -> None:
+        restored.append(state.context.world_size)
+
+    def train(state: elastictrain.ElasticState) -> tuple[int, int]:
+        return state.context.rank, state.context.world_size
+
+    try:
+        rank, world = elastictrain.run_elastic(train, state, restore=restore)
+        results.put((rank, world, restored, "finished"))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        results.put((None, None, restored, f"{type(exc).__name__}: {describe(exc)}"))
+
+
+def _rank_0_that_forms_and_dies(port: int) -> None:
+    """Rank 0 of generation 1: forms the group with rank 1, then dies before the state goes round."""
+    import os
+
+    from elastictrain.train import process_group as pg
+
+    context = elastictrain.WorkerContext(rank=0, world_size=2, master_addr="127.0.0.1", master_port=port)
+    pg.init_process_group(context, backend="gloo", generation=(f"round0-world2-127.0.0.1:{port}", lambda: False))
+    os._exit(0)
+
+
+@pytest.mark.parametrize(("rank_0", "loop"), [("leaves while rank 1 waits at its store", "session"),
+                                              ("dies once the group formed", "session"),
+                                              ("leaves while rank 1 waits at its store", "run_elastic"),
+                                              ("dies once the group formed", "run_elastic")])
+def test_a_new_worker_whose_first_group_fails_to_form_joins_the_next_generation(tmp_path: Path, rank_0: str,
+                                                                                loop: str) -> None:
+    # A new worker's first group fails while it forms: rank 0 follows the agents to a newer
+    # generation (or dies) and its store goes with it, or a peer dies while the state goes
+    # round, before this worker's agent has said anything. That is no failure of this worker:
+    # it waits for the next generation (chaos, stop 28: it exited with code 1, which spent
+    # its node's budget and backed off its replacement by up to 30 s).
+    port, next_port = _free_port(), _free_port()
+    control = tmp_path / "node1"
+    control.mkdir()
+    ProgressTable(control, 1, create=True).close()
+    write_assignment(control, Assignment(generation=1, round=0, world_size=2, master_addr="127.0.0.1",
+                                         master_port=port, ranks={"0": 1}))
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    worker = _abandoned_worker if loop == "session" else _plain_loop_worker
+    procs = [ctx.Process(target=worker, args=(port, str(control), results))]
+    deadline = time.monotonic() + 60
+    try:
+        if rank_0.startswith("leaves"):
+            # Rank 0's store, as rank 0's worker hosts it (process_group._meet).
+            server = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=30), wait_for_workers=False,
+                                   multi_tenant=True)
+            rounds = dist.PrefixStore(f"elastictrain/round0-world2-127.0.0.1:{port}", server)
+            procs[0].start()
+            while rounds.add("arrived", 0) < 1:  # rank 1 waits at the store
+                assert time.monotonic() < deadline and procs[0].is_alive()
+                time.sleep(0.05)
+            del rounds, server  # rank 0 leaves the round: its store closes
+        else:
+            procs.append(ctx.Process(target=_rank_0_that_forms_and_dies, args=(port,)))
+            for proc in procs:
+                proc.start()
+        table = ProgressTable(control, 1)
+        while table.read(0).state != WorkerState.RECOVERING:  # what its agent waits for to re-form
+            assert time.monotonic() < deadline and procs[0].is_alive(), "the worker did not wait for a generation"
+            time.sleep(0.02)
+        table.close()
+        write_assignment(control, Assignment(generation=2, round=1, world_size=1, master_addr="127.0.0.1",
+                                             master_port=next_port, ranks={"0": 0}))
+        # A plain loop's first group failed before any rank held state: the next one, where
+        # still none does, restores the checkpoint (rather than take the fresh model for a step's).
+        assert results.get(timeout=60) == ((0, 1, 3, "finished") if loop == "session" else (0, 1, [1], "finished"))
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
