@@ -341,6 +341,16 @@ class InProcessAgent(ElasticAgent):
                              return_values={by_local[lr].global_rank: None for lr in self._finished})
         return self._check_stop(worker_group) or RunResult(state=WorkerState.HEALTHY)
 
+    def _trained(self, worker_group: WorkerGroup, failures: dict[int, Any]) -> bool:
+        """Whether every failed worker (by global rank) had finished a step in its process, as
+        its progress slot says: a fault that struck a training worker, not a crash loop."""
+        progress = self._channel.progress()
+        local_of = {w.global_rank: w.local_rank for w in worker_group.workers}
+        slots = {rank: progress[local_of[rank]] for rank in failures if rank in local_of}
+        return bool(failures) and all(
+            rank in slots and slots[rank].pid == failure.pid and slots[rank].step_at > 0
+            for rank, failure in failures.items())
+
     # --- the loop -------------------------------------------------------------------------------
 
     def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
@@ -361,7 +371,7 @@ class InProcessAgent(ElasticAgent):
                     self._stop_workers(group)
                     group.state = WorkerState.FAILED
                     return result
-                backoff = self._budget.spend(now)
+                backoff = self._budget.spend(now, trained=self._trained(group, result.failures))
                 if backoff is None:
                     logger.error("this node's workers failed %d times within %gs, more than --max-restarts %d "
                                  "allows: the job fails", self._budget.limit + 1, self._budget.window_s,

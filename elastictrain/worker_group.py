@@ -237,9 +237,11 @@ class FailureBudget:
     """This node's own worker failures a job survives: ``limit`` within ``window_s`` seconds.
 
     Peers' failures and membership changes never spend it (in-process recovery keeps
-    this node's workers running through them). Each failure beyond the first in the
-    window waits a back-off (doubling from ``backoff_first_s`` to ``backoff_max_s``)
-    before its worker is replaced, so that a crash loop does not spin.
+    this node's workers running through them). A crash loop, failures in a row of workers
+    that never finished a step, waits a back-off before each replacement after the first
+    (doubling from ``backoff_first_s`` to ``backoff_max_s``), so that it does not spin. A
+    worker that trained before it failed (killed, out of memory, its host's fault) is
+    replaced at once: waiting would hold up the whole job, and it is no loop.
     """
 
     limit: int
@@ -247,19 +249,28 @@ class FailureBudget:
     backoff_first_s: float = 1.0
     backoff_max_s: float = 30.0
     _failures: collections.deque[float] = field(default_factory=collections.deque)
+    _streak: int = 0
+    """Failures in a row whose workers never finished a step, this one included."""
 
     def _trim(self, now: float) -> None:
         while self._failures and now - self._failures[0] > self.window_s:
             self._failures.popleft()
 
-    def spend(self, now: float) -> float | None:
+    def spend(self, now: float, *, trained: bool = False) -> float | None:
         """Record a failure; returns the back-off before replacing the worker, or ``None`` if
-        the budget is spent (the job should fail)."""
+        the budget is spent (the job should fail).
+
+        Args:
+            now: ``time.monotonic()``.
+            trained: Whether the failed worker finished a step in its process (which ends a
+                crash loop).
+        """
         self._trim(now)
         if len(self._failures) >= self.limit:
             return None
         self._failures.append(now)
-        n = len(self._failures)
+        self._streak = 1 if trained else min(self._streak + 1, len(self._failures))
+        n = self._streak
         return 0.0 if n <= 1 else min(self.backoff_max_s, self.backoff_first_s * 2 ** (n - 2))
 
     def used(self, now: float) -> int:
