@@ -250,7 +250,8 @@ class FailureBudget:
     backoff_max_s: float = 30.0
     _failures: collections.deque[float] = field(default_factory=collections.deque)
     _streak: int = 0
-    """Failures in a row whose workers never finished a step, this one included."""
+    """The failures of the crash loop under way: the last failure of a worker that trained
+    (or the window's first), and those after it of workers that never finished a step."""
 
     def _trim(self, now: float) -> None:
         while self._failures and now - self._failures[0] > self.window_s:

@@ -65,7 +65,7 @@ def is_collective_failure(exc: BaseException) -> bool:
             return True
         if isinstance(err, RuntimeError) and any(m in str(err).lower() for m in _MARKERS):
             return True
-        err = err.__cause__ or err.__context__
+        err = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
     return False
 
 
@@ -255,6 +255,10 @@ def context_for(context: WorkerContext, assignment: Assignment) -> WorkerContext
                                master_addr=assignment.master_addr, master_port=assignment.master_port)
 
 
+FORMATION_ATTEMPTS = 3
+"""Groups in a row that may fail to form before the worker fails (see :func:`join_generation`)."""
+
+
 def join_generation(context: WorkerContext, control: WorkerControl | None, assignment: Assignment | None, *,
                     backend: str | None, timeout: timedelta | float | None, device: Any = None,
                     recovery_timeout: float) -> tuple[pg.Placement, WorkerContext, Assignment | None]:
@@ -263,11 +267,14 @@ def join_generation(context: WorkerContext, control: WorkerControl | None, assig
 
     In-process, a group that fails to form (a peer died meanwhile, or rank 0 left the round
     and its store with it, before this worker's agent said anything) is no failure of this
-    worker: it says it recovers, which makes its agent re-form, and joins the next generation.
+    worker: it says it recovers, which makes its agent re-form, and joins the next generation;
+    :data:`FORMATION_ATTEMPTS` failures in a row are (a peer that cannot be reached, a
+    timeout), and the last one is raised.
 
     Returns:
         The placement, and the context and assignment it was formed with.
     """
+    failed = 0
     while True:
         tag = None
         if control is not None and assignment is not None:
@@ -280,10 +287,10 @@ def join_generation(context: WorkerContext, control: WorkerControl | None, assig
             assert control is not None  # noqa: S101 - only an in-process join can be superseded
             logger.info("%s: joining the newer one", exc)
         except Exception as exc:
-            if control is None or not is_collective_failure(exc):
+            failed += 1
+            if control is None or failed >= FORMATION_ATTEMPTS or not is_collective_failure(exc):
                 raise
-            logger.info("the group of generation %d failed to form (%s): waiting for the next one",
-                        control.generation, describe(exc))
-            pg.destroy_process_group()  # whatever of it was formed
+            logger.warning("the group of generation %d failed to form (%s): waiting for the next one",
+                           control.generation, describe(exc))
         assignment = wait_for_generation(control, recovery_timeout)
         context = context_for(context, assignment)

@@ -316,18 +316,20 @@ class Session:
                                    restart_count=self.context.restart_count)
             self.hooks.add(progress)
         self._progress["world_size"] = self.context.world_size
-        recovered = False
+        failed = None
         try:
             received = self._form_generation(holds_state=False)
         except Exception as exc:
             if not (self.recovers_in_process and is_collective_failure(exc)):
                 raise
-            # A peer died while the state went round: no failure of this worker's.
-            received = self._recover(f"the group failed to form ({describe(exc)})", holds_state=False)
-            recovered = True
+            failed = f"the group failed to form ({describe(exc)})"
+        if failed is not None:
+            # A peer died while the state went round: no failure of this worker's. (Recovered
+            # outside the handler: an error of the recovery must not pass for this one.)
+            received = self._recover(failed, holds_state=False)
         if self._control is not None:
             self._control.set_state(WorkerState.TRAINING)
-        if received and not recovered:
+        if received:
             assert self._control is not None  # noqa: S101 - only in-process
             self.hooks.dispatch("on_recovery", step=self._step, cause="joined a live group and received its state",
                                 generation=self._control.generation, world_size=self.context.world_size, seconds=0.0)
@@ -434,7 +436,8 @@ class Session:
         Args:
             cause: What failed.
             holds_state: Whether this worker holds training state (not while its first group
-                forms: a fresh worker's parameters are no step's).
+                forms: a fresh worker's parameters are no step's). A worker without it trained
+                in no world: its hooks hear of no recovery or world change, as at any start.
 
         Returns:
             Whether this rank received the state from a peer.
@@ -473,10 +476,12 @@ class Session:
         if self.context.rank == 0:
             events.emit("recovery", cause=cause, generation=self._control.generation, seconds=round(seconds, 4),
                         old_world_size=old_world, world_size=self.context.world_size, step=self._step)
-        self.hooks.dispatch("on_recovery", step=self._step, cause=cause, generation=self._control.generation,
-                            world_size=self.context.world_size, seconds=seconds)
-        if old_world != self.context.world_size:
-            self.hooks.dispatch("on_world_change", old_world_size=old_world, new_world_size=self.context.world_size)
+        if holds_state:
+            self.hooks.dispatch("on_recovery", step=self._step, cause=cause, generation=self._control.generation,
+                                world_size=self.context.world_size, seconds=seconds)
+            if old_world != self.context.world_size:
+                self.hooks.dispatch("on_world_change", old_world_size=old_world,
+                                    new_world_size=self.context.world_size)
         return received
 
     def _count_forward(self, *_: Any) -> None:

@@ -109,7 +109,8 @@ def assert_same_parameters(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor
 def test_a_killed_worker_is_replaced_alone_each_time_its_peer_keeps_its_process_and_no_step_is_redone(
         etcd_server: Any, run_id: str, tmp_path: Path) -> None:
     out = tmp_path / "job"
-    nodes = [start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.1") for _ in range(2)]
+    nodes = [start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.1", extra=("--max-restarts", "5"))
+             for _ in range(2)]
     wait_until(lambda: len({r["rank"] for r in records(out) if r["step"] >= 10}) == 2, "step 10", nodes)
     # Three kills, each of a worker that trained: no crash loop, so no back-off before its
     # replacement (chaos, stop 28: 1, 2, 4 ... 30 s, the whole job waiting).
@@ -363,6 +364,9 @@ def test_only_this_nodes_own_failures_spend_its_budget(etcd_server: Any, run_id:
     node_b = start_node(etcd_server.endpoint, run_id, out, "--fail-at", "1:5", extra=("--max-restarts", "2"))
     output_a, output_b = finish([node_a, node_b])
     assert node_b.returncode != 0 and "--max-restarts 2 allows" in output_b, output_b[-3000:]
+    # The first failure struck a worker that trained: replaced at once. Its replacement failed
+    # before its first step: a crash loop, backed off.
+    assert "waiting 1s before replacing (failure 2 of 2" in output_b, output_b[-3000:]
     assert "allows: the job fails" not in output_a, output_a[-3000:]
     assert len({r["pid"] for r in steps_by_rank(out)[0]}) == 1, "node A's worker was restarted for its peer's failures"
     failures = events(out, "worker_failure")

@@ -247,6 +247,13 @@ def test_a_collective_failure_is_told_from_a_bug() -> None:
     assert is_collective_failure(wrapped)
     assert not is_collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 4x5)"))
     assert not is_collective_failure(KeyError("gloo"))
+    try:  # an error its raiser declared unrelated to the failed collective it was handling
+        try:
+            raise dist.DistNetworkError("Connection closed by peer")
+        except dist.DistNetworkError:
+            raise ValueError("the model does not fit the checkpoint") from None
+    except ValueError as exc:
+        assert not is_collective_failure(exc)
 
 
 def _free_port() -> int:
@@ -618,16 +625,23 @@ class _Recoveries:
         self.after_steps.append(step)
 
 
-def _save_in_flight_worker(rank: int, port: int, control: str, ckpt: str, port2: int, results: Any) -> None:
+def _launched_as(rank: int, port: int, control: str) -> None:
+    """The environment an in-process agent gives its worker: rank ``rank`` of a world of 2 (one
+    worker per node) at ``port``, its node's control directory ``control``."""
     import os
 
-    from torch.utils.data import TensorDataset
-
-    import elastictrain
     from elastictrain._control import CONTROL_DIR_ENV
 
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{CONTROL_DIR_ENV: control})
+
+
+def _save_in_flight_worker(rank: int, port: int, control: str, ckpt: str, port2: int, results: Any) -> None:
+    from torch.utils.data import TensorDataset
+
+    import elastictrain
+
+    _launched_as(rank, port, control)
     release = Path(ckpt) / "release"
     deadline = time.monotonic() + 75  # a safety net: then the save is written and the test fails
 
@@ -769,40 +783,40 @@ def test_a_connection_another_thread_opens_while_a_group_forms_is_never_taken_fo
     assert received == b"still open" and severed == 0
 
 
-def _abandoned_worker(port: int, control: str, results: Any) -> None:
-    """Rank 1 of generation 1 (world 2), started by its agent: a Session that forms its group."""
-    import os
-
+def _short_session(ckpt: str, max_steps: int) -> elastictrain.Session:
     from torch.utils.data import TensorDataset
 
-    from elastictrain._control import CONTROL_DIR_ENV
-
-    os.environ.update({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), CONTROL_DIR_ENV: control})
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     data = TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+    return elastictrain.Session(model, torch.optim.SGD(model.parameters(), lr=0.1), data, global_batch_size=8,
+                                seed=0, max_steps=max_steps, log_every=None, checkpoint_dir=ckpt, checkpoint_every=1)
+
+
+def _train(session: elastictrain.Session) -> None:
+    for step in session.steps():
+        for micro in step:
+            x, y = micro.batch
+            micro.backward(torch.nn.functional.mse_loss(session.model(x), y))
+
+
+def _abandoned_worker(port: int, control: str, ckpt: str, results: Any) -> None:
+    """Rank 1 of generation 1 (world 2), started by its agent: a Session that forms its group,
+    with a checkpoint of step 2 to restore when no rank holds state."""
+    _launched_as(1, port, control)
     try:
-        with elastictrain.Session(model, torch.optim.SGD(model.parameters(), lr=0.1), data, global_batch_size=8,
-                                  seed=0, max_steps=3, log_every=None) as session:
-            for step in session.steps():
-                for micro in step:
-                    x, y = micro.batch
-                    micro.backward(torch.nn.functional.mse_loss(session.model(x), y))
-            results.put((session.context.rank, session.context.world_size, session.step, "finished"))
+        with _short_session(ckpt, max_steps=3) as session:
+            _train(session)
+            restored = session.restored.step if session.restored else None
+            results.put((session.context.rank, session.context.world_size, session.step, restored, "finished"))
     except Exception as exc:  # noqa: BLE001 - reported to the test
-        results.put((None, None, None, f"{type(exc).__name__}: {describe(exc)}"))
+        results.put((None, None, None, None, f"{type(exc).__name__}: {describe(exc)}"))
 
 
-def _plain_loop_worker(port: int, control: str, results: Any) -> None:
+def _plain_loop_worker(port: int, control: str, ckpt: str, results: Any) -> None:
     """Rank 1 of generation 1 (world 2), started by its agent: a plain loop under run_elastic,
     with a checkpoint to restore when no rank holds state."""
-    import os
-
-    from elastictrain._control import CONTROL_DIR_ENV
-
-    os.environ.update({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), CONTROL_DIR_ENV: control})
+    _launched_as(1, port, control)
     state = elastictrain.ElasticState(model=torch.nn.Linear(4, 1))
     restored = []
 
@@ -849,8 +863,11 @@ def test_a_new_worker_whose_first_group_fails_to_form_joins_the_next_generation(
                                          master_port=port, ranks={"0": 1}))
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
+    ckpt = tmp_path / "ckpt"
+    with _short_session(str(ckpt), max_steps=2) as session:  # a checkpoint of step 2 (world 1)
+        _train(session)
     worker = _abandoned_worker if loop == "session" else _plain_loop_worker
-    procs = [ctx.Process(target=worker, args=(port, str(control), results))]
+    procs = [ctx.Process(target=worker, args=(port, str(control), str(ckpt), results))]
     deadline = time.monotonic() + 60
     try:
         if rank_0.startswith("leaves"):
@@ -874,11 +891,56 @@ def test_a_new_worker_whose_first_group_fails_to_form_joins_the_next_generation(
         table.close()
         write_assignment(control, Assignment(generation=2, round=1, world_size=1, master_addr="127.0.0.1",
                                              master_port=next_port, ranks={"0": 0}))
-        # A plain loop's first group failed before any rank held state: the next one, where
-        # still none does, restores the checkpoint (rather than take the fresh model for a step's).
-        assert results.get(timeout=60) == ((0, 1, 3, "finished") if loop == "session" else (0, 1, [1], "finished"))
+        # The first group failed before any rank held state: the next one, where still none
+        # does, restores the checkpoint (rather than take the fresh model for a step's).
+        assert results.get(timeout=60) == ((0, 1, 3, 2, "finished") if loop == "session" else (0, 1, [1], "finished"))
     finally:
         for proc in procs:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
+
+
+def test_a_worker_whose_groups_keep_failing_to_form_fails_after_a_few(tmp_path: Path) -> None:
+    # A peer that can never be reached must not keep the job re-forming for ever: after
+    # FORMATION_ATTEMPTS failures in a row the worker fails (and spends its node's budget).
+    from elastictrain.train.recovery import FORMATION_ATTEMPTS
+
+    control = tmp_path / "node1"
+    control.mkdir()
+    ProgressTable(control, 1, create=True).close()
+    ckpt = tmp_path / "ckpt"
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    write_assignment(control, Assignment(generation=1, round=0, world_size=2, master_addr="127.0.0.1",
+                                         master_port=port, ranks={"0": 1}))
+    proc = ctx.Process(target=_abandoned_worker, args=(port, str(control), str(ckpt), results))
+    deadline = time.monotonic() + 90
+    table = ProgressTable(control, 1)
+    try:
+        for generation in range(1, FORMATION_ATTEMPTS + 1):
+            server = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=30), wait_for_workers=False,
+                                   multi_tenant=True)
+            rounds = dist.PrefixStore(f"elastictrain/round{generation - 1}-world2-127.0.0.1:{port}", server)
+            if generation == 1:
+                proc.start()
+            while rounds.add("arrived", 0) < 1:
+                assert time.monotonic() < deadline and proc.is_alive()
+                time.sleep(0.05)
+            del rounds, server  # rank 0 leaves this round too
+            if generation == FORMATION_ATTEMPTS:
+                break
+            while (table.read(0).state, table.read(0).generation) != (WorkerState.RECOVERING, generation):
+                assert time.monotonic() < deadline and proc.is_alive(), "the worker did not wait for a generation"
+                time.sleep(0.02)
+            port = _free_port()
+            write_assignment(control, Assignment(generation=generation + 1, round=generation, world_size=2,
+                                                 master_addr="127.0.0.1", master_port=port, ranks={"0": 1}))
+        outcome = results.get(timeout=60)
+        assert outcome[-1].startswith("DistNetworkError"), outcome
+    finally:
+        table.close()
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
