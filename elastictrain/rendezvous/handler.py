@@ -146,6 +146,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                 self._release_closer()
                 self.connect()
                 self._join(after)
+            left_out = None
             with control.cond:
                 seen = control.version
                 if control.problem is not None:
@@ -161,8 +162,15 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                     break
                 if current is not None and current.round > after and len(current.nodes) >= current.max_nodes:
                     self._spare = True
+                    left_out = current.round
                 closer_free = control.closer is None
                 mine = control.closer == self.node_id
+            if left_out is not None:
+                # Left out for want of room: ask for the round after it, or no later round would
+                # count this node among those waiting (see membership.waiting).
+                after = left_out
+                self._join(after)
+                continue
             if self._closer is not None and not mine:
                 self._release_closer()  # it formed a round, or lost the key
             if closer_free and self._closer is None:

@@ -13,9 +13,13 @@
 
 The rules, written once here:
 
-- a node *waits* when it is alive (its member key exists) and either it is not a
-  member of the current round, or it asked for a round newer than the current one
-  (``after >= round``: it re-entered the rendezvous);
+- a node *waits* when it is alive (its member key exists) and it asked for a round newer
+  than the current one (``after >= round``: it re-entered the rendezvous), or it is not a
+  member of the current round and wrote its key after the membership that round was
+  decided on (it came later). A node the round left out although its key was there is
+  not waiting: either it was a member that never asked again (a dead node whose lease
+  runs on, which a later round must not take in), or a spare left out for want of room,
+  which asks again for the next round at once;
 - the current round stands until a member is gone or waits again; only then can
   the next round form ("open");
 - the next round takes the waiting nodes, members of the current round first,
@@ -51,14 +55,17 @@ class Member:
     record: MemberRecord
     created: int
     """``create_revision`` of the member key: the node's place in rank order."""
+    modified: int
+    """``mod_revision`` of the member key: when the node last asked for a round."""
 
 
 def waiting(members: dict[str, Member], current: RoundRecord | None) -> list[Member]:
-    """The live nodes that want to be in the next round."""
+    """The live nodes that want to be in the next round (see the module's rules)."""
     if current is None:
         return list(members.values())
     return [m for m in members.values()
-            if current.rank_of(m.record.node) is None or m.record.after >= current.round]
+            if m.record.after >= current.round
+            or (current.rank_of(m.record.node) is None and m.modified > current.snapshot)]
 
 
 def is_open(members: dict[str, Member], current: RoundRecord | None) -> bool:
@@ -239,7 +246,7 @@ class Closer:
                 self._reported.add(item.key)
                 logger.warning("ignoring %s", exc)
             return
-        self._members[record.node] = Member(record, item.create_revision)
+        self._members[record.node] = Member(record, item.create_revision, item.mod_revision)
 
     def _on_events(self, events: list[WatchEvent], revision: int) -> None:
         with self._lock:
