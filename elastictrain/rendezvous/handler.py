@@ -103,6 +103,8 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         self._round_watch: RoundWatch | None = None
         self._watch_lock = threading.Lock()
         self._spare = False
+        self._registered = 0
+        """The revision of this node's last write of its member key (see :meth:`_join`)."""
         self._ready_round: int | None = None
 
     # --- torch's interface --------------------------------------------------------------------
@@ -162,12 +164,15 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                     break
                 if current is not None and current.round > after and len(current.nodes) >= current.max_nodes:
                     self._spare = True
+                if (current is not None and current.round > after and current.rank_of(self.node_id) is None
+                        and current.snapshot >= self._registered):
+                    # A round decided with this node's key in view left it out (for want of
+                    # room): ask for the round after it, or no later round would count this
+                    # node among those waiting (see membership.waiting).
                     left_out = current.round
                 closer_free = control.closer is None
                 mine = control.closer == self.node_id
             if left_out is not None:
-                # Left out for want of room: ask for the round after it, or no later round would
-                # count this node among those waiting (see membership.waiting).
                 after = left_out
                 self._join(after)
                 continue
@@ -347,6 +352,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                 if "lease not found" not in str(exc) or attempt:
                     raise
                 self._alive.grant()  # etcd expired it while we were away: register anew
+        self._registered = result.revision  # the member key's write: both branches make it
         self._control.load(result.ranges[0], result.revision)
         if result.succeeded:
             self._become_closer(result.revision)
@@ -368,6 +374,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             self._become_closer(result.revision)
 
     def _become_closer(self, created: int) -> None:
+        self._release_closer()  # one this node held before (it formed a round that left it out)
         self._closer = Closer(self.client, self.keys, self._control, self.run_lease, min_nodes=self._min,
                               max_nodes=self._max, last_call=self._config.last_call_timeout.total_seconds(),
                               closer_created=created)

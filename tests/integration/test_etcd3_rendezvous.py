@@ -208,6 +208,23 @@ def test_a_dead_member_whose_lease_runs_on_is_not_taken_into_later_rounds(etcd_s
     dead.leave()
 
 
+def test_a_spare_left_out_for_want_of_room_takes_the_place_of_a_member_that_leaves(etcd_server: Any,
+                                                                                   run_id: str) -> None:
+    # The spare's key was in view when the full round formed without it: it asks again for
+    # the next round, or that round would not count it among the nodes that wait.
+    handlers = _handlers(etcd_server.endpoint, run_id, 3, 2, 2)
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(h.next_rendezvous) for h in handlers]
+        _eventually(lambda: sum(f.done() for f in futures) == 2, 20, "a full round of 2 forms")
+        members = [h for h, f in zip(handlers, futures, strict=True) if f.done()]
+        [spare] = [h for h in handlers if h not in members]
+        members[1].leave()  # gone, seen at once
+        survivor = pool.submit(members[0].next_rendezvous)
+        assert futures[handlers.index(spare)].result(timeout=20).world_size == 2
+        assert survivor.result(timeout=20).world_size == 2
+    _shutdown(members[0], spare)
+
+
 def test_a_node_that_dies_while_gathering_does_not_block_the_next_ones(etcd_server: Any, run_id: str,
                                                                        etcd_client: Any) -> None:
     # It registers, takes the closer role, and dies before anyone else arrives.
