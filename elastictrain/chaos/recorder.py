@@ -170,10 +170,10 @@ class Recorder(Hooks):
         _Lines(os.path.join(self.directory, "workers.jsonl")).write(
             seg=self.segment, rank=rank, world=world_size, pid=os.getpid(), node=os.environ.get(_NODE_ENV),
             restart=restart_count, t=time.time())
-        if rank == 0:
-            self._events = _Lines(os.path.join(self.directory, "events.jsonl"))
-            self._emit("segment", world=world_size, restart=restart_count, pid=os.getpid(),
-                       node=os.environ.get(_NODE_ENV))
+        # The run's events are rank 0's: a worker that was rank 0 of an earlier group is not now.
+        self._events = _Lines(os.path.join(self.directory, "events.jsonl")) if rank == 0 else None
+        self._emit("segment", world=world_size, restart=restart_count, pid=os.getpid(),
+                   node=os.environ.get(_NODE_ENV))
 
     def on_restore(self, *, step: int, path: str) -> None:
         """See base class."""

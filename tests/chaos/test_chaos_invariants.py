@@ -20,6 +20,7 @@ from elastictrain.chaos import ChaosConfig
 from elastictrain.chaos import invariants as inv
 from elastictrain.chaos.cluster import Node
 from elastictrain.chaos.faults import FaultKind, PlannedFault, RandomPlanner, parse_kinds, parse_schedule
+from elastictrain.chaos.recorder import Recorder
 from elastictrain.chaos.verdict import _exit_status
 from elastictrain.errors import ConfigError
 
@@ -334,3 +335,16 @@ def test_survivors_kept_holds_when_only_the_targets_changed_process_and_fails_ot
     result = inv.check_survivors_kept(evidence, kept, in_process=True)
     assert result.ok is False and "fault 1 (join): worker(s) [11]" in result.detail
     assert inv.check_survivors_kept(evidence, kept, in_process=False).ok is None
+
+
+def test_a_recorder_that_was_rank_0_writes_no_events_once_it_is_another_rank(tmp_path: Path) -> None:
+    # The run's events are rank 0's. A worker that was rank 0 of one generation and another
+    # rank of the next kept writing them (stop 28: each step event twice in 2 segments of a
+    # chaos run, counted as 12 steps redone).
+    recorder = Recorder(torch.nn.Linear(2, 1), directory=str(tmp_path))
+    recorder.on_rendezvous(rank=0, world_size=1, restart_count=0)
+    recorder.on_step_end(step=1, loss=0.5, throughput=1.0)
+    recorder.on_rendezvous(rank=1, world_size=1, restart_count=0)
+    recorder.on_step_end(step=2, loss=0.5, throughput=1.0)
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [(e["kind"], e.get("step")) for e in events] == [("segment", None), ("step", 1)]
