@@ -844,6 +844,33 @@ def _rank_0_that_forms_and_dies(port: int) -> None:
     os._exit(0)
 
 
+def _abandon_round_once_rank_1_waits(port: int, round_: int, worker: Any, deadline: float) -> None:
+    """Host rank 0's store of ``round_`` (world 2) as rank 0's worker does (process_group._meet),
+    start ``worker`` if it has not started, and close the store once rank 1 waits at it: rank 0
+    leaves the round."""
+    server = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=30), wait_for_workers=False,
+                           multi_tenant=True)
+    rounds = dist.PrefixStore(f"elastictrain/round{round_}-world2-127.0.0.1:{port}", server)
+    if worker.pid is None:
+        worker.start()
+    while rounds.add("arrived", 0) < 1:
+        assert time.monotonic() < deadline and worker.is_alive()
+        time.sleep(0.05)
+    del rounds, server
+
+
+def _wait_until_recovering(control: Path, generation: int, worker: Any, deadline: float) -> None:
+    """Until the worker's progress slot says it recovers from ``generation``: what its agent waits
+    for to re-form."""
+    table = ProgressTable(control, 1)
+    try:
+        while (table.read(0).state, table.read(0).generation) != (WorkerState.RECOVERING, generation):
+            assert time.monotonic() < deadline and worker.is_alive(), "the worker did not wait for a generation"
+            time.sleep(0.02)
+    finally:
+        table.close()
+
+
 @pytest.mark.parametrize(("rank_0", "loop"), [("leaves while rank 1 waits at its store", "session"),
                                               ("dies once the group formed", "session"),
                                               ("leaves while rank 1 waits at its store", "run_elastic"),
@@ -856,11 +883,7 @@ def test_a_new_worker_whose_first_group_fails_to_form_joins_the_next_generation(
     # it waits for the next generation (chaos, stop 28: it exited with code 1, which spent
     # its node's budget and backed off its replacement by up to 30 s).
     port, next_port = _free_port(), _free_port()
-    control = tmp_path / "node1"
-    control.mkdir()
-    ProgressTable(control, 1, create=True).close()
-    write_assignment(control, Assignment(generation=1, round=0, world_size=2, master_addr="127.0.0.1",
-                                         master_port=port, ranks={"0": 1}))
+    control = Path(_control_dirs(tmp_path, port)[1])  # rank 1's node, at generation 1
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     ckpt = tmp_path / "ckpt"
@@ -871,24 +894,12 @@ def test_a_new_worker_whose_first_group_fails_to_form_joins_the_next_generation(
     deadline = time.monotonic() + 60
     try:
         if rank_0.startswith("leaves"):
-            # Rank 0's store, as rank 0's worker hosts it (process_group._meet).
-            server = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=30), wait_for_workers=False,
-                                   multi_tenant=True)
-            rounds = dist.PrefixStore(f"elastictrain/round0-world2-127.0.0.1:{port}", server)
-            procs[0].start()
-            while rounds.add("arrived", 0) < 1:  # rank 1 waits at the store
-                assert time.monotonic() < deadline and procs[0].is_alive()
-                time.sleep(0.05)
-            del rounds, server  # rank 0 leaves the round: its store closes
+            _abandon_round_once_rank_1_waits(port, 0, procs[0], deadline)
         else:
             procs.append(ctx.Process(target=_rank_0_that_forms_and_dies, args=(port,)))
             for proc in procs:
                 proc.start()
-        table = ProgressTable(control, 1)
-        while table.read(0).state != WorkerState.RECOVERING:  # what its agent waits for to re-form
-            assert time.monotonic() < deadline and procs[0].is_alive(), "the worker did not wait for a generation"
-            time.sleep(0.02)
-        table.close()
+        _wait_until_recovering(control, 1, procs[0], deadline)
         write_assignment(control, Assignment(generation=2, round=1, world_size=1, master_addr="127.0.0.1",
                                              master_port=next_port, ranks={"0": 0}))
         # The first group failed before any rank held state: the next one, where still none
@@ -906,41 +917,25 @@ def test_a_worker_whose_groups_keep_failing_to_form_fails_after_a_few(tmp_path: 
     # FORMATION_ATTEMPTS failures in a row the worker fails (and spends its node's budget).
     from elastictrain.train.recovery import FORMATION_ATTEMPTS
 
-    control = tmp_path / "node1"
-    control.mkdir()
-    ProgressTable(control, 1, create=True).close()
+    port = _free_port()
+    control = Path(_control_dirs(tmp_path, port)[1])  # rank 1's node, at generation 1
     ckpt = tmp_path / "ckpt"
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
-    write_assignment(control, Assignment(generation=1, round=0, world_size=2, master_addr="127.0.0.1",
-                                         master_port=port, ranks={"0": 1}))
     proc = ctx.Process(target=_abandoned_worker, args=(port, str(control), str(ckpt), results))
     deadline = time.monotonic() + 90
-    table = ProgressTable(control, 1)
     try:
         for generation in range(1, FORMATION_ATTEMPTS + 1):
-            server = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=30), wait_for_workers=False,
-                                   multi_tenant=True)
-            rounds = dist.PrefixStore(f"elastictrain/round{generation - 1}-world2-127.0.0.1:{port}", server)
-            if generation == 1:
-                proc.start()
-            while rounds.add("arrived", 0) < 1:
-                assert time.monotonic() < deadline and proc.is_alive()
-                time.sleep(0.05)
-            del rounds, server  # rank 0 leaves this round too
+            _abandon_round_once_rank_1_waits(port, generation - 1, proc, deadline)  # rank 0 leaves each round
             if generation == FORMATION_ATTEMPTS:
                 break
-            while (table.read(0).state, table.read(0).generation) != (WorkerState.RECOVERING, generation):
-                assert time.monotonic() < deadline and proc.is_alive(), "the worker did not wait for a generation"
-                time.sleep(0.02)
+            _wait_until_recovering(control, generation, proc, deadline)
             port = _free_port()
             write_assignment(control, Assignment(generation=generation + 1, round=generation, world_size=2,
                                                  master_addr="127.0.0.1", master_port=port, ranks={"0": 1}))
         outcome = results.get(timeout=60)
         assert outcome[-1].startswith("DistNetworkError"), outcome
     finally:
-        table.close()
         proc.join(timeout=30)
         if proc.is_alive():
             proc.kill()
