@@ -2,7 +2,7 @@
 
 The chaos harness cannot see inside a job, so the job writes down what it did,
 and :mod:`elastictrain.chaos.invariants` checks it afterwards. Three lines in a
-:class:`~elastictrain.session.Session` script turn it on::
+:class:`~elastictrain.train.session.Session` script turn it on::
 
     recorder = elastictrain.chaos.Recorder(model)
     with elastictrain.Session(model, optimizer, dataset, ..., hooks=[recorder],
@@ -271,7 +271,7 @@ class Recorder(Hooks):
             time.sleep(0.2)
 
     def record(self, step: Any, indices: Iterable[int] | None = None) -> None:
-        """Write this rank's sample indices for ``step`` (a :class:`~elastictrain.session.Step`).
+        """Write this rank's sample indices for ``step`` (a :class:`~elastictrain.train.session.Step`).
 
         Args:
             step: The step just trained (backward done, not yet applied).

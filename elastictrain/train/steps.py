@@ -105,7 +105,7 @@ class MicroStep:
         scaled = loss if self.loss_scale == 1.0 else loss * self.loss_scale
         session = self._step._session
         try:
-            session._precision.backward(scaled)
+            session.precision.backward(scaled)
         except Exception as exc:
             if session.recovers_in_process and is_collective_failure(exc):
                 self._step.fail(exc)  # discarded; the session re-forms the group and plans it again
@@ -176,7 +176,7 @@ class Step:
             except StopIteration:
                 raise SessionError(f"the DataLoader ran out in step {self.number}") from None
             session._forwards = 0
-            with session._precision.autocast():
+            with session.precision.autocast():
                 yield MicroStep(self, micro, session.to_device(batch), index, index == count - 1)
             if (self.failure is None and index == count - 1 and session.model is not session.module
                     and session._forwards == 0):

@@ -654,7 +654,7 @@ def _save_in_flight_worker(rank: int, port: int, control: str, ckpt: str, port2:
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
     # One save in flight only (no checkpoint_every): later saves, slow on busy cores, would
-    # rightly keep the ranks training on too, for up to _SAVE_GRACE_S.
+    # rightly keep the ranks training on too, for up to group_keeper.SAVE_GRACE_S.
     with elastictrain.Session(model, torch.optim.SGD(model.parameters(), lr=0.1), data, global_batch_size=8,
                               seed=0, max_steps=40, log_every=None, checkpoint_dir=ckpt,
                               async_save=True, hooks=[recoveries]) as session:

@@ -1,0 +1,290 @@
+"""The group a :class:`~elastictrain.train.session.Session` trains in, generation after
+generation: :class:`GroupKeeper`.
+
+It forms the session's first group, from the launcher's environment or, under
+in-process recovery, from the agent's word on the control channel; and after a
+fault or a membership change it leaves that group and forms the next one in this
+process (:mod:`~elastictrain.train.recovery` has the protocol). Each time, the
+ranks agree on the newest state one of them holds and bring the others to it
+(:mod:`~elastictrain.train.state_transfer`), or read the newest checkpoint when none
+holds any; then the model is wrapped in DDP over the group
+(:class:`~elastictrain.train.generation.Generation`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from elastictrain import events
+from elastictrain._control import Assignment, WorkerState
+from elastictrain.hooks import HookDispatcher
+from elastictrain.rank_logging import RankLoggerAdapter, get_logger
+from elastictrain.train import process_group as pg
+from elastictrain.train.control import WorkerControl
+from elastictrain.train.generation import Generation
+from elastictrain.train.recovery import (
+    BoundaryFlag,
+    context_for,
+    describe,
+    is_collective_failure,
+    join_generation,
+    wait_for_generation,
+)
+from elastictrain.train.session_config import SessionConfig
+from elastictrain.train.state_transfer import agree, transfer
+from elastictrain.train.training_state import TrainingState, rank_seed, seed_everything
+from elastictrain.worker import WorkerContext
+
+__all__ = ["GroupKeeper"]
+
+SAVE_GRACE_S = 10.0
+"""How long the ranks train on, when their agents want the group re-formed, while a checkpoint
+save is in flight (re-forming would wait for it to be written)."""
+
+
+class GroupKeeper:
+    """Forms a session's group and, under in-process recovery, re-forms it in place.
+
+    Args:
+        config: The session's configuration.
+        hooks: The session's hooks (they hear of each rendezvous and recovery).
+        context: This worker's context, as the launcher started it.
+        group: The caller's process group (``Session(process_group=...)``), or None to form
+            the default group from the environment or the agent's word.
+        state: What the session trains; each formation brings it to the group's newest step.
+        restore: Restores ``state`` from the newest checkpoint (when no rank holds any).
+        on_forward: Runs before each forward of the DDP model.
+    """
+
+    def __init__(self, config: SessionConfig, hooks: HookDispatcher, context: WorkerContext,
+                 group: dist.ProcessGroup | None, *, state: TrainingState, restore: Callable[[], None],
+                 on_forward: Callable[..., None]) -> None:
+        self.config = config
+        self.hooks = hooks
+        self.context = context
+        self.log: RankLoggerAdapter = get_logger(__name__, context)
+        self.generation: Generation | None = None
+        """The group the session trains in now (None before :meth:`open`)."""
+        self.control: WorkerControl | None = None
+        """The agent's control channel (in-process recovery only)."""
+        self.recoveries = 0
+        self._group = group
+        self._state = state
+        self._restore = restore
+        self._on_forward = on_forward
+        self._assignment: Assignment | None = None
+        self._due_since: float | None = None
+
+    @property
+    def in_process(self) -> bool:
+        """Whether faults and membership changes are handled in this process."""
+        return self.generation is not None and self.generation.in_process
+
+    @property
+    def flag(self) -> BoundaryFlag | None:
+        """The boundary flag of this generation (in-process recovery only)."""
+        return self.generation.flag if self.generation is not None else None
+
+    def reform_due(self) -> bool:
+        """Whether the agent wants the group re-formed."""
+        return self.control is not None and self.control.due() is not None
+
+    def open(self) -> None:
+        """Open the agent's control channel (in-process recovery, when the launcher opened one)
+        and join the first group; no collective yet."""
+        if self.config.recovery == "in-process" and self._group is None:
+            self.control = WorkerControl.from_env(self.context.local_rank, self.context.local_world_size)
+            if self.control is not None and (current := self.control.current()) is not None:
+                self._adopt(current)  # the agent's newest word, which may be newer than this process's env
+        self._join()
+
+    def start(self) -> bool:
+        """Form the first generation's state and wrappers (:meth:`form`); a collective. In-process,
+        a peer lost meanwhile makes it re-form (:meth:`recover`), as no failure of this worker's.
+
+        Returns:
+            Whether this rank received the state from a peer.
+        """
+        failed = None
+        try:
+            received = self.form(holds_state=False)
+        except Exception as exc:
+            if not (self.in_process and is_collective_failure(exc)):
+                raise
+            failed = f"the group failed to form ({describe(exc)})"
+        if failed is not None:
+            # Recovered outside the handler: an error of the recovery must not pass for this one.
+            received = self.recover(failed, holds_state=False)
+        if self.control is not None:
+            self.control.set_state(WorkerState.TRAINING)
+        return received
+
+    def votes_to_reform(self) -> bool:
+        """This rank's vote for the step about to run: stop after it and re-form the group,
+        because the agent wants a new generation. While a checkpoint save is in flight the
+        rank trains on instead (for up to :data:`SAVE_GRACE_S`): re-forming
+        would first wait for the save to be written, and the peers (a joining node's workers
+        waiting for the group) would wait with it; once it is written the re-formation costs
+        only itself."""
+        assert self.control is not None  # noqa: S101 - set with the flag
+        due = self.control.due()
+        if due is None:
+            self._due_since = None
+            return False
+        checkpoints = self.generation.checkpoints if self.generation is not None else None
+        if due.closed or checkpoints is None or not checkpoints.saving:
+            return True
+        now = time.monotonic()
+        if self._due_since is None:
+            self._due_since = now
+        return now - self._due_since > SAVE_GRACE_S
+
+    def cause_due(self) -> str:
+        """Why the agent re-forms the group (its word, once the flag said to stop)."""
+        due = self.control.due() if self.control is not None else None
+        return due.cause if due is not None and due.cause else "the agent re-forms the group"
+
+    def _join(self) -> None:
+        """Join this generation's process group (or adopt the one given)."""
+        config = self.config
+        if self._group is not None:
+            rank, world = dist.get_rank(self._group), dist.get_world_size(self._group)
+            self._set_context(dataclasses.replace(self.context, rank=rank, world_size=world))
+            device = torch.device(config.device) if config.device else pg.device_for(
+                self.context, dist.get_backend(self._group))
+            placement = pg.Placement(device, dist.get_backend(self._group), pg.resolve_timeout(config.timeout),
+                                     rank, world, owned=False)
+            self.generation = Generation(placement, self._group, in_process=False)
+            return
+        placement, context, self._assignment = join_generation(
+            self.context, self.control, self._assignment, backend=config.backend, timeout=config.timeout,
+            device=config.device, recovery_timeout=config.recovery_timeout.total_seconds())
+        self._set_context(context)
+        if placement.distributed and (placement.rank, placement.world_size) != (
+                self.context.rank, self.context.world_size):
+            # An existing group (someone else's init) defines the world.
+            self._set_context(dataclasses.replace(self.context, rank=placement.rank,
+                                                  world_size=placement.world_size))
+        self.generation = Generation(placement, None, in_process=self.control is not None and placement.distributed)
+
+    def _adopt(self, assignment: Assignment) -> None:
+        """Take this worker's rank, world and store address from the agent's ``assignment``."""
+        self._assignment = assignment
+        self._set_context(context_for(self.context, assignment))
+
+    def _set_context(self, context: WorkerContext) -> None:
+        if context is not self.context:
+            self.context = context
+            self.log = get_logger(__name__, context)
+
+    def form(self, *, holds_state: bool) -> bool:
+        """Make this generation's training state and wrappers; a collective.
+
+        The ranks agree on the newest state any of them holds; ranks without it receive
+        it from a live peer. When no rank holds state (the job starts or restarts as a
+        whole), every rank reads the newest checkpoint instead.
+
+        Returns:
+            Whether this rank received the state from a peer.
+        """
+        config, generation, state = self.config, self.generation, self._state
+        sampler = state.sampler
+        assert generation is not None and sampler is not None  # noqa: S101 - private invariant
+        generation.check_same_settings({
+            "the dataset's length": sampler.num_samples, "global_batch_size": config.global_batch_size,
+            "micro_batch_size": config.micro_batch_size, "epochs": config.epochs, "max_steps": config.max_steps,
+            "seed": config.seed, "shuffle": config.shuffle, "drop_last": config.drop_last})
+        received = peer_state = False
+        if generation.in_process:
+            group = generation.cpu_group()
+            agreement = agree(group, holds=holds_state, step=state.step)
+            if agreement.source is not None:
+                peer_state = True
+                received = transfer(group, agreement, state.objects(self.context.world_size), step=state.step)
+                if received:
+                    state.step = agreement.step or 0
+        sampler.set_world(self.context.rank, self.context.world_size)
+        if config.checkpoint_dir is not None:
+            generation.open_checkpoints(config, self.control)
+            if not peer_state:
+                self._restore()
+        if received:
+            # Its peers' RNG streams are theirs: a worker that received the state seeds
+            # streams of its own, from its rank and generation.
+            assert self.control is not None  # noqa: S101 - only in-process
+            seed_everything(rank_seed(config.seed ^ self.control.generation, self.context.rank))
+        elif not holds_state and state.restored is None:
+            # Distinct, reproducible streams per rank (dropout, augmentation); a restore
+            # brings back the saved ones instead.
+            seed_everything(rank_seed(config.seed, self.context.rank))
+        generation.wrap(state.module, config.ddp_kwargs, identical=peer_state, on_forward=self._on_forward,
+                        control=self.control)
+        return received
+
+    def recover(self, cause: str, *, holds_state: bool = True) -> bool:
+        """Re-form the group in place after ``cause``; the committed state is kept.
+
+        Args:
+            cause: What failed.
+            holds_state: Whether this worker holds training state (not while its first group
+                forms: a fresh worker's parameters are no step's). A worker without it trained
+                in no world: its hooks hear of no recovery or world change, as at any start.
+
+        Returns:
+            Whether this rank received the state from a peer.
+
+        Raises:
+            JobEnded: The agent closed the group (the job is over).
+            TimeoutError: The agent sent no new generation in ``recovery_timeout``.
+        """
+        control = self.control
+        assert control is not None  # noqa: S101 - only in-process
+        started = time.perf_counter()
+        old_world = self.context.world_size
+        self._due_since = None
+        while True:
+            assert self.generation is not None  # noqa: S101 - private invariant
+            # Said before leaving, which waits for a save in flight: the agent re-forms meanwhile.
+            control.set_state(WorkerState.RECOVERING)
+            self.generation.leave(self.log)
+            self._adopt(wait_for_generation(control, self.config.recovery_timeout.total_seconds()))
+            try:
+                self._join()
+                # The same order of collectives as a worker that starts in this generation
+                # (Session._start): hooks' on_rendezvous, then the state agreement.
+                self.hooks.dispatch("on_rendezvous", rank=self.context.rank, world_size=self.context.world_size,
+                                    restart_count=self.context.restart_count)
+                received = self.form(holds_state=holds_state)
+                break
+            except Exception as exc:
+                if not is_collective_failure(exc):
+                    raise
+                cause = f"{cause}; then the new group failed to form ({describe(exc)})"
+        control.set_state(WorkerState.TRAINING)
+        self.recoveries += 1
+        seconds = time.perf_counter() - started
+        step = self._state.step
+        self.log.info("recovered in %.2fs (%s): generation %d, world size %d -> %d, step %d", seconds, cause,
+                      control.generation, old_world, self.context.world_size, step)
+        if self.context.rank == 0:
+            events.emit("recovery", cause=cause, generation=control.generation, seconds=round(seconds, 4),
+                        old_world_size=old_world, world_size=self.context.world_size, step=step)
+        if holds_state:
+            self.hooks.dispatch("on_recovery", step=step, cause=cause, generation=control.generation,
+                                world_size=self.context.world_size, seconds=seconds)
+            if old_world != self.context.world_size:
+                self.hooks.dispatch("on_world_change", old_world_size=old_world,
+                                    new_world_size=self.context.world_size)
+        return received
+
+    def close(self) -> None:
+        """Drop the group (destroyed if the session formed it) and the control channel."""
+        if self.generation is not None:
+            self.generation.end()
+        if self.control is not None:
+            self.control.close()
