@@ -388,15 +388,16 @@ class InProcessAgent(ElasticAgent):
             live = self._workers.pids()
             self._killed_hung &= set(live.values())  # a reaped one is no longer anybody's worker
             for slot in self._hangs.hung(progress, now, live):
-                if progress[slot].pid in self._killed_hung:
+                pid = live[slot]
+                if pid in self._killed_hung:
                     continue  # killed already; its end shows up once its process is reaped
-                self._killed_hung.add(progress[slot].pid)
-                frozen = now - progress[slot].alive_at
-                logger.warning("worker %d (pid %d) is hung: its process has not run for %.1fs (deadline %.1fs, "
-                               "from its step time; process state %s): killing it", slot, progress[slot].pid,
-                               frozen, self._hangs.deadline(progress[slot]), self._hangs.state(slot))
-                self._events.emit("hang", local_rank=slot, pid=progress[slot].pid, frozen_s=round(frozen, 3),
-                                  step=progress[slot].step)
+                self._killed_hung.add(pid)
+                logger.warning("worker %d (pid %d) is hung: %s: killing it", slot, pid,
+                               self._hangs.reason(slot))
+                written = progress[slot].pid == pid
+                self._events.emit("hang", local_rank=slot, pid=pid,
+                                  frozen_s=round(now - progress[slot].alive_at, 3) if written else None,
+                                  step=progress[slot].step if written else None)
                 self._workers.kill(slot)
             self._say_if_lingering(spec.rdzv_handler, now)
             if (getattr(spec.rdzv_handler, "closed_seen", False) and not self._stop_requested()

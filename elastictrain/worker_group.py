@@ -185,9 +185,15 @@ class HangDetector:
     steps does not stretch it), at least ``floor_s``; before its second step (imports,
     model building, restoring) ``startup_s`` applies. A worker blocked in a collective
     that waits for a hung peer is not frozen (its liveness thread runs): it is left
-    alone, and so is one forming a group (``BUSY``). One recovering is judged as one that
+    alone. One recovering is judged as one that
     trains: it says so before it leaves its group, which may freeze it (pytorch#75097), and
     its liveness thread runs while it then waits for the next generation.
+
+    A worker that starts (its slot not yet written, or ``STARTING``) or forms a group
+    (``BUSY``) may rightly sleep for long, on its peers or building its model: it is hung
+    only if its process is stopped, for ``confirm_s`` (and, while it has not written its
+    slot, ``floor_s``) without using CPU time. Its peers wait for it in the group's
+    formation, which no collective failure ends.
     """
 
     def __init__(self, *, floor_s: float = 2.0, factor: float = 10.0, startup_s: float = 120.0,
@@ -198,6 +204,7 @@ class HangDetector:
         self._activity = activity
         self._suspects: dict[int, tuple[int, float, float | None]] = {}  # slot: (pid, since, CPU time then)
         self._states: dict[int, str] = {}  # slot: the scheduler state a suspect was last seen in
+        self._reasons: dict[int, str] = {}  # slot: why it was last found hung
 
     def deadline(self, progress: Progress) -> float:
         if progress.step_s <= 0:
@@ -210,21 +217,38 @@ class HangDetector:
         not written yet while it starts)."""
         found = []
         for slot, p in enumerate(progress):
-            silent = (p.pid and p.pid == live.get(slot) and p.state in _JUDGED
-                      and now - p.alive_at > self.deadline(p))
-            if not silent:
+            pid = live.get(slot)
+            written = bool(p.pid) and p.pid == pid
+            if written and p.state in _JUDGED:
+                stopped_only, silent = False, now - p.alive_at > self.deadline(p)
+            elif pid and not (written and p.state == WorkerState.DONE):
+                stopped_only, silent = True, not written or now - p.alive_at > self.floor_s
+            else:
+                stopped_only = silent = False
+            activity = self._activity(pid) if silent and pid else None
+            used, state = activity if activity is not None else (None, "?")
+            if not silent or (stopped_only and state not in _STOPPED):
                 self._suspects.pop(slot, None)
                 self._states.pop(slot, None)
                 continue
-            activity = self._activity(p.pid)
-            used, state = activity if activity is not None else (None, "?")
             self._states[slot] = state
             suspect = self._suspects.get(slot)
-            if suspect is None or suspect[0] != p.pid or used != suspect[2]:
-                self._suspects[slot] = (p.pid, now, used)  # first seen silent, or it ran since
-            elif now - suspect[1] >= self.confirm_s and (state in _STOPPED or now - p.alive_at > self.blocked_s):
+            hold = self.confirm_s if written else max(self.confirm_s, self.floor_s)
+            if suspect is None or suspect[0] != pid or used != suspect[2]:
+                self._suspects[slot] = (pid, now, used)  # first seen silent, or it ran since
+            elif now - suspect[1] >= hold and (state in _STOPPED or now - p.alive_at > self.blocked_s):
                 found.append(slot)
+                if stopped_only:
+                    doing = "forms a group" if written and p.state == WorkerState.BUSY else "starts"
+                    self._reasons[slot] = f"its process is stopped (state {state}) while it {doing}"
+                else:
+                    self._reasons[slot] = (f"its process has not run for {now - p.alive_at:.1f}s (deadline "
+                                           f"{self.deadline(p):.1f}s, from its step time; process state {state})")
         return found
+
+    def reason(self, slot: int) -> str:
+        """Why :meth:`hung` last found ``slot``'s worker hung, in words."""
+        return self._reasons.get(slot, "?")
 
     def state(self, slot: int) -> str:
         """The scheduler state (``T``, ``S``, ...) :meth:`hung` last saw ``slot``'s silent worker in;

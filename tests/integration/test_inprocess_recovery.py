@@ -8,6 +8,7 @@ step on every rank; the tests read who trained which step in which process.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import signal
@@ -21,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from elastictrain.chaos.faults import descendants
+from elastictrain.chaos.faults import descendants, worker_pids
 from elastictrain.etcd import kv
 from elastictrain.rendezvous.keys import RunKeys
 from tests.conftest import REPO_ROOT, communicate_reporting_hangs, fail_with_stacks, hang_reporting_env
@@ -329,6 +330,42 @@ def test_a_hung_worker_is_killed_and_replaced_long_before_the_collective_timeout
     assert events(out, "hang"), "the hang was not reported"
     assert len({r["pid"] for r in steps_by_rank(out)[0]}) == 1
     assert_every_step_once(out, [0, 1])
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_stopped_while_it_starts_is_killed_and_replaced_and_the_job_goes_on(
+        etcd_server: Any, run_id: str, tmp_path: Path) -> None:
+    # Chaos found a worker stopped while its group formed left alone: only one that trains was
+    # judged, and its peers waited for it in the formation until it was continued (70 s).
+    # Here a joining node's worker is stopped as soon as it exists: it must be killed and
+    # replaced, and the job go on at world size 3 (without the fix it waits for it forever).
+    out = tmp_path / "job"
+    args = ("--steps", "600", "--step-sleep", "0.05")
+    nodes = [start_node(etcd_server.endpoint, run_id, out, *args, min_nodes=2, max_nodes=3) for _ in range(2)]
+    wait_until(lambda: len({r["rank"] for r in records(out) if r["step"] >= 2}) == 2, "step 2", nodes)
+    nodes.append(start_node(etcd_server.endpoint, run_id, out, *args, min_nodes=2, max_nodes=3))
+    stopped: list[int] = []
+
+    def stop_its_worker() -> bool:
+        stopped.extend(worker_pids(nodes[2].pid)[:1])
+        if stopped:
+            os.kill(stopped[0], signal.SIGSTOP)
+        return bool(stopped)
+
+    try:
+        wait_until(stop_its_worker, "the joining node's worker exists", nodes, timeout=60)
+        wait_until(lambda: any(r["world"] == 3 for r in records(out)), "training at world size 3", nodes,
+                   timeout=90)
+    finally:
+        if stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped[0], signal.SIGKILL)
+    outputs = finish(nodes)
+    assert [n.returncode for n in nodes] == [0, 0, 0], "\n".join(o[-2000:] for o in outputs)
+    assert stopped[0] not in {r["pid"] for r in records(out)}
+    assert f"(pid {stopped[0]}) is hung: its process is stopped (state T) while it starts" in outputs[2], \
+        outputs[2][-3000:]
+    assert [e["pid"] for e in events(out, "hang")] == [stopped[0]]
 
 
 @pytest.mark.timeout(300)

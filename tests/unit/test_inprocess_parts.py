@@ -106,8 +106,8 @@ def test_a_stopped_worker_is_hung_one_waiting_in_a_collective_is_not() -> None:
     assert _judged(detector, _progress(step_s=0.05, alive_at=t), t + 2.5) == []  # within its deadline at first
     # Blocked in a collective on a hung peer: no step, but its liveness thread runs.
     assert _judged(detector, _progress(step_s=0.05, alive_at=t + 2.9), t + 3.0) == []
-    # Busy (forming a group, receiving the state): never judged.
-    assert _judged(detector, _progress(step_s=0.05, alive_at=t, state=WorkerState.BUSY), t + 30) == []
+    # Busy (forming a group, receiving the state): judged only by being stopped (below).
+    assert _judged(detector, _progress(step_s=0.05, alive_at=t + 29.9, state=WorkerState.BUSY), t + 30) == []
     # Recovering: judged as training. It waits for the next generation with its liveness thread
     # running, unless it froze as it left its group (it says it recovers before it leaves).
     assert _judged(detector, _progress(step_s=0.05, alive_at=t, state=WorkerState.RECOVERING), t + 4.0) == [0]
@@ -115,6 +115,31 @@ def test_a_stopped_worker_is_hung_one_waiting_in_a_collective_is_not() -> None:
     assert _judged(detector, _progress(pid=0, step_s=0.05, alive_at=t), t + 30) == []  # an empty slot
     # The slot still holds a killed worker's last words; its replacement (pid 11) is starting.
     assert _judged(detector, _progress(step_s=0.05, alive_at=t), t + 30, {0: 11}) == []
+
+
+def test_a_worker_stopped_while_it_starts_or_forms_a_group_is_hung_one_that_waits_there_is_not() -> None:
+    # Seen in chaos: a worker stopped while its group formed was never killed (a forming worker
+    # was never judged); its peers waited for it in the formation until it was continued, 70 s.
+    asleep = HangDetector(floor_s=2.0, factor=10.0, startup_s=60.0, confirm_s=1.0, blocked_s=30.0,
+                          activity=lambda _pid: (4.0, "S"))
+    frozen = HangDetector(floor_s=2.0, factor=10.0, startup_s=60.0, confirm_s=1.0, blocked_s=30.0,
+                          activity=FROZEN)
+    for state in (WorkerState.BUSY, WorkerState.STARTING):
+        # Waiting for its peers or building its model, however long: left alone.
+        assert _judged(asleep, _progress(alive_at=100.0, state=state), 500.0) == []
+        # Stopped: hung once its liveness thread has been silent past the floor.
+        assert _judged(frozen, _progress(alive_at=100.0, state=state), 101.5) == []
+        assert _judged(frozen, _progress(alive_at=100.0, state=state), 103.5) == [0]
+    assert frozen.reason(0) == "its process is stopped (state T) while it starts"
+    assert _judged(frozen, _progress(alive_at=100.0, state=WorkerState.DONE), 500.0) == []  # on its way out
+    # Stopped before it wrote its slot (which still holds its predecessor's last words): hung
+    # once seen stopped for the floor, without using CPU time.
+    fresh = {0: 10}
+    old_words = _progress(pid=9, alive_at=0.0, state=WorkerState.DONE)
+    assert frozen.hung([old_words], 200.0, fresh) == []
+    assert frozen.hung([old_words], 201.5, fresh) == []
+    assert frozen.hung([old_words], 202.0, fresh) == [0]
+    assert asleep.hung([old_words], 200.0, fresh) == asleep.hung([old_words], 300.0, fresh) == []
 
 
 def test_a_worker_starved_of_cpu_is_not_hung() -> None:
