@@ -9,12 +9,13 @@ which is how the agent tells a hung worker from one that waits in a collective.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from elastictrain._control import CONTROL_DIR_ENV, Assignment, AssignmentWatch, ProgressTable, WorkerState, now
 
@@ -24,6 +25,9 @@ __all__ = ["JobEnded", "WorkerControl"]
 
 LIVENESS_PERIOD = 0.2
 _POLL = 0.01
+_STUCK_STEPS = 3
+"""Typical steps a step may take, with the next generation announced, before its collective is
+taken for stuck on a peer that is gone."""
 
 
 class JobEnded(Exception):  # noqa: N818 - a signal to leave, not an error
@@ -54,6 +58,8 @@ class WorkerControl:
         self.generation = current.generation if current is not None else 0
         self._on_stuck: Callable[[], None] | None = None
         self._stuck_after = 1.0
+        self._in_collective = False
+        self._stuck_in_collective_only = False
         self._closed = threading.Event()
         self._write()
         self._thread = threading.Thread(target=self._liveness, name="elastictrain-liveness", daemon=True)
@@ -78,10 +84,12 @@ class WorkerControl:
         while not self._closed.wait(LIVENESS_PERIOD):
             self._write()
             callback = self._on_stuck
-            if callback is None or self.state != WorkerState.TRAINING:
+            if callback is None or self.state != WorkerState.TRAINING or (self._stuck_in_collective_only
+                                                                          and not self._in_collective):
                 continue
             current = self._assignments.current()
-            stalled = now() - (self.step_at or now()) > self._stuck_after
+            # A step in flight for several typical steps, not a slow one.
+            stalled = now() - (self.step_at or now()) > max(self._stuck_after, _STUCK_STEPS * self.step_s)
             if current is not None and current.generation > self.generation and stalled:
                 self._on_stuck = None  # once per generation; set again when training resumes
                 try:
@@ -89,12 +97,28 @@ class WorkerControl:
                 except Exception:  # noqa: BLE001 - the liveness thread must live on
                     logger.exception("the stuck-collective callback failed")
 
-    def on_stuck(self, callback: Callable[[], None] | None, *, after: float = 1.0) -> None:
+    def on_stuck(self, callback: Callable[[], None] | None, *, after: float = 1.0,
+                 in_collective_only: bool = False) -> None:
         """Call ``callback`` (on the liveness thread) if this worker trains, its agent already
-        published a newer generation, and no step finished for ``after`` seconds: a collective
-        waits for a peer that is gone. NCCL can then abort its communicator so that the
-        collective fails now (gloo cannot: the agent kills a hung peer instead)."""
+        published a newer generation, and no step finished for ``after`` seconds (and
+        :data:`_STUCK_STEPS` of its typical steps): a collective waits for a peer that is gone.
+        The callback makes it fail now (NCCL's abort, gloo's connections shut down). With
+        ``in_collective_only``, only while the worker waits in a step's own collectives (see
+        :meth:`collective`): gloo's block the calling thread there, where NCCL's are
+        asynchronous and block it at the next synchronization, wherever that is."""
         self._on_stuck, self._stuck_after = callback, after
+        self._stuck_in_collective_only = in_collective_only
+
+    @contextlib.contextmanager
+    def collective(self) -> Iterator[None]:
+        """Mark the step's own collectives (its backward, its application): only a wait there
+        may be taken for stuck (:meth:`on_stuck`), not one in the caller's code between steps
+        (an evaluation's), which the next step boundary ends in order."""
+        self._in_collective = True
+        try:
+            yield
+        finally:
+            self._in_collective = False
 
     def set_state(self, state: int) -> None:
         self.state = state

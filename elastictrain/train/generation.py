@@ -125,15 +125,29 @@ class Generation:
              on_forward: Callable[..., None], control: WorkerControl | None) -> None:
         """Wrap ``module`` in DDP over this group (a collective unless ``identical``: every rank
         already holds the same state); see :func:`~elastictrain.train.recovery.wrap_in_ddp`.
-        ``on_forward`` runs before each forward. On NCCL under in-process recovery, the
-        liveness thread of ``control`` may abort the group's communicators."""
+        ``on_forward`` runs before each forward.
+
+        Under in-process recovery, once the agent announced the next generation and no step
+        finished for a while (a collective waits for a peer that is gone without closing its
+        connections: a host lost, a network cut), the liveness thread of ``control`` ends the
+        wait: it aborts NCCL's communicators, or shuts down gloo's connections
+        (:func:`~elastictrain.train.process_group.sever`). The collective fails at once instead
+        of after the group's timeout, and the rank re-forms."""
         if not self.placement.distributed:
             return
         self.ddp, self.flag, self._sync_buffers = wrap_in_ddp(
             module, ddp_kwargs, self.placement, self.group, in_process=self.in_process, identical=identical)
         self.ddp.register_forward_pre_hook(on_forward)
-        if self.in_process and "nccl" in (self.placement.backend or "") and control is not None:
-            control.on_stuck(abort_default_group)
+        if self.in_process and control is not None:
+            backend = self.placement.backend or ""
+            if "nccl" in backend:
+                control.on_stuck(abort_default_group)
+            elif backend == "gloo":
+                control.on_stuck(self._sever, in_collective_only=True)
+
+    def _sever(self) -> None:
+        logger.warning("a collective is stuck on a peer that is gone: shutting down this group's connections")
+        pg.sever(None, self._gloo, self._checkpoint_group)
 
     def after_step(self, module: torch.nn.Module) -> None:
         """What the group does at each step boundary: DDP's bucket rebuild under in-process

@@ -13,6 +13,7 @@ holds any; then the model is wrapped in DDP over the group
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -89,6 +90,10 @@ class GroupKeeper:
     def flag(self) -> BoundaryFlag | None:
         """The boundary flag of this generation (in-process recovery only)."""
         return self.generation.flag if self.generation is not None else None
+
+    def collective(self) -> contextlib.AbstractContextManager[None]:
+        """Marks a step's own collectives (see :meth:`WorkerControl.collective`)."""
+        return self.control.collective() if self.control is not None else contextlib.nullcontext()
 
     def reform_due(self) -> bool:
         """Whether the agent wants the group re-formed."""

@@ -470,7 +470,8 @@ class Session:
         if keeper.control is not None:
             keeper.control.step_done(state.step)
         assert keeper.generation is not None  # noqa: S101 - private invariant
-        keeper.generation.after_step(self.module)
+        with keeper.collective():  # DDP's bucket order, the buffers' broadcast
+            keeper.generation.after_step(self.module)
 
         now = time.perf_counter()
         elapsed, self._clock = now - self._clock, now
@@ -478,8 +479,9 @@ class Session:
         logging_due = config.log_every is not None and state.step % config.log_every == 0
         if config.sync_loss or logging_due or self.hooks.wants("on_step_end"):
             distributed = self.placement is not None and self.placement.distributed
-            step.loss = step.mean_loss(sync=config.sync_loss, all_reduce=config.sync_loss and distributed,
-                                       group=self._group)
+            with keeper.collective():
+                step.loss = step.mean_loss(sync=config.sync_loss, all_reduce=config.sync_loss and distributed,
+                                           group=self._group)
         if logging_due:
             self.log.info("step %d epoch %d %s %.5g %.1f samples/s", state.step, step.epoch,
                           "loss" if config.sync_loss else "rank-0 loss", step.loss, throughput)

@@ -105,7 +105,8 @@ class MicroStep:
         scaled = loss if self.loss_scale == 1.0 else loss * self.loss_scale
         session = self._step._session
         try:
-            session.precision.backward(scaled)
+            with session._keeper.collective():  # the gradients' all-reduce
+                session.precision.backward(scaled)
         except Exception as exc:
             if session.recovers_in_process and is_collective_failure(exc):
                 self._step.fail(exc)  # discarded; the session re-forms the group and plans it again

@@ -32,12 +32,12 @@ STEPS = 40
 
 
 def start_node(endpoint: str, run_id: str, out: Path, *job_args: str, min_nodes: int = 2, max_nodes: int = 2,
-               extra: tuple[str, ...] = ()) -> subprocess.Popen[str]:
+               extra: tuple[str, ...] = (), env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "elastictrain", "run", "--etcd", endpoint, "--run-id", run_id, "--min-nodes",
          str(min_nodes), "--max-nodes", str(max_nodes), "--local-addr", "127.0.0.1", "--join",
          "--event-log", str(out / "events.jsonl"), *extra, JOB, str(out), "--steps", str(STEPS), *job_args],
-        env=hang_reporting_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**hang_reporting_env(), **(env or {})}, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)
 
 
@@ -366,6 +366,43 @@ def test_a_worker_stopped_while_it_starts_is_killed_and_replaced_and_the_job_goe
     assert f"(pid {stopped[0]}) is hung: its process is stopped (state T) while it starts" in outputs[2], \
         outputs[2][-3000:]
     assert [e["pid"] for e in events(out, "hang")] == [stopped[0]]
+
+
+@pytest.mark.timeout(300)
+def test_survivors_of_a_node_gone_silent_cut_their_stuck_collective_instead_of_waiting_out_its_timeout(
+        etcd_server: Any, run_id: str, tmp_path: Path) -> None:
+    # A node stopped whole (agent and worker): its connections stay open, as a host that lost
+    # power or a network cut leaves them, so the survivors' gradient all-reduce waits for it
+    # with no error. Its lease runs out (5 s) and the agents form a round without it; the
+    # survivors must then end the wait themselves (gloo cannot abort a collective), not wait
+    # out the group's 300 s collective timeout.
+    out = tmp_path / "job"
+    args = ("--steps", "2000", "--step-sleep", "0.05")
+    env = {"ELASTICTRAIN_PG_TIMEOUT": "300"}
+    nodes = [start_node(etcd_server.endpoint, run_id, out, *args, min_nodes=2, max_nodes=3, env=env)
+             for _ in range(3)]
+    try:
+        wait_until(lambda: len({r["rank"] for r in records(out) if r["step"] >= 5 and r["world"] == 3}) == 3,
+                   "step 5 at world size 3", nodes)
+        gone = nodes[2]
+        gone_workers = set(worker_pids(gone.pid))
+        os.killpg(gone.pid, signal.SIGSTOP)
+        stopped_at = time.time()
+        survivors = nodes[:2]
+        wait_until(lambda: any(r["world"] == 2 and r["t"] > stopped_at for r in records(out)),
+                   "a step at world size 2", survivors, timeout=90)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(nodes[2].pid, signal.SIGKILL)
+    for node in survivors:
+        os.kill(node.pid, signal.SIGTERM)  # enough: the job's 2000 steps would take minutes
+    outputs = finish(survivors)
+    said = "a collective is stuck on a peer that is gone: shutting down this group's connections"
+    assert any(said in output for output in outputs), "\n".join(o[-3000:] for o in outputs)
+    before = {r["pid"] for r in records(out) if r["t"] < stopped_at and r["world"] == 3}
+    after = {r["pid"] for r in records(out) if r["t"] > stopped_at}
+    assert gone_workers and gone_workers <= before
+    assert after == before - gone_workers, "a survivor's worker was restarted"
 
 
 @pytest.mark.timeout(300)
