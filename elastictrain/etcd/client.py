@@ -359,7 +359,8 @@ class EtcdClient:
                                  "its certificate")
         return None
 
-    def call(self, operation: Callable[[Any], _T], what: str = "etcd request", *, once: bool = False) -> _T:
+    def call(self, operation: Callable[[Any], _T], what: str = "etcd request", *, once: bool = False,
+             deadline: timedelta | None = None) -> _T:
         """Run ``operation(etcd3_client)`` with failover and bounded retries.
 
         Args:
@@ -367,6 +368,10 @@ class EtcdClient:
             what: Names the operation in errors and logs.
             once: Make a single attempt. For a request that must not be repeated
                 blindly: a transient failure may have come after etcd applied it.
+            deadline: Retry for this long instead of ``retry_deadline``, without the
+                warnings that etcd does not answer: for a request that may as well not
+                happen (revoking a lease that expires on its own), whose caller says
+                what giving up means.
 
         Returns:
             Whatever ``operation`` returns.
@@ -374,10 +379,11 @@ class EtcdClient:
         Raises:
             errors.EtcdIndeterminateError: With ``once``, the attempt failed transiently: etcd
                 may or may not have applied it.
-            errors.EtcdUnavailableError: No endpoint answered within ``retry_deadline``.
+            errors.EtcdUnavailableError: No endpoint answered within ``retry_deadline`` (or ``deadline``).
             errors.EtcdAuthError: etcd refused our credentials or TLS setup.
         """
         last: list[tuple[Endpoint, BaseException]] = []
+        retry_s = (deadline or self._settings.retry_deadline).total_seconds()
 
         def attempt() -> _T:
             index, client = self._current, None
@@ -407,14 +413,13 @@ class EtcdClient:
             others = len(self._settings.endpoints) > 1
             logger.warning("etcd at %s does not answer %s (%s); retrying%s for up to %gs", endpoint, what,
                            _describe(exc), " on the next endpoint" if others else "",
-                           self._settings.retry_deadline.total_seconds())
+                           retry_s)
 
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(self._is_transient),
-            before_sleep=None if once else say_retrying,
+            before_sleep=None if once or deadline is not None else say_retrying,
             wait=tenacity.wait_random_exponential(multiplier=0.05, max=2.0),
-            stop=(tenacity.stop_after_attempt(1) if once
-                  else tenacity.stop_before_delay(self._settings.retry_deadline.total_seconds())),
+            stop=tenacity.stop_after_attempt(1) if once else tenacity.stop_before_delay(retry_s),
             reraise=True,
         )
         try:
@@ -433,8 +438,7 @@ class EtcdClient:
             if self._is_transient(exc):
                 tried = ", ".join(sorted({f"{ep} ({_describe(e)})" for ep, e in last}))
                 raise errors.EtcdUnavailableError(
-                    f"etcd unreachable for {what} after "
-                    f"{self._settings.retry_deadline.total_seconds():g}s: {tried}"
+                    f"etcd unreachable for {what} after {retry_s:g}s: {tried}"
                 ) from exc
             if isinstance(exc, self._etcd3.exceptions.Etcd3Exception) or _grpc_code_name(exc):
                 raise errors.EtcdUnavailableError(

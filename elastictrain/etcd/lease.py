@@ -37,6 +37,10 @@ __all__ = ["KeepAliveHub", "KeptLease", "RunLease"]
 _T = TypeVar("_T")
 _BACKOFF_FIRST = 0.05
 _BACKOFF_MAX = 1.0
+_REVOKE_DEADLINE = timedelta(seconds=2)
+"""How long :meth:`KeptLease.revoke` tries: a process that leaves must not wait out the retry
+deadline on an unreachable etcd (a scheduler's grace period, 30 s in Kubernetes, would kill
+it first), and the lease expires after its TTL anyway."""
 
 
 class KeepAliveHub:
@@ -209,15 +213,25 @@ class KeptLease:
             hub.add(self, lease_id)
 
     def revoke(self) -> None:
-        """Stop refreshing and delete the lease now: every key attached to it goes with it."""
+        """Stop refreshing and delete the lease now: every key attached to it goes with it.
+
+        Tries for :data:`_REVOKE_DEADLINE` only, then gives up with one log line: the lease
+        expires after its TTL anyway, and the caller (a node that leaves) must not hang on
+        an unreachable etcd.
+        """
         with self._lock:
             lease_id, self._id = self._id, None
         if lease_id is not None:
             self._client.keepalive_hub().remove(lease_id)
             try:
-                self._client.call(lambda c: c.revoke_lease(lease_id), what=f"revoking the {self._name}")
+                self._client.call(lambda c: c.revoke_lease(lease_id), what=f"revoking the {self._name}",
+                                  deadline=_REVOKE_DEADLINE)
             except EtcdError as exc:  # it expires on its own
-                logger.debug("could not revoke the %s: %s", self._name, exc)
+                if "lease not found" in str(exc):  # it has already
+                    logger.debug("the %s (%x) was already gone: %s", self._name, lease_id, exc)
+                    return
+                logger.warning("could not revoke the %s (%x): %s; etcd expires it within its TTL (%d s)",
+                               self._name, lease_id, exc, self.granted_ttl or self.ttl)
 
     def close(self) -> None:
         """Stop refreshing (the lease then expires after its TTL)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import time
@@ -287,6 +288,25 @@ def test_leaving_without_closing_is_seen_at_once(etcd_server: Any, run_id: str) 
     _eventually(lambda: handlers[0].num_nodes_waiting() == 1, 2, "the other node sees it gone")
     assert not handlers[0].is_closed()
     _shutdown(handlers[0])
+
+
+def test_a_node_leaving_while_etcd_is_down_gives_up_revoking_its_lease_well_before_the_retry_deadline(
+        private_etcd: Any, run_id: str, caplog: pytest.LogCaptureFixture) -> None:
+    # A scheduler SIGKILLs a node that outlives its grace period (30 s in Kubernetes): a node
+    # that leaves must not spend the 30 s retry deadline on a revoke etcd cannot answer, since
+    # its lease expires on its own.
+    handlers = _handlers(private_etcd.endpoint, run_id, 2, 1, 2, retry_deadline=30)
+    _join_all(handlers)
+    private_etcd.kill()
+    started = time.monotonic()
+    with caplog.at_level(logging.DEBUG, logger="elastictrain"):
+        handlers[1].leave()
+    took = time.monotonic() - started
+    assert took < 10, f"leave() took {took:.1f}s with etcd down (the retry deadline is 30 s)"
+    said = [r.getMessage() for r in caplog.records
+            if r.levelno >= logging.INFO and "liveness lease" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("could not revoke the liveness lease"), said
+    handlers[0].leave()
 
 
 def test_rounds_form_for_many_nodes_with_few_requests_each(etcd_server: Any, run_id: str) -> None:
