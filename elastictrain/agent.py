@@ -49,6 +49,7 @@ from elastictrain.worker_group import (
     FailureBudget,
     HangDetector,
     WorkerProcesses,
+    continue_stopped,
     exited_cleanly,
     finished_without_a_word,
 )
@@ -215,6 +216,14 @@ class ElasticAgent(LocalElasticAgent):
             handler.set_finished()
         except EtcdError as exc:
             logger.warning("could not mark run '%s' finished: %s", handler.get_run_id(), exc)
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        # Every way torch's agent stops its workers (a restart, a stop, a signal, the end of
+        # its run) comes here: a stopped worker would hold it up for ``timeout``.
+        context = _torch_compat.process_context(self)
+        if context is not None:
+            continue_stopped(context)
+        super()._shutdown(death_sig, timeout)
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         failed = worker_group.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}

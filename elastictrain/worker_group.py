@@ -33,8 +33,8 @@ from elastictrain._process import proc_stat
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Channel", "FailureBudget", "HangDetector", "WorkerProcesses", "exited_cleanly", "finished_without_a_word",
-           "process_activity"]
+__all__ = ["Channel", "FailureBudget", "HangDetector", "WorkerProcesses", "continue_stopped", "exited_cleanly",
+           "finished_without_a_word", "process_activity"]
 
 
 def exited_cleanly(context: Any) -> bool:
@@ -54,6 +54,24 @@ def exited_cleanly(context: Any) -> bool:
 
     codes = _torch_compat.worker_exit_codes(context)
     return bool(codes) and all(code == 0 for code in codes)
+
+
+def continue_stopped(context: Any) -> None:
+    """SIGCONT each stopped process (SIGSTOP, a debugger) of ``context`` (a torch process context).
+
+    Called just before the context is closed: a stopped process cannot act on the death
+    signal until it is continued, and torch's close waits 30 s for it before it sends
+    SIGKILL, while the node's peers form a round without it.
+    """
+    for pid in context.pids().values():
+        fields = proc_stat(pid)
+        if fields is not None and fields[0] in _STOPPED:
+            logger.info("worker pid %d is stopped (state %s): continuing it so that it can act on the "
+                        "signal that stops it", pid, fields[0])
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
 
 def finished_without_a_word(context: Any) -> None:
@@ -121,7 +139,9 @@ class WorkerProcesses:
                 pass
 
     def close(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        """Stop every worker: ``death_sig``, then SIGKILL after ``timeout`` (a stopped one is continued)."""
         for context in self.contexts.values():
+            continue_stopped(context)
             context.close(death_sig, timeout)
         self.contexts.clear()
 

@@ -97,6 +97,44 @@ def test_a_worker_killed_before_its_forkserver_reports_it_is_restarted_not_taken
     assert "killed by SIGKILL" in err
 
 
+@pytest.mark.parametrize("recovery", ["restart", "in-process"])
+def test_an_agent_that_stops_a_stopped_worker_is_not_held_up_by_it(tmp_path: Path, recovery: str) -> None:
+    # torch's agent stops its workers with SIGTERM and sends SIGKILL only after 30 s: a worker
+    # stopped by SIGSTOP cannot act on SIGTERM until continued, and held its agent for those
+    # 30 s (its peers formed a round without the node, which then forced another restart).
+    from elastictrain._process import proc_stat
+
+    script, out = tmp_path / "wait.py", tmp_path / "out"
+    script.write_text(_WAIT_FOR_RELEASE)
+    out.mkdir()
+    node = subprocess.Popen([sys.executable, "-m", "elastictrain", "run", "--recovery", recovery, str(script),
+                             str(out)], env=subprocess_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    worker = None
+    try:
+        deadline = time.monotonic() + 60
+        while not (started := list(out.glob("start-0-*"))) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert started, "the worker did not start"
+        worker = int(started[0].name.rsplit("-", 1)[1])
+        os.kill(worker, signal.SIGSTOP)
+        while (proc_stat(worker) or ["?"])[0] != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stopping = time.monotonic()
+        node.send_signal(signal.SIGTERM)  # the agent stops its workers, then exits
+        _, err = node.communicate(timeout=60)
+        took = time.monotonic() - stopping
+    finally:
+        if node.poll() is None:
+            node.kill()
+            node.communicate()
+        if worker is not None and _alive(worker):
+            os.kill(worker, signal.SIGKILL)
+    assert took < 10, f"the agent took {took:.1f}s to stop its stopped worker (torch waits 30 s):\n{err[-3000:]}"
+    assert node.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert not _alive(worker), "the stopped worker outlived its agent"
+
+
 def test_two_local_nodes_train_ddp_steps_and_exit_zero(tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = elastictrain("run", "--local-nodes", "2", SCRIPT, str(out))  # a 2-node job without node counts
