@@ -255,7 +255,8 @@ class InProcessAgent(ElasticAgent):
         self._logs: dict[int, DefaultLogsSpecs] = {}
         self._workers = WorkerProcesses(self._start_one)
         self._finished: set[int] = set()
-        self._dead: set[int] = set()
+        self._dead: dict[int, int] = {}
+        """The pid of each dead worker awaiting its replacement, by local rank."""
         self._generation = 0
         self._replacements = 0
         self._finished_elsewhere_at: float | None = None
@@ -336,11 +337,12 @@ class InProcessAgent(ElasticAgent):
         for local_rank, result in ended.items():
             self._workers.forget(local_rank)
             if result.is_failed():
-                failures[by_local[local_rank].global_rank] = result.failures[0]  # each context holds one worker
+                failure = result.failures[0]  # each context holds one worker
+                failures[by_local[local_rank].global_rank] = failure
+                self._dead[local_rank] = failure.pid
             else:
                 self._finished.add(local_rank)
         if failures:
-            self._dead |= {lr for lr in ended if lr not in self._finished}
             self._events.emit("worker_failure", failures={
                 rank: {"exitcode": f.exitcode, "pid": f.pid, "signal": f.signal_name() if f.exitcode < 0 else None}
                 for rank, f in failures.items()})
@@ -450,11 +452,15 @@ class InProcessAgent(ElasticAgent):
                            now - self._finished_elsewhere_at, sorted(self._workers.pids().values()))
 
     def _in_process_capable(self, group: WorkerGroup) -> bool:
-        """Whether every live worker of this node recovers in place: it opened its control slot
-        (a ``Session`` or ``run_elastic`` loop does; a plain script does not)."""
+        """Whether this node's workers recover in place: every live one opened its control slot
+        (a ``Session`` or ``run_elastic`` loop does; a plain script does not), and so did at
+        least one worker, live or dead. A dead worker's slot keeps its pid: a node whose only
+        worker was just killed recovers in place, as one with two workers does."""
         progress = self._channel.progress()
-        pids = self._workers.pids()
-        return bool(pids) and all(progress[local_rank].pid == pid for local_rank, pid in pids.items())
+        live = self._workers.pids()
+        opened = {local_rank for local_rank, pid in {**self._dead, **live}.items()
+                  if progress[local_rank].pid == pid}
+        return bool(opened) and set(live) <= opened
 
     def _say_ready(self, group: WorkerGroup) -> None:
         """Say once per round, in etcd, that this node's workers can form the round's group:
@@ -503,7 +509,7 @@ class InProcessAgent(ElasticAgent):
             self._events.emit("restart", reason=cause, restarts=self.restarts)
             self._publish(state="restarting", restarts=self.restarts)
             self._workers.close()
-            self._dead = set()
+            self._dead = {}
             self._initialize_workers(group)
             return
         started = time.monotonic()
@@ -529,7 +535,8 @@ class InProcessAgent(ElasticAgent):
         self._held = None
         self._publish_generation(group, cause=cause)
         dead = sorted(self._dead) if held_since is None else []
-        self._dead -= set(dead)
+        for local_rank in dead:
+            del self._dead[local_rank]
         if dead:
             pids = self._workers.start(dead)
             for worker in group.workers:

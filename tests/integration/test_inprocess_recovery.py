@@ -135,6 +135,31 @@ def test_a_killed_worker_is_replaced_alone_each_time_its_peer_keeps_its_process_
 
 
 @pytest.mark.timeout(300)
+def test_a_node_whose_only_worker_is_killed_replaces_it_as_a_recovery_not_a_restart(
+        etcd_server: Any, run_id: str, tmp_path: Path) -> None:
+    # The dead worker was dropped before the agent judged whether its node's workers recover in
+    # place: with one worker per node none was left, and the node took the plain-script branch
+    # (a "restart" event, state "restarting", the restarts counter) though it recovered in place.
+    out = tmp_path / "job"
+    nodes = [start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.1", extra=("--nproc-per-node", "1"))
+             for _ in range(2)]
+    wait_until(lambda: len({r["rank"] for r in records(out) if r["step"] >= 5}) == 2, "step 5", nodes)
+    victim = latest_pid(out, 1)
+    os.kill(victim, signal.SIGKILL)
+    outputs = finish(nodes)
+    assert [n.returncode for n in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    [agent] = [e["pid"] for e in events(out, "worker_failure")
+               if victim in {f["pid"] for f in e["failures"].values()}]
+    output = outputs[[n.pid for n in nodes].index(agent)]
+    assert "restarting this node's workers" not in output, output[-3000:]
+    assert "replaced local worker(s) [0]" in output, output[-3000:]
+    assert not [e for e in events(out, "restart") if e["pid"] == agent], output[-3000:]
+    assert [e["replaced_local_ranks"] for e in events(out, "recovery") if e["pid"] == agent] == [[0]]
+    assert len({r["pid"] for r in steps_by_rank(out)[0]}) == 1, "the other node's worker was restarted"
+    assert_every_step_once(out, [0, 1])
+
+
+@pytest.mark.timeout(300)
 def test_a_lost_node_leaves_the_survivors_training_in_their_processes(etcd_server: Any, run_id: str,
                                                                        tmp_path: Path) -> None:
     out = tmp_path / "job"
