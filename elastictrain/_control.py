@@ -77,6 +77,8 @@ class Assignment:
     """Why the last (or pending) re-formation happens, for events and logs."""
     closed: bool = False
     """The job is over (stopped, or the rendezvous closed): leave."""
+    joined: bool = False
+    """Nodes joined and none left: every peer of the previous generation lives on in this one."""
 
     def rank_of(self, local_rank: int) -> int | None:
         return self.ranks.get(str(local_rank))

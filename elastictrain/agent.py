@@ -533,7 +533,7 @@ class InProcessAgent(ElasticAgent):
         A generation held for a join since ``held_since`` is published as it was formed: a
         worker that died since is replaced by the recovery that follows."""
         self._held = None
-        self._publish_generation(group, cause=cause)
+        self._publish_generation(group, cause=cause, joined=held_since is not None)
         dead = sorted(self._dead) if held_since is None else []
         for local_rank in dead:
             del self._dead[local_rank]
@@ -557,7 +557,7 @@ class InProcessAgent(ElasticAgent):
                     f"; the workers trained on for {trained_on:.3f}s until the joining node(s) were ready"
                     if held_since is not None else "")
 
-    def _publish_generation(self, group: WorkerGroup, *, cause: str) -> None:
+    def _publish_generation(self, group: WorkerGroup, *, cause: str, joined: bool = False) -> None:
         self._generation += 1
         handler = group.spec.rdzv_handler
         self._channel.publish(Assignment(
@@ -565,4 +565,4 @@ class InProcessAgent(ElasticAgent):
             world_size=group.workers[0].world_size if group.workers else 0,
             master_addr=group.master_addr or "", master_port=int(group.master_port or 0),
             ranks={str(w.local_rank): w.global_rank for w in group.workers},
-            group_rank=group.group_rank or 0, group_world_size=group.group_world_size or 1, cause=cause))
+            group_rank=group.group_rank or 0, group_world_size=group.group_world_size or 1, cause=cause, joined=joined))

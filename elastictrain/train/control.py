@@ -90,7 +90,9 @@ class WorkerControl:
             current = self._assignments.current()
             # A step in flight for several typical steps, not a slow one.
             stalled = now() - (self.step_at or now()) > max(self._stuck_after, _STUCK_STEPS * self.step_s)
-            if current is not None and current.generation > self.generation and stalled:
+            # A generation that only adds nodes keeps every peer: none is gone, whatever the wait.
+            joined = current is not None and current.joined and current.generation == self.generation + 1
+            if current is not None and current.generation > self.generation and stalled and not joined:
                 self._on_stuck = None  # once per generation; set again when training resumes
                 try:
                     callback()

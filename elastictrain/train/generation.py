@@ -11,6 +11,7 @@ the optimizer, the sampler, the committed step) stays with the session.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -143,11 +144,9 @@ class Generation:
             if "nccl" in backend:
                 control.on_stuck(abort_default_group)
             elif backend == "gloo":
-                control.on_stuck(self._sever, in_collective_only=True)
-
-    def _sever(self) -> None:
-        logger.warning("a collective is stuck on a peer that is gone: shutting down this group's connections")
-        pg.sever(None, self._gloo, self._checkpoint_group)
+                # This group's connections: the callback runs on another thread, maybe once
+                # this rank has formed the next group (which it must not touch).
+                control.on_stuck(functools.partial(_shut_down_stuck, pg.connections(None)), in_collective_only=True)
 
     def after_step(self, module: torch.nn.Module) -> None:
         """What the group does at each step boundary: DDP's bucket rebuild under in-process
@@ -196,6 +195,11 @@ class Generation:
                 dist.destroy_process_group(group)
             except (RuntimeError, ValueError) as exc:
                 logger.warning("could not destroy a gloo group of the session: %s", exc)
+
+
+def _shut_down_stuck(connections: tuple[tuple[int, int], ...]) -> None:
+    if pg.shut_down(connections):
+        logger.warning("a collective is stuck on a peer that is gone: shut down this group's connections")
 
 
 def _replaced_or_peer_lost(control: WorkerControl | None, group: dist.ProcessGroup) -> Callable[[], bool]:

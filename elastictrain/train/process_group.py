@@ -365,9 +365,21 @@ def sever(*groups: dist.ProcessGroup | None) -> int:
     severed = 0
     for group in groups:
         key = _WORLD if group is None else group.group_name
-        for fd, inode in _connections.pop(key, []):
-            severed += _shut_down(fd, inode)
+        severed += shut_down(tuple(_connections.pop(key, ())))
     return severed
+
+
+def connections(group: dist.ProcessGroup | None) -> tuple[tuple[int, int], ...]:
+    """The connections to its peers on record of a gloo group (``None``: the default group), as
+    :func:`sever` would find them now: for :func:`shut_down` later, from another thread, which
+    then touches these and never a later group's."""
+    return tuple(_connections.get(_WORLD if group is None else group.group_name, ()))
+
+
+def shut_down(recorded: tuple[tuple[int, int], ...]) -> int:
+    """Shut down the ``recorded`` connections (see :func:`connections`) that are still open, as
+    :func:`sever` does; how many it shut down. Never raises."""
+    return sum(_shut_down(fd, inode) for fd, inode in recorded)
 
 
 def lost_peer(group: dist.ProcessGroup | None) -> bool:

@@ -286,6 +286,13 @@ def test_partition_node_needs_netns_and_netns_needs_root_and_ip(
     config = ChaosConfig(script=str(script), run_dir=run_dir, pg_timeout=10)
     assert config.partition_duration.total_seconds() == 20  # past the collective timeout: the survivors notice
     assert config.bound_for(FaultKind.PARTITION_NODE) == 120 + 10 + 20
+    # In-process, a hung worker is killed: the job trains again before the hang would end (a
+    # hang that went unnoticed used to pass, its recovery within the loose bound restart mode gets).
+    assert config.bound_for(FaultKind.HANG_WORKER) == 10 + 5
+    assert ChaosConfig(script=str(script), run_dir=run_dir, hang=60).bound_for(FaultKind.HANG_WORKER) == 60
+    assert ChaosConfig(script=str(script), run_dir=run_dir, hang=3).bound_for(FaultKind.HANG_WORKER) == 15
+    assert ChaosConfig(script=str(script), run_dir=run_dir, pg_timeout=10,
+                       recovery="restart").bound_for(FaultKind.HANG_WORKER) == 120 + 10 + 15
     assert ChaosConfig(script=str(script), run_dir=run_dir, partition=7).partition_duration.total_seconds() == 7
     monkeypatch.setattr("os.geteuid", lambda: 1000)
     with pytest.raises(ConfigError, match="netns needs root"):

@@ -422,7 +422,7 @@ def test_survivors_of_a_node_gone_silent_cut_their_stuck_collective_instead_of_w
     for node in survivors:
         os.kill(node.pid, signal.SIGTERM)  # enough: the job's 2000 steps would take minutes
     outputs = finish(survivors)
-    said = "a collective is stuck on a peer that is gone: shutting down this group's connections"
+    said = "a collective is stuck on a peer that is gone: shut down this group's connections"
     assert any(said in output for output in outputs), "\n".join(o[-3000:] for o in outputs)
     before = {r["pid"] for r in records(out) if r["t"] < stopped_at and r["world"] == 3}
     after = {r["pid"] for r in records(out) if r["t"] > stopped_at}
