@@ -432,7 +432,8 @@ class InProcessAgent(ElasticAgent):
                     joins = bool(getattr(spec.rdzv_handler, "only_nodes_joining", lambda: False)())
             held = self._held
             if held is not None and (cause is not None or self._joiners_ready(group, held, now)):
-                self._publish_recovery(group, held.cause, held.started, held_since=held.formed)
+                # Only nodes joined unless something else happened meanwhile (a peer may be gone).
+                self._publish_recovery(group, held.cause, held.started, held_since=held.formed, joined=cause is None)
             if cause is not None:
                 self._recover(group, cause, joins=joins)
 
@@ -528,12 +529,12 @@ class InProcessAgent(ElasticAgent):
         self._publish_recovery(group, cause, started)
 
     def _publish_recovery(self, group: WorkerGroup, cause: str, started: float, *,
-                          held_since: float | None = None) -> None:
+                          held_since: float | None = None, joined: bool = False) -> None:
         """Publish the next generation, start the dead workers' replacements, and report it.
         A generation held for a join since ``held_since`` is published as it was formed: a
         worker that died since is replaced by the recovery that follows."""
         self._held = None
-        self._publish_generation(group, cause=cause, joined=held_since is not None)
+        self._publish_generation(group, cause=cause, joined=joined)
         dead = sorted(self._dead) if held_since is None else []
         for local_rank in dead:
             del self._dead[local_rank]

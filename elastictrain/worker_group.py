@@ -162,7 +162,7 @@ class Channel:
     def mark_pending(self, cause: str) -> None:
         """Tell the workers to stop at their next step boundary: the group is about to re-form."""
         if self.assignment is not None and not self.assignment.pending:
-            self.publish(replace(self.assignment, pending=True, cause=cause))
+            self.publish(replace(self.assignment, pending=True, cause=cause, joined=False))
 
     def progress(self) -> list[Progress]:
         return [self.table.read(i) for i in range(self.local_world_size)]
@@ -209,11 +209,12 @@ class HangDetector:
     trains: it says so before it leaves its group, which may freeze it (pytorch#75097), and
     its liveness thread runs while it then waits for the next generation.
 
-    A worker that starts (its slot not yet written, or ``STARTING``) or forms a group
-    (``BUSY``) may rightly sleep for long, on its peers or building its model: it is hung
-    only if its process is stopped, for ``confirm_s`` (and, while it has not written its
-    slot, ``floor_s``) without using CPU time. Its peers wait for it in the group's
-    formation, which no collective failure ends.
+    A worker that starts (``STARTING``, or not yet written its slot, which the worker it
+    replaces wrote) or forms a group (``BUSY``) may rightly sleep for long, on its peers or
+    building its model: it is hung only if its process is stopped, for ``confirm_s`` (and,
+    while it has not written its slot, ``floor_s``) without using CPU time. Its peers wait
+    for it in the group's formation, which no collective failure ends. A plain script writes
+    no slot and is never judged.
     """
 
     def __init__(self, *, floor_s: float = 2.0, factor: float = 10.0, startup_s: float = 120.0,
@@ -223,7 +224,6 @@ class HangDetector:
         self.confirm_s, self.blocked_s = confirm_s, blocked_s
         self._activity = activity
         self._suspects: dict[int, tuple[int, float, float | None]] = {}  # slot: (pid, since, CPU time then)
-        self._states: dict[int, str] = {}  # slot: the scheduler state a suspect was last seen in
         self._reasons: dict[int, str] = {}  # slot: why it was last found hung
 
     def deadline(self, progress: Progress) -> float:
@@ -241,7 +241,9 @@ class HangDetector:
             written = bool(p.pid) and p.pid == pid
             if written and p.state in _JUDGED:
                 stopped_only, silent = False, now - p.alive_at > self.deadline(p)
-            elif pid and not (written and p.state == WorkerState.DONE):
+            elif pid and p.pid and not (written and p.state == WorkerState.DONE):
+                # Its slot was written, by it or by the worker it replaces: it recovers in place
+                # (a plain script writes none, and is not judged).
                 stopped_only, silent = True, not written or now - p.alive_at > self.floor_s
             else:
                 stopped_only = silent = False
@@ -249,9 +251,7 @@ class HangDetector:
             used, state = activity if activity is not None else (None, "?")
             if not silent or (stopped_only and state not in _STOPPED):
                 self._suspects.pop(slot, None)
-                self._states.pop(slot, None)
                 continue
-            self._states[slot] = state
             suspect = self._suspects.get(slot)
             hold = self.confirm_s if written else max(self.confirm_s, self.floor_s)
             if suspect is None or suspect[0] != pid or used != suspect[2]:
@@ -269,11 +269,6 @@ class HangDetector:
     def reason(self, slot: int) -> str:
         """Why :meth:`hung` last found ``slot``'s worker hung, in words."""
         return self._reasons.get(slot, "?")
-
-    def state(self, slot: int) -> str:
-        """The scheduler state (``T``, ``S``, ...) :meth:`hung` last saw ``slot``'s silent worker in;
-        ``?`` if unknown."""
-        return self._states.get(slot, "?")
 
 
 @dataclass

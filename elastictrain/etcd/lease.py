@@ -215,7 +215,8 @@ class KeptLease:
     def revoke(self) -> None:
         """Stop refreshing and delete the lease now: every key attached to it goes with it.
 
-        Tries for :data:`_REVOKE_DEADLINE` only, then gives up with one log line: the lease
+        Tries for about :data:`_REVOKE_DEADLINE` (an attempt under way may take up to the
+        request timeout), then gives up with one log line: the lease
         expires after its TTL anyway, and the caller (a node that leaves) must not hang on
         an unreachable etcd.
         """

@@ -59,6 +59,7 @@ class WorkerControl:
         self._on_stuck: Callable[[], None] | None = None
         self._stuck_after = 1.0
         self._in_collective = False
+        self._collective_at = 0.0
         self._stuck_in_collective_only = False
         self._closed = threading.Event()
         self._write()
@@ -83,44 +84,54 @@ class WorkerControl:
     def _liveness(self) -> None:
         while not self._closed.wait(LIVENESS_PERIOD):
             self._write()
-            callback = self._on_stuck
-            if callback is None or self.state != WorkerState.TRAINING or (self._stuck_in_collective_only
-                                                                          and not self._in_collective):
-                continue
-            current = self._assignments.current()
-            # A step in flight for several typical steps, not a slow one.
-            stalled = now() - (self.step_at or now()) > max(self._stuck_after, _STUCK_STEPS * self.step_s)
-            # A generation that only adds nodes keeps every peer: none is gone, whatever the wait.
-            joined = current is not None and current.joined and current.generation == self.generation + 1
-            if current is not None and current.generation > self.generation and stalled and not joined:
-                self._on_stuck = None  # once per generation; set again when training resumes
-                try:
-                    callback()
-                except Exception:  # noqa: BLE001 - the liveness thread must live on
-                    logger.exception("the stuck-collective callback failed")
+            with self._lock:  # the collective neither ends nor a callback changes meanwhile
+                self._check_stuck()
+
+    def _check_stuck(self) -> None:
+        callback = self._on_stuck
+        if callback is None or self.state != WorkerState.TRAINING or (self._stuck_in_collective_only
+                                                                      and not self._in_collective):
+            return
+        current = self._assignments.current()
+        # In flight for several typical steps, not a slow step: since the last step ended, or
+        # since the collective began (the first step after a re-formation or a save).
+        since = max(self.step_at, self._collective_at if self._stuck_in_collective_only else 0.0) or now()
+        stalled = now() - since > max(self._stuck_after, _STUCK_STEPS * self.step_s)
+        # A generation that only adds nodes keeps every peer: none is gone, whatever the wait.
+        joined = current is not None and current.joined and current.generation == self.generation + 1
+        if current is not None and current.generation > self.generation and stalled and not joined:
+            self._on_stuck = None  # once per generation; set again when training resumes
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - the liveness thread must live on
+                logger.exception("the stuck-collective callback failed")
 
     def on_stuck(self, callback: Callable[[], None] | None, *, after: float = 1.0,
                  in_collective_only: bool = False) -> None:
         """Call ``callback`` (on the liveness thread) if this worker trains, its agent already
-        published a newer generation, and no step finished for ``after`` seconds (and
-        :data:`_STUCK_STEPS` of its typical steps): a collective waits for a peer that is gone.
+        published a newer generation (not one that only adds nodes), and no step finished for
+        ``after`` seconds (and :data:`_STUCK_STEPS` of its typical steps; with
+        ``in_collective_only``, counted from the collective's start too): a collective waits
+        for a peer that is gone.
         The callback makes it fail now (NCCL's abort, gloo's connections shut down). With
         ``in_collective_only``, only while the worker waits in a step's own collectives (see
         :meth:`collective`): gloo's block the calling thread there, where NCCL's are
         asynchronous and block it at the next synchronization, wherever that is."""
-        self._on_stuck, self._stuck_after = callback, after
-        self._stuck_in_collective_only = in_collective_only
+        with self._lock:
+            self._on_stuck, self._stuck_after = callback, after
+            self._stuck_in_collective_only = in_collective_only
 
     @contextlib.contextmanager
     def collective(self) -> Iterator[None]:
         """Mark the step's own collectives (its backward, its application): only a wait there
         may be taken for stuck (:meth:`on_stuck`), not one in the caller's code between steps
         (an evaluation's), which the next step boundary ends in order."""
-        self._in_collective = True
+        self._in_collective, self._collective_at = True, now()
         try:
             yield
         finally:
-            self._in_collective = False
+            with self._lock:
+                self._in_collective = False
 
     def set_state(self, state: int) -> None:
         self.state = state

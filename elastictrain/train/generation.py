@@ -131,8 +131,8 @@ class Generation:
         Under in-process recovery, once the agent announced the next generation and no step
         finished for a while (a collective waits for a peer that is gone without closing its
         connections: a host lost, a network cut), the liveness thread of ``control`` ends the
-        wait: it aborts NCCL's communicators, or shuts down gloo's connections
-        (:func:`~elastictrain.train.process_group.sever`). The collective fails at once instead
+        wait: it aborts NCCL's communicators, or shuts down this group's gloo connections
+        (:func:`~elastictrain.train.process_group.shut_down`). The collective fails at once instead
         of after the group's timeout, and the rank re-forms."""
         if not self.placement.distributed:
             return

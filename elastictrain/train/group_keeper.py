@@ -256,6 +256,7 @@ class GroupKeeper:
             assert self.generation is not None  # noqa: S101 - private invariant
             # Said before leaving, which waits for a save in flight: the agent re-forms meanwhile.
             control.set_state(WorkerState.RECOVERING)
+            control.on_stuck(None)  # this group's: the next one arms its own
             self.generation.leave(self.log)
             self._adopt(wait_for_generation(control, self.config.recovery_timeout.total_seconds()))
             try:

@@ -131,10 +131,7 @@ class Session:
         if process_group is not None and config.async_save and config.checkpoint_dir:
             raise ConfigError("async_save with an explicit process_group is not supported")
         self.config = config
-        self.module = model
-        self.optimizer = optimizer
         self.dataset = dataset
-        self.scheduler = scheduler
         self.hooks = HookDispatcher(hooks)
         self._collate_fn = collate_fn
         self._group = process_group
@@ -160,6 +157,21 @@ class Session:
         if self._log.context is not self.context:
             self._log = get_logger(__name__, self.context)
         return self._log
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The model, unwrapped (what the optimizer trains and a checkpoint saves)."""
+        return self._state.module
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer."""
+        return self._state.optimizer
+
+    @property
+    def scheduler(self) -> Any | None:
+        """The learning-rate scheduler, if any."""
+        return self._state.scheduler
 
     @property
     def sampler(self) -> ElasticSampler | None:

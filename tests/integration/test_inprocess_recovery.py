@@ -11,6 +11,7 @@ import collections
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -358,27 +359,26 @@ def test_a_hung_worker_is_killed_and_replaced_long_before_the_collective_timeout
 
 
 @pytest.mark.timeout(300)
-def test_a_worker_stopped_while_it_starts_is_killed_and_replaced_and_the_job_goes_on(
-        etcd_server: Any, run_id: str, tmp_path: Path) -> None:
+def test_a_worker_stopped_while_its_group_forms_is_killed_and_replaced_and_the_job_goes_on(
+        etcd_server: Any, run_id: str, etcd_client: Any, tmp_path: Path) -> None:
     # Chaos found a worker stopped while its group formed left alone: only one that trains was
     # judged, and its peers waited for it in the formation until it was continued (70 s).
-    # Here a joining node's worker is stopped as soon as it exists: it must be killed and
-    # replaced, and the job go on at world size 3 (without the fix it waits for it forever).
+    # Here a joining node's worker is stopped once it opened its control slot (its node says
+    # it is ready, and the others stop to form the group of three with it): it must be killed
+    # and replaced, and the job go on at world size 3 (without the fix it waits for it forever).
     out = tmp_path / "job"
     args = ("--steps", "600", "--step-sleep", "0.05")
     nodes = [start_node(etcd_server.endpoint, run_id, out, *args, min_nodes=2, max_nodes=3) for _ in range(2)]
     wait_until(lambda: len({r["rank"] for r in records(out) if r["step"] >= 2}) == 2, "step 2", nodes)
     nodes.append(start_node(etcd_server.endpoint, run_id, out, *args, min_nodes=2, max_nodes=3))
+    wait_until(lambda: any(e.get("nodes") == 3 for e in events(out, "rendezvous")), "a round of 3 nodes", nodes)
+    round_ = next(e["round"] for e in events(out, "rendezvous") if e.get("nodes") == 3)
     stopped: list[int] = []
-
-    def stop_its_worker() -> bool:
-        stopped.extend(worker_pids(nodes[2].pid)[:1])
-        if stopped:
-            os.kill(stopped[0], signal.SIGSTOP)
-        return bool(stopped)
-
     try:
-        wait_until(stop_its_worker, "the joining node's worker exists", nodes, timeout=60)
+        wait_until(lambda: ready_nodes(etcd_client, run_id, round_) == 3, "every node of the round ready", nodes)
+        stopped.extend(worker_pids(nodes[2].pid))
+        assert len(stopped) == 1
+        os.kill(stopped[0], signal.SIGSTOP)
         wait_until(lambda: any(r["world"] == 3 for r in records(out)), "training at world size 3", nodes,
                    timeout=90)
     finally:
@@ -388,8 +388,8 @@ def test_a_worker_stopped_while_it_starts_is_killed_and_replaced_and_the_job_goe
     outputs = finish(nodes)
     assert [n.returncode for n in nodes] == [0, 0, 0], "\n".join(o[-2000:] for o in outputs)
     assert stopped[0] not in {r["pid"] for r in records(out)}
-    assert f"(pid {stopped[0]}) is hung: its process is stopped (state T) while it starts" in outputs[2], \
-        outputs[2][-3000:]
+    assert re.search(rf"\(pid {stopped[0]}\) is hung: its process is stopped \(state T\) while it "
+                     r"(starts|forms a group)", outputs[2]), outputs[2][-3000:]
     assert [e["pid"] for e in events(out, "hang")] == [stopped[0]]
 
 
