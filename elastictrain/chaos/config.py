@@ -24,10 +24,9 @@ DEFAULT_KINDS = (FaultKind.KILL_WORKER, FaultKind.KILL_NODE, FaultKind.BOUNCE_NO
                  FaultKind.JOIN, FaultKind.KILL_ETCD)
 """Kinds a random run draws from (plus ``kill_etcd_leader`` with a 3-member etcd)."""
 
-_HANG_DETECTION_S = 15.0
-"""The least time an in-process run's ``hang_worker`` bound gives the agent to find the hung worker
-and the job to train again (it takes about 3 s: 2 s of silence, 1 s to confirm, a re-formation).
-A shorter hang may end before it is found: the job then trains again once it is continued."""
+_HANG_FOUND_S = 10.0
+"""The shortest hang :meth:`ChaosConfig.noticed_within` judges (finding one takes about 3 s: 2 s of
+silence, 1 s to confirm, then the re-formation)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -169,6 +168,18 @@ class ChaosConfig:
     def hang_duration(self) -> timedelta:
         return self.hang if self.hang is not None else self.pg_timeout + timedelta(seconds=5)
 
+    def noticed_within(self, kind: FaultKind) -> float | None:
+        """Seconds within which the job must train again after a fault of ``kind`` for the fault to
+        count as noticed, not waited out: under in-process recovery a hung worker's agent kills
+        it, so the job trains again while the worker is still stopped (``hang_duration``), where
+        a hang that went unnoticed trains again only once the worker is continued. ``None``: no
+        such limit (restart mode's peers wait out the collective timeout by design; a hang
+        shorter than about 3 s may end before it is found)."""
+        if kind is not FaultKind.HANG_WORKER or self.recovery != "in-process":
+            return None
+        hang = self.hang_duration.total_seconds()
+        return hang if hang >= _HANG_FOUND_S else None
+
     @property
     def partition_duration(self) -> timedelta:
         # Longer than the collective timeout, so that the survivors' collectives fail and they re-form
@@ -176,17 +187,9 @@ class ChaosConfig:
         return self.partition if self.partition is not None else self.pg_timeout + timedelta(seconds=10)
 
     def bound_for(self, kind: FaultKind) -> float:
-        """Seconds a fault of ``kind`` may take before the run counts as hung.
-
-        Under in-process recovery a hung worker's agent kills it: the job must train again
-        while the worker is still stopped (within ``hang_duration``, at least
-        :data:`_HANG_DETECTION_S`), not once it is continued, which would pass a hang that
-        went unnoticed for a recovery.
-        """
+        """Seconds a fault of ``kind`` may take before the run counts as hung."""
         if self.recovery_bound is not None:
             return self.recovery_bound.total_seconds()
-        if kind is FaultKind.HANG_WORKER and self.recovery == "in-process":
-            return max(self.hang_duration.total_seconds(), _HANG_DETECTION_S)
         extra = {FaultKind.HANG_WORKER: self.hang_duration, FaultKind.KILL_ETCD: self.etcd_down,
                  FaultKind.KILL_ETCD_LEADER: self.etcd_down, FaultKind.PARTITION_NODE: self.partition_duration,
                  FaultKind.BOUNCE_NODE: self.rejoin_after + self.join_timeout}.get(kind, timedelta(0))

@@ -128,6 +128,13 @@ def _final_checkpoint(checkpoints: Mapping[int, Path]) -> tuple[inv.Checkpoint |
         return None, f"cannot read the final checkpoint {checkpoints[step]}: {exc}"
 
 
+def unnoticed_faults(config: ChaosConfig, faults: Sequence[FaultRecord]) -> list[FaultRecord]:
+    """The faults the job recovered from only once they ended by themselves, where it should have
+    noticed them first (see :meth:`ChaosConfig.noticed_within`): a hang waited out."""
+    return [f for f in faults if (limit := config.noticed_within(f.kind)) is not None
+            and f.recovered is not None and f.injected is not None and f.recovered - f.injected >= limit]
+
+
 def judge(config: ChaosConfig, *, run_dir: Path, evidence_dir: Path, nodes: Sequence[Node],
           faults: Sequence[FaultRecord], bounds: Mapping[str, float], aborted: str | None,
           reference_exit: int | None) -> Verdict:
@@ -190,11 +197,18 @@ def judge(config: ChaosConfig, *, run_dir: Path, evidence_dir: Path, nodes: Sequ
                               high=config.max_nodes * config.nproc_per_node))
     add(inv.check_survivors_kept(evidence, faults, in_process=config.recovery == "in-process"))
     hung = [f for f in faults if f.hung]
-    add(inv.InvariantResult(
-        "no_hang", not aborted and not hung, aborted or (
-            "every fault was followed by training (or, below min-nodes, by the survivors' exit) within its "
-            "bound: " + ", ".join(f"{k} {v:g}s" for k, v in sorted(bounds.items()))
-            if bounds else "no faults; the run ended by itself")))
+    unnoticed = unnoticed_faults(config, faults)
+    if unnoticed and not aborted:
+        add(inv.InvariantResult("no_hang", False, "; ".join(
+            f"fault {f.index} ({f.kind.value}): the job trained again only {f.recovered - f.injected:.1f}s after it, "
+            f"once the hung worker was continued: its agent did not notice the hang" for f in unnoticed
+            if f.recovered is not None and f.injected is not None)))
+    else:
+        add(inv.InvariantResult(
+            "no_hang", not aborted and not hung, aborted or (
+                "every fault was followed by training (or, below min-nodes, by the survivors' exit) within its "
+                "bound: " + ", ".join(f"{k} {v:g}s" for k, v in sorted(bounds.items()))
+                if bounds else "no faults; the run ended by itself")))
     ghosts = _ghosts(evidence, evidence_dir)
     for pid in ghosts:
         with contextlib.suppress(ProcessLookupError):

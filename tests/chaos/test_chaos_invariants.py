@@ -19,9 +19,9 @@ import torch
 from elastictrain.chaos import ChaosConfig
 from elastictrain.chaos import invariants as inv
 from elastictrain.chaos.cluster import Node
-from elastictrain.chaos.faults import FaultKind, PlannedFault, RandomPlanner, parse_kinds, parse_schedule
+from elastictrain.chaos.faults import FaultKind, FaultRecord, PlannedFault, RandomPlanner, parse_kinds, parse_schedule
 from elastictrain.chaos.recorder import Recorder
-from elastictrain.chaos.verdict import _exit_status
+from elastictrain.chaos.verdict import _exit_status, unnoticed_faults
 from elastictrain.errors import ConfigError
 
 N, G = 12, 4  # 12 samples, a global batch of 4: 3 steps per epoch
@@ -286,13 +286,17 @@ def test_partition_node_needs_netns_and_netns_needs_root_and_ip(
     config = ChaosConfig(script=str(script), run_dir=run_dir, pg_timeout=10)
     assert config.partition_duration.total_seconds() == 20  # past the collective timeout: the survivors notice
     assert config.bound_for(FaultKind.PARTITION_NODE) == 120 + 10 + 20
-    # In-process, a hung worker is killed: the job trains again before the hang would end (a
-    # hang that went unnoticed used to pass, its recovery within the loose bound restart mode gets).
-    assert config.bound_for(FaultKind.HANG_WORKER) == 10 + 5
-    assert ChaosConfig(script=str(script), run_dir=run_dir, hang=60).bound_for(FaultKind.HANG_WORKER) == 60
-    assert ChaosConfig(script=str(script), run_dir=run_dir, hang=3).bound_for(FaultKind.HANG_WORKER) == 15
+    # In-process, a hung worker is killed: the job must train again before the hang would end (a
+    # hang that went unnoticed, waited out until the worker was continued, used to pass).
+    assert config.noticed_within(FaultKind.HANG_WORKER) == 10 + 5
+    assert config.noticed_within(FaultKind.KILL_WORKER) is None
+    assert ChaosConfig(script=str(script), run_dir=run_dir, hang=3).noticed_within(FaultKind.HANG_WORKER) is None
     assert ChaosConfig(script=str(script), run_dir=run_dir, pg_timeout=10,
-                       recovery="restart").bound_for(FaultKind.HANG_WORKER) == 120 + 10 + 15
+                       recovery="restart").noticed_within(FaultKind.HANG_WORKER) is None
+    found = FaultRecord(0, FaultKind.HANG_WORKER, 5, injected=100.0, ended=115.0, recovered=103.4)
+    waited_out = FaultRecord(1, FaultKind.HANG_WORKER, 9, injected=200.0, ended=215.0, recovered=215.2)
+    killed = FaultRecord(2, FaultKind.KILL_WORKER, 12, injected=300.0, ended=300.0, recovered=330.0)
+    assert unnoticed_faults(config, [found, waited_out, killed]) == [waited_out]
     assert ChaosConfig(script=str(script), run_dir=run_dir, partition=7).partition_duration.total_seconds() == 7
     monkeypatch.setattr("os.geteuid", lambda: 1000)
     with pytest.raises(ConfigError, match="netns needs root"):
