@@ -51,6 +51,25 @@ while not (out / "release").exists():
 """
 
 
+def _start_waiting_worker(tmp_path: Path, *run_args: str) -> tuple[subprocess.Popen[str], Path, int, float]:
+    """A one-node ``elastictrain run`` of a script that waits for ``out/release``; the node, ``out``,
+    the pid of its first worker once started, and the deadline (60 s) the caller waits within."""
+    script, out = tmp_path / "wait.py", tmp_path / "out"
+    script.write_text(_WAIT_FOR_RELEASE)
+    out.mkdir()
+    node = subprocess.Popen([sys.executable, "-m", "elastictrain", "run", *run_args, str(script), str(out)],
+                            env=subprocess_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 60
+    while not (started := list(out.glob("start-0-*"))) and time.monotonic() < deadline and node.poll() is None:
+        time.sleep(0.05)
+    if not started:
+        node.kill()
+        _, err = node.communicate()
+        raise AssertionError(f"the worker did not start:\n{err[-3000:]}")
+    return node, out, int(started[0].name.rsplit("-", 1)[1]), deadline
+
+
 @pytest.mark.parametrize("recovery", ["in-process", "restart"])
 def test_a_worker_killed_before_its_forkserver_reports_it_is_restarted_not_taken_as_finished(
         tmp_path: Path, recovery: str) -> None:
@@ -60,19 +79,9 @@ def test_a_worker_killed_before_its_forkserver_reports_it_is_restarted_not_taken
     # window open for many of the agent's checks.
     from elastictrain._process import proc_stat
 
-    script, out = tmp_path / "wait.py", tmp_path / "out"
-    script.write_text(_WAIT_FOR_RELEASE)
-    out.mkdir()
-    node = subprocess.Popen([sys.executable, "-m", "elastictrain", "run", "--recovery", recovery,
-                             "--max-restarts", "1", str(script), str(out)], env=subprocess_env(), cwd=REPO_ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    node, out, worker, deadline = _start_waiting_worker(tmp_path, "--recovery", recovery, "--max-restarts", "1")
     forkserver = None
     try:
-        deadline = time.monotonic() + 60
-        while not (started := list(out.glob("start-0-*"))) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert started, "the worker did not start"
-        worker = int(started[0].name.rsplit("-", 1)[1])
         forkserver = int(proc_stat(worker)[1])
         os.kill(forkserver, signal.SIGSTOP)
         os.kill(worker, signal.SIGKILL)
@@ -104,19 +113,8 @@ def test_an_agent_that_stops_a_stopped_worker_is_not_held_up_by_it(tmp_path: Pat
     # 30 s (its peers formed a round without the node, which then forced another restart).
     from elastictrain._process import proc_stat
 
-    script, out = tmp_path / "wait.py", tmp_path / "out"
-    script.write_text(_WAIT_FOR_RELEASE)
-    out.mkdir()
-    node = subprocess.Popen([sys.executable, "-m", "elastictrain", "run", "--recovery", recovery, str(script),
-                             str(out)], env=subprocess_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    worker = None
+    node, _, worker, deadline = _start_waiting_worker(tmp_path, "--recovery", recovery)
     try:
-        deadline = time.monotonic() + 60
-        while not (started := list(out.glob("start-0-*"))) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert started, "the worker did not start"
-        worker = int(started[0].name.rsplit("-", 1)[1])
         os.kill(worker, signal.SIGSTOP)
         while (proc_stat(worker) or ["?"])[0] != "T" and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -128,7 +126,7 @@ def test_an_agent_that_stops_a_stopped_worker_is_not_held_up_by_it(tmp_path: Pat
         if node.poll() is None:
             node.kill()
             node.communicate()
-        if worker is not None and _alive(worker):
+        if _alive(worker):
             os.kill(worker, signal.SIGKILL)
     assert took < 10, f"the agent took {took:.1f}s to stop its stopped worker (torch waits 30 s):\n{err[-3000:]}"
     assert node.returncode == 128 + signal.SIGTERM, err[-3000:]
