@@ -194,6 +194,11 @@ class FaultRecord:
     """The worker processes the fault touched (killed, stopped, cut off); every other worker of
     the group keeps its process under in-process recovery."""
 
+    @property
+    def recovery_s(self) -> float | None:
+        """Seconds from the injection until the job trained again, once it has."""
+        return None if self.recovered is None or self.injected is None else self.recovered - self.injected
+
     def to_json(self, start: float) -> dict[str, Any]:
         def rel(t: float | None) -> float | None:
             return None if t is None else round(t - start, 3)
@@ -201,8 +206,7 @@ class FaultRecord:
         return {"index": self.index, "kind": self.kind.value, "at_step": self.at_step, "target": self.target,
                 "step_before": self.step_before, "injected_s": rel(self.injected), "ended_s": rel(self.ended),
                 "recovered_s": rel(self.recovered),
-                "recovery_s": None if self.recovered is None or self.injected is None
-                else round(self.recovered - self.injected, 3),
+                "recovery_s": None if self.recovery_s is None else round(self.recovery_s, 3),
                 "restarted": self.restarted, "hung": self.hung, "note": self.note,
                 "target_pids": list(self.target_pids)}
 

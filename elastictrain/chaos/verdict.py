@@ -132,7 +132,7 @@ def unnoticed_faults(config: ChaosConfig, faults: Sequence[FaultRecord]) -> list
     """The faults the job recovered from only once they ended by themselves, where it should have
     noticed them first (see :meth:`ChaosConfig.noticed_within`): a hang waited out."""
     return [f for f in faults if (limit := config.noticed_within(f.kind)) is not None
-            and f.recovered is not None and f.injected is not None and f.recovered - f.injected >= limit]
+            and (recovery := f.recovery_s) is not None and recovery >= limit]
 
 
 def judge(config: ChaosConfig, *, run_dir: Path, evidence_dir: Path, nodes: Sequence[Node],
@@ -197,18 +197,19 @@ def judge(config: ChaosConfig, *, run_dir: Path, evidence_dir: Path, nodes: Sequ
                               high=config.max_nodes * config.nproc_per_node))
     add(inv.check_survivors_kept(evidence, faults, in_process=config.recovery == "in-process"))
     hung = [f for f in faults if f.hung]
-    unnoticed = unnoticed_faults(config, faults)
-    if unnoticed and not aborted:
-        add(inv.InvariantResult("no_hang", False, "; ".join(
-            f"fault {f.index} ({f.kind.value}): the job trained again only {f.recovered - f.injected:.1f}s after it, "
-            f"once the hung worker was continued: its agent did not notice the hang" for f in unnoticed
-            if f.recovered is not None and f.injected is not None)))
+    unnoticed = [] if aborted else unnoticed_faults(config, faults)
+    if aborted:
+        detail = aborted
+    elif unnoticed:
+        detail = "; ".join(f"fault {f.index} ({f.kind.value}): the job trained again only {f.recovery_s:.1f}s "
+                           "after it, once the hung worker was continued: its agent did not notice the hang"
+                           for f in unnoticed)
+    elif bounds:
+        detail = ("every fault was followed by training (or, below min-nodes, by the survivors' exit) within its "
+                  "bound: " + ", ".join(f"{k} {v:g}s" for k, v in sorted(bounds.items())))
     else:
-        add(inv.InvariantResult(
-            "no_hang", not aborted and not hung, aborted or (
-                "every fault was followed by training (or, below min-nodes, by the survivors' exit) within its "
-                "bound: " + ", ".join(f"{k} {v:g}s" for k, v in sorted(bounds.items()))
-                if bounds else "no faults; the run ended by itself")))
+        detail = "no faults; the run ended by itself"
+    add(inv.InvariantResult("no_hang", not aborted and not hung and not unnoticed, detail))
     ghosts = _ghosts(evidence, evidence_dir)
     for pid in ghosts:
         with contextlib.suppress(ProcessLookupError):
