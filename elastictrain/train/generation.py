@@ -53,6 +53,9 @@ class Generation:
         self.in_process = in_process
         self.ddp: DistributedDataParallel | None = None
         self.flag: BoundaryFlag | None = None
+        self.forwards = 0
+        """Forward passes through :attr:`ddp` (the step loop resets it: a step whose last
+        micro-batch ran none did not synchronize its gradients)."""
         self.checkpoints: CheckpointManager | None = None
         self._sync_buffers = False
         self._gloo: Any = None
@@ -123,10 +126,10 @@ class Generation:
         return self.checkpoints
 
     def wrap(self, module: torch.nn.Module, ddp_kwargs: Mapping[str, Any], *, identical: bool,
-             on_forward: Callable[..., None], control: WorkerControl | None) -> None:
+             control: WorkerControl | None) -> None:
         """Wrap ``module`` in DDP over this group (a collective unless ``identical``: every rank
         already holds the same state); see :func:`~elastictrain.train.recovery.wrap_in_ddp`.
-        ``on_forward`` runs before each forward.
+        Each forward through it counts in :attr:`forwards`.
 
         Under in-process recovery, once the agent announced the next generation and no step
         finished for a while (a collective waits for a peer that is gone without closing its
@@ -138,7 +141,7 @@ class Generation:
             return
         self.ddp, self.flag, self._sync_buffers = wrap_in_ddp(
             module, ddp_kwargs, self.placement, self.group, in_process=self.in_process, identical=identical)
-        self.ddp.register_forward_pre_hook(on_forward)
+        self.ddp.register_forward_pre_hook(self._count_forward)
         if self.in_process and control is not None:
             backend = self.placement.backend or ""
             if "nccl" in backend:
@@ -147,6 +150,9 @@ class Generation:
                 # This group's connections: the callback runs on another thread, maybe once
                 # this rank has formed the next group (which it must not touch).
                 control.on_stuck(functools.partial(_shut_down_stuck, pg.connections(None)), in_collective_only=True)
+
+    def _count_forward(self, *_: Any) -> None:
+        self.forwards += 1
 
     def after_step(self, module: torch.nn.Module) -> None:
         """What the group does at each step boundary: DDP's bucket rebuild under in-process

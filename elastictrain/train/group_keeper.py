@@ -59,12 +59,10 @@ class GroupKeeper:
             the default group from the environment or the agent's word.
         state: What the session trains; each formation brings it to the group's newest step.
         restore: Restores ``state`` from the newest checkpoint (when no rank holds any).
-        on_forward: Runs before each forward of the DDP model.
     """
 
     def __init__(self, config: SessionConfig, hooks: HookDispatcher, context: WorkerContext,
-                 group: dist.ProcessGroup | None, *, state: TrainingState, restore: Callable[[], None],
-                 on_forward: Callable[..., None]) -> None:
+                 group: dist.ProcessGroup | None, *, state: TrainingState, restore: Callable[[], None]) -> None:
         self.config = config
         self.hooks = hooks
         self.context = context
@@ -77,7 +75,6 @@ class GroupKeeper:
         self._group = group
         self._state = state
         self._restore = restore
-        self._on_forward = on_forward
         self._assignment: Assignment | None = None
         self._due_since: float | None = None
 
@@ -227,8 +224,7 @@ class GroupKeeper:
             # Distinct, reproducible streams per rank (dropout, augmentation); a restore
             # brings back the saved ones instead.
             seed_everything(rank_seed(config.seed, self.context.rank))
-        generation.wrap(state.module, config.ddp_kwargs, identical=peer_state, on_forward=self._on_forward,
-                        control=self.control)
+        generation.wrap(state.module, config.ddp_kwargs, identical=peer_state, control=self.control)
         return received
 
     def recover(self, cause: str, *, holds_state: bool = True) -> bool:

@@ -17,9 +17,9 @@ indistinguishable from an uninterrupted run:
 5. yield optimizer steps from the :class:`~elastictrain.sampler.ElasticSampler`'s
    plans: a fixed global batch, split into micro-batches whose loss scales make
    the accumulated gradient the global-batch mean whatever the world size
-   (:mod:`~elastictrain.train.steps`);
+   (:class:`~elastictrain.train.step_loop.StepLoop`, :mod:`~elastictrain.train.steps`);
 6. after each step: unscale, clip, optimizer and scheduler step, commit the
-   sampler, hooks, a checkpoint every ``checkpoint_every`` steps;
+   sampler, hooks, a checkpoint every ``checkpoint_every`` steps (the step loop);
 7. on exit: a final checkpoint, and the process group destroyed on every path.
 
 Under in-process recovery (the default under ``elastictrain run``) a fault or a
@@ -30,7 +30,6 @@ of this again from the last checkpoint.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence, Sized
@@ -39,7 +38,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader
 
 from elastictrain import events
 from elastictrain.checkpoint import CheckpointManager, RestoreInfo
@@ -51,18 +49,13 @@ from elastictrain.rank_logging import RankLoggerAdapter, get_logger, setup_loggi
 from elastictrain.sampler import ElasticSampler
 from elastictrain.train import process_group as pg
 from elastictrain.train.group_keeper import GroupKeeper
-from elastictrain.train.recovery import describe, is_collective_failure
 from elastictrain.train.session_config import SessionConfig
-from elastictrain.train.steps import END, MicroStep, PlanFeed, Step, to_device
-from elastictrain.train.training_state import TrainingState, rank_seed
+from elastictrain.train.step_loop import StepLoop
+from elastictrain.train.steps import MicroStep, Step
+from elastictrain.train.training_state import TrainingState
 from elastictrain.worker import WorkerContext
 
 __all__ = ["MicroStep", "Session", "SessionConfig", "Step"]
-
-_SKIPS_TO_WARN = 10
-"""Steps in a row whose fp16 update was skipped before a warning says the model does not train (a
-GradScaler skips a few as it finds its scale, from 2**16)."""
-
 
 class Session:
     """Train a model elastically: a context manager yielding optimizer steps.
@@ -133,16 +126,14 @@ class Session:
         self.config = config
         self.dataset = dataset
         self.hooks = HookDispatcher(hooks)
-        self._collate_fn = collate_fn
         self._group = process_group
         self._keeper = GroupKeeper(config, self.hooks, context or WorkerContext.from_env(), process_group,
-                                   state=self._state, restore=self._restore, on_forward=self._count_forward)
+                                   state=self._state, restore=self._restore)
+        self._loop = StepLoop(config, dataset, self._state, self._keeper, self.hooks, collate_fn=collate_fn,
+                              group=process_group, save=self.save, log=lambda: self.log)
         self._log = get_logger(__name__, self.context)
-        self._forwards = 0
-        self._skipped_in_a_row = 0
         self._entered = False
         self._closed = False
-        self._clock = time.perf_counter()
 
     # --- properties ----------------------------------------------------------------------------
 
@@ -186,9 +177,7 @@ class Session:
     @property
     def model(self) -> torch.nn.Module:
         """The model to run forward passes through: DDP-wrapped when distributed."""
-        generation = self._keeper.generation
-        ddp = generation.ddp if generation is not None else None
-        return ddp if ddp is not None else self.module
+        return self._loop.model
 
     @property
     def placement(self) -> pg.Placement | None:
@@ -311,9 +300,6 @@ class Session:
             "in-process" if self.recovers_in_process else "restart",
         )
 
-    def _count_forward(self, *_: Any) -> None:
-        self._forwards += 1
-
     def _micro_count(self) -> int:
         sampler = self.sampler
         if sampler is None or sampler.epoch_done:
@@ -375,38 +361,8 @@ class Session:
 
     def to_device(self, obj: Any) -> Any:
         """``obj`` (a tensor, or lists/tuples/dicts of them) moved to :attr:`device`."""
-        device = self.device
-        if device.type == "cpu":
-            return obj
-        return to_device(obj, device, non_blocking=self._pin_memory())
-
-    def _pin_memory(self) -> bool:
-        pin = self.config.pin_memory
-        return self.device.type == "cuda" if pin is None else pin
-
-    def _loader(self, feed: PlanFeed) -> DataLoader:  # type: ignore[type-arg]
-        sampler = self.sampler
-        assert sampler is not None  # noqa: S101 - private invariant
-        workers = self.config.num_workers
-        return DataLoader(
-            self.dataset,  # type: ignore[arg-type]
-            batch_sampler=feed,
-            num_workers=workers,
-            collate_fn=self._collate_fn,
-            pin_memory=self._pin_memory(),
-            worker_init_fn=sampler.worker_init_fn() if workers else None,
-            # Its own generator: otherwise each iter() draws from the global RNG,
-            # and a run resumed mid-epoch would draw at another point than an
-            # uninterrupted one, shifting every later dropout mask.
-            generator=torch.Generator().manual_seed(rank_seed(self.config.seed, self.context.rank)),
-        )
-
-    def _stopped(self) -> bool:
-        sampler = self.sampler
-        assert sampler is not None  # noqa: S101 - private invariant
-        if self.config.max_steps is not None and self.step >= self.config.max_steps:
-            return True
-        return sampler.epoch >= self.config.epochs or (sampler.epoch_done and sampler.epoch + 1 >= self.config.epochs)
+        _ = self.device  # SessionError before the session has started
+        return self._loop.to_device(obj)
 
     def steps(self) -> Iterator[Step]:
         """Yield the remaining optimizer steps of the run, from the restored position.
@@ -425,101 +381,7 @@ class Session:
             SessionError: Used outside ``with``, or a step left incomplete.
         """
         self._require_entered()
-        sampler = self.sampler
-        assert sampler is not None  # noqa: S101 - private invariant
-        self._clock = time.perf_counter()
-        while not self._stopped():
-            if sampler.epoch_done:
-                self.log.info("epoch %d done at step %d", sampler.epoch, self.step)
-                sampler.set_epoch(sampler.epoch + 1)
-                continue
-            feed = PlanFeed(sampler)
-            batches = iter(self._loader(feed))
-            while self.config.max_steps is None or self.step < self.config.max_steps:
-                # Fetching a step's first micro-batch makes the feed hand over its plan.
-                first = next(batches, END)
-                if first is END:
-                    break
-                self.optimizer.zero_grad(set_to_none=True)
-                flag = self._keeper.flag
-                if flag is not None:
-                    flag.arm(self._keeper.votes_to_reform())
-                step = Step(self, feed.plans.popleft(), itertools.chain((first,), batches), self.step + 1)
-                yield step
-                cause = self._finish_step(step)
-                if cause is not None:
-                    self._keeper.recover(cause)
-                    self._clock = time.perf_counter()
-                    break  # plan again from the committed cursor, at the new world size
-
-    def _finish_step(self, step: Step) -> str | None:
-        """Apply ``step`` unless a collective failed; returns why the group must re-form now, if it must."""
-        if step.failure is not None:
-            return f"a collective failed in step {step.number} ({describe(step.failure)}); the step was discarded"
-        try:
-            self._apply(step)
-        except Exception as exc:
-            if not (self.recovers_in_process and is_collective_failure(exc)):
-                raise
-            return f"a collective failed after step {step.number} was applied ({describe(exc)})"
-        flag = self._keeper.flag
-        if flag is not None and flag.raised:
-            return f"{self._keeper.cause_due()} (at the boundary after step {step.number})"
-        return None
-
-    def _apply(self, step: Step) -> None:
-        step._check_complete()
-        config = self.config
-        state = self._state
-        applied = state.precision.step(self.optimizer, self.module.parameters(), max_norm=config.grad_clip_norm)
-        if self.scheduler is not None:
-            self.scheduler.step()
-        assert self.sampler is not None  # noqa: S101 - private invariant
-        self.sampler.commit_step(step.plan)
-        state.step = step.number
-        self._say_if_skipped(applied.skipped)
-        keeper = self._keeper
-        if keeper.control is not None:
-            keeper.control.step_done(state.step)
-        assert keeper.generation is not None  # noqa: S101 - private invariant
-        with keeper.collective():  # DDP's bucket order, the buffers' broadcast
-            keeper.generation.after_step(self.module)
-
-        now = time.perf_counter()
-        elapsed, self._clock = now - self._clock, now
-        throughput = step.step_size / elapsed if elapsed > 0 else float("inf")
-        logging_due = config.log_every is not None and state.step % config.log_every == 0
-        if config.sync_loss or logging_due or self.hooks.wants("on_step_end"):
-            distributed = self.placement is not None and self.placement.distributed
-            with keeper.collective():
-                step.loss = step.mean_loss(sync=config.sync_loss, all_reduce=config.sync_loss and distributed,
-                                           group=self._group)
-        if logging_due:
-            self.log.info("step %d epoch %d %s %.5g %.1f samples/s", state.step, step.epoch,
-                          "loss" if config.sync_loss else "rank-0 loss", step.loss, throughput)
-        self.hooks.dispatch("on_step_end", step=state.step, loss=step.loss, throughput=throughput)
-        if config.checkpoint_every is not None and state.step % config.checkpoint_every == 0:
-            self.save()
-            self._clock = time.perf_counter()  # a save's time is not a step's
-
-    def _say_if_skipped(self, skipped: bool) -> None:
-        """Say that fp16's GradScaler skipped this step's update (its gradients held inf or NaN),
-        and warn once a run of skipped steps shows that the model no longer trains."""
-        if not skipped:
-            self._skipped_in_a_row = 0
-            return
-        self._skipped_in_a_row += 1
-        scaler = self._state.precision.scaler
-        assert scaler is not None  # noqa: S101 - only a scaler skips
-        scale = scaler.get_scale()
-        if self._skipped_in_a_row < _SKIPS_TO_WARN:
-            self.log.info("step %d: update skipped, its fp16 gradients held inf or NaN; the GradScaler lowered "
-                          "its scale to %g", self.step, scale)
-        elif self._skipped_in_a_row == _SKIPS_TO_WARN:
-            self.log.warning("the updates of the last %d steps (to step %d) were all skipped: their fp16 gradients "
-                             "held inf or NaN, and the model does not train. The GradScaler's scale is now %g: a "
-                             "loss or activations beyond fp16's range do this (bf16 has fp32's range), as does a "
-                             "diverged model", _SKIPS_TO_WARN, self.step, scale)
+        yield from self._loop.run()
 
     def save(self) -> None:
         """Checkpoint the current state as step :attr:`step`; a collective (every rank calls it).

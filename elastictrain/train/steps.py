@@ -1,4 +1,4 @@
-"""One optimizer step of a :class:`~elastictrain.train.session.Session`, and its micro-batches.
+"""One optimizer step of a :class:`~elastictrain.train.session.Session`'s loop (:class:`~elastictrain.train.step_loop.StepLoop`), and its micro-batches.
 
 A :class:`Step` hands out its micro-batches (each inside DDP's ``no_sync()`` but the
 last, and inside autocast); :meth:`MicroStep.backward` runs one backward. Under
@@ -23,7 +23,7 @@ from elastictrain.sampler import ElasticBatchSampler, ElasticSampler, MicroBatch
 from elastictrain.train.recovery import is_collective_failure
 
 if TYPE_CHECKING:
-    from elastictrain.train.session import Session
+    from elastictrain.train.step_loop import StepLoop
 
 __all__ = ["END", "MicroStep", "PlanFeed", "Step", "to_device"]
 
@@ -103,12 +103,12 @@ class MicroStep:
             raise ConfigError("backward() takes the micro-batch's mean loss, a scalar tensor")
         # A scale of exactly 1 (even shares, one micro-batch) needs no extra op in the graph.
         scaled = loss if self.loss_scale == 1.0 else loss * self.loss_scale
-        session = self._step._session
+        loop = self._step._loop
         try:
-            with session._keeper.collective():  # the gradients' all-reduce
-                session.precision.backward(scaled)
+            with loop.collective():  # the gradients' all-reduce
+                loop.precision.backward(scaled)
         except Exception as exc:
-            if session.recovers_in_process and is_collective_failure(exc):
+            if loop.recovers_in_process and is_collective_failure(exc):
                 self._step.fail(exc)  # discarded; the session re-forms the group and plans it again
                 return
             raise
@@ -130,8 +130,8 @@ class Step:
             ``sync_loss`` asked for it (see ``SessionConfig.sync_loss``); else None.
     """
 
-    def __init__(self, session: Session, plan: StepPlan, batches: Iterator[Any], number: int) -> None:
-        self._session, self._batches = session, batches
+    def __init__(self, loop: StepLoop, plan: StepPlan, batches: Iterator[Any], number: int) -> None:
+        self._loop, self._batches = loop, batches
         self.plan, self.number, self.epoch = plan, number, plan.epoch
         self._iterated = False
         self._done = 0  # micro-batches whose backward ran
@@ -167,20 +167,20 @@ class Step:
         if self._iterated:
             raise SessionError(f"step {self.number}'s micro-batches can be iterated only once")
         self._iterated = True
-        session = self._session
+        loop = self._loop
         count = len(self.plan.micro_batches)
-        for index, micro in enumerate(accumulate(session.model, self.plan.micro_batches)):
+        for index, micro in enumerate(accumulate(loop.model, self.plan.micro_batches)):
             if self.failure is not None:
                 return
             try:
                 batch = next(self._batches)
             except StopIteration:
                 raise SessionError(f"the DataLoader ran out in step {self.number}") from None
-            session._forwards = 0
-            with session.precision.autocast():
-                yield MicroStep(self, micro, session.to_device(batch), index, index == count - 1)
-            if (self.failure is None and index == count - 1 and session.model is not session.module
-                    and session._forwards == 0):
+            loop.count_forwards()
+            with loop.precision.autocast():
+                yield MicroStep(self, micro, loop.to_device(batch), index, index == count - 1)
+            if (self.failure is None and index == count - 1 and loop.model is not loop.module
+                    and loop.forwards == 0):
                 raise SessionError(
                     f"step {self.number}: the last micro-batch ran no forward pass through session.model, "
                     "so DDP did not synchronize gradients; call session.model, not the unwrapped module"
@@ -191,7 +191,7 @@ class Step:
         the ranks by an all-reduce over ``group`` when ``all_reduce``)."""
         # sum(weight * mean loss) over this rank's micro-batches is its share of
         # the global-batch mean; over all ranks it is the global-batch mean.
-        total = torch.zeros((), device=self._session.device, dtype=torch.float64)
+        total = torch.zeros((), device=self._loop.device, dtype=torch.float64)
         for loss, weight in self._losses:
             total += loss.double() * weight
         if sync:

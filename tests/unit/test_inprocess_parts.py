@@ -745,7 +745,7 @@ def _leaving_worker(rank: int, port: int, results: Any) -> None:
 
     context = WorkerContext(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
     generation = Generation(pg.init_process_group(context, backend="gloo", timeout=10), None, in_process=True)
-    generation.wrap(torch.nn.Linear(4, 4), {}, identical=False, on_forward=lambda *_: None, control=None)
+    generation.wrap(torch.nn.Linear(4, 4), {}, identical=False, control=None)
     held = generation.ddp  # as a failed step's traceback may hold it past the leave
     waiting = torch.zeros(4)
     if rank == 0:  # blocked on rank 1, which has moved on

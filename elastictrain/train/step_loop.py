@@ -1,0 +1,244 @@
+"""The optimizer steps of a :class:`~elastictrain.train.session.Session`: :class:`StepLoop`.
+
+It plans each step from the :class:`~elastictrain.sampler.ElasticSampler` (a fixed
+global batch split into micro-batches, :mod:`~elastictrain.train.steps`), feeds its
+micro-batches through a DataLoader, and applies it at the boundary: unscale, clip,
+optimizer and scheduler step, sampler commit, hooks, a checkpoint every
+``checkpoint_every`` steps. Under in-process recovery it votes at each boundary on
+re-forming the group, discards a step whose collective failed, has the
+:class:`~elastictrain.train.group_keeper.GroupKeeper` re-form the group, and plans
+again from the committed cursor at the new world size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections.abc import Callable, Iterator, Sized
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from elastictrain.hooks import HookDispatcher
+from elastictrain.precision import MixedPrecision
+from elastictrain.rank_logging import RankLoggerAdapter
+from elastictrain.train.group_keeper import GroupKeeper
+from elastictrain.train.recovery import describe, is_collective_failure
+from elastictrain.train.session_config import SessionConfig
+from elastictrain.train.steps import END, PlanFeed, Step, to_device
+from elastictrain.train.training_state import TrainingState, rank_seed
+
+__all__ = ["StepLoop"]
+
+_SKIPS_TO_WARN = 10
+"""Steps in a row whose fp16 update was skipped before a warning says the model does not train (a
+GradScaler skips a few as it finds its scale, from 2**16)."""
+
+
+class StepLoop:
+    """The steps of a started session, from its committed position to the end of the run.
+
+    Args:
+        config: The session's configuration.
+        dataset: The map-style dataset the sampler plans over.
+        state: What the session trains (its sampler is set once the session has started).
+        keeper: Forms and re-forms the group the steps run in.
+        hooks: The session's hooks (``on_step_end`` after each applied step).
+        collate_fn: The DataLoader's ``collate_fn``.
+        group: The caller's process group (the loss is all-reduced over it), or None.
+        save: Checkpoints the committed state (every ``checkpoint_every`` steps).
+        log: The session's logger, as of now (its rank prefix follows the group).
+    """
+
+    def __init__(self, config: SessionConfig, dataset: Sized, state: TrainingState, keeper: GroupKeeper,
+                 hooks: HookDispatcher, *, collate_fn: Callable[[list[Any]], Any] | None, group: Any,
+                 save: Callable[[], None], log: Callable[[], RankLoggerAdapter]) -> None:
+        self._config, self._dataset, self._state, self._keeper = config, dataset, state, keeper
+        self._hooks, self._collate_fn, self._group = hooks, collate_fn, group
+        self._save, self._log = save, log
+        self._skipped_in_a_row = 0
+        self._clock = time.perf_counter()
+
+    # --- what a step uses ----------------------------------------------------------------------
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The model, unwrapped."""
+        return self._state.module
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model to run forward passes through: DDP-wrapped when distributed."""
+        generation = self._keeper.generation
+        ddp = generation.ddp if generation is not None else None
+        return ddp if ddp is not None else self.module
+
+    @property
+    def precision(self) -> MixedPrecision:
+        """The autocast/GradScaler helper in use."""
+        return self._state.precision
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model and batches live."""
+        generation = self._keeper.generation
+        assert generation is not None  # noqa: S101 - the session has started
+        return generation.placement.device
+
+    @property
+    def recovers_in_process(self) -> bool:
+        """Whether a failed collective discards the step instead of raising."""
+        return self._keeper.in_process
+
+    @property
+    def forwards(self) -> int:
+        """Forward passes through the DDP model since :meth:`count_forwards` (0 without DDP)."""
+        generation = self._keeper.generation
+        return generation.forwards if generation is not None else 0
+
+    def count_forwards(self) -> None:
+        """Start counting :attr:`forwards` from 0."""
+        if self._keeper.generation is not None:
+            self._keeper.generation.forwards = 0
+
+    def collective(self) -> contextlib.AbstractContextManager[None]:
+        """Marks a step's own collectives (see :meth:`GroupKeeper.collective`)."""
+        return self._keeper.collective()
+
+    def to_device(self, obj: Any) -> Any:
+        """``obj`` (a tensor, or lists/tuples/dicts of them) moved to :attr:`device`."""
+        device = self.device
+        if device.type == "cpu":
+            return obj
+        return to_device(obj, device, non_blocking=self._pin_memory())
+
+    # --- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> Iterator[Step]:
+        """Yield the remaining optimizer steps of the run; see :meth:`Session.steps`."""
+        config, state, keeper = self._config, self._state, self._keeper
+        sampler = state.sampler
+        assert sampler is not None  # noqa: S101 - the session has started
+        self._clock = time.perf_counter()
+        while not self._stopped():
+            if sampler.epoch_done:
+                self._log().info("epoch %d done at step %d", sampler.epoch, state.step)
+                sampler.set_epoch(sampler.epoch + 1)
+                continue
+            feed = PlanFeed(sampler)
+            batches = iter(self._loader(feed))
+            while config.max_steps is None or state.step < config.max_steps:
+                # Fetching a step's first micro-batch makes the feed hand over its plan.
+                first = next(batches, END)
+                if first is END:
+                    break
+                state.optimizer.zero_grad(set_to_none=True)
+                flag = keeper.flag
+                if flag is not None:
+                    flag.arm(keeper.votes_to_reform())
+                step = Step(self, feed.plans.popleft(), itertools.chain((first,), batches), state.step + 1)
+                yield step
+                cause = self._finish(step)
+                if cause is not None:
+                    keeper.recover(cause)
+                    self._clock = time.perf_counter()
+                    break  # plan again from the committed cursor, at the new world size
+
+    def _pin_memory(self) -> bool:
+        pin = self._config.pin_memory
+        return self.device.type == "cuda" if pin is None else pin
+
+    def _loader(self, feed: PlanFeed) -> DataLoader:  # type: ignore[type-arg]
+        sampler = self._state.sampler
+        assert sampler is not None  # noqa: S101 - private invariant
+        workers = self._config.num_workers
+        return DataLoader(
+            self._dataset,  # type: ignore[arg-type]
+            batch_sampler=feed,
+            num_workers=workers,
+            collate_fn=self._collate_fn,
+            pin_memory=self._pin_memory(),
+            worker_init_fn=sampler.worker_init_fn() if workers else None,
+            # Its own generator: otherwise each iter() draws from the global RNG,
+            # and a run resumed mid-epoch would draw at another point than an
+            # uninterrupted one, shifting every later dropout mask.
+            generator=torch.Generator().manual_seed(rank_seed(self._config.seed, self._keeper.context.rank)),
+        )
+
+    def _stopped(self) -> bool:
+        config, sampler = self._config, self._state.sampler
+        assert sampler is not None  # noqa: S101 - private invariant
+        if config.max_steps is not None and self._state.step >= config.max_steps:
+            return True
+        return sampler.epoch >= config.epochs or (sampler.epoch_done and sampler.epoch + 1 >= config.epochs)
+
+    def _finish(self, step: Step) -> str | None:
+        """Apply ``step`` unless a collective failed; returns why the group must re-form now, if it must."""
+        if step.failure is not None:
+            return f"a collective failed in step {step.number} ({describe(step.failure)}); the step was discarded"
+        try:
+            self._apply(step)
+        except Exception as exc:
+            if not (self.recovers_in_process and is_collective_failure(exc)):
+                raise
+            return f"a collective failed after step {step.number} was applied ({describe(exc)})"
+        flag = self._keeper.flag
+        if flag is not None and flag.raised:
+            return f"{self._keeper.cause_due()} (at the boundary after step {step.number})"
+        return None
+
+    def _apply(self, step: Step) -> None:
+        step._check_complete()
+        config, state, keeper = self._config, self._state, self._keeper
+        applied = state.precision.step(state.optimizer, state.module.parameters(), max_norm=config.grad_clip_norm)
+        if state.scheduler is not None:
+            state.scheduler.step()
+        assert state.sampler is not None  # noqa: S101 - private invariant
+        state.sampler.commit_step(step.plan)
+        state.step = step.number
+        self._say_if_skipped(applied.skipped)
+        if keeper.control is not None:
+            keeper.control.step_done(state.step)
+        generation = keeper.generation
+        assert generation is not None  # noqa: S101 - private invariant
+        with keeper.collective():  # DDP's bucket order, the buffers' broadcast
+            generation.after_step(state.module)
+
+        now = time.perf_counter()
+        elapsed, self._clock = now - self._clock, now
+        throughput = step.step_size / elapsed if elapsed > 0 else float("inf")
+        logging_due = config.log_every is not None and state.step % config.log_every == 0
+        if config.sync_loss or logging_due or self._hooks.wants("on_step_end"):
+            with keeper.collective():
+                step.loss = step.mean_loss(sync=config.sync_loss,
+                                           all_reduce=config.sync_loss and generation.placement.distributed,
+                                           group=self._group)
+        if logging_due:
+            self._log().info("step %d epoch %d %s %.5g %.1f samples/s", state.step, step.epoch,
+                             "loss" if config.sync_loss else "rank-0 loss", step.loss, throughput)
+        self._hooks.dispatch("on_step_end", step=state.step, loss=step.loss, throughput=throughput)
+        if config.checkpoint_every is not None and state.step % config.checkpoint_every == 0:
+            self._save()
+            self._clock = time.perf_counter()  # a save's time is not a step's
+
+    def _say_if_skipped(self, skipped: bool) -> None:
+        """Say that fp16's GradScaler skipped this step's update (its gradients held inf or NaN),
+        and warn once a run of skipped steps shows that the model no longer trains."""
+        if not skipped:
+            self._skipped_in_a_row = 0
+            return
+        self._skipped_in_a_row += 1
+        scaler = self._state.precision.scaler
+        assert scaler is not None  # noqa: S101 - only a scaler skips
+        scale = scaler.get_scale()
+        step = self._state.step
+        if self._skipped_in_a_row < _SKIPS_TO_WARN:
+            self._log().info("step %d: update skipped, its fp16 gradients held inf or NaN; the GradScaler lowered "
+                             "its scale to %g", step, scale)
+        elif self._skipped_in_a_row == _SKIPS_TO_WARN:
+            self._log().warning("the updates of the last %d steps (to step %d) were all skipped: their fp16 "
+                                "gradients held inf or NaN, and the model does not train. The GradScaler's scale is "
+                                "now %g: a loss or activations beyond fp16's range do this (bf16 has fp32's range), "
+                                "as does a diverged model", _SKIPS_TO_WARN, step, scale)
