@@ -25,15 +25,12 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import tenacity
 
 from elastictrain import errors
 from elastictrain.errors import DependencyError
-
-if TYPE_CHECKING:
-    import etcd3 as etcd3_module
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,6 @@ from elastictrain.rendezvous import register
 from elastictrain.rendezvous.handler import Etcd3RendezvousHandler, create_handler
 from elastictrain.rendezvous.keys import RunKeys
 from elastictrain.rendezvous.records import RoundRecord, decode
-from tests.conftest import make_client
 
 # A liveness lease of 2 s (0.5 s x 4, the shortest allowed) keeps the tests short.
 SHORT_LEASE = {"keep_alive_interval": 0.5, "keep_alive_max_attempt": 4}

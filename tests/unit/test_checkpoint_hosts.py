@@ -255,8 +255,6 @@ def test_a_save_waiting_for_a_rank_stops_waiting_when_the_group_is_superseded(tm
     # In-process recovery: rank 1 hangs (SIGSTOP) before writing its part of a save; the agent
     # kills it and announces a new generation. Rank 0 waited for rank 1's files for the whole
     # stall deadline (here 120 s; 60 s in the test that found it) before its barrier failed.
-    import signal
-
     ckpt, flag = tmp_path / "ckpt", tmp_path / "superseded"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, __file__, str(rank), str(tmp_path / "store"), str(ckpt), str(flag)],
