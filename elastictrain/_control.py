@@ -30,6 +30,7 @@ from typing import Any
 
 __all__ = [
     "CONTROL_DIR_ENV",
+    "RECOVERY_MODES",
     "Assignment",
     "ProgressTable",
     "WorkerState",
@@ -39,6 +40,10 @@ __all__ = [
 
 CONTROL_DIR_ENV = "ELASTICTRAIN_CONTROL_DIR"
 """Environment variable naming the control directory (set by the agent for its workers)."""
+
+RECOVERY_MODES = ("in-process", "restart")
+"""How a node's agent recovers (``--recovery``): in the workers' processes, through this channel,
+or by restarting them (torch's way)."""
 
 _ASSIGNMENT = "assignment.json"
 _PROGRESS = "progress"

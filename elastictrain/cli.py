@@ -28,13 +28,13 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from elastictrain import _logging
+from elastictrain._durations import parse_duration
 from elastictrain.config import (
     RendezvousConfig,
     RunConfig,
     check_conf_keys,
     check_writable_dir,
     default_local_addr,
-    parse_duration,
 )
 from elastictrain.errors import ConfigError, ElasticTrainError
 from elastictrain.progress import PROGRESS_ENV

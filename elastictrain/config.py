@@ -25,45 +25,17 @@ from datetime import timedelta
 from typing import Any
 
 from elastictrain._addresses import is_loopback, source_address_towards
+from elastictrain._control import RECOVERY_MODES
+from elastictrain._durations import parse_duration
 from elastictrain.errors import ConfigError
 from elastictrain.etcd.client import Endpoint, EtcdSettings, parse_endpoints
 from elastictrain.rendezvous.keys import validate_run_id
 
-__all__ = ["ETCD_CONF_KEYS", "ETCD_PASSWORD_ENV", "MAX_DURATION_S", "RendezvousConfig", "RunConfig",
+__all__ = ["ETCD_CONF_KEYS", "ETCD_PASSWORD_ENV", "RendezvousConfig", "RunConfig",
            "check_conf_keys", "check_readable_file", "check_writable_dir", "default_local_addr", "etcd_settings_from",
-           "parse_duration", "take_etcd_password"]
+           "take_etcd_password"]
 
 ETCD_PASSWORD_ENV = "ELASTICTRAIN_ETCD_PASSWORD"
-
-
-# The longest duration we accept: about 31 years. Much longer ones overflow where torch
-# adds them to the current datetime or waits on a lock with them ("wait forever" is 1e9).
-MAX_DURATION_S = 1e9
-
-
-RECOVERY_MODES = ("in-process", "restart")
-"""How a node's agent recovers (``--recovery``)."""
-
-
-def parse_duration(name: str, value: Any, *, minimum: float = 0.0) -> timedelta:
-    """Read a duration in seconds (``int``/``float``/``str``/``timedelta``).
-
-    Raises:
-        ConfigError: Not a number, below ``minimum`` seconds, or not finite / above
-            :data:`MAX_DURATION_S`.
-    """
-    if isinstance(value, timedelta):
-        seconds = value.total_seconds()
-    else:
-        try:
-            seconds = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{name} must be a number of seconds, got {value!r}") from None
-    if not seconds >= minimum:  # also rejects NaN
-        raise ConfigError(f"{name} must be at least {minimum:g} s, got {value!r}")
-    if not seconds <= MAX_DURATION_S:  # also rejects infinity
-        raise ConfigError(f"{name} must be at most {MAX_DURATION_S:g} s (about 31 years), got {value!r}")
-    return timedelta(seconds=seconds)
 
 
 def _positive_int(name: str, value: Any) -> int:

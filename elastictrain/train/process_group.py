@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from elastictrain._process import fd_targets
-from elastictrain.config import parse_duration
+from elastictrain._durations import parse_duration
 from elastictrain.errors import ConfigError
 from elastictrain.worker import STANDALONE_RUN_ID, WorkerContext
 

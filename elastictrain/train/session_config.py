@@ -8,7 +8,8 @@ from datetime import timedelta
 from typing import Any
 
 from elastictrain.train import process_group as pg
-from elastictrain.config import RECOVERY_MODES, parse_duration
+from elastictrain._control import RECOVERY_MODES
+from elastictrain._durations import parse_duration
 from elastictrain.errors import ConfigError
 from elastictrain.precision import PRECISIONS
 

@@ -1,4 +1,5 @@
-"""`elastictrain --help`, `status` and `stop` answer without importing torch (about 1.2 s here)."""
+"""`elastictrain --help`, `status` and `stop` answer without importing torch (about 1.2 s here), and
+a worker's side of the package does not import the launch side (etcd, rendezvous, run configuration)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,20 @@ def test_status_and_stop_do_not_import_torch(etcd_server) -> None:
     assert _probe("status", "--etcd", etcd_server.endpoint, "--run-id", "no-such-run").startswith("NO-TORCH 1")
     assert _probe("status", "--etcd", etcd_server.endpoint, "--all").startswith("NO-TORCH 0")
     assert _probe("stop", "--etcd", etcd_server.endpoint, "--run-id", "no-such-run").startswith("NO-TORCH 1")
+
+
+def test_a_worker_imports_no_launch_side_module() -> None:
+    # Layers point down (STYLE.md): a training worker never talks to etcd, so it has no business
+    # importing the etcd client or the run's configuration (which imports both).
+    probe = ("import sys, elastictrain._worker_boot, elastictrain.train.session, elastictrain.train.elastic, "
+             "elastictrain.sampler, elastictrain.checkpoint\n"
+             "print(sorted(m for m in sys.modules if m.split('.')[:2] in (['elastictrain', 'config'], "
+             "['elastictrain', 'etcd'], ['elastictrain', 'rendezvous'], ['elastictrain', 'agent'], "
+             "['elastictrain', 'launcher']) or m.split('.')[0] in ('grpc', 'etcd3')))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                            env=subprocess_env(), cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
 
 
 def test_the_public_api_still_imports_on_first_use() -> None:
