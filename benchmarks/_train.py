@@ -55,7 +55,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from elastictrain.checkpoint import CheckpointManager  # noqa: E402
-from elastictrain.sampler import ElasticSampler  # noqa: E402
+from elastictrain.train.sampler import ElasticSampler  # noqa: E402
 
 _IMPORTS_DONE = time.time()
 

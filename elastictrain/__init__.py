@@ -10,47 +10,47 @@ from typing import TYPE_CHECKING
 # ``elastictrain`` command imports this package, and ``--help``, ``status`` and ``stop``
 # must not pay for importing torch.
 _EXPORTS = {
-    "accumulate": "elastictrain.accumulation",
-    "no_sync": "elastictrain.accumulation",
+    "accumulate": "elastictrain.train.accumulation",
+    "no_sync": "elastictrain.train.accumulation",
     "CheckpointManager": "elastictrain.checkpoint",
     "RestoreInfo": "elastictrain.checkpoint",
     "ElasticTrainError": "elastictrain.errors",
     "SessionError": "elastictrain.errors",
-    "HookDispatcher": "elastictrain.hooks",
-    "Hooks": "elastictrain.hooks",
-    "MixedPrecision": "elastictrain.precision",
+    "HookDispatcher": "elastictrain.train.hooks",
+    "Hooks": "elastictrain.train.hooks",
+    "MixedPrecision": "elastictrain.train.precision",
     "Placement": "elastictrain.train.process_group",
     "destroy_process_group": "elastictrain.train.process_group",
     "init_process_group": "elastictrain.train.process_group",
     "process_group_scope": "elastictrain.train.process_group",
-    "RankLoggerAdapter": "elastictrain.rank_logging",
-    "get_logger": "elastictrain.rank_logging",
-    "setup_logging": "elastictrain.rank_logging",
-    "ElasticBatchSampler": "elastictrain.sampler",
-    "ElasticSampler": "elastictrain.sampler",
-    "MicroBatch": "elastictrain.sampler",
-    "StepPlan": "elastictrain.sampler",
+    "RankLoggerAdapter": "elastictrain.train.rank_logging",
+    "get_logger": "elastictrain.train.rank_logging",
+    "setup_logging": "elastictrain.train.rank_logging",
+    "ElasticBatchSampler": "elastictrain.train.sampler",
+    "ElasticSampler": "elastictrain.train.sampler",
+    "MicroBatch": "elastictrain.train.sampler",
+    "StepPlan": "elastictrain.train.sampler",
     "ElasticState": "elastictrain.train.elastic",
     "run_elastic": "elastictrain.train.elastic",
     "MicroStep": "elastictrain.train.session",
     "Session": "elastictrain.train.session",
     "SessionConfig": "elastictrain.train.session",
     "Step": "elastictrain.train.session",
-    "WorkerContext": "elastictrain.worker",
+    "WorkerContext": "elastictrain.train.worker",
 }
 
 if TYPE_CHECKING:
-    from elastictrain.accumulation import accumulate, no_sync
+    from elastictrain.train.accumulation import accumulate, no_sync
     from elastictrain.checkpoint import CheckpointManager, RestoreInfo
     from elastictrain.errors import ElasticTrainError, SessionError
-    from elastictrain.hooks import HookDispatcher, Hooks
-    from elastictrain.precision import MixedPrecision
+    from elastictrain.train.hooks import HookDispatcher, Hooks
+    from elastictrain.train.precision import MixedPrecision
     from elastictrain.train.process_group import Placement, destroy_process_group, init_process_group, process_group_scope
-    from elastictrain.rank_logging import RankLoggerAdapter, get_logger, setup_logging
-    from elastictrain.sampler import ElasticBatchSampler, ElasticSampler, MicroBatch, StepPlan
+    from elastictrain.train.rank_logging import RankLoggerAdapter, get_logger, setup_logging
+    from elastictrain.train.sampler import ElasticBatchSampler, ElasticSampler, MicroBatch, StepPlan
     from elastictrain.train.elastic import ElasticState, run_elastic
     from elastictrain.train.session import MicroStep, Session, SessionConfig, Step
-    from elastictrain.worker import WorkerContext
+    from elastictrain.train.worker import WorkerContext
 
 
 def __getattr__(name: str) -> object:

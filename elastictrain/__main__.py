@@ -1,3 +1,3 @@
-from elastictrain.cli import main
+from elastictrain.launch.cli import main
 
 raise SystemExit(main())

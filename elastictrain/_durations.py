@@ -1,6 +1,6 @@
 """Durations given in seconds, as both sides of a job read them (a run's flags, a session's options).
 
-Here rather than in :mod:`elastictrain.config`, which the launch side owns: a worker reads its
+Here rather than in :mod:`elastictrain.launch.config`, which the launch side owns: a worker reads its
 settings without importing the etcd client and the rendezvous.
 """
 

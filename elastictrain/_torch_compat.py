@@ -52,7 +52,7 @@ PINNED_TORCH = "2.13"
 """The torch minor version these names were checked against (``pyproject.toml`` pins it)."""
 
 AGENT_OVERRIDES: dict[str, tuple[str, ...]] = {
-    # SimpleElasticAgent's extension points that elastictrain.agent overrides or calls,
+    # SimpleElasticAgent's extension points that elastictrain.launch.agent overrides or calls,
     # with the parameters torch 2.13 gives them.
     "_rendezvous": ("self", "worker_group"),
     "_assign_worker_ranks": ("self", "store", "group_rank", "group_world_size", "spec"),
@@ -89,7 +89,7 @@ _AGENT_STATE = ("_remaining_restarts", "_worker_group")
 
 DDP_MODULES = ("torch.nn.parallel", "torch._dynamo")
 """What building a DDP model imports (``torch._dynamo``: about 1.4 s here); a node's worker
-forkserver imports them once (:mod:`elastictrain._worker_preload`) instead of every worker."""
+forkserver imports them once (:mod:`elastictrain.launch._worker_preload`) instead of every worker."""
 
 
 def _fail(what: str) -> TorchCompatError:

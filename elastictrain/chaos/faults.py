@@ -21,7 +21,7 @@ drawn one at a time by a :class:`RandomPlanner` from a seed. Kinds:
 Workers are found from the process tree, not from the job's evidence: a node
 agent forks each worker from its forkserver, so the workers of a node are the
 children of the agent's child that serves as its forkserver
-(:data:`~elastictrain.node_setup.FORKSERVER_TITLE`, or ``multiprocessing.forkserver``).
+(:data:`~elastictrain.launch.node_setup.FORKSERVER_TITLE`, or ``multiprocessing.forkserver``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any
 
 from elastictrain._process import proc_stat
 from elastictrain.errors import ConfigError
-from elastictrain.node_setup import FORKSERVER_TITLE
+from elastictrain.launch.node_setup import FORKSERVER_TITLE
 
 __all__ = [
     "FaultKind", "FaultRecord", "PlannedFault", "RandomPlanner", "children", "descendants", "parse_kinds",

@@ -47,7 +47,7 @@ from elastictrain.chaos.netns import NS_INTERFACE, NodeNetwork
 from elastictrain.chaos.recorder import CHAOS_DIR_ENV, GATE_ENV
 from elastictrain.chaos.report import build_report
 from elastictrain.chaos.verdict import judge
-from elastictrain.config import check_writable_dir
+from elastictrain.launch.config import check_writable_dir
 from elastictrain.errors import ConfigError
 
 logger = logging.getLogger(__name__)

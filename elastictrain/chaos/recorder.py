@@ -60,7 +60,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastictrain.hooks import Hooks
+from elastictrain.train.hooks import Hooks
 
 __all__ = ["CHAOS_DIR_ENV", "GATE_ENV", "MARKER", "Recorder", "fingerprint"]
 

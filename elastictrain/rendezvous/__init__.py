@@ -3,7 +3,7 @@
 :func:`register` adds ``etcd3`` to torch's rendezvous handler registry (the
 agent of ``elastictrain run`` calls it). Stock ``torchrun`` finds the same
 factory through the ``torchrun.handlers`` entry point
-(``elastictrain._torchrun_plugin``), so ``torchrun --rdzv-backend etcd3`` works
+(``elastictrain.rendezvous._torchrun_plugin``), so ``torchrun --rdzv-backend etcd3`` works
 once elastictrain is installed. ``etcd3-dynamic`` (opt-in) is torch's
 own dynamic rendezvous on etcd v3. Importing this package imports neither
 torch nor the etcd client.
@@ -22,7 +22,7 @@ def register() -> None:
     """Register ``etcd3`` and ``etcd3-dynamic`` with torch's rendezvous handler registry (idempotent)."""
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
-    from elastictrain._torchrun_plugin import create_etcd3_dynamic_handler, create_etcd3_handler
+    from elastictrain.rendezvous._torchrun_plugin import create_etcd3_dynamic_handler, create_etcd3_handler
 
     # Registering the same factory again is a no-op (torchrun's entry points register them too).
     rendezvous_handler_registry.register(BACKEND_NAME, create_etcd3_handler)

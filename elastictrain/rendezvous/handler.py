@@ -42,7 +42,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from elastictrain.config import RendezvousConfig, etcd_settings_from
+from elastictrain.launch.config import RendezvousConfig, etcd_settings_from
 from elastictrain.errors import ConfigError, EtcdError
 from elastictrain.etcd import kv
 from elastictrain.etcd.client import EtcdClient
@@ -434,7 +434,7 @@ def create_handler(params: RendezvousParameters, *, client: EtcdClient | None = 
 
     ``params.endpoint`` is ``host:port[,host:port...]``. Keys of ``params.config``
     (``--rdzv-conf`` in torchrun) are those of :class:`RendezvousConfig` (seconds),
-    of :func:`elastictrain.config.etcd_settings_from` (TLS, auth, timeouts) and
+    of :func:`elastictrain.launch.config.etcd_settings_from` (TLS, auth, timeouts) and
     ``local_world_size``.
 
     Args:

@@ -39,7 +39,7 @@ from elastictrain import events
 from elastictrain.train import process_group as pg
 from elastictrain._control import WorkerState
 from elastictrain.errors import ConfigError, SessionError
-from elastictrain.sampler import ElasticSampler
+from elastictrain.train.sampler import ElasticSampler
 from elastictrain.train.control import WorkerControl
 from elastictrain.train.recovery import (
     context_for,
@@ -49,7 +49,7 @@ from elastictrain.train.recovery import (
     wait_for_generation,
 )
 from elastictrain.train.state_transfer import agree, transfer
-from elastictrain.worker import WorkerContext
+from elastictrain.train.worker import WorkerContext
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class ElasticState:
 
     Args:
         **objects: Objects with ``state_dict()``/``load_state_dict()`` (model, optimizer,
-            scheduler, GradScaler, :class:`~elastictrain.sampler.ElasticSampler`) or dicts
+            scheduler, GradScaler, :class:`~elastictrain.train.sampler.ElasticSampler`) or dicts
             of plain data (updated in place). Each is also an attribute (``state.model``).
     """
 

@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from elastictrain import events
 from elastictrain._control import Assignment, WorkerState
-from elastictrain.hooks import HookDispatcher
-from elastictrain.rank_logging import RankLoggerAdapter, get_logger
+from elastictrain.train.hooks import HookDispatcher
+from elastictrain.train.rank_logging import RankLoggerAdapter, get_logger
 from elastictrain.train import process_group as pg
 from elastictrain.train.control import WorkerControl
 from elastictrain.train.generation import Generation
@@ -39,7 +39,7 @@ from elastictrain.train.recovery import (
 from elastictrain.train.session_config import SessionConfig
 from elastictrain.train.state_transfer import agree, transfer
 from elastictrain.train.training_state import TrainingState, rank_seed, seed_everything
-from elastictrain.worker import WorkerContext
+from elastictrain.train.worker import WorkerContext
 
 __all__ = ["GroupKeeper"]
 

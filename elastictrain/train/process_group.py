@@ -43,7 +43,7 @@ import torch.distributed as dist
 from elastictrain._process import fd_targets
 from elastictrain._durations import parse_duration
 from elastictrain.errors import ConfigError
-from elastictrain.worker import STANDALONE_RUN_ID, WorkerContext
+from elastictrain.train.worker import STANDALONE_RUN_ID, WorkerContext
 
 __all__ = [
     "BACKEND_ENV",

@@ -40,7 +40,7 @@ from elastictrain.train import process_group as pg
 from elastictrain._control import Assignment, WorkerState
 from elastictrain.errors import SessionError
 from elastictrain.train.control import WorkerControl
-from elastictrain.worker import WorkerContext
+from elastictrain.train.worker import WorkerContext
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ indistinguishable from an uninterrupted run:
    cursor, each rank's RNG states, user extras);
 4. wrap the model in DDP over the group (:class:`~elastictrain.train.generation.Generation`
    holds what is built on one group): every rank starts identical;
-5. yield optimizer steps from the :class:`~elastictrain.sampler.ElasticSampler`'s
+5. yield optimizer steps from the :class:`~elastictrain.train.sampler.ElasticSampler`'s
    plans: a fixed global batch, split into micro-batches whose loss scales make
    the accumulated gradient the global-batch mean whatever the world size
    (:class:`~elastictrain.train.step_loop.StepLoop`, :mod:`~elastictrain.train.steps`);
@@ -42,18 +42,18 @@ from torch.nn.parallel import DistributedDataParallel
 from elastictrain import events
 from elastictrain.checkpoint import CheckpointManager, RestoreInfo
 from elastictrain.errors import ConfigError, SessionError
-from elastictrain.hooks import HookDispatcher
-from elastictrain.precision import MixedPrecision
-from elastictrain.progress import ProgressHook, progress_wanted
-from elastictrain.rank_logging import RankLoggerAdapter, get_logger, setup_logging
-from elastictrain.sampler import ElasticSampler
+from elastictrain.train.hooks import HookDispatcher
+from elastictrain.train.precision import MixedPrecision
+from elastictrain.train.progress import ProgressHook, progress_wanted
+from elastictrain.train.rank_logging import RankLoggerAdapter, get_logger, setup_logging
+from elastictrain.train.sampler import ElasticSampler
 from elastictrain.train import process_group as pg
 from elastictrain.train.group_keeper import GroupKeeper
 from elastictrain.train.session_config import SessionConfig
 from elastictrain.train.step_loop import StepLoop
 from elastictrain.train.steps import MicroStep, Step
 from elastictrain.train.training_state import TrainingState
-from elastictrain.worker import WorkerContext
+from elastictrain.train.worker import WorkerContext
 
 __all__ = ["MicroStep", "Session", "SessionConfig", "Step"]
 
@@ -78,7 +78,7 @@ class Session:
         dataset: A map-style dataset (``len`` and ``__getitem__``).
         config: A :class:`SessionConfig`; or pass its fields as keyword arguments.
         scheduler: A learning-rate scheduler, stepped after every optimizer step.
-        hooks: :class:`~elastictrain.hooks.Hooks` objects, called in order.
+        hooks: :class:`~elastictrain.train.hooks.Hooks` objects, called in order.
         extra_state: More objects to checkpoint by name: anything with
             ``state_dict()``/``load_state_dict()``, or dicts of plain data
             (updated in place on restore).

@@ -11,7 +11,7 @@ from elastictrain.train import process_group as pg
 from elastictrain._control import RECOVERY_MODES
 from elastictrain._durations import parse_duration
 from elastictrain.errors import ConfigError
-from elastictrain.precision import PRECISIONS
+from elastictrain.train.precision import PRECISIONS
 
 __all__ = ["SessionConfig"]
 

@@ -1,6 +1,6 @@
 """The optimizer steps of a :class:`~elastictrain.train.session.Session`: :class:`StepLoop`.
 
-It plans each step from the :class:`~elastictrain.sampler.ElasticSampler` (a fixed
+It plans each step from the :class:`~elastictrain.train.sampler.ElasticSampler` (a fixed
 global batch split into micro-batches, :mod:`~elastictrain.train.steps`), feeds its
 micro-batches through a DataLoader, and applies it at the boundary: unscale, clip,
 optimizer and scheduler step, sampler commit, hooks, a checkpoint every
@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from elastictrain.hooks import HookDispatcher
-from elastictrain.precision import MixedPrecision
-from elastictrain.rank_logging import RankLoggerAdapter
+from elastictrain.train.hooks import HookDispatcher
+from elastictrain.train.precision import MixedPrecision
+from elastictrain.train.rank_logging import RankLoggerAdapter
 from elastictrain.train.group_keeper import GroupKeeper
 from elastictrain.train.recovery import describe, is_collective_failure
 from elastictrain.train.session_config import SessionConfig

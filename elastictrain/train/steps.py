@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from elastictrain.accumulation import accumulate
+from elastictrain.train.accumulation import accumulate
 from elastictrain.errors import ConfigError, SessionError
-from elastictrain.sampler import ElasticBatchSampler, ElasticSampler, MicroBatch, StepPlan
+from elastictrain.train.sampler import ElasticBatchSampler, ElasticSampler, MicroBatch, StepPlan
 from elastictrain.train.recovery import is_collective_failure
 
 if TYPE_CHECKING:
@@ -71,7 +71,7 @@ class MicroStep:
         batch: The collated micro-batch, already on the session's device.
         index: Position in the step, from 0.
         is_last: True for the micro-batch whose backward all-reduces the gradients.
-        loss_scale: What :meth:`backward` multiplies the loss by (see :class:`~elastictrain.sampler.MicroBatch`).
+        loss_scale: What :meth:`backward` multiplies the loss by (see :class:`~elastictrain.train.sampler.MicroBatch`).
         weight: This micro-batch's share of the global batch, ``len / step_size``.
         is_padding: True when this rank's share was empty and ``batch`` is a stand-in
             sample whose loss counts for nothing (``loss_scale == 0``).
@@ -125,7 +125,7 @@ class Step:
     Attributes:
         number: This step's number, from 1 (the first step of the run).
         epoch: The epoch it belongs to.
-        plan: This rank's :class:`~elastictrain.sampler.StepPlan`.
+        plan: This rank's :class:`~elastictrain.train.sampler.StepPlan`.
         loss: The step's mean loss once it is applied, if hooks, logging or
             ``sync_loss`` asked for it (see ``SessionConfig.sync_loss``); else None.
     """

@@ -19,8 +19,8 @@ import torch
 from elastictrain.checkpoint import RestoreInfo
 from elastictrain.checkpoint import _snapshot as snap
 from elastictrain.errors import ConfigError
-from elastictrain.precision import MixedPrecision
-from elastictrain.sampler import ElasticSampler
+from elastictrain.train.precision import MixedPrecision
+from elastictrain.train.sampler import ElasticSampler
 
 __all__ = ["TrainingState", "rank_seed", "seed_everything"]
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from elastictrain._addresses import is_loopback
-from elastictrain.cli import main
+from elastictrain.launch.cli import main
 from tests.conftest import REPO_ROOT, subprocess_env
 from tests.support.read_only import read_only_dir
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.cli import main
+from elastictrain.launch.cli import main
 from elastictrain.errors import EtcdAuthError
 from elastictrain.etcd import EtcdClient, EtcdServer, EtcdServerOptions, EtcdSettings, parse_endpoints
 from elastictrain.rendezvous.dynamic import Etcd3RendezvousBackend

@@ -56,7 +56,7 @@ def test_a_running_job_is_scraped_for_world_size_round_step_and_checkpoint(tmp_p
 def test_a_metrics_port_in_use_is_one_line_before_anything_starts(tmp_path: Path, capsys) -> None:
     import socket
 
-    from elastictrain.cli import main
+    from elastictrain.launch.cli import main
 
     with socket.socket() as busy:
         busy.bind(("0.0.0.0", 0))

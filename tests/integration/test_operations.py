@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from elastictrain.cli import main
+from elastictrain.launch.cli import main
 from tests.conftest import REPO_ROOT, run_reporting_hangs, subprocess_env
 
 MLP = str(REPO_ROOT / "examples" / "mlp.py")
@@ -35,7 +35,7 @@ def cli_process(*args: str, timeout: float = 95) -> subprocess.CompletedProcess[
 def wait_for_status(endpoint: str, run_id: str, predicate: Any, timeout: float = 90) -> dict[str, Any]:
     # Polled in-process: a CLI process per poll would load the 2 cores that the
     # job's agents and workers need.
-    from elastictrain.run_state import read_status
+    from elastictrain.launch.run_state import read_status
     from tests.conftest import make_client
 
     client = make_client(endpoint)

@@ -21,7 +21,7 @@ from elastictrain.etcd.watch import Watch, WatchEvent
 from elastictrain.rendezvous.handler import create_handler
 from elastictrain.rendezvous.keys import RunKeys
 from elastictrain.rendezvous.store import Etcd3Store
-from elastictrain.run_state import read_status
+from elastictrain.launch.run_state import read_status
 from tests.conftest import REPO_ROOT, make_client, subprocess_env
 from tests.support.tcp_proxy import TcpProxy
 

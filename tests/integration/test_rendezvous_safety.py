@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from elastictrain.cli import main
+from elastictrain.launch.cli import main
 from elastictrain.etcd import kv
 from elastictrain.rendezvous.keys import RunKeys
 from tests.conftest import REPO_ROOT, communicate_reporting_hangs, hang_reporting_env, subprocess_env

@@ -99,7 +99,7 @@ def _worker(out: Path) -> None:
     from torch.utils.data import TensorDataset
 
     import elastictrain
-    from elastictrain.sampler import epoch_permutation
+    from elastictrain.train.sampler import epoch_permutation
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

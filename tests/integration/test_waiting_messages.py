@@ -29,7 +29,7 @@ def test_a_node_waiting_for_peers_says_how_many_more_and_for_how_long(etcd_serve
 
 
 def test_an_unreachable_etcd_is_named_while_retrying(capsys) -> None:
-    from elastictrain.cli import main
+    from elastictrain.launch.cli import main
 
     port = free_port()  # nothing listens there
     assert main(["status", "--etcd", f"127.0.0.1:{port}", "--run-id", "x", "--rdzv-conf", "retry_deadline=1.5"]) == 1

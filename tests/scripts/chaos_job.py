@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 
 from elastictrain.chaos._demo_job import main
-from elastictrain.sampler import ElasticSampler
+from elastictrain.train.sampler import ElasticSampler
 
 
 def plant_bug(name: str | None) -> None:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from elastictrain.accumulation import accumulate
+from elastictrain.train.accumulation import accumulate
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -24,7 +24,7 @@ from typing import BinaryIO
 import pytest
 import torch
 
-from elastictrain import status_report
+from elastictrain.launch import status_report
 from elastictrain.checkpoint import CheckpointManager, LocalStorage
 from elastictrain.errors import CheckpointError
 from tests.unit.test_checkpoint_distributed import ThreadCoordinator, ThreadHub, run_ranks
@@ -222,7 +222,7 @@ def test_status_checks_manifests_and_sizes_and_checksums_only_when_asked(tmp_pat
 
 def test_status_verify_checksums_without_a_checkpoint_dir_is_one_line_and_a_usage_error(
         capsys: pytest.CaptureFixture[str]) -> None:
-    from elastictrain.cli import main
+    from elastictrain.launch.cli import main
 
     code = main(["status", "--etcd", "127.0.0.1:1", "--run-id", "x", "--verify-checksums"])
     err = capsys.readouterr().err

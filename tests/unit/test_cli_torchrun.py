@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain import cli
-from elastictrain.config import RunConfig
+from elastictrain.launch import cli
+from elastictrain.launch.config import RunConfig
 from elastictrain.errors import ConfigError
 
 

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from elastictrain import failure_report
-from elastictrain.launcher import _failure_outcome
+from elastictrain.launch import failure_report
+from elastictrain.launch.launcher import _failure_outcome
 
 USER_STACK = """Traceback (most recent call last):
   File "/venv/site-packages/torch/distributed/elastic/multiprocessing/errors/__init__.py", line 367, in wrapper
     return f(*args, **kwargs)
            ^^^^^^^^^^^^^^^^^^
-  File "/src/elastictrain/_worker_boot.py", line 72, in run_script
+  File "/src/elastictrain/launch/_worker_boot.py", line 72, in run_script
     runpy.run_path(script, run_name="__main__")
   File "<frozen runpy>", line 291, in run_path
   File "/jobs/train.py", line 42, in <module>

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from elastictrain.errors import ConfigError
-from elastictrain.hooks import HookDispatcher, Hooks
+from elastictrain.train.hooks import HookDispatcher, Hooks
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -29,7 +29,7 @@ class Raises(Hooks):
 def test_hooks_run_in_registration_order_and_a_raising_one_is_skipped(caplog: pytest.LogCaptureFixture) -> None:
     calls: list[str] = []
     hooks = HookDispatcher([Log("a", calls), Raises(), Log("b", calls)])
-    with caplog.at_level(logging.WARNING, logger="elastictrain.hooks"):
+    with caplog.at_level(logging.WARNING, logger="elastictrain.train.hooks"):
         hooks.dispatch("on_step_end", step=1, loss=0.5, throughput=10.0)
         hooks.dispatch("on_step_end", step=2, loss=0.4, throughput=10.0)
     assert calls == ["a:1", "b:1", "a:2", "b:2"]

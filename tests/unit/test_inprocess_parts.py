@@ -23,7 +23,7 @@ from elastictrain._process import proc_stat
 from elastictrain.train.control import JobEnded, WorkerControl
 from elastictrain.errors import SessionError
 from elastictrain.train.recovery import describe, is_collective_failure
-from elastictrain.worker_group import FailureBudget, HangDetector
+from elastictrain.launch.worker_group import FailureBudget, HangDetector
 
 
 def _assignment(generation: int, **changes: Any) -> Assignment:
@@ -219,7 +219,7 @@ def test_a_worker_killed_before_its_forkserver_reports_it_is_not_taken_as_finish
 
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
-    from elastictrain.worker_group import WorkerProcesses
+    from elastictrain.launch.worker_group import WorkerProcesses
 
     workers = WorkerProcesses(lambda _: start_processes(
         name="sleeper", entrypoint=_sleep_a_while, args={0: ()}, envs={0: {}},
@@ -404,7 +404,7 @@ def test_a_state_that_cannot_be_sent_fails_every_rank_at_once() -> None:
 
 
 def _transfer_worker(rank: int, port: int, holds: bool, results: Any) -> None:
-    from elastictrain.sampler import ElasticSampler
+    from elastictrain.train.sampler import ElasticSampler
     from elastictrain.train.state_transfer import agree, transfer
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
@@ -513,15 +513,15 @@ def test_workers_still_running_long_after_the_job_finished_elsewhere_are_reporte
     import logging
     import types
 
-    from elastictrain.agent import _LINGER_S, InProcessAgent
-    from elastictrain.worker_group import WorkerProcesses
+    from elastictrain.launch.agent import _LINGER_S, InProcessAgent
+    from elastictrain.launch.worker_group import WorkerProcesses
 
     agent = object.__new__(InProcessAgent)  # only the state this check reads
     agent._finished_elsewhere_at, agent._lingering_said = None, False
     agent._workers = WorkerProcesses(lambda _: None)
     training = types.SimpleNamespace(finished_seen=False)
     finished = types.SimpleNamespace(finished_seen=True)
-    with caplog.at_level(logging.WARNING, logger="elastictrain.agent"):
+    with caplog.at_level(logging.WARNING, logger="elastictrain.launch.agent"):
         agent._say_if_lingering(training, 0.0)
         agent._say_if_lingering(finished, 10.0)
         agent._say_if_lingering(finished, 10.0 + _LINGER_S / 2)
@@ -741,7 +741,7 @@ def _leaving_worker(rank: int, port: int, results: Any) -> None:
 
     from elastictrain.train import process_group as pg
     from elastictrain.train.generation import Generation
-    from elastictrain.worker import WorkerContext
+    from elastictrain.train.worker import WorkerContext
 
     context = WorkerContext(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
     generation = Generation(pg.init_process_group(context, backend="gloo", timeout=10), None, in_process=True)
@@ -778,7 +778,7 @@ def test_a_rank_that_leaves_its_group_frees_the_peers_blocked_on_it_at_once() ->
 
 def _foreign_connection_worker(rank: int, port: int, results: Any) -> None:
     from elastictrain.train import process_group as pg
-    from elastictrain.worker import WorkerContext
+    from elastictrain.train.worker import WorkerContext
 
     pg.init_process_group(WorkerContext(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port),
                           backend="gloo", timeout=10)

@@ -1,4 +1,4 @@
-"""What a node sets up for its workers (``elastictrain.node_setup``)."""
+"""What a node sets up for its workers (``elastictrain.launch.node_setup``)."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain import node_setup
+from elastictrain.launch import node_setup
 
 
 _FORKSERVER_PROBE = r"""
 import json, logging, multiprocessing, multiprocessing.util, os, signal, sys, tempfile, threading, time
 import torch
-from elastictrain import _logging, node_setup
+from elastictrain.launch import _logging, node_setup
 
 def report(queue):
     import torch._dynamo  # preloaded: already there
@@ -139,7 +139,7 @@ def test_an_agent_whose_stdout_is_gone_still_starts_its_forkserver() -> None:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     done = subprocess.run([sys.executable, "-c", (
         "import os, sys, torch\n"
-        "from elastictrain import node_setup\n"
+        "from elastictrain.launch import node_setup\n"
         "sys.stdout.write('buffered')\n"
         "os.close(1)\n"
         "print('forked', node_setup.start_forkserver(), file=sys.stderr, flush=True)\n")],
@@ -158,7 +158,7 @@ def test_a_forked_forkserver_exits_with_its_agent(tmp_path: Path) -> None:
 
     agent = subprocess.Popen([sys.executable, "-c", (
         "import os, sys, time, torch\n"
-        "from elastictrain import node_setup\n"
+        "from elastictrain.launch import node_setup\n"
         "assert node_setup.start_forkserver()\n"
         "import multiprocessing.forkserver as f\n"
         "print(f._forkserver._forkserver_pid, flush=True)\n"
@@ -290,7 +290,7 @@ def test_a_worker_whose_start_data_is_gone_says_so_in_one_line() -> None:
 
     done = subprocess.run([sys.executable, "-c", (
         "import multiprocessing, multiprocessing.synchronize as s, torch\n"
-        "from elastictrain import node_setup\n"
+        "from elastictrain.launch import node_setup\n"
         "class Gone:\n"
         "    def __reduce__(self):  # unpickled in the worker: a lock whose semaphore its agent removed\n"
         "        return (s.Lock.__new__, (s.Lock,), (0, s.SEMAPHORE, 1, '/mp-elastictrain-gone'))\n"

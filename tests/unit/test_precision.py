@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from elastictrain.errors import ConfigError
-from elastictrain.precision import MixedPrecision, resolve_precision
+from elastictrain.train.precision import MixedPrecision, resolve_precision
 
 pytestmark = pytest.mark.timeout(20)
 

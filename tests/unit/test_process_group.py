@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from elastictrain.train import process_group as pg
 from elastictrain.errors import ConfigError
-from elastictrain.worker import WorkerContext
+from elastictrain.train.worker import WorkerContext
 
 pytestmark = pytest.mark.timeout(30)
 

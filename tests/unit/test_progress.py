@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from elastictrain.progress import ProgressHook, progress_wanted
+from elastictrain.train.progress import ProgressHook, progress_wanted
 
 
 class _Tty(io.StringIO):
@@ -36,7 +36,7 @@ def test_progress_line_has_step_loss_throughput_and_world_size() -> None:
 def test_both_spellings_of_no_progress_agree(monkeypatch: pytest.MonkeyPatch) -> None:
     import io
 
-    from elastictrain.progress import progress_wanted
+    from elastictrain.train.progress import progress_wanted
 
     class Tty(io.StringIO):
         def isatty(self) -> bool:
@@ -53,7 +53,7 @@ def test_a_log_line_prints_above_the_progress_line_not_glued_to_it() -> None:
     import io
     import logging
 
-    from elastictrain.progress import ProgressHook
+    from elastictrain.train.progress import ProgressHook
 
     terminal = io.StringIO()
     log = logging.getLogger("elastictrain.test_progress_collision")

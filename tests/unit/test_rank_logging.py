@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from elastictrain.rank_logging import RankLoggerAdapter, format_prefix, get_logger, setup_logging
-from elastictrain.worker import WorkerContext
+from elastictrain.train.rank_logging import RankLoggerAdapter, format_prefix, get_logger, setup_logging
+from elastictrain.train.worker import WorkerContext
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -52,10 +52,10 @@ def test_info_comes_from_rank_0_only_and_warnings_from_every_rank(stream: io.Str
 
 def test_records_from_plain_loggers_get_the_prefix_and_the_rank_policy(stream: io.StringIO) -> None:
     setup_logging(context(2), stream=stream, json_lines=False)
-    logging.getLogger("elastictrain.sampler").info("resharded")  # info on rank 2: dropped
-    logging.getLogger("elastictrain.sampler").warning("odd %s", "thing")
+    logging.getLogger("elastictrain.train.sampler").info("resharded")  # info on rank 2: dropped
+    logging.getLogger("elastictrain.train.sampler").warning("odd %s", "thing")
     assert stream.getvalue().splitlines()[-1].endswith(
-        "elastictrain.sampler: [run=job node=1 rank=2/4 restart=3] odd thing")
+        "elastictrain.train.sampler: [run=job node=1 rank=2/4 restart=3] odd thing")
     assert "resharded" not in stream.getvalue()
 
 

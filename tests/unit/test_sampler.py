@@ -1,4 +1,4 @@
-"""Tests for ``elastictrain.sampler``: exactly-once data order across resizes and restarts."""
+"""Tests for ``elastictrain.train.sampler``: exactly-once data order across resizes and restarts."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset
 
 from elastictrain.errors import CheckpointMismatchError, ConfigError
-from elastictrain.sampler import (
+from elastictrain.train.sampler import (
     ElasticBatchSampler,
     ElasticSampler,
     StepPlan,

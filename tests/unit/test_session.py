@@ -21,7 +21,7 @@ from torch.utils.data import TensorDataset
 
 import elastictrain
 from elastictrain.errors import ConfigError, SessionError
-from elastictrain.sampler import epoch_permutation
+from elastictrain.train.sampler import epoch_permutation
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -260,11 +260,11 @@ def test_a_hook_that_raises_is_logged_by_name_and_training_goes_on(caplog: pytes
             raise ValueError("exporter down")
 
     after = Recorder()
-    with caplog.at_level(logging.WARNING, logger="elastictrain.hooks"):
+    with caplog.at_level(logging.WARNING, logger="elastictrain.train.hooks"):
         model, session = run_to_end(None, hooks=(Broken(), after))
     assert session.step == 10
     assert [kw["step"] for name, kw in after.events if name == "on_step_end"] == list(range(1, 11))
-    warnings = [r for r in caplog.records if r.name == "elastictrain.hooks"]
+    warnings = [r for r in caplog.records if r.name == "elastictrain.train.hooks"]
     assert len(warnings) == 10
     assert "Broken" in warnings[0].getMessage() and "on_step_end" in warnings[0].getMessage()
     assert warnings[0].exc_info is not None

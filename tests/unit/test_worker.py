@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elastictrain.errors import ConfigError
-from elastictrain.worker import STANDALONE_RUN_ID, WorkerContext
+from elastictrain.train.worker import STANDALONE_RUN_ID, WorkerContext
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -63,7 +63,7 @@ class _Recording:
 def test_each_prefixed_line_goes_out_in_one_write() -> None:
     """print() writes a line's text and its newline apart; written through as they came, the
     lines of two ranks sharing the terminal interleaved ('[vm 0] a[vm 1] b')."""
-    from elastictrain._worker_boot import _PrefixedStream
+    from elastictrain.launch._worker_boot import _PrefixedStream
 
     sink = _Recording()
     stream = _PrefixedStream(sink, lambda: "[n 0] ")

@@ -27,9 +27,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from elastictrain import _logging
+from elastictrain.launch import _logging
 from elastictrain._durations import parse_duration
-from elastictrain.config import (
+from elastictrain.launch.config import (
     RendezvousConfig,
     RunConfig,
     check_conf_keys,
@@ -37,7 +37,7 @@ from elastictrain.config import (
     default_local_addr,
 )
 from elastictrain.errors import ConfigError, ElasticTrainError
-from elastictrain.progress import PROGRESS_ENV
+from elastictrain.train.progress import PROGRESS_ENV
 
 if TYPE_CHECKING:
     from elastictrain.etcd.server import EtcdServerOptions
@@ -560,18 +560,18 @@ def _run(args: argparse.Namespace) -> int:
         if args.no_progress:
             os.environ[PROGRESS_ENV] = "0"  # read by the session in every worker
         if args.local_nodes:
-            from elastictrain.local_cluster import run_local_nodes
+            from elastictrain.launch.local_cluster import run_local_nodes
 
             node_args = _node_args(args.run_parser, args, endpoint=endpoint, run_id=run_id, local_addr=local_addr)
             port = args.metrics_port
             return run_local_nodes(args.local_nodes, node_args,
                                    per_node=(lambda i: [f"--metrics-port={port + i}"]) if port else None)
-        from elastictrain import node_setup
+        from elastictrain.launch import node_setup
 
         started = time.monotonic()
         node = node_setup.prepare(config)
         try:
-            from elastictrain.launcher import launch
+            from elastictrain.launch.launcher import launch
 
             outcome = launch(config, endpoint, node)
         finally:
@@ -589,7 +589,7 @@ def _report_outcome(outcome: Any, elapsed: float) -> None:
 
     Under a ``--local-nodes`` launcher a failure goes to the launcher instead (it reports
     the whole job once, with the root cause among every node's failures)."""
-    from elastictrain import failure_report
+    from elastictrain.launch import failure_report
 
     outcome_file = os.environ.get(failure_report.OUTCOME_FILE_ENV)
     if outcome_file and outcome.exit_code != 0:
@@ -611,7 +611,7 @@ def _report_outcome(outcome: Any, elapsed: float) -> None:
 
 
 def _client_for(args: argparse.Namespace) -> Any:
-    from elastictrain.config import etcd_settings_from
+    from elastictrain.launch.config import etcd_settings_from
     from elastictrain.etcd.client import connect
 
     if not args.etcd:
@@ -620,8 +620,8 @@ def _client_for(args: argparse.Namespace) -> Any:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from elastictrain import status_report
-    from elastictrain.run_state import list_runs, read_status
+    from elastictrain.launch import status_report
+    from elastictrain.launch.run_state import list_runs, read_status
 
     if args.verify_checksums and not args.checkpoint_dir:
         raise ConfigError("--verify-checksums needs --checkpoint-dir (the directory whose checkpoint to verify)")
@@ -645,7 +645,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_stop(args: argparse.Namespace) -> int:
-    from elastictrain.run_state import purge, read_status, request_stop
+    from elastictrain.launch.run_state import purge, read_status, request_stop
 
     if not args.run_id:
         raise ConfigError("--run-id is required")
@@ -674,7 +674,7 @@ def _etcd_server_options(args: argparse.Namespace) -> EtcdServerOptions:
     trade for speed there. On loopback it is a throwaway for trials on one machine.
     """
     from elastictrain._addresses import is_loopback
-    from elastictrain.config import check_readable_file
+    from elastictrain.launch.config import check_readable_file
     from elastictrain.etcd.server import EtcdServerOptions
 
     if bool(args.cert_file) != bool(args.key_file):
@@ -822,7 +822,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _stopped_by(signum: signal.Signals, what: str) -> int:
     """Say that a signal stopped this process (once per job: a node that a ``--local-nodes``
     launcher started leaves it to the launcher); return 128+N."""
-    from elastictrain.failure_report import OUTCOME_FILE_ENV
+    from elastictrain.launch.failure_report import OUTCOME_FILE_ENV
 
     if OUTCOME_FILE_ENV in os.environ:
         logger.debug("%s", what)

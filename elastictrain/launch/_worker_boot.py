@@ -1,7 +1,7 @@
 """What each worker process runs: the user's script, tied to its agent's life.
 
 The agent starts workers from a forkserver that has already imported torch
-(see :mod:`elastictrain.node_setup`), so a worker restart does not pay a Python start
+(see :mod:`elastictrain.launch.node_setup`), so a worker restart does not pay a Python start
 and a torch import (about 2 s here) on every survivor. Each worker then:
 
 1. asks Linux to SIGKILL it when its parent dies. torch starts workers in their

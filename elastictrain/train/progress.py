@@ -1,6 +1,6 @@
 """A one-line progress display for rank 0: step, epoch, loss, throughput, world size.
 
-It is a session hook (see :mod:`elastictrain.hooks`). The session adds it on rank 0
+It is a session hook (see :mod:`elastictrain.train.hooks`). The session adds it on rank 0
 when stderr is a terminal, unless ``ELASTICTRAIN_PROGRESS=0`` or ``ELASTICTRAIN_NO_PROGRESS=1``
 (``elastictrain run --no-progress`` sets the first for its workers). Off a terminal, logs say the same
 every ``log_every`` steps, so nothing is lost.

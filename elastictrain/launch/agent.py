@@ -38,13 +38,15 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_pr
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 from torch.distributed.elastic.utils import macros
 
-from elastictrain import _torch_compat, failure_report
+from elastictrain import _torch_compat
+
+from elastictrain.launch import failure_report
 from elastictrain._control import Assignment, WorkerState as SlotState
 from elastictrain.errors import ElasticTrainError, EtcdError
 from elastictrain.events import NODE_ENV, EventLog
 from elastictrain.rendezvous.handler import Etcd3RendezvousHandler
-from elastictrain.run_state import RunPublisher
-from elastictrain.worker_group import (
+from elastictrain.launch.run_state import RunPublisher
+from elastictrain.launch.worker_group import (
     Channel,
     FailureBudget,
     HangDetector,

@@ -30,13 +30,13 @@ from multiprocessing import connection, resource_tracker
 from types import TracebackType
 from typing import Any
 
-from elastictrain import _logging
+from elastictrain.launch import _logging
 from elastictrain._control import CONTROL_DIR_ENV
 from elastictrain._process import fd_targets, set_process_title
-from elastictrain._worker_boot import AGENT_PID_ENV, TERMINAL_ENV, terminal_identity
-from elastictrain.config import RunConfig, take_etcd_password
+from elastictrain.launch._worker_boot import AGENT_PID_ENV, TERMINAL_ENV, terminal_identity
+from elastictrain.launch.config import RunConfig, take_etcd_password
 from elastictrain.events import EVENT_LOG_ENV, NODE_ENV
-from elastictrain.worker_group import Channel
+from elastictrain.launch.worker_group import Channel
 
 __all__ = ["FORKSERVER_TITLE", "NodeSetup", "prepare", "start_forkserver"]
 
@@ -44,7 +44,7 @@ FORKSERVER_TITLE = "elastictrain worker forkserver"
 """The forkserver's command line in ``ps`` when it is a fork of the agent (see :func:`start_forkserver`);
 multiprocessing's own reads ``... from multiprocessing.forkserver import main ...``."""
 
-_FORKSERVER_PRELOAD = ["elastictrain._worker_preload"]
+_FORKSERVER_PRELOAD = ["elastictrain.launch._worker_preload"]
 """What the forkserver imports once, for every worker it forks (torch among it)."""
 
 _TEMP_PREFIX = "elastictrain-node-"
@@ -63,7 +63,7 @@ class NodeSetup:
     """The control channel of in-process recovery (``None`` under ``--recovery restart``)."""
     etcd_options: dict[str, Any]
     """The run's etcd options, with the password taken out of the environment (see
-    :func:`~elastictrain.config.take_etcd_password`): no worker inherits it."""
+    :func:`~elastictrain.launch.config.take_etcd_password`): no worker inherits it."""
     _previous_tempdir: str | None = field(default=None, repr=False)
 
     def start_forkserver(self) -> bool:

@@ -1,6 +1,6 @@
 """Handler set-up for elastictrain's own processes (agent, launcher, etcd).
 
-Only :mod:`elastictrain.cli` calls :func:`setup`; library modules just use
+Only :mod:`elastictrain.launch.cli` calls :func:`setup`; library modules just use
 ``logging.getLogger(__name__)``.
 """
 
@@ -17,7 +17,7 @@ class _WorkerFailureFilter(logging.Filter):
     """Drops torch's own report of a failed worker (``failed (exitcode: 1) ...`` with the
     wrapped traceback of every failed rank, survivors' consequential errors included): the
     launcher reports the failure itself, root cause first and its traceback once (see
-    :mod:`elastictrain.failure_report`). ``--debug`` keeps torch's report."""
+    :mod:`elastictrain.launch.failure_report`). ``--debug`` keeps torch's report."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.name == "torch.distributed.elastic.multiprocessing.api"

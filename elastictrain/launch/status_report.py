@@ -6,7 +6,7 @@ import time
 from datetime import datetime
 from typing import Any
 
-from elastictrain.run_state import RunStatus
+from elastictrain.launch.run_state import RunStatus
 
 __all__ = ["newest_checkpoint", "run_table", "runs_table"]
 

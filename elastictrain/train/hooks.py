@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from typing import Any, Protocol
 
 from elastictrain.errors import ConfigError
-from elastictrain.worker import WorkerContext
+from elastictrain.train.worker import WorkerContext
 
 __all__ = ["EVENTS", "HookDispatcher", "Hooks"]
 

@@ -18,7 +18,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 
-from elastictrain import failure_report
+from elastictrain.launch import failure_report
 from elastictrain._process import dying_with_us
 
 logger = logging.getLogger(__name__)

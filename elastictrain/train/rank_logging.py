@@ -8,7 +8,7 @@
   lines). Records that did not come through an adapter (e.g. elastictrain's
   own module loggers) get the same prefix and rank policy from its filter.
 
-(The launcher's own handler setup is ``elastictrain._logging``; this module is
+(The launcher's own handler setup is ``elastictrain.launch._logging``; this module is
 for the worker side.)
 """
 
@@ -22,7 +22,7 @@ import time
 from collections.abc import MutableMapping
 from typing import Any, TextIO
 
-from elastictrain.worker import WorkerContext
+from elastictrain.train.worker import WorkerContext
 
 __all__ = ["JSON_ENV", "RankLoggerAdapter", "format_prefix", "get_logger", "setup_logging"]
 

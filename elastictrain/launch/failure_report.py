@@ -45,7 +45,7 @@ _GLOO_SOURCE = re.compile(r"\[/[^\]]*?\.(?:cc|cpp|h):\d+\] ")
 _ADVICE = re.compile(r"\s*This is typically caused by a remote worker crashing\..*$", re.S)
 
 # Frames of the machinery between the worker's start and the script: not the user's.
-_MACHINERY = ("/torch/", "/elastictrain/_worker_boot.py", "<frozen runpy>", "/runpy.py",
+_MACHINERY = ("/torch/", "/elastictrain/launch/_worker_boot.py", "<frozen runpy>", "/runpy.py",
               "/torch/distributed/elastic/")
 
 _MAX_MESSAGE = 300
@@ -139,7 +139,7 @@ def _frames(callstack: str) -> tuple[list[list[str]], list[str]]:
 
 _FILE_LINE = re.compile(r'^  File "(?P<path>[^"]+)", line (?P<line>\d+)')
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 """elastictrain's own files: a library frame, where the user's code called it is the location."""
 
 

@@ -1,9 +1,9 @@
 """``elastictrain run`` on one node: set up and run its agent until the job ends.
 
 :func:`launch` is torch's ``launch_agent`` with these differences: the rendezvous is
-ours (``etcd3``), every worker runs under ``elastictrain._worker_boot`` (it dies with
+ours (``etcd3``), every worker runs under ``elastictrain.launch._worker_boot`` (it dies with
 its agent and records its root-cause error), the agent recovers in place by default
-(:class:`~elastictrain.agent.InProcessAgent`), and the outcome comes back as a
+(:class:`~elastictrain.launch.agent.InProcessAgent`), and the outcome comes back as a
 :class:`JobOutcome` with an exit code and a one-line summary instead of an exception.
 """
 
@@ -26,18 +26,18 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from elastictrain import node_setup
-from elastictrain._worker_boot import run_script
-from elastictrain.agent import ElasticAgent, InProcessAgent
-from elastictrain.config import RunConfig
+from elastictrain.launch import node_setup
+from elastictrain.launch._worker_boot import run_script
+from elastictrain.launch.agent import ElasticAgent, InProcessAgent
+from elastictrain.launch.config import RunConfig
 from elastictrain.errors import ElasticTrainError, RunIdInUseError
 from elastictrain.events import EventLog, route_torch_events
-from elastictrain.failure_report import WorkerFailure, from_process_failure, job_line, root_cause
-from elastictrain.node_setup import NodeSetup
+from elastictrain.launch.failure_report import WorkerFailure, from_process_failure, job_line, root_cause
+from elastictrain.launch.node_setup import NodeSetup
 from elastictrain.rendezvous import BACKEND_NAME, register
 from elastictrain.rendezvous.handler import LOCAL_WORLD_SIZE_KEY, Etcd3RendezvousHandler, create_handler
-from elastictrain.run_state import NodeRecord, RunPublisher, read_status, stop_requested, this_host
-from elastictrain.worker_group import Channel, FailureBudget
+from elastictrain.launch.run_state import NodeRecord, RunPublisher, read_status, stop_requested, this_host
+from elastictrain.launch.worker_group import Channel, FailureBudget
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class JobOutcome:
 
 def _failure_outcome(failures: dict[int, ProcessFailure], restarts: int, node: str) -> JobOutcome:
     """The outcome of this node's failed workers: the root cause in one line, its traceback kept
-    for the report (see :mod:`elastictrain.failure_report`)."""
+    for the report (see :mod:`elastictrain.launch.failure_report`)."""
     reports = [from_process_failure(rank, failure, node) for rank, failure in failures.items()]
     root = root_cause(reports)
     code = root.exit_code if root is not None else 1
@@ -92,7 +92,7 @@ def launch(config: RunConfig, endpoint: str, node: NodeSetup | None = None) -> J
     Args:
         config: The validated run configuration.
         endpoint: etcd endpoints (``host:port[,...]``) of the rendezvous.
-        node: What :func:`elastictrain.node_setup.prepare` set up for this node (the CLI does
+        node: What :func:`elastictrain.launch.node_setup.prepare` set up for this node (the CLI does
             it before importing torch); by default it is set up here and removed at the end.
 
     Returns:
@@ -125,7 +125,7 @@ def launch(config: RunConfig, endpoint: str, node: NodeSetup | None = None) -> J
     channel = node.channel
     metrics = None
     if config.metrics_port:
-        from elastictrain.metrics import AgentMetrics
+        from elastictrain.launch.metrics import AgentMetrics
 
         metrics = AgentMetrics(config.metrics_port, run_id=config.run_id, node=events.node,
                                event_log=config.event_log, progress=channel.progress if channel else None)
