@@ -42,7 +42,7 @@ def child(args: argparse.Namespace) -> int:
     """Participants of one process: join, then report every second how many see a reason to re-form."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    from elastictrain.launch.config import etcd_settings_from
+    from elastictrain.etcd.conf import etcd_settings_from
     from elastictrain.etcd.client import EtcdClient
 
     conf = {"last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "5"}
@@ -77,7 +77,7 @@ def child(args: argparse.Namespace) -> int:
 def _dynamic_participants(endpoint: str, run_id: str) -> int | None:
     import pickle
 
-    from elastictrain.launch.config import etcd_settings_from
+    from elastictrain.etcd.conf import etcd_settings_from
     from elastictrain.etcd.client import EtcdClient
     from elastictrain.rendezvous.dynamic import Etcd3RendezvousBackend
 
@@ -90,7 +90,7 @@ def _dynamic_participants(endpoint: str, run_id: str) -> int | None:
 
 
 def trial(backend: str, n: int, delay_ms: float, burners: int, seconds: float, endpoint: str) -> dict[str, Any]:
-    from elastictrain.launch.config import etcd_settings_from
+    from elastictrain.etcd.conf import etcd_settings_from
     from elastictrain.etcd import kv
     from elastictrain.etcd.client import EtcdClient
     from elastictrain.etcd.watch import Watch

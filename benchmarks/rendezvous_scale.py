@@ -67,7 +67,7 @@ def _handlers(backend: str, endpoint: str, run_id: str, n: int, count: int, firs
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     if backend == "etcd3":
-        from elastictrain.launch.config import etcd_settings_from
+        from elastictrain.etcd.conf import etcd_settings_from
         from elastictrain.etcd.client import EtcdClient
         from elastictrain.rendezvous.handler import create_handler
 

@@ -29,13 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from elastictrain.launch import _logging
 from elastictrain._durations import parse_duration
-from elastictrain.launch.config import (
-    RendezvousConfig,
-    RunConfig,
-    check_conf_keys,
-    check_writable_dir,
-    default_local_addr,
-)
+from elastictrain.launch.config import RunConfig, check_writable_dir, default_local_addr
+from elastictrain.rendezvous.config import RendezvousConfig, check_conf_keys
 from elastictrain.errors import ConfigError, ElasticTrainError
 from elastictrain.train.progress import PROGRESS_ENV
 
@@ -611,7 +606,7 @@ def _report_outcome(outcome: Any, elapsed: float) -> None:
 
 
 def _client_for(args: argparse.Namespace) -> Any:
-    from elastictrain.launch.config import etcd_settings_from
+    from elastictrain.etcd.conf import etcd_settings_from
     from elastictrain.etcd.client import connect
 
     if not args.etcd:
@@ -674,7 +669,7 @@ def _etcd_server_options(args: argparse.Namespace) -> EtcdServerOptions:
     trade for speed there. On loopback it is a throwaway for trials on one machine.
     """
     from elastictrain._addresses import is_loopback
-    from elastictrain.launch.config import check_readable_file
+    from elastictrain.etcd.conf import check_readable_file
     from elastictrain.etcd.server import EtcdServerOptions
 
     if bool(args.cert_file) != bool(args.key_file):

@@ -2,13 +2,8 @@
 
 Durations are ``timedelta``. Every value is checked once, here; bad input raises
 :class:`~elastictrain.errors.ConfigError` naming the value.
-
-Rendezvous defaults differ from torch's on purpose (see README, "Defaults"):
-torch waits 30 s of ``last_call`` whenever fewer than ``max_nodes`` join and
-notices a dead node after 5 s x 3 missed heartbeats; we use 1 s and 1 s x 5, so
-a failed node costs seconds, not minutes. (1 s x 3 was measured too tight: on a
-loaded 2-core machine an agent's heartbeats stalled for up to 3.8 s while its
-workers started, and the other nodes dropped it from the rendezvous.)
+The rendezvous' own timing is :class:`elastictrain.rendezvous.config.RendezvousConfig`;
+etcd client settings come from :mod:`elastictrain.etcd.conf`.
 """
 
 from __future__ import annotations
@@ -26,201 +21,12 @@ from typing import Any
 
 from elastictrain._addresses import is_loopback, source_address_towards
 from elastictrain._control import RECOVERY_MODES
-from elastictrain._durations import parse_duration
 from elastictrain.errors import ConfigError
-from elastictrain.etcd.client import Endpoint, EtcdSettings, parse_endpoints
+from elastictrain.etcd.conf import ETCD_PASSWORD_ENV, endpoints_from, etcd_settings_from
+from elastictrain.rendezvous.config import RendezvousConfig
 from elastictrain.rendezvous.keys import validate_run_id
 
-__all__ = ["ETCD_CONF_KEYS", "ETCD_PASSWORD_ENV", "RendezvousConfig", "RunConfig",
-           "check_conf_keys", "check_readable_file", "check_writable_dir", "default_local_addr", "etcd_settings_from",
-           "take_etcd_password"]
-
-ETCD_PASSWORD_ENV = "ELASTICTRAIN_ETCD_PASSWORD"
-
-
-def _positive_int(name: str, value: Any) -> int:
-    try:
-        number = value if isinstance(value, int) else int(str(value).strip())
-    except ValueError:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}") from None
-    if number < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-    return number
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RendezvousConfig:
-    """Timing of the etcd3 rendezvous (``elastictrain.rendezvous.handler``)."""
-
-    join_timeout: timedelta = timedelta(seconds=600)
-    """How long a node waits for ``min_nodes`` to gather before giving up."""
-
-    last_call_timeout: timedelta = timedelta(seconds=1)
-    """Extra wait for latecomers once ``min_nodes`` are there (torch: 30 s)."""
-
-    keep_alive_interval: timedelta = timedelta(seconds=1)
-    """Period of each node's lease keep-alive (torch's heartbeat: 5 s)."""
-
-    keep_alive_max_attempt: int = 5
-    """The node's liveness lease lives this many intervals: etcd expires it (the node is
-    gone) after this many keep-alives in a row were lost or late. 5 s by default."""
-
-    state_ttl: timedelta = timedelta(hours=2)
-    """Lifetime of the run's etcd keys once no node keeps them alive."""
-
-    def __post_init__(self) -> None:
-        for name in ("join_timeout", "last_call_timeout", "keep_alive_interval", "state_ttl"):
-            value = getattr(self, name)
-            if not isinstance(value, timedelta):
-                raise ConfigError(f"{name} must be a timedelta, got {value!r}")
-        if self.keep_alive_interval.total_seconds() <= 0:
-            raise ConfigError("keep_alive_interval must be positive")
-        if self.join_timeout.total_seconds() <= 0:
-            # 0 timed the first round out before a node could form it, blaming a stale run
-            raise ConfigError(f"join_timeout (--join-timeout) must be positive, got {self.join_timeout.total_seconds():g} s")
-        if self.keep_alive_max_attempt < 2:
-            # With one attempt a single late keep-alive expires a live node.
-            raise ConfigError(
-                f"keep_alive_max_attempt must be at least 2, got {self.keep_alive_max_attempt}"
-            )
-        window = self.liveness_ttl.total_seconds()
-        if window < 2:
-            # etcd rounds a shorter lease up to its own minimum (1.5 x its election
-            # timeout; 1.5 s by default), and a busy machine stalls a keep-alive thread
-            # for a second or more: a shorter lease drops live nodes.
-            raise ConfigError(
-                f"keep_alive_interval x keep_alive_max_attempt must be at least 2 s, got {window:g} s"
-            )
-        if self.state_ttl.total_seconds() < 10:
-            raise ConfigError(f"state_ttl must be at least 10 s, got {self.state_ttl.total_seconds():g} s")
-
-    @property
-    def liveness_ttl(self) -> timedelta:
-        """TTL of each node's liveness lease: ``keep_alive_interval x keep_alive_max_attempt``."""
-        return self.keep_alive_interval * self.keep_alive_max_attempt
-
-    _KEYS = ("join_timeout", "last_call_timeout", "keep_alive_interval", "keep_alive_max_attempt", "state_ttl")
-
-    @classmethod
-    def from_mapping(cls, conf: dict[str, Any]) -> RendezvousConfig:
-        """Build from ``--rdzv-conf``-style keys (values in seconds, strings allowed)."""
-        kwargs: dict[str, Any] = {}
-        for key in cls._KEYS:
-            if key in conf and conf[key] is not None:
-                if key == "keep_alive_max_attempt":
-                    kwargs[key] = _positive_int(key, conf[key])
-                else:
-                    kwargs[key] = parse_duration(key, conf[key])
-        return cls(**kwargs)
-
-    def as_mapping(self) -> dict[str, Any]:
-        """The inverse of :meth:`from_mapping` (seconds as floats)."""
-        out: dict[str, Any] = {}
-        for key in self._KEYS:
-            value = getattr(self, key)
-            out[key] = value.total_seconds() if isinstance(value, timedelta) else value
-        return out
-
-
-# The etcd client keys of --rdzv-conf, read by etcd_settings_from (next to RendezvousConfig._KEYS).
-ETCD_CONF_KEYS = ("request_timeout", "retry_deadline", "ca_cert", "client_cert", "cert", "client_key", "key",
-                  "user", "password")
-
-
-def check_conf_keys(conf: dict[str, Any]) -> None:
-    """Raises:
-        ConfigError: ``conf`` (``--rdzv-conf``) has a key neither the rendezvous nor the etcd client reads.
-    """
-    valid = (*RendezvousConfig._KEYS, *ETCD_CONF_KEYS)  # noqa: SLF001
-    unknown = sorted(set(conf) - set(valid))
-    if unknown:
-        raise ConfigError(f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
-                          f"valid keys: {', '.join(valid)}")
-
-
-def _endpoints(text: str) -> tuple[Endpoint, ...]:
-    try:
-        return tuple(parse_endpoints(text))
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def etcd_settings_from(conf: dict[str, Any], endpoints: str) -> EtcdSettings:
-    """Build :class:`EtcdSettings` from an endpoint list and ``--rdzv-conf``-style keys.
-
-    TLS and auth come from the keys ``ca_cert``, ``cert``/``client_cert``,
-    ``key``/``client_key``, ``user``, ``password``, each falling back to
-    ``ELASTICTRAIN_ETCD_<KEY>``; a password should come from the environment,
-    not a command line that ``ps`` shows.
-    """
-
-    def pick(*keys: str) -> str | None:
-        for key in keys:
-            if conf.get(key):
-                return str(conf[key])
-        for key in keys:
-            env = os.environ.get(f"ELASTICTRAIN_ETCD_{key.upper()}")
-            if env:
-                return env
-        return None
-
-    parsed = _endpoints(endpoints)
-    kwargs: dict[str, Any] = {}
-    if conf.get("request_timeout") is not None:
-        kwargs["request_timeout"] = parse_duration("request_timeout", conf["request_timeout"], minimum=0.01)
-    if conf.get("retry_deadline") is not None:
-        kwargs["retry_deadline"] = parse_duration("retry_deadline", conf["retry_deadline"])
-    settings = EtcdSettings(
-        endpoints=parsed,
-        ca_cert=pick("ca_cert"),
-        cert_cert=pick("client_cert", "cert"),
-        cert_key=pick("client_key", "key"),
-        user=pick("user"),
-        password=pick("password"),
-        **kwargs,
-    )
-    _check_etcd_security(settings, endpoints)
-    return settings
-
-
-def _check_etcd_security(settings: EtcdSettings, endpoints: str) -> None:
-    """Refuse TLS and auth settings that etcd3 would ignore, misuse or crash on.
-
-    Raises:
-        ConfigError: A half-given pair, an unreadable file, or TLS asked for without a CA.
-    """
-    if (settings.cert_cert is None) != (settings.cert_key is None):
-        given, missing = ("--etcd-cert", "--etcd-key") if settings.cert_key is None else ("--etcd-key", "--etcd-cert")
-        raise ConfigError(f"{given} needs {missing}: a client certificate and its private key go together")
-    if settings.cert_cert is not None and settings.ca_cert is None:
-        raise ConfigError("--etcd-cert and --etcd-key need --etcd-ca-cert (the CA that signed etcd's certificate): "
-                          "without it the client would not use TLS at all")
-    if settings.ca_cert is None and "https://" in endpoints:
-        # etcd3 would open a plain-text channel. Public CAs are not trusted implicitly:
-        # pass the system bundle if one of them signed etcd's certificate.
-        raise ConfigError(f"etcd endpoint {endpoints!r} asks for TLS (https://): pass --etcd-ca-cert with the CA that "
-                          "signed etcd's certificate (the system bundle, e.g. /etc/ssl/certs/ca-certificates.crt, "
-                          "for a public CA)")
-    # Given as flags or in --rdzv-conf (torchrun's only way): name both spellings.
-    for flag, path in (("--etcd-ca-cert (ca_cert)", settings.ca_cert), ("--etcd-cert (client_cert)", settings.cert_cert),
-                       ("--etcd-key (client_key)", settings.cert_key)):
-        if path is not None:
-            check_readable_file(path, flag)
-    if settings.user and not settings.password:
-        raise ConfigError(f"--etcd-user {settings.user!r} needs its password in {ETCD_PASSWORD_ENV}")
-    if settings.password and not settings.user:
-        raise ConfigError(f"{ETCD_PASSWORD_ENV} is set but no etcd user was given: pass --etcd-user, or unset the variable")
-
-
-def check_readable_file(path: str, flag: str) -> None:
-    """Raises:
-        ConfigError: ``path`` (given as ``flag``) cannot be opened for reading.
-    """
-    try:
-        with open(path, "rb"):
-            pass
-    except OSError as exc:
-        raise ConfigError(f"cannot read {flag} {path!r}: {exc.strerror or exc}") from None
+__all__ = ["RunConfig", "check_writable_dir", "default_local_addr", "take_etcd_password"]
 
 
 def check_writable_dir(path: str, flag: str) -> None:
@@ -249,7 +55,7 @@ def default_local_addr(endpoints: str) -> str:
     Raises:
         ConfigError: The address would be a loopback one while etcd is on another host.
     """
-    parsed = _endpoints(endpoints)
+    parsed = endpoints_from(endpoints)
     routed = next(filter(None, (source_address_towards(e.host, e.port) for e in parsed)), None)
     addr = routed or socket.getfqdn()
     if is_loopback(addr) and not all(is_loopback(e.host) for e in parsed):

@@ -216,7 +216,7 @@ def request_stop(client: EtcdClient, run_id: str) -> None:
 
 
 def _run_ttl() -> Any:
-    from elastictrain.launch.config import RendezvousConfig
+    from elastictrain.rendezvous.config import RendezvousConfig
 
     return RendezvousConfig().state_ttl
 

@@ -23,7 +23,7 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousPa
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token, create_handler
 
 from elastictrain._torch_compat import DYNAMIC_STATE_GLOBALS
-from elastictrain.launch.config import etcd_settings_from
+from elastictrain.etcd.conf import etcd_settings_from
 from elastictrain.errors import ConfigError, CorruptRendezvousStateError
 from elastictrain.etcd import kv
 from elastictrain.etcd.client import EtcdClient

@@ -42,7 +42,8 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from elastictrain.launch.config import RendezvousConfig, etcd_settings_from
+from elastictrain.etcd.conf import etcd_settings_from
+from elastictrain.rendezvous.config import RendezvousConfig
 from elastictrain.errors import ConfigError, EtcdError
 from elastictrain.etcd import kv
 from elastictrain.etcd.client import EtcdClient
@@ -434,7 +435,7 @@ def create_handler(params: RendezvousParameters, *, client: EtcdClient | None = 
 
     ``params.endpoint`` is ``host:port[,host:port...]``. Keys of ``params.config``
     (``--rdzv-conf`` in torchrun) are those of :class:`RendezvousConfig` (seconds),
-    of :func:`elastictrain.launch.config.etcd_settings_from` (TLS, auth, timeouts) and
+    of :func:`elastictrain.etcd.conf.etcd_settings_from` (TLS, auth, timeouts) and
     ``local_world_size``.
 
     Args:

@@ -54,6 +54,16 @@ def test_a_worker_imports_no_launch_side_module() -> None:
     assert result.stdout.strip() == "[]"
 
 
+def test_the_rendezvous_imports_nothing_from_the_launch_side() -> None:
+    # torchrun builds our handler without elastictrain's launcher: launch -> rendezvous -> etcd, never back up.
+    probe = ("import sys, elastictrain.rendezvous.handler, elastictrain.rendezvous.dynamic, elastictrain.etcd.conf\n"
+             "print(sorted(m for m in sys.modules if m.startswith('elastictrain.launch')))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                            env=subprocess_env(), cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
 def test_the_public_api_still_imports_on_first_use() -> None:
     import elastictrain
     from elastictrain.errors import EtcdUnavailableError
