@@ -50,7 +50,7 @@ from elastictrain.etcd.client import EtcdClient
 from elastictrain.etcd.lease import KeptLease, RunLease
 from elastictrain.rendezvous import BACKEND_NAME
 from elastictrain.rendezvous.keys import RunKeys
-from elastictrain.rendezvous.membership import Closer, ControlView, RoundWatch, close_rendezvous
+from elastictrain.rendezvous.membership import Closer, ControlView, RoundWatch, close_rendezvous, is_open, read_members
 from elastictrain.rendezvous.records import FINISHED, CloserRecord, MemberRecord, ReadyRecord, RoundRecord, encode
 from elastictrain.rendezvous.store import Etcd3Store
 
@@ -143,6 +143,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         self._join(after)
         logged = started
         control = self._control
+        open_at_last_look = False
         while True:
             if self._alive.lost:  # etcd dropped this node while it waited (a stall, a cut link)
                 logger.warning("node %s lost its lease while waiting; registering again", self.node_id)
@@ -183,6 +184,14 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                 self._try_to_close()
             wake = self._closer.step(time.monotonic()) if self._closer is not None else None
             now = time.monotonic()
+            if now >= deadline and self._spare and current is not None:
+                # A spare waits for a seat, not for a round to form: it waits as long as the job
+                # trains (one etcd read per join timeout), since timing out would end the run. It
+                # gives up only once a round that lost a member has not re-formed for that long.
+                stands = self._round_stands(current)
+                if stands or not open_at_last_look:
+                    open_at_last_look = not stands
+                    deadline = now + self._config.join_timeout.total_seconds()
             if now >= deadline:
                 self._release_closer()
                 raise RendezvousTimeoutError(
@@ -190,8 +199,9 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                     f"{self._config.join_timeout.total_seconds():g}s ({self._progress()})")
             if now - logged >= _LOG_EVERY:
                 logged = now
-                logger.info("%s for %.0f s; join timeout %g s (round %d of run '%s')", self._waiting_for(),
-                            now - started, self._config.join_timeout.total_seconds(), after + 1, self.keys.run_id)
+                timeout_s = "" if self._spare else f"; join timeout {self._config.join_timeout.total_seconds():g} s"
+                logger.info("%s for %.0f s%s (round %d of run '%s')", self._waiting_for(), now - started, timeout_s,
+                            after + 1, self.keys.run_id)
             timeout = min(1.0, deadline - now, (wake - now) if wake is not None else 1.0)
             with control.cond:
                 control.cond.wait_for(lambda: control.version != seen, max(0.0, timeout))
@@ -385,8 +395,14 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         if closer is not None:
             closer.close()
 
+    def _round_stands(self, current: RoundRecord) -> bool:
+        """Whether every member of ``current`` is alive and none asked for a new round (one etcd read)."""
+        return not is_open(read_members(self.client, self.keys), current)
+
     def _waiting_for(self) -> str:
         """``waiting for 1 more node (1 of 2)``, as far as this node knows (the closer counts)."""
+        if self._spare:
+            return f"waiting as a spare (round full: max {self._max} node(s)) to replace a node that leaves"
         if self._closer is not None:
             waiting, _alive = self._closer.summary()
             more = self._min - waiting

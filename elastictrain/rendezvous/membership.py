@@ -24,7 +24,8 @@ The rules, written once here:
   the next round form ("open");
 - the next round takes the waiting nodes, members of the current round first,
   then by registration (``create_revision``) order, at most ``max_nodes``; ranks
-  follow registration order.
+  follow registration order. It forms at once when ``max_nodes`` wait, unless a live
+  member of the current round has not asked yet: then it waits for it up to the last call.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ from elastictrain.rendezvous.records import ClosedRecord, CloserRecord, MemberRe
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Closer", "ControlView", "Member", "RoundWatch", "choose_members", "close_rendezvous", "is_open",
-           "waiting"]
+__all__ = ["Closer", "ControlView", "Member", "RoundWatch", "absent_members", "choose_members", "close_rendezvous",
+           "is_open", "read_members", "waiting"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +69,19 @@ def waiting(members: dict[str, Member], current: RoundRecord | None) -> list[Mem
             or (current.rank_of(m.record.node) is None and m.modified > current.snapshot)]
 
 
+def read_members(client: EtcdClient, keys: RunKeys) -> dict[str, Member]:
+    """The live member keys, read once (a foreign key among them is skipped: the closer says so)."""
+    _, found = kv.range_(client, keys.members, prefix=True, what="reading the rendezvous members")
+    members: dict[str, Member] = {}
+    for item in found:
+        try:
+            record = decode(MemberRecord, item.key, item.value)
+        except errors.CorruptRendezvousStateError:
+            continue
+        members[record.node] = Member(record, item.create_revision, item.mod_revision)
+    return members
+
+
 def is_open(members: dict[str, Member], current: RoundRecord | None) -> bool:
     """Whether the next round may form: there is no round, or a member of the current one is
     gone or asked for a new round."""
@@ -78,6 +92,20 @@ def is_open(members: dict[str, Member], current: RoundRecord | None) -> bool:
         if member is None or member.record.after >= current.round:
             return True
     return False
+
+
+def absent_members(members: dict[str, Member], current: RoundRecord | None, candidates: list[Member]) -> list[str]:
+    """Members of the current round whose key lives but that have not asked for the next round yet.
+
+    A full set of candidates does not close the round before the last call while there are
+    any: a node re-entering after its own worker failed must not let a spare take the seat
+    of a healthy member that is a moment from re-entering too (its workers hold the live
+    state; a round without them restores the checkpoint). A dead member whose lease runs on
+    costs the last call, as it does without a spare."""
+    if current is None:
+        return []
+    asked = {m.record.node for m in candidates}
+    return [node for node in current.nodes if node in members and node not in asked]
 
 
 def choose_members(candidates: list[Member], current: RoundRecord | None, max_nodes: int) -> list[Member]:
@@ -288,7 +316,8 @@ class Closer:
         if self._quorum_since is None:
             self._quorum_since = now
         due = self._quorum_since + self._last_call
-        if len(candidates) < self._max and len(candidates) < len(members) and now < due:
+        if len(candidates) < len(members) and now < due and (
+                len(candidates) < self._max or absent_members(members, current, candidates)):
             return due
         self._form(choose_members(candidates, current, self._max), current, current_kv, snapshot)
         return None

@@ -225,6 +225,45 @@ def test_a_spare_left_out_for_want_of_room_takes_the_place_of_a_member_that_leav
     _shutdown(members[0], spare)
 
 
+def test_a_spare_waits_past_the_join_timeout_while_the_job_trains(etcd_server: Any, run_id: str) -> None:
+    # Probe, stop 29: a spare timed out after --join-timeout and closed a run that was training.
+    members = _handlers(etcd_server.endpoint, run_id, 2, 2, 2, join_timeout=1.5)
+    _join_all(members)
+    [spare] = _handlers(etcd_server.endpoint, run_id, 1, 2, 2, join_timeout=1.5)
+    waiting = ThreadPoolExecutor(1).submit(spare.next_rendezvous)
+    time.sleep(4)  # more than twice the join timeout
+    assert not waiting.done(), waiting.exception()
+    assert not members[0].is_closed() and members[0].num_nodes_waiting() == 0
+    members[0].set_finished()
+    with pytest.raises(RendezvousGracefulExitError):
+        waiting.result(timeout=10)
+    _shutdown(*members, spare)
+
+
+def test_a_member_re_entering_keeps_its_healthy_peers_seat_from_a_spare(etcd_server: Any, run_id: str) -> None:
+    # Probe, stop 29: a node whose worker failed re-entered the rendezvous, and it and the spare
+    # formed the next round at once (max nodes reached): the healthy member, a moment later,
+    # was left out as a spare and the job restored its checkpoint, with no live state left.
+    first, second = _handlers(etcd_server.endpoint, run_id, 2, 2, 2, last_call_timeout=3)
+    _join_all([first, second])
+    [spare] = _handlers(etcd_server.endpoint, run_id, 1, 2, 2, last_call_timeout=3)
+    with ThreadPoolExecutor(3) as pool:
+        spare_waits = pool.submit(spare.next_rendezvous)
+        time.sleep(1)  # the spare is in
+        again = pool.submit(second.next_rendezvous)  # its worker failed
+        _eventually(lambda: first.num_nodes_waiting() >= 1, 10, "the healthy member sees it")
+        time.sleep(0.3)  # the healthy member's agent takes a moment to re-enter
+        assert not again.done(), "the round formed without the healthy member"
+        healthy = pool.submit(first.next_rendezvous)
+        infos = [healthy.result(timeout=10), again.result(timeout=10)]
+        assert {i.world_size for i in infos} == {2} and first.round == second.round == 1
+        assert not spare_waits.done()
+        first.set_finished()
+        with pytest.raises(RendezvousGracefulExitError):
+            spare_waits.result(timeout=10)
+    _shutdown(first, second, spare)
+
+
 def test_a_node_that_dies_while_gathering_does_not_block_the_next_ones(etcd_server: Any, run_id: str,
                                                                        etcd_client: Any) -> None:
     # It registers, takes the closer role, and dies before anyone else arrives.

@@ -208,6 +208,28 @@ def test_a_hot_spare_takes_a_lost_nodes_place_and_the_survivor_keeps_its_process
 
 
 @pytest.mark.timeout(300)
+def test_with_a_spare_waiting_a_killed_worker_is_replaced_in_place_and_no_healthy_node_loses_its_seat(
+        etcd_server: Any, run_id: str, tmp_path: Path) -> None:
+    # Probe, stop 29: the killed worker's node and the spare formed the next round at once, the
+    # healthy node was left out as a spare, and with no live state left the job restored its checkpoint.
+    out = tmp_path / "job"
+    nodes = [start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.1") for _ in range(2)]
+    wait_until(lambda: len({r["rank"] for r in records(out) if r["step"] >= 3}) == 2, "step 3", nodes)
+    spare = start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.1")
+    wait_until(lambda: max(r["step"] for r in records(out)) >= 12, "step 12 with the spare waiting", nodes + [spare])
+    healthy_pid = latest_pid(out, 0)
+    os.kill(latest_pid(out, 1), signal.SIGKILL)
+    seen = len(records(out))
+    outputs = finish([*nodes, spare])
+    assert [n.returncode for n in [*nodes, spare]] == [0, 0, 0], "\n".join(o[-2000:] for o in outputs)
+    after = records(out)[seen:]
+    assert healthy_pid in {r["pid"] for r in after}, \
+        "the healthy node's worker was left out:\n" + "\n".join(o[-3000:] for o in outputs)
+    assert "restored step" not in "".join(outputs), "the job went back to its checkpoint"
+    assert_every_step_once(out, [0, 1])
+
+
+@pytest.mark.timeout(300)
 def test_a_node_lost_while_its_peers_wait_for_its_checkpoint_files_is_noticed_at_once(
         etcd_server: Any, run_id: str, tmp_path: Path) -> None:
     """A rank waiting for a peer's checkpoint files makes no collective, so a dead peer went
