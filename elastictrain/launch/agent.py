@@ -405,7 +405,8 @@ class InProcessAgent(ElasticAgent):
                 if pid in self._killed_hung:
                     continue  # killed already; its end shows up once its process is reaped
                 self._killed_hung.add(pid)
-                logger.warning("worker %d (pid %d) is hung: %s: killing it", slot, pid,
+                rank = next((w.global_rank for w in group.workers if w.local_rank == slot), None)
+                logger.warning("worker %d on this node (rank %s, pid %d) is hung: %s: killing it", slot, rank, pid,
                                self._hangs.reason(slot))
                 written = progress[slot].pid == pid
                 self._events.emit("hang", local_rank=slot, pid=pid,

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from elastictrain import events
 from elastictrain._control import Assignment, WorkerState
 from elastictrain.train.hooks import HookDispatcher
-from elastictrain.train.rank_logging import RankLoggerAdapter, get_logger
+from elastictrain.train.rank_logging import RankLoggerAdapter, follow_context, get_logger
 from elastictrain.train import process_group as pg
 from elastictrain.train.control import WorkerControl
 from elastictrain.train.generation import Generation
@@ -183,6 +183,7 @@ class GroupKeeper:
         if context is not self.context:
             self.context = context
             self.log = get_logger(__name__, context)
+            follow_context(context)  # the module loggers' prefix (sampler, checkpoints) too
 
     def form(self, *, holds_state: bool) -> bool:
         """Make this generation's training state and wrappers; a collective.

@@ -19,12 +19,13 @@ import logging
 import os
 import sys
 import time
+import weakref
 from collections.abc import MutableMapping
 from typing import Any, TextIO
 
 from elastictrain.train.worker import WorkerContext
 
-__all__ = ["JSON_ENV", "RankLoggerAdapter", "format_prefix", "get_logger", "setup_logging"]
+__all__ = ["JSON_ENV", "RankLoggerAdapter", "follow_context", "format_prefix", "get_logger", "setup_logging"]
 
 JSON_ENV = "ELASTICTRAIN_LOG_JSON"
 """Set to ``1`` to make :func:`setup_logging` (and the session's automatic set-up) write JSON lines."""
@@ -109,8 +110,12 @@ class _RankFilter(logging.Filter):
 
     def __init__(self, context: WorkerContext, all_ranks: bool, json_lines: bool) -> None:
         super().__init__()
-        self._context, self._all_ranks, self._json = context, all_ranks, json_lines
-        self._prefix = format_prefix(context)
+        self._all_ranks, self._json = all_ranks, json_lines
+        self.follow(context)
+
+    def follow(self, context: WorkerContext) -> None:
+        """Tag records with ``context`` from now on."""
+        self._context, self._prefix = context, format_prefix(context)
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not self._json and record.name == _EVENTS:
@@ -121,6 +126,17 @@ class _RankFilter(logging.Filter):
             return False
         setattr(record, _ATTR, {**_fields(self._context), "prefixed": False, "prefix": self._prefix})
         return True
+
+
+_installed: weakref.WeakSet[_RankFilter] = weakref.WeakSet()
+"""The filters :func:`setup_logging` installed in this process (see :func:`follow_context`)."""
+
+
+def follow_context(context: WorkerContext) -> None:
+    """Make the handlers :func:`setup_logging` installed tag records with ``context``: the
+    worker's rank and world size once an in-process recovery re-formed its group."""
+    for rank_filter in list(_installed):
+        rank_filter.follow(context)
 
 
 class _Formatter(logging.Formatter):
@@ -199,7 +215,9 @@ def setup_logging(
     if json_lines is None:
         json_lines = os.environ.get(JSON_ENV, "").strip().lower() in ("1", "true", "yes", "on")
     handler = logging.StreamHandler(sys.stderr if stream is None else stream)
-    handler.addFilter(_RankFilter(context, all_ranks, json_lines))
+    rank_filter = _RankFilter(context, all_ranks, json_lines)
+    _installed.add(rank_filter)
+    handler.addFilter(rank_filter)
     handler.setFormatter(_Formatter(json_lines))
     target = logging.getLogger(logger)
     target.handlers[:] = [handler]

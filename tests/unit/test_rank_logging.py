@@ -59,6 +59,24 @@ def test_records_from_plain_loggers_get_the_prefix_and_the_rank_policy(stream: i
     assert "resharded" not in stream.getvalue()
 
 
+def test_a_re_formed_group_gives_the_module_loggers_the_workers_new_rank(stream: io.StringIO) -> None:
+    # Probe, stop 29: after a resize the sampler's and the checkpoints' lines kept the starting
+    # rank/world (and a worker that became rank 0 kept its old rank's policy: its info was dropped).
+    from elastictrain._control import Assignment
+    from elastictrain.train.group_keeper import GroupKeeper
+    from elastictrain.train.hooks import HookDispatcher
+    from elastictrain.train.session_config import SessionConfig
+
+    setup_logging(context(2), stream=stream, json_lines=False)
+    keeper = GroupKeeper(SessionConfig(global_batch_size=8), HookDispatcher([]), context(2), None, state=None,  # type: ignore[arg-type]
+                         restore=lambda: None)
+    keeper._adopt(Assignment(generation=1, round=1, world_size=2, master_addr="127.0.0.1", master_port=1,  # noqa: SLF001
+                             ranks={"0": 0}, group_rank=0, group_world_size=1))
+    logging.getLogger("elastictrain.train.sampler").info("resharded")
+    assert stream.getvalue().splitlines()[-1].endswith(
+        "elastictrain.train.sampler: [run=job node=0 rank=0/2 restart=3] resharded")
+
+
 def test_json_lines_carry_the_context_as_fields(stream: io.StringIO) -> None:
     setup_logging(context(1), stream=stream, json_lines=True)
     try:
