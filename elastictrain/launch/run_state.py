@@ -107,6 +107,7 @@ class RunStatus:
     """Live nodes that want a newer round (joining, or members re-entering)."""
     meta: dict[str, Any] = field(default_factory=dict)
     nodes: list[dict[str, Any]] = field(default_factory=list)
+    """Each node agent's last published record, with ``alive``: whether its liveness lease still exists."""
     problems: list[str] = field(default_factory=list)
     """Keys that could not be read, one line each."""
 
@@ -156,6 +157,8 @@ def read_status(client: EtcdClient, run_id: str, *, lease_ttls: bool = True) -> 
                 records.append(_json_object(item, required=("node_id",)))
         except errors.CorruptRendezvousStateError as exc:
             status.problems.append(str(exc))
+    for record in records:
+        record["alive"] = record["node_id"] in members  # its liveness lease, not its last word
     status.nodes = sorted(records, key=lambda n: (n.get("group_rank") is None, n.get("group_rank") or 0,
                                                   str(n["node_id"])))
     if current is not None:

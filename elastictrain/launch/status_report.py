@@ -41,11 +41,27 @@ def _age(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.1f}s ago"
 
 
-def _lease(participant: dict[str, Any]) -> str:
+_ENDED = ("succeeded", "failed")
+"""States a node agent publishes as it exits (it then gives its lease back)."""
+
+
+def _lease(participant: dict[str, Any], record: dict[str, Any]) -> str:
     if not participant["alive"]:
-        return "expired"
+        return "released" if record.get("state") in _ENDED else "expired"
     ttl = participant.get("lease_ttl_s")
     return f"{ttl}s left" if ttl is not None else "held"
+
+
+def _state(record: dict[str, Any], alive: bool) -> str:
+    """A node's published state, unless its lease says it is gone without having said so."""
+    state = str(record.get("state", "?"))
+    if alive or state in _ENDED:
+        return state
+    return "lost" if "updated_at" not in record else f"lost (last said {state} {_age(_since(record))})"
+
+
+def _since(record: dict[str, Any]) -> float:
+    return time.time() - float(record.get("updated_at", time.time()))
 
 
 def _clock(ts: float) -> str:
@@ -69,16 +85,16 @@ def run_table(status: RunStatus, checkpoint: dict[str, Any] | None, checkpoint_d
     for p in status.participants:
         record = records.get(p["node_id"], {})
         rows.append((str(p["rank"]), str(record.get("host", "?")), str(p["addr"] or "?"), str(p["pid"] or "?"),
-                     _lease(p), str(record.get("state", "?")) if p["alive"] else "lost",
-                     str(record.get("restarts", "?"))))
+                     _lease(p, record), _state(record, p["alive"]), str(record.get("restarts", "?"))))
     participant_ids = {p["node_id"] for p in status.participants}
     for node_id, record in records.items():
         if node_id not in participant_ids:
             waiting = node_id in status.waiting
             rows.append(("-", str(record.get("host", "?")), str(record.get("addr", "?")),
                          str(record.get("pid", "?")), "held" if waiting else "-",
-                         "waiting" if waiting else f"{record.get('state', '?')}, "
-                         f"updated {_age(time.time() - float(record.get('updated_at', time.time())))}",
+                         "waiting" if waiting else (
+                             _state(record, False) if not record.get("alive", True)
+                             else f"{record.get('state', '?')}, updated {_age(_since(record))}"),
                          str(record.get("restarts", "?"))))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]

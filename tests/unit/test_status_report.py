@@ -1,0 +1,33 @@
+"""``elastictrain status``'s table (``elastictrain.launch.status_report``) from a run's records."""
+
+from __future__ import annotations
+
+import time
+
+from elastictrain.launch.run_state import RunStatus
+from elastictrain.launch.status_report import run_table
+
+
+def _node(node_id: str, state: str, alive: bool, ago: float = 60.0) -> dict[str, object]:
+    return {"node_id": node_id, "host": node_id, "addr": "10.0.0.1", "pid": 7, "state": state, "restarts": 0,
+            "updated_at": time.time() - ago, "alive": alive}
+
+
+def _rows(table: str) -> dict[str, str]:
+    return {line.split()[1]: line for line in table.splitlines()[2:] if line.startswith("  ") and "RANK" not in line}
+
+
+def test_a_node_whose_lease_is_gone_is_lost_whatever_it_last_said_and_one_that_finished_says_so() -> None:
+    # Probe, stop 29: a SIGKILLed agent showed as "running, updated 64.1s ago" after it left the
+    # round, and nodes that finished with exit 0 as "expired lost".
+    status = RunStatus(
+        run_id="r", exists=True, round=2, closed=True, meta={"min_nodes": 2, "max_nodes": 2},
+        participants=[{"node_id": n, "rank": r, "addr": "10.0.0.1", "pid": 7, "nproc": 1, "alive": False,
+                       "lease_ttl_s": None} for r, n in enumerate(["done", "killed-member"])],
+        nodes=[_node("done", "succeeded", False), _node("killed-member", "running", False),
+               _node("killed-earlier", "running", False), _node("training", "running", True, ago=2)])
+    rows = _rows(run_table(status, None))
+    assert "released" in rows["done"] and "succeeded" in rows["done"] and "lost" not in rows["done"]
+    assert "expired" in rows["killed-member"] and "lost (last said running 60.0s ago)" in rows["killed-member"]
+    assert "lost (last said running 60.0s ago)" in rows["killed-earlier"]
+    assert "running, updated 2.0s ago" in rows["training"]
