@@ -72,6 +72,9 @@ def test_a_planted_bug_makes_the_invariants_fail(tmp_path: Path, bug: str, recov
     for name, outcome in invariants.items():
         if outcome["ok"] is False:
             print(f"  {name}: FAILED - {outcome['detail']}")
+    # The job ran to its end: the bug shows in the invariants, not as a job that cannot start
+    # (stop 29: the half-applied step was planted in a method the step loop's split had moved).
+    assert invariants["exit_status"]["ok"] is True, invariants
     assert invariants[invariant]["ok"] is False and symptom in invariants[invariant]["detail"], invariants
     assert invariants["final_parameters"]["ok"] is False, invariants
     assert not result.ok

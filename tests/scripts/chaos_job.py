@@ -49,16 +49,16 @@ def plant_bug(name: str | None) -> None:
 def _plant_half_applied_step() -> None:
     """A step whose collective failed is not discarded: the optimizer applies this rank's
     partial gradients (but the step is not counted)."""
-    from elastictrain.train.session import Session
+    from elastictrain.train.step_loop import StepLoop
 
-    original = Session._finish_step
+    original = StepLoop._finish
 
-    def _finish_step(self, step):  # type: ignore[no-untyped-def]
+    def _finish(self, step):  # type: ignore[no-untyped-def]
         if step.failure is not None:
-            self.optimizer.step()
+            self._state.optimizer.step()
         return original(self, step)
 
-    Session._finish_step = _finish_step  # type: ignore[method-assign]
+    StepLoop._finish = _finish  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":
