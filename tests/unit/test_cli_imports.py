@@ -3,6 +3,7 @@ a worker's side of the package does not import the launch side (etcd, rendezvous
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 
@@ -37,31 +38,33 @@ def test_status_and_stop_do_not_import_torch(etcd_server) -> None:
     assert _probe("stop", "--etcd", etcd_server.endpoint, "--run-id", "no-such-run").startswith("NO-TORCH 1")
 
 
+def _loaded_by(modules: str, select: str) -> list[str]:
+    """The modules (``sys.modules`` names for which the expression ``select`` of ``m`` holds)
+    that importing ``modules`` loads, in a fresh interpreter."""
+    probe = f"import sys, {modules}\nprint(sorted(m for m in sys.modules if {select}))"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                            env=subprocess_env(), cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr
+    return ast.literal_eval(result.stdout)
+
+
 def test_a_worker_imports_no_launch_side_module() -> None:
     # Layers point down (STYLE.md): a training worker never talks to etcd, so it has no business
     # importing the etcd client, the rendezvous or the run's configuration (which imports both). Its
     # boot module lives in launch/; torch's registry imports the light torchrun plugin by entry point.
     allowed = ("elastictrain.launch", "elastictrain.launch._worker_boot", "elastictrain.rendezvous",
                "elastictrain.rendezvous._torchrun_plugin")
-    probe = ("import sys, elastictrain.launch._worker_boot, elastictrain.train.session, elastictrain.train.elastic, "
-             "elastictrain.train.sampler, elastictrain.checkpoint\n"
-             f"print(sorted(m for m in sys.modules if m not in {allowed!r} and ("
-             "m.split('.')[:2] in (['elastictrain', 'launch'], ['elastictrain', 'etcd'], ['elastictrain', 'rendezvous'])"
-             " or m.split('.')[0] in ('grpc', 'etcd3'))))")
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
-                            env=subprocess_env(), cwd=REPO_ROOT)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "[]"
+    assert _loaded_by("elastictrain.launch._worker_boot, elastictrain.train.session, elastictrain.train.elastic, "
+                      "elastictrain.train.sampler, elastictrain.checkpoint",
+                      f"m not in {allowed!r} and (m.split('.')[:2] in (['elastictrain', 'launch'], "
+                      "['elastictrain', 'etcd'], ['elastictrain', 'rendezvous']) or m.split('.')[0] in "
+                      "('grpc', 'etcd3'))") == []
 
 
 def test_the_rendezvous_imports_nothing_from_the_launch_side() -> None:
     # torchrun builds our handler without elastictrain's launcher: launch -> rendezvous -> etcd, never back up.
-    probe = ("import sys, elastictrain.rendezvous.handler, elastictrain.rendezvous.dynamic, elastictrain.etcd.conf\n"
-             "print(sorted(m for m in sys.modules if m.startswith('elastictrain.launch')))")
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
-                            env=subprocess_env(), cwd=REPO_ROOT)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "[]"
+    assert _loaded_by("elastictrain.rendezvous.handler, elastictrain.rendezvous.dynamic, elastictrain.etcd.conf",
+                      "m.startswith('elastictrain.launch')") == []
 
 
 def test_the_public_api_still_imports_on_first_use() -> None:
