@@ -30,6 +30,7 @@ The rules, written once here:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -46,7 +47,7 @@ from elastictrain.rendezvous.records import ClosedRecord, CloserRecord, MemberRe
 logger = logging.getLogger(__name__)
 
 __all__ = ["Closer", "ControlView", "Member", "RoundWatch", "absent_members", "choose_members", "close_rendezvous",
-           "is_open", "read_members", "waiting"]
+           "is_open", "member_of", "read_members", "waiting"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,16 +70,23 @@ def waiting(members: dict[str, Member], current: RoundRecord | None) -> list[Mem
             or (current.rank_of(m.record.node) is None and m.modified > current.snapshot)]
 
 
+def member_of(item: kv.KeyValue) -> Member:
+    """The member a member key holds.
+
+    Raises:
+        CorruptRendezvousStateError: The key holds no member record (a foreign key).
+    """
+    return Member(decode(MemberRecord, item.key, item.value), item.create_revision, item.mod_revision)
+
+
 def read_members(client: EtcdClient, keys: RunKeys) -> dict[str, Member]:
     """The live member keys, read once (a foreign key among them is skipped: the closer says so)."""
     _, found = kv.range_(client, keys.members, prefix=True, what="reading the rendezvous members")
     members: dict[str, Member] = {}
     for item in found:
-        try:
-            record = decode(MemberRecord, item.key, item.value)
-        except errors.CorruptRendezvousStateError:
-            continue
-        members[record.node] = Member(record, item.create_revision, item.mod_revision)
+        with contextlib.suppress(errors.CorruptRendezvousStateError):
+            member = member_of(item)
+            members[member.record.node] = member
     return members
 
 
@@ -268,13 +276,13 @@ class Closer:
 
     def _put(self, item: kv.KeyValue) -> None:
         try:
-            record = decode(MemberRecord, item.key, item.value)
+            member = member_of(item)
         except errors.CorruptRendezvousStateError as exc:
             if item.key not in self._reported:  # a foreign key among the members: left out, said once
                 self._reported.add(item.key)
                 logger.warning("ignoring %s", exc)
             return
-        self._members[record.node] = Member(record, item.create_revision, item.mod_revision)
+        self._members[member.record.node] = member
 
     def _on_events(self, events: list[WatchEvent], revision: int) -> None:
         with self._lock:

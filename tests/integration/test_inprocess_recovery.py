@@ -182,15 +182,21 @@ def test_a_lost_node_leaves_the_survivors_training_in_their_processes(etcd_serve
     assert_every_step_once(out, [0, 1])
 
 
+def start_two_nodes_and_a_spare(endpoint: str, run_id: str,
+                                out: Path) -> tuple[list[subprocess.Popen[str]], subprocess.Popen[str]]:
+    """Two nodes of a job of at most 2 that train, and a third that waits as a spare, at step 12."""
+    nodes = [start_node(endpoint, run_id, out, "--step-sleep", "0.1") for _ in range(2)]
+    wait_until(lambda: len({r["rank"] for r in records(out) if r["step"] >= 3}) == 2, "step 3", nodes)
+    spare = start_node(endpoint, run_id, out, "--step-sleep", "0.1")
+    wait_until(lambda: max(r["step"] for r in records(out)) >= 12, "step 12 with the spare waiting", nodes + [spare])
+    return nodes, spare
+
+
 @pytest.mark.timeout(300)
 def test_a_hot_spare_takes_a_lost_nodes_place_and_the_survivor_keeps_its_process(etcd_server: Any, run_id: str,
                                                                                   tmp_path: Path) -> None:
     out = tmp_path / "job"
-    nodes = [start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.1") for _ in range(2)]
-    wait_until(lambda: len({r["rank"] for r in records(out) if r["step"] >= 3}) == 2, "step 3", nodes)
-    # A third node of a job of at most 2 waits as a spare; the two keep training.
-    spare = start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.1")
-    wait_until(lambda: max(r["step"] for r in records(out)) >= 12, "step 12 with the spare waiting", nodes + [spare])
+    nodes, spare = start_two_nodes_and_a_spare(etcd_server.endpoint, run_id, out)
     assert {r["world"] for r in records(out)} == {2}
     survivor_pid = latest_pid(out, 0)
     victim = next(n for n in nodes if survivor_pid not in descendants(n.pid))
@@ -213,10 +219,7 @@ def test_with_a_spare_waiting_a_killed_worker_is_replaced_in_place_and_no_health
     # Probe, stop 29: the killed worker's node and the spare formed the next round at once, the
     # healthy node was left out as a spare, and with no live state left the job restored its checkpoint.
     out = tmp_path / "job"
-    nodes = [start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.1") for _ in range(2)]
-    wait_until(lambda: len({r["rank"] for r in records(out) if r["step"] >= 3}) == 2, "step 3", nodes)
-    spare = start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.1")
-    wait_until(lambda: max(r["step"] for r in records(out)) >= 12, "step 12 with the spare waiting", nodes + [spare])
+    nodes, spare = start_two_nodes_and_a_spare(etcd_server.endpoint, run_id, out)
     healthy_pid = latest_pid(out, 0)
     os.kill(latest_pid(out, 1), signal.SIGKILL)
     seen = len(records(out))
