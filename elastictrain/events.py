@@ -7,8 +7,9 @@ own fields. Each line is written with one ``write()`` on a file opened for
 appending, so lines from several processes on one machine never interleave.
 
 Kinds written by elastictrain: ``rendezvous`` (round, world size, duration),
-``membership_change`` (old -> new world size), ``worker_failure``, ``restart``,
-``job_end``, and from the training session ``checkpoint_commit`` and
+``membership_change`` (old -> new world size), ``spare`` (the round is full: this node
+waits to replace one that leaves), ``worker_failure``, ``hang``, ``recovery``, ``restart``,
+``stop_requested``, ``job_end``, and from the training session ``checkpoint_commit`` and
 ``restore`` (rank 0; an async save reports ``checkpoint_save`` when copied).
 torch's own agent events arrive as ``torch_agent``.
 """

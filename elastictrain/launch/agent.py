@@ -134,6 +134,12 @@ class ElasticAgent(LocalElasticAgent):
         except ElasticTrainError as exc:  # status is informative; etcd trouble shows up elsewhere
             logger.warning("could not publish this node's status: %s", exc)
 
+    def waiting_as_spare(self, nodes: int) -> None:
+        """The rendezvous found its round full (``nodes`` nodes): this node waits as a hot spare, to
+        take the place of a node that leaves (the handler's ``on_spare``)."""
+        self._events.emit("spare", nodes=nodes)
+        self._publish(state="spare")
+
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         self._publish(state="rendezvous")
         started = time.monotonic()

@@ -175,6 +175,7 @@ def _run_node(config: RunConfig, params: RendezvousParameters, events: EventLog,
             limit=config.max_restarts, window_s=config.restart_window.total_seconds()), **common)
     else:
         agent = ElasticAgent(**common)
+    handler.on_spare = agent.waiting_as_spare
     outcome = _run_agent(agent, handler, config)  # the channel is the NodeSetup's, closed with it
     events.emit("job_end", exit_code=outcome.exit_code, summary=outcome.summary)
     agent._publish(state="succeeded" if outcome.exit_code == 0 else "failed")  # noqa: SLF001

@@ -28,8 +28,8 @@ from elastictrain.etcd import kv
 from elastictrain.etcd.client import EtcdClient
 from elastictrain.etcd.lease import RunLease
 from elastictrain.rendezvous.keys import KEY_ROOT, RunKeys, validate_run_id
-from elastictrain.rendezvous.membership import close_rendezvous
-from elastictrain.rendezvous.records import ClosedRecord, MemberRecord, RoundRecord, decode
+from elastictrain.rendezvous.membership import Member, close_rendezvous, member_of, waiting
+from elastictrain.rendezvous.records import ClosedRecord, RoundRecord, decode
 
 __all__ = [
     "NodeRecord",
@@ -139,7 +139,8 @@ def read_status(client: EtcdClient, run_id: str, *, lease_ttls: bool = True) -> 
     _, entries = kv.range_(client, keys.prefix, prefix=True, what="reading the run")
     status = RunStatus(run_id=run_id, exists=bool(entries))
     current: RoundRecord | None = None
-    members: dict[str, tuple[MemberRecord, kv.KeyValue]] = {}
+    members: dict[str, Member] = {}
+    leases: dict[str, int] = {}
     records: list[dict[str, Any]] = []
     for item in entries:
         try:
@@ -149,8 +150,9 @@ def read_status(client: EtcdClient, run_id: str, *, lease_ttls: bool = True) -> 
                 decode(ClosedRecord, item.key, item.value)
                 status.closed = True
             elif item.key.startswith(keys.members):
-                record = decode(MemberRecord, item.key, item.value)
-                members[record.node] = (record, item)
+                member = member_of(item)
+                members[member.record.node] = member
+                leases[member.record.node] = item.lease
             elif item.key == keys.meta:
                 status.meta = _json_object(item)
             elif item.key.startswith(keys.records):
@@ -165,18 +167,19 @@ def read_status(client: EtcdClient, run_id: str, *, lease_ttls: bool = True) -> 
         status.round = current.round
         for rank, node in enumerate(current.nodes):
             member = members.get(node)
-            addr = member[0].addr if member else _record_field(records, node, "addr")
-            pid = member[0].pid if member else _record_field(records, node, "pid")
+            addr = member.record.addr if member else _record_field(records, node, "addr")
+            pid = member.record.pid if member else _record_field(records, node, "pid")
             status.participants.append({"node_id": node, "rank": rank, "addr": addr, "pid": pid,
                                         "nproc": current.nproc[rank], "alive": member is not None,
                                         "lease_ttl_s": None})
-    status.waiting = sorted(node for node, (record, _) in members.items()
-                            if current is None or current.rank_of(node) is None or record.after >= current.round)
+    # The rendezvous's own rule: a node left out of the round whose key predates it (a dead
+    # node whose lease runs on) is not waiting.
+    status.waiting = sorted(m.record.node for m in waiting(members, current))
     if lease_ttls:
         for participant in status.participants[:_LEASE_LOOKUPS]:
-            member = members.get(participant["node_id"])
-            if member is not None and member[1].lease:
-                participant["lease_ttl_s"] = _lease_ttl(client, member[1].lease)
+            lease = leases.get(participant["node_id"])
+            if lease:
+                participant["lease_ttl_s"] = _lease_ttl(client, lease)
     return status
 
 

@@ -75,12 +75,14 @@ def run_table(status: RunStatus, checkpoint: dict[str, Any] | None, checkpoint_d
     state = "closed" if status.closed else ("training" if status.live else (
         "gathering nodes" if not status.complete else "re-forming (members lost)"))
     world = sum(p["nproc"] for p in status.participants if p["alive"])
+    records = {str(n["node_id"]): n for n in status.nodes}
+    spares = sum(1 for n in status.waiting if records.get(n, {}).get("state") == "spare")
     lines = [
         f"run {status.run_id!r}: {state}, round {status.round if status.round is not None else '-'}, "
         f"{len(status.participants)} node(s) (min {meta.get('min_nodes', '?')}, max {meta.get('max_nodes', '?')}), "
-        f"world size {world or '-'}, waiting to join: {len(status.waiting)}",
+        f"world size {world or '-'}, waiting to join: {len(status.waiting)}"
+        + (f" ({spares} hot spare(s))" if spares else ""),
     ]
-    records = {str(n["node_id"]): n for n in status.nodes}
     rows = [("RANK", "NODE", "ADDRESS", "PID", "LEASE", "STATE", "RESTARTS")]
     for p in status.participants:
         record = records.get(p["node_id"], {})
@@ -92,7 +94,7 @@ def run_table(status: RunStatus, checkpoint: dict[str, Any] | None, checkpoint_d
             waiting = node_id in status.waiting
             rows.append(("-", str(record.get("host", "?")), str(record.get("addr", "?")),
                          str(record.get("pid", "?")), "held" if waiting else "-",
-                         "waiting" if waiting else (
+                         ("spare" if record.get("state") == "spare" else "waiting") if waiting else (
                              _state(record, False) if not record.get("alive", True)
                              else f"{record.get('state', '?')}, updated {_age(_since(record))}"),
                          str(record.get("restarts", "?"))))

@@ -31,6 +31,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
@@ -104,6 +105,9 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         self._round_watch: RoundWatch | None = None
         self._watch_lock = threading.Lock()
         self._spare = False
+        self.on_spare: Callable[[int], None] | None = None
+        """Called with the round's node count each time this node starts to wait as a spare (the
+        round it waits on is full); ``elastictrain run`` records it as an event and in ``status``."""
         self._registered = 0
         """The revision of this node's last write of its member key (see :meth:`_join`)."""
         self._ready_round: int | None = None
@@ -151,6 +155,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                 self.connect()
                 self._join(after)
             left_out = None
+            spare_of = 0  # the full round's node count, when this node has just become a spare
             with control.cond:
                 seen = control.version
                 if control.problem is not None:
@@ -165,6 +170,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                 if current is not None and current.round > after and current.rank_of(self.node_id) is not None:
                     break
                 if current is not None and current.round > after and len(current.nodes) >= current.max_nodes:
+                    spare_of = 0 if self._spare else len(current.nodes)
                     self._spare = True
                 if (current is not None and current.round > after and current.rank_of(self.node_id) is None
                         and current.snapshot >= self._registered):
@@ -174,6 +180,8 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                     left_out = current.round
                 closer_free = control.closer is None
                 mine = control.closer == self.node_id
+            if spare_of:
+                self._announce_spare(spare_of)
             if left_out is not None:
                 after = left_out
                 self._join(after)
@@ -394,6 +402,15 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         closer, self._closer = self._closer, None
         if closer is not None:
             closer.close()
+
+    def _announce_spare(self, nodes: int) -> None:
+        logger.info("the round is full (%d node(s), max %d): this node waits as a spare, to replace a node that "
+                    "leaves", nodes, self._max)
+        if self.on_spare is not None:
+            try:
+                self.on_spare(nodes)
+            except Exception:  # noqa: BLE001 - a report must not end the wait
+                logger.warning("reporting this node as a spare failed", exc_info=True)
 
     def _round_stands(self, current: RoundRecord) -> bool:
         """Whether every member of ``current`` is alive and none asked for a new round (one etcd read)."""

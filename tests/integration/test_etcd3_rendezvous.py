@@ -20,6 +20,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from elastictrain.etcd import kv
+from elastictrain.launch.run_state import read_status
 from elastictrain.rendezvous import register
 from elastictrain.rendezvous.handler import Etcd3RendezvousHandler, create_handler
 from elastictrain.rendezvous.keys import RunKeys
@@ -201,6 +202,8 @@ def test_a_dead_member_whose_lease_runs_on_is_not_taken_into_later_rounds(etcd_s
     for _ in range(2):
         infos = _join_all(survivors)
         assert {i.world_size for i in infos} == {2}
+    # Nor does `status` count it as waiting to join (probe, stop 29: "held waiting" 2 s after a kill).
+    assert read_status(survivors[0].client, run_id).waiting == []
     late = _handlers(etcd_server.endpoint, run_id, 1, 2, 3)[0]  # a node that comes later still joins
     infos = _join_all([*survivors, late])
     assert {i.world_size for i in infos} == {3}
@@ -222,6 +225,26 @@ def test_a_spare_left_out_for_want_of_room_takes_the_place_of_a_member_that_leav
         survivor = pool.submit(members[0].next_rendezvous)
         assert futures[handlers.index(spare)].result(timeout=20).world_size == 2
         assert survivor.result(timeout=20).world_size == 2
+    _shutdown(members[0], spare)
+
+
+def test_a_spare_says_once_that_it_waits_as_a_spare_and_a_member_never(etcd_server: Any, run_id: str) -> None:
+    calls: list[tuple[str, int]] = []
+    members = _handlers(etcd_server.endpoint, run_id, 2, 2, 2)
+    for handler in members:
+        handler.on_spare = lambda nodes: calls.append(("member", nodes))
+    _join_all(members)
+    [spare] = _handlers(etcd_server.endpoint, run_id, 1, 2, 2)
+    spare.on_spare = lambda nodes: calls.append(("spare", nodes))
+    with ThreadPoolExecutor(2) as pool:
+        waiting = pool.submit(spare.next_rendezvous)
+        _eventually(lambda: bool(calls), 10, "the spare reports itself")
+        time.sleep(1.5)  # it goes on waiting: once is enough
+        assert calls == [("spare", 2)] and not waiting.done()
+        members[1].leave()
+        survivor = pool.submit(members[0].next_rendezvous)
+        assert waiting.result(timeout=20).world_size == survivor.result(timeout=20).world_size == 2
+    assert calls == [("spare", 2)]
     _shutdown(members[0], spare)
 
 

@@ -188,7 +188,16 @@ def start_two_nodes_and_a_spare(endpoint: str, run_id: str,
     nodes = [start_node(endpoint, run_id, out, "--step-sleep", "0.1") for _ in range(2)]
     wait_until(lambda: len({r["rank"] for r in records(out) if r["step"] >= 3}) == 2, "step 3", nodes)
     spare = start_node(endpoint, run_id, out, "--step-sleep", "0.1")
-    wait_until(lambda: max(r["step"] for r in records(out)) >= 12, "step 12 with the spare waiting", nodes + [spare])
+
+    def spare_events() -> list[dict[str, Any]]:
+        path = out / "events.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [e for e in map(json.loads, lines) if e["kind"] == "spare" and e["pid"] == spare.pid]
+
+    wait_until(lambda: bool(spare_events()), "the third node says it waits as a spare", nodes + [spare])
+    assert spare_events()[0]["nodes"] == 2
+    seen = max(r["step"] for r in records(out))
+    wait_until(lambda: max(r["step"] for r in records(out)) >= max(12, seen + 2), "two more steps", nodes + [spare])
     return nodes, spare
 
 
@@ -198,6 +207,9 @@ def test_a_hot_spare_takes_a_lost_nodes_place_and_the_survivor_keeps_its_process
     out = tmp_path / "job"
     nodes, spare = start_two_nodes_and_a_spare(etcd_server.endpoint, run_id, out)
     assert {r["world"] for r in records(out)} == {2}
+    status = subprocess.run([sys.executable, "-m", "elastictrain", "status", "--etcd", etcd_server.endpoint,
+                             "--run-id", run_id], capture_output=True, text=True, timeout=60)
+    assert "waiting to join: 1 (1 hot spare(s))" in status.stdout, status.stdout + status.stderr
     survivor_pid = latest_pid(out, 0)
     victim = next(n for n in nodes if survivor_pid not in descendants(n.pid))
     os.killpg(victim.pid, signal.SIGKILL)

@@ -31,3 +31,18 @@ def test_a_node_whose_lease_is_gone_is_lost_whatever_it_last_said_and_one_that_f
     assert "expired" in rows["killed-member"] and "lost (last said running 60.0s ago)" in rows["killed-member"]
     assert "lost (last said running 60.0s ago)" in rows["killed-earlier"]
     assert "running, updated 2.0s ago" in rows["training"]
+
+
+def test_a_hot_spare_shows_as_a_spare_and_the_header_counts_it() -> None:
+    status = RunStatus(
+        run_id="r", exists=True, round=1, meta={"min_nodes": 2, "max_nodes": 2},
+        participants=[{"node_id": n, "rank": r, "addr": "10.0.0.1", "pid": 7, "nproc": 1, "alive": True,
+                       "lease_ttl_s": 5} for r, n in enumerate(["a", "b"])],
+        waiting=["spare", "joiner"],
+        nodes=[_node("a", "running", True, ago=1), _node("b", "running", True, ago=1),
+               _node("spare", "spare", True, ago=9), _node("joiner", "rendezvous", True, ago=1)])
+    table = run_table(status, None)
+    assert "waiting to join: 2 (1 hot spare(s))" in table.splitlines()[0]
+    rows = _rows(table)
+    assert rows["spare"].split()[-2:] == ["spare", "0"] and "held" in rows["spare"]
+    assert rows["joiner"].split()[-2:] == ["waiting", "0"]
