@@ -169,7 +169,10 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                     raise RendezvousClosedError(f"the rendezvous of run '{self.keys.run_id}' is closed")
                 if current is not None and current.round > after and current.rank_of(self.node_id) is not None:
                     break
-                if current is not None and current.round > after and len(current.nodes) >= current.max_nodes:
+                if (current is not None and current.rank_of(self.node_id) is None
+                        and len(current.nodes) >= current.max_nodes):
+                    # The round is full without this node: a newcomer, or a member that re-entered
+                    # once a spare had taken its seat. It waits as a spare (and past the join timeout).
                     spare_of = 0 if self._spare else len(current.nodes)
                     self._spare = True
                 if (current is not None and current.round > after and current.rank_of(self.node_id) is None

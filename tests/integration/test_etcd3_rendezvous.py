@@ -263,6 +263,31 @@ def test_a_spare_waits_past_the_join_timeout_while_the_job_trains(etcd_server: A
     _shutdown(*members, spare)
 
 
+def test_a_member_that_re_enters_after_a_spare_took_its_seat_waits_as_a_spare_past_the_join_timeout(
+        etcd_server: Any, run_id: str) -> None:
+    # Chaos with spares, this stop: a member that re-entered only after the last call found the
+    # round full without it. It waited for the next round as a plain node: it never said it was
+    # a spare, and at the join timeout it would have timed out and closed a job that trained.
+    calls: list[str] = []
+    first, second = _handlers(etcd_server.endpoint, run_id, 2, 2, 2, join_timeout=1.5)
+    _join_all([first, second])
+    [spare] = _handlers(etcd_server.endpoint, run_id, 1, 2, 2, join_timeout=1.5)
+    second.on_spare = lambda nodes: calls.append("second")
+    with ThreadPoolExecutor(3) as pool:
+        spare_waits = pool.submit(spare.next_rendezvous)
+        _eventually(lambda: first.num_nodes_waiting() >= 1 or spare._spare, 10, "the spare is in")  # noqa: SLF001
+        again = pool.submit(first.next_rendezvous)  # its worker failed; the second member is slow
+        assert spare_waits.result(timeout=10).world_size == again.result(timeout=10).world_size == 2
+        late = pool.submit(second.next_rendezvous)  # the round is full without it
+        time.sleep(4)  # more than twice the join timeout
+        assert not late.done(), late.exception()
+        assert calls == ["second"] and not first.is_closed()
+        first.set_finished()
+        with pytest.raises(RendezvousGracefulExitError):
+            late.result(timeout=10)
+    _shutdown(first, second, spare)
+
+
 def test_a_member_re_entering_keeps_its_healthy_peers_seat_from_a_spare(etcd_server: Any, run_id: str) -> None:
     # Probe, stop 29: a node whose worker failed re-entered the rendezvous, and it and the spare
     # formed the next round at once (max nodes reached): the healthy member, a moment later,
