@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="elastictrain chaos", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run-dir", default=None, help="where the run's files go (default: elastictrain-runs/chaos-TIME)")
-    p.add_argument("--nodes", type=int, default=3, help="node agents at the start (default 3)")
+    p.add_argument("--nodes", type=int, default=3, help="node agents at the start (default 3); those above --max-nodes wait as hot spares")
     p.add_argument("--min-nodes", type=int, default=2, help="--min-nodes of the job (default 2)")
     p.add_argument("--max-nodes", type=int, default=3, help="--max-nodes of the job (default 3)")
     p.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (default 1)")

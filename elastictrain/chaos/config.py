@@ -43,7 +43,7 @@ class ChaosConfig:
     """Where everything of the run goes; created, must not hold an earlier run."""
 
     nodes: int = 3
-    """Node agents started at the beginning."""
+    """Node agents started at the beginning; those above ``max_nodes`` wait as hot spares."""
 
     min_nodes: int = 2
     """``--min-nodes`` of the job."""
@@ -139,9 +139,9 @@ class ChaosConfig:
         object.__setattr__(self, "script", os.path.abspath(self.script))
         if not 1 <= self.min_nodes <= self.max_nodes:
             raise ConfigError(f"need 1 <= min_nodes <= max_nodes, got {self.min_nodes}, {self.max_nodes}")
-        if not self.min_nodes <= self.nodes <= self.max_nodes:
-            raise ConfigError(f"nodes must be in [min_nodes={self.min_nodes}, max_nodes={self.max_nodes}] (fewer "
-                              f"could never form the job), got {self.nodes}")
+        if self.nodes < self.min_nodes:
+            raise ConfigError(f"nodes must be at least min_nodes={self.min_nodes} (fewer could never form the job; "
+                              f"those above max_nodes={self.max_nodes} wait as hot spares), got {self.nodes}")
         if self.seed < 0:
             raise ConfigError(f"seed must be >= 0 (a negative one replays its positive twin), got {self.seed}")
         for name in ("atol", "rtol"):
@@ -163,6 +163,12 @@ class ChaosConfig:
         if script != self.script:
             raise ConfigError(f"run_args {list(self.run_args)}: {script!r} is no flag's value (each node would "
                               "take it for the training script)")
+
+    @property
+    def capacity(self) -> int:
+        """Most node agents alive at once: ``max_nodes``, or ``nodes`` when the run starts with hot
+        spares (random joins stop there; a join into a full round adds a spare)."""
+        return max(self.nodes, self.max_nodes)
 
     @property
     def hang_duration(self) -> timedelta:

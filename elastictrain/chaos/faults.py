@@ -11,7 +11,7 @@ drawn one at a time by a :class:`RandomPlanner` from a seed. Kinds:
                           (at ``--min-nodes`` the survivors wait below min-nodes meanwhile)
 ``hang_worker``           SIGSTOP one worker for ``hang_seconds`` (longer than the collective
                           timeout: a hang, not a crash), then SIGCONT it (or SIGKILL)
-``join``                  start one more node agent, with ``--join``
+``join``                  start one more node agent, with ``--join`` (into a full round: a hot spare)
 ``kill_etcd``             SIGKILL every etcd member, restart them ``etcd_down`` later
 ``kill_etcd_leader``      (3-member etcd) SIGKILL the leader, restart it ``etcd_down`` later
 ``partition_node``        (``netns`` only) cut one node off etcd and its peers for
@@ -145,7 +145,8 @@ class RandomPlanner:
 
     def feasible(self, kind: FaultKind, *, nodes: int, min_nodes: int, max_nodes: int,
                  etcd_members: int) -> bool:
-        """Whether ``kind`` keeps the job able to finish: never below min-nodes for good, never above max."""
+        """Whether ``kind`` keeps the job able to finish: never below min-nodes for good, never above
+        ``max_nodes`` (the run's capacity: with hot spares, more than the job's ``--max-nodes``)."""
         if kind in (FaultKind.KILL_NODE, FaultKind.PARTITION_NODE):
             return nodes > min_nodes
         if kind is FaultKind.JOIN:
@@ -193,6 +194,11 @@ class FaultRecord:
     target_pids: list[int] = field(default_factory=list)
     """The worker processes the fault touched (killed, stopped, cut off); every other worker of
     the group keeps its process under in-process recovery."""
+    spare_waiting: bool = False
+    """A hot spare waited when the fault struck: the group formed after it keeps its world size."""
+    awaits_spare: str = ""
+    """A node that this fault adds to a full round (a join, a bounce's replacement): the fault has
+    settled once that node says it waits as a spare, or trains."""
 
     @property
     def recovery_s(self) -> float | None:
@@ -208,6 +214,7 @@ class FaultRecord:
                 "recovered_s": rel(self.recovered),
                 "recovery_s": None if self.recovery_s is None else round(self.recovery_s, 3),
                 "restarted": self.restarted, "hung": self.hung, "note": self.note,
+                "spare_waiting": self.spare_waiting,
                 "target_pids": list(self.target_pids)}
 
 

@@ -238,6 +238,20 @@ class _Harness:
             return set()
         return self._nodes_by_segment().get(self.progress.segments[-1]["seg"], set())
 
+    def _said_spare(self) -> set[str]:
+        """Names of the nodes that said they wait as hot spares (the agents' ``spare`` event)."""
+        return {e["node"] for e in inv.read_lines(self.run_dir / "events.jsonl") if e.get("kind") == "spare"}
+
+    def _spares(self) -> list[Node]:
+        """Live nodes that wait as hot spares now: they said so and have no worker in the newest group."""
+        said, training = self._said_spare(), self._training_nodes()
+        return [n for n in self.alive_nodes() if n.name in said and n.name not in training]
+
+    def _settled(self, name: str) -> bool:
+        """Whether a node added to a full round waits as a spare (it said so) or trains, or has exited."""
+        node = next(n for n in self.nodes if n.name == name)
+        return not node.alive() or name in self._said_spare() or name in self._training_nodes()
+
     def _pick_node(self) -> tuple[Node, bool] | None:
         """A node to kill, preferably one that trains now; and whether it does."""
         alive = self.alive_nodes()
@@ -260,6 +274,7 @@ class _Harness:
         """Inject ``fault`` now; False if its target is not there yet (try again shortly)."""
         kind, config = fault.kind, self.config
         now = time.time()
+        fault.spare_waiting = bool(self._spares())
         if kind in (FaultKind.KILL_WORKER, FaultKind.HANG_WORKER):
             picked = self._pick_worker()
             if picked is None:
@@ -299,7 +314,10 @@ class _Harness:
                 fault.below_min = alive - 1 < config.min_nodes
             else:
                 def replace() -> None:
-                    fault.target += f", replaced by {self.start_node(join=True).name}"
+                    full = len(self.alive_nodes()) >= config.max_nodes
+                    name = self.start_node(join=True).name
+                    fault.target += f", replaced by {name}" + (" (the round is full: a spare)" if full else "")
+                    fault.awaits_spare = name if full else ""
                     fault.ended = time.time()
 
                 self._later(config.rejoin_after, replace)
@@ -330,7 +348,12 @@ class _Harness:
 
             self._later(config.partition_duration, heal)
         elif kind is FaultKind.JOIN:
-            fault.target = self.start_node(join=True).name
+            full = len(self.alive_nodes()) >= config.max_nodes
+            name = self.start_node(join=True).name
+            fault.target = name + (" (the round is full: it waits as a hot spare)" if full else "")
+            # A spare changes no group: the fault has settled once the node says it waits.
+            fault.expects_restart = not full
+            fault.awaits_spare = name if full else ""
             fault.ended = now
         elif kind is FaultKind.KILL_ETCD:
             fault.target = f"all {len(self.etcd.servers)} etcd member(s)"
@@ -395,10 +418,14 @@ class _Harness:
             return False
         if fault.kind is FaultKind.PARTITION_NODE and not self._back_from_partition(fault) and not final:
             return False
+        if fault.awaits_spare and not self._settled(fault.awaits_spare) and not final:
+            return False
         progress = self.progress
         if fault.expects_restart:
-            # A bounce recovers once a group with the replacement in the rendezvous trains.
-            ref = fault.ended if fault.kind is FaultKind.BOUNCE_NODE else fault.injected
+            # A bounce recovers once a group with the replacement in the rendezvous trains; with a
+            # spare waiting, once the group the spare completed trains (the replacement is a spare).
+            bounce = fault.kind is FaultKind.BOUNCE_NODE and not fault.spare_waiting
+            ref = fault.ended if bounce else fault.injected
             for seg in (s for s in progress.segments if s["t"] > ref):
                 first = progress.first_step_of(seg["seg"])
                 if first is not None:
@@ -435,7 +462,7 @@ class _Harness:
                 return None
             nodes = len(self.alive_nodes())
             planned = self.planner.next(self.progress.step, nodes=nodes, min_nodes=config.min_nodes,
-                                        max_nodes=config.max_nodes, etcd_members=config.etcd_members)
+                                        max_nodes=config.capacity, etcd_members=config.etcd_members)
             if planned is None:
                 return None
         else:

@@ -27,6 +27,10 @@ Invariants:
 - ``checkpoints_intact``: every committed checkpoint on disk verifies, the
   last one included.
 - ``world_size_bounds``: every round trained with min..max nodes' worth of workers.
+- ``survivors_kept``: under in-process recovery, every worker a fault did not touch is a
+  worker of the first group formed after it, in the same process.
+- ``spares_fill_in``: a fault that struck while a hot spare waited left the world size as
+  it was: the spare took the place of a node that left, and no member lost its seat to it.
 - ``no_hang``: every fault was followed by training within the recovery bound,
   and the run ended within its deadline.
 - ``no_ghost_workers``: no worker process outlived the run.
@@ -50,7 +54,8 @@ from elastictrain.chaos.recorder import MARKER
 
 __all__ = [
     "Checkpoint", "Evidence", "History", "InvariantResult", "check_checkpoints_intact", "check_committed_history",
-    "check_exactly_once", "check_final_parameters", "check_restores", "check_survivors_kept", "check_world_sizes",
+    "check_exactly_once", "check_final_parameters", "check_restores", "check_spares_fill_in", "check_survivors_kept",
+    "check_world_sizes",
     "checkpoint_dirs",
     "committed_history", "read_checkpoint", "read_lines", "total_steps", "verify_checkpoint",
 ]
@@ -438,3 +443,30 @@ def check_survivors_kept(evidence: Evidence, faults: Iterable[Any], *, in_proces
                             "next group")
     return InvariantResult("survivors_kept", not problems, "; ".join(problems[:5]) or
                            f"{checked} re-formation(s): every untouched worker kept its process")
+
+
+def check_spares_fill_in(evidence: Evidence, faults: Iterable[Any]) -> InvariantResult:
+    """A fault that struck while a hot spare waited leaves the world size as it was.
+
+    For each recovered fault with ``spare_waiting`` that ended the training group: the last
+    group formed before it recovered has the world size of the last group formed before it
+    (a lost node's place is taken by the spare; a worker failure loses no seat).
+    """
+    segments = sorted(evidence.of("segment"), key=lambda g: g["t"])
+    problems, checked = [], 0
+    for fault in faults:
+        if (not fault.spare_waiting or not fault.expects_restart or fault.injected is None
+                or fault.recovered is None or fault.below_min):
+            continue
+        before = [g for g in segments if g["t"] < fault.injected]
+        after = [g for g in segments if fault.injected < g["t"] <= fault.recovered]
+        if not before or not after:
+            continue
+        checked += 1
+        if after[-1]["world"] != before[-1]["world"]:
+            problems.append(f"fault {fault.index} ({fault.kind.value}): world size {before[-1]['world']} -> "
+                            f"{after[-1]['world']} with a spare waiting")
+    if not checked and not problems:
+        return InvariantResult("spares_fill_in", None, "no fault struck a training group while a spare waited")
+    return InvariantResult("spares_fill_in", not problems, "; ".join(problems[:5]) or
+                           f"{checked} fault(s) with a spare waiting: every one kept the world size")

@@ -196,6 +196,7 @@ def judge(config: ChaosConfig, *, run_dir: Path, evidence_dir: Path, nodes: Sequ
     add(inv.check_world_sizes(evidence, agent_events, low=config.min_nodes * config.nproc_per_node,
                               high=config.max_nodes * config.nproc_per_node))
     add(inv.check_survivors_kept(evidence, faults, in_process=config.recovery == "in-process"))
+    add(inv.check_spares_fill_in(evidence, faults))
     hung = [f for f in faults if f.hung]
     unnoticed = [] if aborted else unnoticed_faults(config, faults)
     if aborted:

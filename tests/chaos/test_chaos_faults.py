@@ -106,6 +106,28 @@ def test_etcd_leader_loss_and_a_hang_are_survived_then_below_min_nodes_the_job_g
     assert report["committed_steps"] >= 8
 
 
+@pytest.mark.timeout(600)
+def test_hot_spares_take_the_place_of_lost_nodes_and_never_the_seat_of_a_healthy_one(tmp_path: Path) -> None:
+    # 3 nodes of a job of at most 2: one waits as a hot spare. A worker kill must not hand the
+    # spare a healthy node's seat (probe, stop 29: the job went back to its checkpoint); a lost
+    # node is replaced at the same world size; a node that joins the full round, and a bounced
+    # node's replacement, wait as the next spares; every spare exits 0 when the job ends.
+    schedule = "kill_worker@4,kill_node@8,join@12,bounce_node@16"
+    result = run_chaos(ChaosConfig(
+        script=JOB, script_args=JOB_ARGS, run_dir=str(tmp_path / "run"), nodes=3, min_nodes=2, max_nodes=2,
+        schedule=tuple(parse_schedule(schedule)), seed=3,
+    ))
+    _show(result)
+    report = result.report
+    faults = [f for f in report["faults"] if f["injected_s"] is not None]
+    assert [f["kind"] for f in faults] == ["kill_worker", "kill_node", "join", "bounce_node"]
+    assert [f["spare_waiting"] for f in faults] == [True, True, False, True]
+    assert "waits as a hot spare" in faults[2]["target"] and not faults[2]["restarted"]
+    _assert_holds(result, *EVERY_INVARIANT, "spares_fill_in")
+    assert report["completed"] and report["committed_steps"] == TOTAL_STEPS
+    assert report["final_world_size"] == 2 and report["steps_redone"] == 0
+
+
 def _netns_works() -> bool:
     if os.geteuid() != 0 or shutil.which("ip") is None:
         return False

@@ -332,7 +332,7 @@ def test_only_a_node_cut_off_until_the_job_ended_may_exit_non_zero(tmp_path: Pat
 
 def _fault(index: int, kind: FaultKind, injected: float, recovered: float, targets: list[int]) -> SimpleNamespace:
     return SimpleNamespace(index=index, kind=kind, injected=injected, recovered=recovered, below_min=False,
-                           target_pids=targets)
+                           target_pids=targets, expects_restart=True, spare_waiting=False)
 
 
 def test_survivors_kept_holds_when_only_the_targets_changed_process_and_fails_otherwise() -> None:
@@ -346,6 +346,29 @@ def test_survivors_kept_holds_when_only_the_targets_changed_process_and_fails_ot
     result = inv.check_survivors_kept(evidence, kept, in_process=True)
     assert result.ok is False and "fault 1 (join): worker(s) [11]" in result.detail
     assert inv.check_survivors_kept(evidence, kept, in_process=False).ok is None
+
+
+def test_spares_fill_in_fails_when_a_fault_with_a_spare_waiting_shrinks_the_world() -> None:
+    evidence = inv.Evidence(Path("/nonexistent"))
+    evidence.events += [{"kind": "segment", "seg": seg, "t": t, "world": world}
+                        for seg, t, world in (("a", 1.0, 2), ("b", 5.0, 2), ("c", 9.0, 1))]
+    kept, shrunk = _fault(0, FaultKind.KILL_NODE, 4.0, 6.0, []), _fault(1, FaultKind.KILL_WORKER, 8.0, 10.0, [])
+    assert inv.check_spares_fill_in(evidence, [kept, shrunk]).ok is None  # no spare waited
+    kept.spare_waiting = shrunk.spare_waiting = True
+    assert inv.check_spares_fill_in(evidence, [kept]).ok is True
+    result = inv.check_spares_fill_in(evidence, [kept, shrunk])
+    assert result.ok is False and "fault 1 (kill_worker): world size 2 -> 1 with a spare waiting" in result.detail
+
+
+def test_a_run_may_start_with_hot_spares_and_random_joins_stop_at_its_node_count(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    config = ChaosConfig(script=str(script), run_dir=str(tmp_path / "run"), nodes=4, min_nodes=2, max_nodes=3)
+    assert config.capacity == 4
+    assert ChaosConfig(script=str(script), run_dir=str(tmp_path / "run"), nodes=2, max_nodes=3).capacity == 3
+    planner = RandomPlanner(1, (FaultKind.JOIN,))
+    assert planner.next(0, nodes=3, min_nodes=2, max_nodes=config.capacity, etcd_members=1) is not None
+    assert planner.next(0, nodes=4, min_nodes=2, max_nodes=config.capacity, etcd_members=1) is None
 
 
 def test_a_recorder_that_was_rank_0_writes_no_events_once_it_is_another_rank(tmp_path: Path) -> None:
