@@ -80,6 +80,23 @@ def _failure_cause(failures: dict[int, Any]) -> str:
     return f"worker(s) {', '.join(str(rank) for rank in sorted(failures))} failed ({how})"
 
 
+def _membership_change(before: Any, after: Any) -> dict[str, list[str]]:
+    """The node ids that left and joined between two round records (the etcd3 handler's
+    ``joined``): ``{"nodes_left": [...], "nodes_joined": [...]}``, each only when not empty."""
+    if before is None or after is None:
+        return {}
+    change = {"nodes_left": [n for n in before.nodes if n not in after.nodes],
+              "nodes_joined": [n for n in after.nodes if n not in before.nodes]}
+    return {k: v for k, v in change.items() if v}
+
+
+def _describe_change(change: dict[str, list[str]]) -> str:
+    """``; node(s) left: a; joined: b`` for a log line (empty if none)."""
+    parts = [f"{what}: {', '.join(change[key])}" for key, what in (("nodes_left", "node(s) left"),
+                                                                   ("nodes_joined", "node(s) joined")) if key in change]
+    return "".join(f"; {part}" for part in parts)
+
+
 def _final_failure(failures: dict[int, Any]) -> bool:
     """Whether a worker raised an error that a restart would meet again (said here; the job
     then fails at once, without spending the restart budget on it): refused input
@@ -118,6 +135,8 @@ class ElasticAgent(LocalElasticAgent):
         self._stop_requested = stop_requested
         self._world_size: int | None = None
         self._restarts_at_final_error: int | None = None
+        self._last_change: dict[str, list[str]] = {}
+        """The node ids that left and joined at this node's last rendezvous (see :func:`_membership_change`)."""
         self.stopped_by_request = False
 
     @property
@@ -143,21 +162,25 @@ class ElasticAgent(LocalElasticAgent):
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         self._publish(state="rendezvous")
         started = time.monotonic()
+        handler = worker_group.spec.rdzv_handler
+        before = getattr(handler, "joined", None)
         super()._rendezvous(worker_group)
         duration = time.monotonic() - started
-        handler = worker_group.spec.rdzv_handler
+        self._last_change = _membership_change(before, getattr(handler, "joined", None))
         world_size = worker_group.workers[0].world_size if worker_group.workers else None
         fields = {"round": getattr(handler, "round", None), "group_rank": worker_group.group_rank,
                   "nodes": worker_group.group_world_size, "world_size": world_size}
-        self._events.emit("rendezvous", duration_s=round(duration, 3), restarts=self.restarts, **fields)
+        self._events.emit("rendezvous", duration_s=round(duration, 3), restarts=self.restarts, **fields,
+                          **self._last_change)
         if self._world_size is not None and world_size != self._world_size:
-            self._events.emit("membership_change", old_world_size=self._world_size, new_world_size=world_size)
+            self._events.emit("membership_change", old_world_size=self._world_size, new_world_size=world_size,
+                              **self._last_change)
         self._world_size = world_size
         self._publish(state="running", restarts=self.restarts, **fields)
         logger.info(
-            "rendezvous round %s complete in %.3fs: node rank %s of %s nodes, world size %s, restart %s",
+            "rendezvous round %s complete in %.3fs: node rank %s of %s nodes, world size %s, restart %s%s",
             fields["round"], duration, worker_group.group_rank, worker_group.group_world_size,
-            world_size, self.restarts,
+            world_size, self.restarts, _describe_change(self._last_change),
         )
 
     def _assign_worker_ranks(self, store: Any, group_rank: int, group_world_size: int,
@@ -559,10 +582,11 @@ class InProcessAgent(ElasticAgent):
         extra = {"trained_on_s": round(trained_on, 3)} if held_since is not None else {}
         self._events.emit("recovery", cause=cause, generation=self._generation, duration_s=round(duration, 3),
                           replaced_local_ranks=dead, world_size=group.workers[0].world_size if group.workers else None,
-                          **extra)
+                          **self._last_change, **extra)
         self._publish(state="running", generation=self._generation, last_recovery=cause,
                       restarts=self.restarts)
-        logger.info("generation %d ready in %.3fs (%s)%s%s", self._generation, duration, cause,
+        logger.info("generation %d ready in %.3fs (%s%s)%s%s", self._generation, duration, cause,
+                    _describe_change(self._last_change),
                     f"; replaced local worker(s) {dead}" if dead else "; every worker kept its process",
                     f"; the workers trained on for {trained_on:.3f}s until the joining node(s) were ready"
                     if held_since is not None else "")

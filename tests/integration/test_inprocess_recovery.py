@@ -180,6 +180,10 @@ def test_a_lost_node_leaves_the_survivors_training_in_their_processes(etcd_serve
     assert survivors <= set(pids.values()) and len(survivors) == 2, \
         "a survivor was restarted:\n" + "\n".join(o[-6000:] for o in outputs)
     assert_every_step_once(out, [0, 1])
+    # Each survivor's recovery names the node that left (probe, stop 29: only "a peer is gone").
+    named = {e["pid"] for e in events(out, "recovery")
+             if any(f"_{victim.pid}_" in node for node in e.get("nodes_left", []))}
+    assert named == {nodes[0].pid, nodes[1].pid}, events(out, "recovery")
 
 
 def start_two_nodes_and_a_spare(endpoint: str, run_id: str,
