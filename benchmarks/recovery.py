@@ -16,6 +16,10 @@ it train to ``--action-step``, then:
   step at world size 3. The clock starts when the new agent's process is started.
   ``survivor_pause_s``: the longest gap between consecutive steps of a surviving
   node's worker, from its last step before the launch to its first step at world size 3.
+  ``cold_import_s``: just before the launch, with the same nodes training, the wall time
+  of a bare ``python -c "import torch, torch.nn.parallel, torch._dynamo"`` (what any
+  joining node's worker imports before it can build DDP, whatever the launcher): the
+  part of a cold join that is torch's own start on this machine.
 
 Every trial also counts ``steps_redone``: the step numbers some rank completed twice
 (from the per-step records; a restart from a checkpoint redoes the steps since it),
@@ -460,6 +464,7 @@ def run_trial(setup: TrialSetup, etcd_window: float = 0.0) -> dict[str, Any]:
             kill_pids(pids)
             result["killed"] = {"node": killed_node, "rank": victim["rank"], "pids": pids}
         else:  # node_join
+            result["cold_import_s"] = cold_import_seconds(setup.env(s.nodes))
             proc = job.start_node(s.nodes)
             t_action = proc.started
 
@@ -523,6 +528,18 @@ def run_trial(setup: TrialSetup, etcd_window: float = 0.0) -> dict[str, Any]:
         job.stop()
 
 
+COLD_IMPORTS = "import torch, torch.nn.parallel, torch._dynamo"
+"""What a joining node's worker imports before it can build DDP (DDP's constructor imports
+``torch._dynamo``), whatever the launcher."""
+
+
+def cold_import_seconds(env: dict[str, str]) -> float:
+    """Wall time of a fresh interpreter importing :data:`COLD_IMPORTS` (under the load there is now)."""
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", COLD_IMPORTS], env=env, check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - started
+
+
 @contextlib.contextmanager
 def private_etcd() -> Iterator[Any]:
     from elastictrain.etcd import EtcdServer
@@ -539,6 +556,7 @@ def _aggregate(trials: list[dict[str, Any]]) -> dict[str, Any]:
         "recovery_s": summarize(t.get("recovery_s") for t in trials),
         "steps_redone": summarize(t.get("steps_redone") for t in trials if "recovery_s" in t),
         "survivor_pause_s": summarize(t.get("survivor_pause_s") for t in trials if "survivor_pause_s" in t),
+        "cold_import_s": summarize(t.get("cold_import_s") for t in trials if "cold_import_s" in t),
         "survivor_pids_kept": sum(1 for t in trials if t.get("survivor_pids_kept")),
         "trials_timed": sum(1 for t in trials if "recovery_s" in t),
         "step_time_before_s": summarize(t.get("step_time_before_s") for t in trials if "recovery_s" in t),
@@ -655,6 +673,8 @@ def markdown_table(results: dict[str, Any]) -> str:
         if name == "node_join":
             row("↳ survivors' pause (longest gap between their steps)",
                 [_cell(e.get("survivor_pause_s")) if e else "—" for e in stats])
+            row("↳ for reference: a bare `" + COLD_IMPORTS + "`, same load, just before the launch",
+                [_cell(e.get("cold_import_s")) if e else "—" for e in stats])
         row("↳ committed steps redone", [_cell(e["steps_redone"], digits=0, unit="") if e else "—" for e in stats])
         row("↳ trials where the survivors kept their pids",
             [f"{e['survivor_pids_kept']}/{e['trials_timed']}" if e else "—" for e in stats])
