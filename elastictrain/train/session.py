@@ -48,6 +48,7 @@ from elastictrain.train.progress import ProgressHook, progress_wanted
 from elastictrain.train.rank_logging import RankLoggerAdapter, get_logger, setup_logging
 from elastictrain.train.sampler import ElasticSampler
 from elastictrain.train import process_group as pg
+from elastictrain.train.control import JobEnded
 from elastictrain.train.group_keeper import GroupKeeper
 from elastictrain.train.session_config import SessionConfig
 from elastictrain.train.step_loop import StepLoop
@@ -336,7 +337,10 @@ class Session:
     def _fail(self, error: BaseException) -> None:
         if self._closed:
             return
-        self.log.error("training failed at step %d: %s: %s", self.step, type(error).__name__, error)
+        if isinstance(error, JobEnded):  # the agent ended the group (stopped, or the job ended): no failure
+            self.log.info("left the job at step %d: %s", self.step, error)
+        else:
+            self.log.error("training failed at step %d: %s: %s", self.step, type(error).__name__, error)
         self.hooks.dispatch("on_failure", error=error)
         if self.checkpoints is not None:
             try:

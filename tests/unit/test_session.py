@@ -375,6 +375,21 @@ def test_the_session_destroys_the_group_it_formed_when_the_loop_raises() -> None
 
 
 @pytest.mark.usefixtures("world_of_one")
+def test_a_worker_told_that_the_job_ended_says_it_left_and_logs_no_error(caplog: pytest.LogCaptureFixture) -> None:
+    # Probe, stop 29: a worker whose agent closed the group (stopped, or the job ended
+    # elsewhere) logged "ERROR training failed at step 41: JobEnded: the agent stopped".
+    from elastictrain.train.control import JobEnded
+
+    model = make_model()
+    with caplog.at_level(logging.INFO, logger="elastictrain"), pytest.raises(JobEnded):
+        with elastictrain.Session(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset(),
+                                  global_batch_size=8, log_every=None):
+            raise JobEnded("the agent stopped")
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert "left the job at step 0: the agent stopped" in caplog.text
+
+
+@pytest.mark.usefixtures("world_of_one")
 def test_the_session_destroys_the_group_when_restoring_fails(tmp_path: Path) -> None:
     other = torch.nn.Linear(3, 3)
     with elastictrain.CheckpointManager(tmp_path) as manager:  # a checkpoint that does not fit
