@@ -224,10 +224,18 @@ class EtcdClient:
         self._current = 0
         self._watch_hub: Any = None
         self._keepalive_hub: Any = None
+        self._winding_down: timedelta | None = None
 
     @property
     def settings(self) -> EtcdSettings:
         return self._settings
+
+    def wind_down(self, deadline: timedelta) -> None:
+        """Retry each call for at most ``deadline`` from now on (not the retry deadline): for a
+        node whose job has ended, whose goodbyes (closing the rendezvous, its last record) must
+        not each wait out the retry deadline on an unreachable etcd. What they would have said
+        expires with the node's leases."""
+        self._winding_down = min(deadline, self._winding_down or deadline)
 
     @property
     def current_index(self) -> int:
@@ -380,7 +388,8 @@ class EtcdClient:
             errors.EtcdAuthError: etcd refused our credentials or TLS setup.
         """
         last: list[tuple[Endpoint, BaseException]] = []
-        retry_s = (deadline or self._settings.retry_deadline).total_seconds()
+        retry_s = min(deadline or self._settings.retry_deadline,
+                      self._winding_down or self._settings.retry_deadline).total_seconds()
 
         def attempt() -> _T:
             index, client = self._current, None

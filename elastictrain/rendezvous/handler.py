@@ -32,6 +32,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
@@ -60,6 +61,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["Etcd3RendezvousHandler", "create_handler"]
 
 _LOG_EVERY = 5.0
+_GOODBYE_DEADLINE = timedelta(seconds=5)
+"""How long each call retries once this node's job has ended (:meth:`~Etcd3RendezvousHandler.set_finished`,
+:meth:`~Etcd3RendezvousHandler.shutdown`): with etcd down at the end, a node exited only after
+its goodbyes had each waited out the retry deadline (92 s with the default 30 s)."""
 LOCAL_WORLD_SIZE_KEY = "local_world_size"
 """``RendezvousParameters`` key: workers this node starts (``elastictrain run`` passes it)."""
 
@@ -235,6 +240,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         """Close the rendezvous because this node's workers finished training: the job is done.
         Nodes still forming a group (one that joined as the job ended) then stop instead of
         waiting for ranks that have exited; nodes still training finish as usual."""
+        self.client.wind_down(_GOODBYE_DEADLINE)
         close_rendezvous(self.client, self.keys, self.run_lease, by=self.node_id, reason=FINISHED)
 
     def num_nodes_waiting(self) -> int:
@@ -271,6 +277,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
 
     def shutdown(self) -> bool:
         """See base class. Closes the rendezvous (as torch's handlers do) and leaves it."""
+        self.client.wind_down(_GOODBYE_DEADLINE)
         try:
             self.set_closed()
             return True
