@@ -238,9 +238,10 @@ class _Harness:
             return set()
         return self._nodes_by_segment().get(self.progress.segments[-1]["seg"], set())
 
-    def _said_spare(self) -> set[str]:
-        """Names of the nodes that said they wait as hot spares (the agents' ``spare`` event)."""
-        return {e["node"] for e in inv.read_lines(self.run_dir / "events.jsonl") if e.get("kind") == "spare"}
+    def _said_spare(self, since: float = 0.0) -> set[str]:
+        """Names of the nodes that said they wait as hot spares (the agents' ``spare`` event), since ``since``."""
+        return {e["node"] for e in inv.read_lines(self.run_dir / "events.jsonl")
+                if e.get("kind") == "spare" and e.get("ts", 0.0) > since}
 
     def _spares(self) -> list[Node]:
         """Live nodes that wait as hot spares now: they said so and have no worker in the newest group."""
@@ -389,7 +390,8 @@ class _Harness:
         return bound
 
     def _back_from_partition(self, fault: FaultRecord) -> bool:
-        """Whether the node ``fault`` cut off has settled since the heal: trains again, or has exited.
+        """Whether the node ``fault`` cut off has settled since the heal: trains again, waits as a
+        spare (a spare took its place meanwhile), or has exited.
 
         Waiting for it keeps its rejoin (a restart of the whole group) from landing on the next fault.
         """
@@ -398,6 +400,9 @@ class _Harness:
             fault.note = f"{node.name} exited {node.exit_code} after the heal"
             return True
         assert fault.ended is not None  # noqa: S101 - checked by the caller
+        if node.name in self._said_spare(since=fault.ended):
+            fault.note = f"{node.name} waits as a spare after the heal"
+            return True
         nodes_by_segment = self._nodes_by_segment()
         for seg in (s for s in self.progress.segments if s["t"] > fault.ended):
             trained = self.progress.first_step_of(seg["seg"]) is not None

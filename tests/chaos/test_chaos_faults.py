@@ -176,6 +176,29 @@ def test_a_node_cut_off_the_network_is_left_behind_then_rejoins_after_the_heal(t
     assert _chaos_namespaces() <= namespaces_before
 
 
+@pytest.mark.soak
+@pytest.mark.timeout(300)
+def test_a_node_cut_off_while_a_spare_waits_is_replaced_and_waits_as_the_spare_after_the_heal(
+        tmp_path: Path) -> None:
+    # 3 nodes of a job of 2, each in its own namespace: the spare takes the cut node's seat
+    # once its lease expires; healed, the cut node finds the round full and waits as the next
+    # spare, past the join timeout (15 s), until the job ends (it trains about 20 s more: 1 s a step).
+    if not _netns_works():
+        pytest.skip("needs root and working `ip netns` (network namespaces)")
+    result = run_chaos(ChaosConfig(
+        script=JOB, script_args=(*JOB_ARGS, "--step-time", "1.0"), run_dir=str(tmp_path / "run"), nodes=3,
+        min_nodes=2, max_nodes=2, schedule=tuple(parse_schedule("partition_node@4,kill_worker@12")), seed=1,
+        netns=True, pg_timeout=10, partition=20, join_timeout=15,
+    ))
+    _show(result)
+    report = result.report
+    partition = report["faults"][0]
+    assert partition["spare_waiting"] and partition["note"].endswith("waits as a spare after the heal"), partition
+    _assert_holds(result, *EVERY_INVARIANT, "spares_fill_in")
+    assert report["completed"] and report["final_world_size"] == 2
+    assert all(code == 0 for code in report["node_exit_codes"].values()), report["node_exit_codes"]
+
+
 @pytest.mark.timeout(120)
 def test_a_job_that_fails_as_one_plain_process_ends_the_run_at_once(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
