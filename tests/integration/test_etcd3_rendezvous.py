@@ -273,16 +273,17 @@ def test_a_member_that_re_enters_after_a_spare_took_its_seat_waits_as_a_spare_pa
     first, second = _handlers(etcd_server.endpoint, run_id, 2, 2, 2, join_timeout=1.5)
     _join_all([first, second])
     [spare] = _handlers(etcd_server.endpoint, run_id, 1, 2, 2, join_timeout=1.5)
+    spare.on_spare = lambda nodes: calls.append("spare")
     second.on_spare = lambda nodes: calls.append("second")
     with ThreadPoolExecutor(3) as pool:
         spare_waits = pool.submit(spare.next_rendezvous)
-        _eventually(lambda: first.num_nodes_waiting() >= 1 or spare._spare, 10, "the spare is in")  # noqa: SLF001
+        _eventually(lambda: calls == ["spare"], 10, "the spare is in")
         again = pool.submit(first.next_rendezvous)  # its worker failed; the second member is slow
         assert spare_waits.result(timeout=10).world_size == again.result(timeout=10).world_size == 2
         late = pool.submit(second.next_rendezvous)  # the round is full without it
         time.sleep(4)  # more than twice the join timeout
         assert not late.done(), late.exception()
-        assert calls == ["second"] and not first.is_closed()
+        assert calls == ["spare", "second"] and not first.is_closed()
         first.set_finished()
         with pytest.raises(RendezvousGracefulExitError):
             late.result(timeout=10)

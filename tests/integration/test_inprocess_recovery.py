@@ -188,7 +188,8 @@ def test_a_lost_node_leaves_the_survivors_training_in_their_processes(etcd_serve
 
 def start_two_nodes_and_a_spare(endpoint: str, run_id: str,
                                 out: Path) -> tuple[list[subprocess.Popen[str]], subprocess.Popen[str]]:
-    """Two nodes of a job of at most 2 that train, and a third that waits as a spare, at step 12."""
+    """Two nodes of a job of at most 2 that train, and a third that says it waits as a spare (event
+    ``spare``), two steps after it said so and not before step 12."""
     nodes = [start_node(endpoint, run_id, out, "--step-sleep", "0.1") for _ in range(2)]
     wait_until(lambda: len({r["rank"] for r in records(out) if r["step"] >= 3}) == 2, "step 3", nodes)
     spare = start_node(endpoint, run_id, out, "--step-sleep", "0.1")
