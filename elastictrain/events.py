@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["EVENT_LOG_ENV", "EventLog", "emit", "event_log", "route_torch_events"]
+__all__ = ["EVENT_LOG_ENV", "EventLog", "LineTail", "emit", "event_log", "route_torch_events"]
 
 EVENT_LOG_ENV = "ELASTICTRAIN_EVENT_LOG"
 NODE_ENV = "ELASTICTRAIN_NODE_NAME"
@@ -81,6 +81,33 @@ class EventLog:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+
+
+class LineTail:
+    """Follows a file that other processes append lines to (an event log, a chaos run's evidence).
+
+    Args:
+        path: The file; it may not exist yet.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = path
+        self._offset = 0
+        self._partial = b""
+
+    def new_lines(self) -> list[bytes]:
+        """The complete lines appended since the last call (a line still being written comes with
+        the call after it is finished).
+
+        Raises:
+            OSError: The file cannot be read (``FileNotFoundError``: not written yet).
+        """
+        with open(self.path, "rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+        self._offset += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        return lines
 
 
 _process_log: EventLog | None = None

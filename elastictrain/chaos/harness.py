@@ -49,6 +49,7 @@ from elastictrain.chaos.report import build_report
 from elastictrain.chaos.verdict import judge
 from elastictrain.launch.config import check_writable_dir
 from elastictrain.errors import ConfigError
+from elastictrain.events import LineTail
 
 logger = logging.getLogger(__name__)
 
@@ -87,9 +88,7 @@ class _Progress:
     """Follows the job's rank-0 evidence file as it grows."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
-        self._offset = 0
-        self._partial = b""
+        self._tail = LineTail(path)
         self.segments: list[dict[str, Any]] = []
         self.steps: list[dict[str, Any]] = []
         self.checkpoints: list[int] = []  # steps saved, or restored (a save can commit and still fail)
@@ -97,15 +96,9 @@ class _Progress:
 
     def poll(self) -> None:
         try:
-            with open(self.path, "rb") as f:
-                f.seek(self._offset)
-                data = f.read()
+            lines = self._tail.new_lines()
         except FileNotFoundError:
             return
-        self._offset += len(data)
-        data = self._partial + data
-        lines = data.split(b"\n")
-        self._partial = lines.pop()
         for line in lines:
             try:
                 event = json.loads(line)
@@ -149,6 +142,8 @@ class _Harness:
         self.gate_file = self.run_dir / "gate"
         self.run_id = f"chaos-{uuid.uuid4().hex[:8]}"
         self.progress = _Progress(self.evidence_dir / "events.jsonl")
+        self._agent_events = LineTail(self.run_dir / "events.jsonl")
+        self._spares_said: list[tuple[str, float]] = []  # (node, when) of each `spare` event read so far
         self.planner = RandomPlanner(config.seed, config.kinds, config.gap)
         # With netns every node gets its own namespace, and etcd listens on their bridge.
         self.network = NodeNetwork.create() if config.netns else None
@@ -239,9 +234,19 @@ class _Harness:
         return self._nodes_by_segment().get(self.progress.segments[-1]["seg"], set())
 
     def _said_spare(self, since: float = 0.0) -> set[str]:
-        """Names of the nodes that said they wait as hot spares (the agents' ``spare`` event), since ``since``."""
-        return {e["node"] for e in inv.read_lines(self.run_dir / "events.jsonl")
-                if e.get("kind") == "spare" and e.get("ts", 0.0) > since}
+        """Names of the nodes that said they wait as hot spares (the agents' ``spare`` event), since ``since``.
+        The agents' event log is read on from where the last call stopped."""
+        with contextlib.suppress(FileNotFoundError):
+            for line in self._agent_events.new_lines():
+                if b'"spare"' not in line:
+                    continue
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                if event.get("kind") == "spare":
+                    self._spares_said.append((event["node"], event.get("ts", 0.0)))
+        return {node for node, ts in self._spares_said if ts > since}
 
     def _spares(self) -> list[Node]:
         """Live nodes that wait as hot spares now: they said so and have no worker in the newest group."""

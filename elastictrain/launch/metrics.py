@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from elastictrain.errors import ConfigError, DependencyError
+from elastictrain.events import LineTail
 
 logger = logging.getLogger(__name__)
 
@@ -47,24 +48,17 @@ class _CheckpointTail:
     """The newest checkpoint event of the run's JSON-lines event log, read incrementally."""
 
     def __init__(self, path: str | None) -> None:
-        self._path = path
-        self._offset = 0
-        self._partial = b""
+        self._tail = LineTail(path) if path else None
         self.step: float = float("nan")
         self.at: float = float("nan")
 
     def refresh(self) -> None:
-        if not self._path:
+        if self._tail is None:
             return
         try:
-            with open(self._path, "rb") as fh:
-                fh.seek(self._offset)
-                data = fh.read()
+            lines = self._tail.new_lines()
         except OSError:
             return
-        self._offset += len(data)
-        lines = (self._partial + data).split(b"\n")
-        self._partial = lines.pop()
         for line in lines:
             if b"checkpoint_" not in line:
                 continue
