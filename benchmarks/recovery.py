@@ -14,6 +14,12 @@ it train to ``--action-step``, then:
   spare's worker completes;
 - ``node_join``: start one more node agent (2 nodes, max 3); recovered at the first
   step at world size 3. The clock starts when the new agent's process is started.
+- ``node_join_own_core``: ``node_join`` with the joining node on a core of its own, as
+  on a machine of its own: the training nodes (agents, workers) and the new node are
+  pinned to disjoint CPUs (the new node: the last one; the others: the rest; etcd and
+  this driver are not pinned). On this 2-core machine the plain ``node_join``'s new node
+  shares both cores with two training workers, so its imports run at a third of a core's
+  speed or so; a node joining a real job brings its own cores.
   ``survivor_pause_s``: the longest gap between consecutive steps of a surviving
   node's worker, from its last step before the launch to its first step at world size 3.
   ``cold_import_s``: just before the launch, with the same nodes training, the wall time
@@ -108,7 +114,8 @@ LAUNCHERS = ("elastictrain", "elastictrain_inprocess", "elastictrain_restart", "
 CLASSIC_LAUNCHERS = ("elastictrain", "elastictrain_prev", "torchrun_default", "torchrun_tuned")
 RECOVERY_MODE = {"elastictrain_inprocess": "in-process", "elastictrain_restart": "restart"}
 PREV_ENV = "BENCH_PREV_ELASTICTRAIN"
-SCENARIOS = ("worker_crash", "node_loss", "hot_spare", "node_join")
+SCENARIOS = ("worker_crash", "node_loss", "hot_spare", "node_join", "node_join_own_core")
+JOIN_SCENARIOS = ("node_join", "node_join_own_core")
 CLASSIC_SCENARIOS = ("worker_crash", "node_loss", "node_join")
 TUNED_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 MAX_RESTARTS = 3
@@ -128,6 +135,8 @@ class Scenario:
     min_nodes: int
     max_nodes: int
     world_after: int
+    own_core: bool = False
+    """The joining node runs on a CPU of its own (see ``node_join_own_core``)."""
 
     @property
     def world_before(self) -> int:
@@ -139,6 +148,8 @@ SCENARIO = {
     "node_loss": Scenario("node_loss", nodes=3, min_nodes=2, max_nodes=3, world_after=2),
     "hot_spare": Scenario("hot_spare", nodes=3, min_nodes=2, max_nodes=2, world_after=2),
     "node_join": Scenario("node_join", nodes=2, min_nodes=2, max_nodes=3, world_after=3),
+    "node_join_own_core": Scenario("node_join_own_core", nodes=2, min_nodes=2, max_nodes=3, world_after=3,
+                                   own_core=True),
 }
 
 
@@ -229,6 +240,16 @@ class TrialSetup:
             conf += "," + TUNED_CONF
         return cmd + ["--rdzv-conf", conf] + script
 
+    def cpus(self, node: int) -> set[int] | None:
+        """The CPUs ``node``'s processes are pinned to (None: not pinned): under
+        ``node_join_own_core``, the joining node gets the last CPU and the others the rest."""
+        if not self.scenario.own_core:
+            return None
+        available = sorted(os.sched_getaffinity(0))
+        if len(available) < 2:
+            raise RuntimeError(f"{self.scenario.name} needs 2 CPUs or more; this process may use {available}")
+        return {available[-1]} if node >= self.scenario.nodes else set(available[:-1])
+
     def env(self, node: int) -> dict[str, str]:
         env = dict(os.environ)
         env.update({
@@ -255,6 +276,10 @@ class Job:
         # The trial's directory as cwd: elastictrain writes its run's event log there.
         proc = Proc(self.setup.command(node), self.setup.env(node),
                     self.setup.workdir / f"agent-{node}.log", cwd=self.setup.workdir)
+        cpus = self.setup.cpus(node)
+        if cpus is not None:
+            # At once: the interpreter is still starting; every thread and process it starts inherits it.
+            os.sched_setaffinity(proc.pid, cpus)
         self.agents[node] = proc
         return proc
 
@@ -294,7 +319,7 @@ def _profile(job: Job, t_action: float, old_pids: set[int], first_step: float) -
         return max(values) if values else None
 
     agents = list(job.agents.values())
-    joining = job.agents.get(job.setup.scenario.nodes) if job.setup.scenario.name == "node_join" else None
+    joining = job.agents.get(job.setup.scenario.nodes) if job.setup.scenario.name in JOIN_SCENARIOS else None
     milestones: dict[str, float | None] = {
         "joining_agent_in_rendezvous": _first([joining.first_line(RDZV_START, t_action)]) if joining else None,
         # torch's agent log line, or elastictrain's first event of the recovery (the in-process
@@ -463,8 +488,8 @@ def run_trial(setup: TrialSetup, etcd_window: float = 0.0) -> dict[str, Any]:
             t_action = time.time()
             kill_pids(pids)
             result["killed"] = {"node": killed_node, "rank": victim["rank"], "pids": pids}
-        else:  # node_join
-            result["cold_import_s"] = cold_import_seconds(setup.env(s.nodes))
+        else:  # node_join, node_join_own_core
+            result["cold_import_s"] = cold_import_seconds(setup.env(s.nodes), setup.cpus(s.nodes))
             proc = job.start_node(s.nodes)
             t_action = proc.started
 
@@ -517,7 +542,7 @@ def run_trial(setup: TrialSetup, etcd_window: float = 0.0) -> dict[str, Any]:
             milestones=milestones,
             phases=phases(milestones),
         )
-        if s.name == "node_join":
+        if s.name in JOIN_SCENARIOS:
             result["survivor_pause_s"] = survivor_pause(all_steps, training_nodes, t_action, s.world_after)
         if setup.launcher.startswith("elastictrain"):
             result["run_events"] = _run_events(setup, t_action)
@@ -533,10 +558,15 @@ COLD_IMPORTS = "import torch, torch.nn.parallel, torch._dynamo"
 ``torch._dynamo``), whatever the launcher."""
 
 
-def cold_import_seconds(env: dict[str, str]) -> float:
-    """Wall time of a fresh interpreter importing :data:`COLD_IMPORTS` (under the load there is now)."""
+def cold_import_seconds(env: dict[str, str], cpus: set[int] | None = None) -> float:
+    """Wall time of a fresh interpreter importing :data:`COLD_IMPORTS` (under the load there is now),
+    on ``cpus`` (None: any)."""
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-c", COLD_IMPORTS], env=env, check=True, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-c", COLD_IMPORTS], env=env, stdout=subprocess.DEVNULL)
+    if cpus is not None:
+        os.sched_setaffinity(proc.pid, cpus)
+    if proc.wait() != 0:
+        raise subprocess.CalledProcessError(proc.returncode, proc.args)
     return time.perf_counter() - started
 
 
@@ -641,6 +671,7 @@ TABLE_ROWS = {
     "node_loss": "Node loss (3 → 2 nodes) → first step at world size 2",
     "hot_spare": "Hot spare (3 nodes, max 2): training node lost → spare's first step at world size 2",
     "node_join": "Join (2 → 3 nodes) → first step at world size 3, from the new agent's launch",
+    "node_join_own_core": "Join, the new node on a core of its own (the training nodes on the other)",
 }
 
 
@@ -670,7 +701,7 @@ def markdown_table(results: dict[str, Any]) -> str:
     for name, entry in scenarios.items():
         stats = [entry.get(ln) for ln in launchers]
         row(TABLE_ROWS.get(name, name), [_cell(e["recovery_s"]) if e else "—" for e in stats])
-        if name == "node_join":
+        if name in JOIN_SCENARIOS:
             row("↳ survivors' pause (longest gap between their steps)",
                 [_cell(e.get("survivor_pause_s")) if e else "—" for e in stats])
             row("↳ for reference: a bare `" + COLD_IMPORTS + "`, same load, just before the launch",
