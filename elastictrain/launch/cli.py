@@ -620,6 +620,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
     if args.verify_checksums and not args.checkpoint_dir:
         raise ConfigError("--verify-checksums needs --checkpoint-dir (the directory whose checkpoint to verify)")
+    if args.all and args.run_id:
+        raise ConfigError(f"--all lists every run: pass --run-id {args.run_id} without --all to show that run")
+    if args.all and args.checkpoint_dir:
+        raise ConfigError("--checkpoint-dir goes with --run-id, not --all")
     if args.checkpoint_dir and not os.path.isdir(args.checkpoint_dir):
         raise ConfigError(f"--checkpoint-dir {args.checkpoint_dir!r} is not a directory")
     client = _client_for(args)

@@ -58,6 +58,11 @@ CASES = [
      "a file stands where its directory would be"),
     (["status", "--etcd", "127.0.0.1:1", "--run-id", "x", "--checkpoint-dir", "/nonexistent"], 2,
      "--checkpoint-dir '/nonexistent' is not a directory"),
+    # --all lists every run: a run id or a checkpoint with it was silently ignored.
+    (["status", "--etcd", "127.0.0.1:1", "--all", "--run-id", "x"], 2,
+     "--all lists every run: pass --run-id x without --all to show that run"),
+    (["status", "--etcd", "127.0.0.1:1", "--all", "--checkpoint-dir", "/tmp"], 2,
+     "--checkpoint-dir goes with --run-id, not --all"),
 ]
 
 
