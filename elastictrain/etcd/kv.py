@@ -28,6 +28,7 @@ __all__ = [
     "compare_create",
     "compare_mod",
     "compare_value",
+    "count",
     "delete",
     "get",
     "prefix_end",
@@ -180,10 +181,23 @@ def range_(client: EtcdClient, key: str | bytes, *, prefix: bool = False, keys_o
     Raises:
         EtcdError: As :meth:`EtcdClient.call`.
     """
-    request = get(key, prefix=prefix, keys_only=keys_only).request_range
+    response = _range(client, get(key, prefix=prefix, keys_only=keys_only), what)
+    return int(response.header.revision), [KeyValue.from_pb(kv) for kv in response.kvs]
+
+
+def count(client: EtcdClient, prefix: str | bytes, *, what: str) -> int:
+    """How many keys start with ``prefix``: etcd answers with the number alone, not the keys.
+
+    Raises:
+        EtcdError: As :meth:`EtcdClient.call`.
+    """
+    return int(_range(client, get(prefix, prefix=True, count_only=True), what).count)
+
+
+def _range(client: EtcdClient, op: Any, what: str) -> Any:
+    request = op.request_range
 
     def send(c: Any) -> Any:
         return c.kvstub.Range(request, c.timeout, credentials=c.call_credentials, metadata=c.metadata)
 
-    response = client.call(send, what=what)
-    return int(response.header.revision), [KeyValue.from_pb(kv) for kv in response.kvs]
+    return client.call(send, what=what)

@@ -327,9 +327,8 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         joined = self._joined
         if joined is None:
             return 0
-        _, found = kv.range_(self.client, self.keys.ready(joined.round), prefix=True, keys_only=True,
-                             what="reading which nodes are ready")
-        return len(found)
+        # The count alone: every node asks at each monitor tick while a joining node starts.
+        return kv.count(self.client, self.keys.ready(joined.round), what="reading how many nodes are ready")
 
     @property
     def round(self) -> int | None:

@@ -128,6 +128,36 @@ def test_a_waiting_node_polls_nothing_it_is_woken_by_a_watch(private_etcd: Any, 
     _shutdown(first, second)
 
 
+def _bytes_sent(endpoint: str) -> float:
+    with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    pattern = re.compile(r"^etcd_network_client_grpc_sent_bytes_total(\{[^}]*\})? (\S+)$")
+    return sum(float(m.group(2)) for line in text.splitlines() if (m := pattern.match(line)))
+
+
+def test_counting_the_ready_nodes_of_a_large_round_reads_a_count_not_their_keys(private_etcd: Any,
+                                                                              run_id: str) -> None:
+    # Every node of a job polls this count at each monitor tick while a joining node starts:
+    # with the keys, 1,000 nodes would read 1,000 keys each, ten times a second.
+    members = _handlers(private_etcd.endpoint, run_id, 2, 2, 2)
+    _join_all(members)
+    for handler in members:
+        handler.say_ready()
+    round_ = members[0].round
+    others = 500
+    prefix = RunKeys.of(run_id).ready(round_)
+    for first in range(0, others, 100):  # etcd takes at most 128 operations in one transaction
+        kv.txn(members[0].client, [], [kv.put(f"{prefix}127.0.0.1_{i}_abcdef", b"{}")
+                                       for i in range(first, first + 100)], what="test")
+    before = _bytes_sent(private_etcd.endpoint)
+    counts = [members[0].ready_nodes() for _ in range(10)]
+    sent = _bytes_sent(private_etcd.endpoint) - before
+    assert counts == [others + 2] * 10
+    # The keys alone would be about 50 bytes x 502 x 10 = 250 kB.
+    assert sent < 10_000, f"etcd sent {sent:.0f} bytes for 10 counts"
+    _shutdown(*members)
+
+
 def test_a_late_node_finds_the_rendezvous_closed_and_a_spare_exits_gracefully(etcd_server: Any,
                                                                               run_id: str) -> None:
     first, spare = _handlers(etcd_server.endpoint, run_id, 2, 1, 1)
