@@ -109,11 +109,17 @@ def test_each_round_and_each_incarnation_of_a_run_id_has_its_own_store(etcd_serv
     _shutdown(*again)
 
 
-def _kv_requests(endpoint: str) -> float:
+def _metric_total(endpoint: str, pattern: str) -> float:
+    """The sum of etcd's metrics whose line ``pattern`` matches (its last group: the value)."""
     with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5) as response:
         text = response.read().decode()
-    pattern = re.compile(r'^grpc_server_msg_received_total\{[^}]*grpc_method="(Range|Txn|Put|DeleteRange)"[^}]*\} (\S+)$')
-    return sum(float(m.group(2)) for line in text.splitlines() if (m := pattern.match(line)))
+    regex = re.compile(pattern)
+    return sum(float(m.group(m.lastindex)) for line in text.splitlines() if (m := regex.match(line)))
+
+
+def _kv_requests(endpoint: str) -> float:
+    return _metric_total(endpoint, r'^grpc_server_msg_received_total\{[^}]*grpc_method="(Range|Txn|Put|DeleteRange)"'
+                                   r'[^}]*\} (\S+)$')
 
 
 def test_a_waiting_node_polls_nothing_it_is_woken_by_a_watch(private_etcd: Any, run_id: str) -> None:
@@ -129,10 +135,7 @@ def test_a_waiting_node_polls_nothing_it_is_woken_by_a_watch(private_etcd: Any, 
 
 
 def _bytes_sent(endpoint: str) -> float:
-    with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    pattern = re.compile(r"^etcd_network_client_grpc_sent_bytes_total(\{[^}]*\})? (\S+)$")
-    return sum(float(m.group(2)) for line in text.splitlines() if (m := pattern.match(line)))
+    return _metric_total(endpoint, r"^etcd_network_client_grpc_sent_bytes_total(\{[^}]*\})? (\S+)$")
 
 
 def test_counting_the_ready_nodes_of_a_large_round_reads_a_count_not_their_keys(private_etcd: Any,
