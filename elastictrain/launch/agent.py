@@ -547,7 +547,9 @@ class InProcessAgent(ElasticAgent):
             return
         started = time.monotonic()
         hold = joins and not self._dead  # only our handler says a change is nodes joining
-        if not hold:
+        if hold:
+            group.spec.rdzv_handler.reenter_for_joiners()  # the other members hold the round too
+        else:
             self._channel.mark_pending(cause)
         alive = {w.local_rank: w.id for w in group.workers if w.local_rank not in self._dead}
         self._rendezvous(group)

@@ -116,6 +116,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         self._registered = 0
         """The revision of this node's last write of its member key (see :meth:`_join`)."""
         self._ready_round: int | None = None
+        self._for_joiners = False
 
     # --- torch's interface --------------------------------------------------------------------
 
@@ -146,10 +147,11 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         """See base class."""
         started = time.monotonic()
         deadline = started + self._config.join_timeout.total_seconds()
+        for_joiners, self._for_joiners = self._for_joiners, False
         self._leave_round()
         self.connect()
         after = self._latest_round()
-        self._join(after)
+        self._join(after, for_joiners=for_joiners)
         logged = started
         control = self._control
         open_at_last_look = False
@@ -158,7 +160,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                 logger.warning("node %s lost its lease while waiting; registering again", self.node_id)
                 self._release_closer()
                 self.connect()
-                self._join(after)
+                self._join(after, for_joiners=for_joiners)
             left_out = None
             spare_of = 0  # the full round's node count, when this node has just become a spare
             with control.cond:
@@ -275,6 +277,15 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             return False
         return watch.only_joins()
 
+    def reenter_for_joiners(self) -> None:
+        """Say that this node's next :meth:`next_rendezvous` only takes in nodes that wait to join
+        (:meth:`only_nodes_joining`, and nothing failed on this node): its member key says so,
+        and the other members, seeing it re-enter, still count the change as joins only.
+        Otherwise a member that re-entered first would pass for one that asks for a new round
+        after a failure, and the others would re-form without training on (their workers would
+        then form a group that waits on any member that dies meanwhile until its lease expires)."""
+        self._for_joiners = True
+
     def shutdown(self) -> bool:
         """See base class. Closes the rendezvous (as torch's handlers do) and leaves it."""
         self.client.wind_down(_GOODBYE_DEADLINE)
@@ -358,11 +369,11 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         rounds = [r.round for r in (self._joined, self._control.round) if r is not None]
         return max(rounds, default=-1)
 
-    def _join(self, after: int) -> None:
+    def _join(self, after: int, *, for_joiners: bool = False) -> None:
         """Say that this node wants a round newer than ``after``; take the closer key if free."""
         keys = self.keys
         record = MemberRecord(node=self.node_id, addr=self._addr, host=socket.gethostname(), pid=os.getpid(),
-                              nproc=self._nproc, port=_free_port(), after=after)
+                              nproc=self._nproc, port=_free_port(), after=after, for_joiners=for_joiners)
         for attempt in range(2):
             lease = self._alive.id or self._alive.grant()
             try:

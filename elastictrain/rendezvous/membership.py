@@ -388,6 +388,9 @@ class RoundWatch:
         self._lock = threading.Lock()
         self.lost: set[str] = set()
         self.rejoining: set[str] = set()
+        """Members that asked for a new round (a failure on their node, or a round they missed)."""
+        self.taking_in: set[str] = set()
+        """Members that re-entered only to take in joining nodes (:attr:`MemberRecord.for_joiners`)."""
         self.joiners: set[str] = set()
         self._watch = Watch(client, keys.members, prefix=True, start_revision=joined.snapshot + 1,
                             on_events=self._on_events, name="round-watch")
@@ -409,7 +412,7 @@ class RoundWatch:
                     continue
                 if node in self._members:
                     if record.after >= self._joined.round:
-                        self.rejoining.add(node)
+                        (self.taking_in if record.for_joiners else self.rejoining).add(node)
                 else:
                     self.joiners.add(node)
             triggered = self._waiting_locked() > 0
@@ -421,7 +424,7 @@ class RoundWatch:
     def _waiting_locked(self) -> int:
         gone = len(self.lost)
         room = self._joined.max_nodes - (len(self._members) - gone)
-        return gone + len(self.rejoining) + min(len(self.joiners), max(0, room))
+        return gone + len(self.rejoining) + len(self.taking_in) + min(len(self.joiners), max(0, room))
 
     def waiting(self) -> int:
         """Reasons to re-form the round: members lost or asking for a new round, and nodes that
@@ -431,7 +434,8 @@ class RoundWatch:
 
     def only_joins(self) -> bool:
         """Whether there are reasons to re-form the round and every one of them is a node
-        that waits to join (no member lost, none asking for a new round)."""
+        that waits to join (no member lost, none asking for a new round; members that re-entered
+        to take in the joining nodes do not count)."""
         with self._lock:
             return not self.lost and not self.rejoining and self._waiting_locked() > 0
 

@@ -44,6 +44,10 @@ class MemberRecord:
     """A port free on this node when it asked to join: the workers' store port if it is rank 0."""
     after: int
     """The node wants a round newer than this one (-1: any)."""
+    for_joiners: bool = False
+    """A member re-enters only to take in nodes that wait to join: nothing failed on it, and
+    its workers train on until the joining nodes' workers are ready. The other members then
+    hold the new round too (see :meth:`~elastictrain.rendezvous.membership.RoundWatch.only_joins`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +172,10 @@ def _checked(value: Any, annotation: Any, name: str, corrupt: Any) -> Any:
         if not isinstance(value, list) or not all(
                 isinstance(v, inner) and not isinstance(v, bool) for v in value):
             raise corrupt(f"field {name!r} is not a {text}")
+        return value
+    if text == "bool":
+        if not isinstance(value, bool):
+            raise corrupt(f"field {name!r} is not a bool")
         return value
     expected = {"int": int, "float": float, "str": str}[text]
     if isinstance(value, bool) or not isinstance(value, _FIELD_TYPES[expected]):

@@ -25,7 +25,7 @@ from elastictrain.launch.run_state import read_status
 from elastictrain.rendezvous import register
 from elastictrain.rendezvous.handler import Etcd3RendezvousHandler, create_handler
 from elastictrain.rendezvous.keys import RunKeys
-from elastictrain.rendezvous.records import RoundRecord, decode
+from elastictrain.rendezvous.records import MemberRecord, RoundRecord, decode
 
 # A liveness lease of 2 s (0.5 s x 4, the shortest allowed) keeps the tests short.
 SHORT_LEASE = {"keep_alive_interval": 0.5, "keep_alive_max_attempt": 4}
@@ -159,6 +159,37 @@ def test_counting_the_ready_nodes_of_a_large_round_reads_a_count_not_their_keys(
     # The keys alone would be about 50 bytes x 502 x 10 = 250 kB.
     assert sent < 10_000, f"etcd sent {sent:.0f} bytes for 10 counts"
     _shutdown(*members)
+
+
+def test_a_member_that_re_enters_to_take_in_a_joining_node_leaves_the_change_joins_only(etcd_server: Any,
+                                                                                       run_id: str) -> None:
+    # Chaos, stop 32 (`--schedule kill_node@2,kill_worker@8`, 1 run in 4): the other member
+    # took the first one's re-entry for a request after a failure, re-formed at once instead
+    # of training on, and when a node died just then its workers waited in the new group for
+    # the dead node until its lease expired (5.2 s to recover instead of about 1).
+    first, second = _handlers(etcd_server.endpoint, run_id, 2, 2, 3)
+    _join_all([first, second])
+    [joiner] = _handlers(etcd_server.endpoint, run_id, 1, 2, 3)
+    member_key = RunKeys.of(run_id).member(first.node_id)
+
+    def first_re_entered() -> bool:
+        _, found = kv.range_(first.client, member_key, what="test")
+        return bool(found) and decode(MemberRecord, member_key, found[0].value).after >= first.round
+
+    with ThreadPoolExecutor(3) as pool:
+        joining = pool.submit(joiner.next_rendezvous)
+        _eventually(lambda: first.num_nodes_waiting() == 1 and first.only_nodes_joining(), 10,
+                    "the first member sees the joining node")
+        first.reenter_for_joiners()
+        re_entered = pool.submit(first.next_rendezvous)
+        _eventually(first_re_entered, 10, "the first member re-enters")
+        # The second member looks only now: its watch brings both the joining node and the
+        # first member's re-entry.
+        _eventually(lambda: second.num_nodes_waiting() == 2, 10, "the second member sees both")
+        assert second.only_nodes_joining()
+        infos = [f.result(timeout=20) for f in (pool.submit(second.next_rendezvous), re_entered, joining)]
+    assert [info.world_size for info in infos] == [3, 3, 3]
+    _shutdown(first, second, joiner)
 
 
 def test_a_late_node_finds_the_rendezvous_closed_and_a_spare_exits_gracefully(etcd_server: Any,
