@@ -29,6 +29,10 @@ from elastictrain.rendezvous.records import MemberRecord, RoundRecord, decode
 
 # A liveness lease of 2 s (0.5 s x 4, the shortest allowed) keeps the tests short.
 SHORT_LEASE = {"keep_alive_interval": 0.5, "keep_alive_max_attempt": 4}
+# Handlers that must all be in the first round although fewer would do (min_nodes < n): a
+# last call of 0.5 s let one that registered late on a loaded machine miss it, and wait for a
+# round that no test asks for (seen once, the full suite on 2 cores: a 120 s timeout).
+ALL_IN_FIRST = {"last_call_timeout": 2}
 
 
 def _params(endpoint: str, run_id: str, min_nodes: int, max_nodes: int, **conf: Any) -> RendezvousParameters:
@@ -229,7 +233,7 @@ def test_members_see_a_joiner_below_max_and_re_form_with_it(etcd_server: Any, ru
 
 
 def test_members_see_a_member_that_asks_for_a_new_round(etcd_server: Any, run_id: str) -> None:
-    handlers = _handlers(etcd_server.endpoint, run_id, 3, 2, 3)
+    handlers = _handlers(etcd_server.endpoint, run_id, 3, 2, 3, **ALL_IN_FIRST)
     _join_all(handlers)
     again = ThreadPoolExecutor(1).submit(handlers[0].next_rendezvous)  # its workers failed
     _eventually(lambda: all(h.num_nodes_waiting() >= 1 for h in handlers[1:]), 10, "the others see it")
@@ -240,7 +244,7 @@ def test_members_see_a_member_that_asks_for_a_new_round(etcd_server: Any, run_id
 
 
 def test_a_lost_member_is_seen_from_its_lease_and_the_survivors_re_form(etcd_server: Any, run_id: str) -> None:
-    handlers = _handlers(etcd_server.endpoint, run_id, 3, 2, 3, **SHORT_LEASE)
+    handlers = _handlers(etcd_server.endpoint, run_id, 3, 2, 3, **SHORT_LEASE, **ALL_IN_FIRST)
     _join_all(handlers)
     dead = handlers[2]
     dead._alive.close()  # noqa: SLF001 - as if killed: no more keep-alives, no goodbye
@@ -259,7 +263,8 @@ def test_a_dead_member_whose_lease_runs_on_is_not_taken_into_later_rounds(etcd_s
     # (it never asks again); a second re-formation meanwhile (another fault) must not take
     # it for a node waiting to join: the new group would wait for it until the lease ran out
     # (chaos, stop 28: a worker killed 1.4 s after a node, 3.3-3.8 s to recover, not 0.3).
-    handlers = _handlers(etcd_server.endpoint, run_id, 3, 2, 3, keep_alive_interval=5, keep_alive_max_attempt=6)
+    handlers = _handlers(etcd_server.endpoint, run_id, 3, 2, 3, keep_alive_interval=5, keep_alive_max_attempt=6,
+                         **ALL_IN_FIRST)
     _join_all(handlers)
     dead = handlers[2]
     dead._alive.close()  # noqa: SLF001 - as if killed: no more keep-alives, no goodbye; 30 s of lease left
@@ -434,7 +439,7 @@ def test_a_node_whose_lease_expired_learns_it_and_rejoins(etcd_server: Any, run_
 
 
 def test_leaving_without_closing_is_seen_at_once(etcd_server: Any, run_id: str) -> None:
-    handlers = _handlers(etcd_server.endpoint, run_id, 2, 1, 2)
+    handlers = _handlers(etcd_server.endpoint, run_id, 2, 1, 2, **ALL_IN_FIRST)
     _join_all(handlers)
     handlers[1].leave()  # SIGTERM path: revokes its lease
     _eventually(lambda: handlers[0].num_nodes_waiting() == 1, 2, "the other node sees it gone")
@@ -447,7 +452,7 @@ def test_a_node_leaving_while_etcd_is_down_gives_up_revoking_its_lease_well_befo
     # A scheduler SIGKILLs a node that outlives its grace period (30 s in Kubernetes): a node
     # that leaves must not spend the 30 s retry deadline on a revoke etcd cannot answer, since
     # its lease expires on its own.
-    handlers = _handlers(private_etcd.endpoint, run_id, 2, 1, 2, retry_deadline=30)
+    handlers = _handlers(private_etcd.endpoint, run_id, 2, 1, 2, retry_deadline=30, **ALL_IN_FIRST)
     _join_all(handlers)
     private_etcd.kill()
     started = time.monotonic()
@@ -466,7 +471,7 @@ def test_a_node_whose_job_ended_while_etcd_is_down_says_goodbye_within_seconds_n
     # Probe, this stop: with etcd down as the job ended, each node exited 92 s later: closing
     # the rendezvous as finished, closing it again at shutdown and publishing its last record
     # each waited out the 30 s retry deadline.
-    handlers = _handlers(private_etcd.endpoint, run_id, 2, 1, 2, retry_deadline=30)
+    handlers = _handlers(private_etcd.endpoint, run_id, 2, 1, 2, retry_deadline=30, **ALL_IN_FIRST)
     _join_all(handlers)
     private_etcd.kill()
     started = time.monotonic()
