@@ -258,6 +258,14 @@ class _Harness:
         node = next(n for n in self.nodes if n.name == name)
         return not node.alive() or name in self._said_spare() or name in self._training_nodes()
 
+    def _start_joiner(self, fault: FaultRecord) -> tuple[str, bool]:
+        """Start one more node with ``--join`` for ``fault``; its name, and whether the round is
+        full without it (it waits as a hot spare: ``fault`` settles once it says so)."""
+        spare = len(self.alive_nodes()) >= self.config.max_nodes
+        name = self.start_node(join=True).name
+        fault.awaits_spare = name if spare else ""
+        return name, spare
+
     def _pick_node(self) -> tuple[Node, bool] | None:
         """A node to kill, preferably one that trains now; and whether it does."""
         alive = self.alive_nodes()
@@ -320,10 +328,8 @@ class _Harness:
                 fault.below_min = alive - 1 < config.min_nodes
             else:
                 def replace() -> None:
-                    full = len(self.alive_nodes()) >= config.max_nodes
-                    name = self.start_node(join=True).name
-                    fault.target += f", replaced by {name}" + (" (the round is full: a spare)" if full else "")
-                    fault.awaits_spare = name if full else ""
+                    name, spare = self._start_joiner(fault)
+                    fault.target += f", replaced by {name}" + (" (the round is full: a spare)" if spare else "")
                     fault.ended = time.time()
 
                 self._later(config.rejoin_after, replace)
@@ -354,12 +360,10 @@ class _Harness:
 
             self._later(config.partition_duration, heal)
         elif kind is FaultKind.JOIN:
-            full = len(self.alive_nodes()) >= config.max_nodes
-            name = self.start_node(join=True).name
-            fault.target = name + (" (the round is full: it waits as a hot spare)" if full else "")
+            name, spare = self._start_joiner(fault)
+            fault.target = name + (" (the round is full: it waits as a hot spare)" if spare else "")
             # A spare changes no group: the fault has settled once the node says it waits.
-            fault.expects_restart = not full
-            fault.awaits_spare = name if full else ""
+            fault.expects_restart = not spare
             fault.ended = now
         elif kind is FaultKind.KILL_ETCD:
             fault.target = f"all {len(self.etcd.servers)} etcd member(s)"

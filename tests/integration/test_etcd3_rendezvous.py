@@ -25,7 +25,8 @@ from elastictrain.launch.run_state import read_status
 from elastictrain.rendezvous import register
 from elastictrain.rendezvous.handler import Etcd3RendezvousHandler, create_handler
 from elastictrain.rendezvous.keys import RunKeys
-from elastictrain.rendezvous.records import MemberRecord, RoundRecord, decode
+from elastictrain.rendezvous.membership import read_members
+from elastictrain.rendezvous.records import RoundRecord, decode
 
 # A liveness lease of 2 s (0.5 s x 4, the shortest allowed) keeps the tests short.
 SHORT_LEASE = {"keep_alive_interval": 0.5, "keep_alive_max_attempt": 4}
@@ -174,11 +175,9 @@ def test_a_member_that_re_enters_to_take_in_a_joining_node_leaves_the_change_joi
     first, second = _handlers(etcd_server.endpoint, run_id, 2, 2, 3)
     _join_all([first, second])
     [joiner] = _handlers(etcd_server.endpoint, run_id, 1, 2, 3)
-    member_key = RunKeys.of(run_id).member(first.node_id)
-
     def first_re_entered() -> bool:
-        _, found = kv.range_(first.client, member_key, what="test")
-        return bool(found) and decode(MemberRecord, member_key, found[0].value).after >= first.round
+        member = read_members(first.client, RunKeys.of(run_id)).get(first.node_id)
+        return member is not None and member.record.after >= first.round
 
     with ThreadPoolExecutor(3) as pool:
         joining = pool.submit(joiner.next_rendezvous)
