@@ -324,7 +324,12 @@ class Closer:
         if self._quorum_since is None:
             self._quorum_since = now
         due = self._quorum_since + self._last_call
-        if len(candidates) < len(members) and now < due and (
+        # A re-formation does not wait for nodes nobody knows of once every live node is in
+        # (survivors train again at once). The first round does, as torch's does: nodes of a
+        # job start at slightly different times, and one a moment late would otherwise wait
+        # for a round that forms only when the others next re-enter (a join, or a restart).
+        everyone_in = current is not None and len(candidates) == len(members)
+        if not everyone_in and now < due and (
                 len(candidates) < self._max or absent_members(members, current, candidates)):
             return due
         self._form(choose_members(candidates, current, self._max), current, current_kv, snapshot)
