@@ -325,10 +325,12 @@ class Closer:
             self._quorum_since = now
         due = self._quorum_since + self._last_call
         # A re-formation does not wait for nodes nobody knows of once every live node is in
-        # (survivors train again at once). The first round does, as torch's does: nodes of a
-        # job start at slightly different times, and one a moment late would otherwise wait
+        # (survivors train again at once). The first round does, as torch's does, and so does
+        # a round with no survivor in it (the job launched again after all its nodes died):
+        # nodes start at slightly different times, and one a moment late would otherwise wait
         # for a round that forms only when the others next re-enter (a join, or a restart).
-        everyone_in = current is not None and len(candidates) == len(members)
+        everyone_in = len(candidates) == len(members) and current is not None and any(
+            current.rank_of(m.record.node) is not None for m in candidates)
         if not everyone_in and now < due and (
                 len(candidates) < self._max or absent_members(members, current, candidates)):
             return due

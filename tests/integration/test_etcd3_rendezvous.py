@@ -212,10 +212,19 @@ def test_a_late_node_finds_the_rendezvous_closed_and_a_spare_exits_gracefully(et
     _shutdown(first, spare, late)
 
 
-def test_a_node_that_registers_within_the_last_call_is_in_the_first_round(etcd_server: Any, run_id: str) -> None:
+@pytest.mark.parametrize("earlier_nodes", [0, 2], ids=["new-run", "relaunch-after-every-node-died"])
+def test_a_node_that_registers_within_the_last_call_is_in_the_first_round(etcd_server: Any, run_id: str,
+                                                                          earlier_nodes: int) -> None:
     # min_nodes are there at once, the third node a moment later (a slower start): as in
     # torch's dynamic rendezvous, the first round waits the last call for it instead of
-    # forming with the first two and leaving it to wait for a round nobody asks for.
+    # forming with the first two and leaving it to wait for a round nobody asks for. The same
+    # when the job is launched again after all its nodes died: the round they left has no
+    # survivor among the new nodes.
+    if earlier_nodes:
+        earlier = _handlers(etcd_server.endpoint, run_id, earlier_nodes, earlier_nodes, earlier_nodes)
+        _join_all(earlier)
+        for handler in earlier:
+            handler.leave()  # gone without closing the rendezvous (a crash, once its lease expired)
     first_two = _handlers(etcd_server.endpoint, run_id, 2, 2, 3, last_call_timeout=5)
     late = create_handler(_params(etcd_server.endpoint, run_id, 2, 3, last_call_timeout=5))
     pool = ThreadPoolExecutor(3)
