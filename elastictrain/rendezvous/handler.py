@@ -167,6 +167,9 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                 seen = control.version
                 if control.problem is not None:
                     raise control.problem
+                if control.stopped:  # left (leave() or shutdown() from another thread)
+                    self._release_closer()
+                    raise RendezvousClosedError(f"node {self.node_id} left the rendezvous of run '{self.keys.run_id}'")
                 current = control.round
                 if control.closed is not None:
                     self._release_closer()
@@ -304,8 +307,8 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         """Leave the rendezvous without closing it: stop watching, and revoke this node's lease,
         so that the others see at once that it is gone. The handler is done afterwards."""
         self._leave_round()
+        self._control.close()  # first: a next_rendezvous waiting in another thread ends
         self._release_closer()
-        self._control.close()
         self._alive.revoke()
         self._alive.close()
         self.run_lease.close()

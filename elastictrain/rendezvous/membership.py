@@ -144,6 +144,8 @@ class ControlView:
         """Bumped on every change (and by :meth:`touch`): waiters wait for it to move."""
         self.loaded = False
         """Whether the view was read from etcd yet."""
+        self.stopped = False
+        """Whether this node left (:meth:`close`): the view is no longer kept current."""
         self._loaded_at = 0  # the revision of the last full read: older events are in it
         self._seen = 0  # the newest revision this view reflects (a read's, or the watch's last event's)
         self._watch: Watch | None = None
@@ -223,9 +225,14 @@ class ControlView:
             self.problem = exc
 
     def close(self) -> None:
+        """Stop watching, and wake the waiters: they must not wait on a view nothing updates."""
         if self._watch is not None:
             self._watch.close()
             self._watch = None
+        with self.cond:
+            self.stopped = True
+            self.version += 1
+            self.cond.notify_all()
 
 
 class Closer:

@@ -475,6 +475,19 @@ def test_leaving_without_closing_is_seen_at_once(etcd_server: Any, run_id: str) 
     _shutdown(handlers[0])
 
 
+def test_leaving_ends_a_rendezvous_that_this_node_waits_for_in_another_thread(etcd_server: Any,
+                                                                              run_id: str) -> None:
+    # Before, the waiting thread went on looking at a view that its closed watch no longer
+    # updated, until the join timeout.
+    [alone] = _handlers(etcd_server.endpoint, run_id, 1, 2, 2, join_timeout=20)
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(alone.next_rendezvous)
+        _eventually(lambda: alone.node_id in read_members(alone.client, alone.keys), 10, "it registered")
+        alone.leave()
+        with pytest.raises(RendezvousClosedError, match="left the rendezvous"):
+            waiting.result(timeout=5)
+
+
 def test_a_node_leaving_while_etcd_is_down_gives_up_revoking_its_lease_well_before_the_retry_deadline(
         private_etcd: Any, run_id: str, caplog: pytest.LogCaptureFixture) -> None:
     # A scheduler SIGKILLs a node that outlives its grace period (30 s in Kubernetes): a node
