@@ -405,7 +405,8 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             return
         try:
             result = kv.txn(self.client, [kv.compare_create(self.keys.closer, "==", 0)],
-                            [kv.put(self.keys.closer, encode(CloserRecord(self.node_id)), lease)],
+                            [kv.put(self.keys.closer, encode(CloserRecord(self.node_id)), lease),
+                             kv.get(self.keys.closer)],
                             what="taking the closer role")
         except EtcdError as exc:
             if "lease not found" not in str(exc):
@@ -413,6 +414,10 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             self._alive.mark_lost()  # etcd expired it: the waiting loop registers anew
             return
         if result.succeeded:
+            # Into the view now, not when the watch reports it: until then the waiting loop
+            # would take this node for one that lost the key, and drop its closer while the
+            # key stays, held by a node that forms nothing (no round could form while it lives).
+            self._control.apply_own_write(result.ranges[0][0])
             self._become_closer(result.revision)
 
     def _become_closer(self, created: int) -> None:

@@ -25,7 +25,7 @@ from elastictrain.launch.run_state import read_status
 from elastictrain.rendezvous import register
 from elastictrain.rendezvous.handler import Etcd3RendezvousHandler, create_handler
 from elastictrain.rendezvous.keys import RunKeys
-from elastictrain.rendezvous.membership import read_members
+from elastictrain.rendezvous.membership import ControlView, read_members
 from elastictrain.rendezvous.records import RoundRecord, decode
 
 # A liveness lease of 2 s (0.5 s x 4, the shortest allowed) keeps the tests short.
@@ -427,6 +427,36 @@ def test_a_node_that_dies_while_gathering_does_not_block_the_next_ones(etcd_serv
                     kv.range_(etcd_client, RunKeys.of(run_id).round, what="test")[1][0].value)
     assert dying.node_id not in record.nodes and sorted(record.nodes) == sorted(h.node_id for h in later)
     _shutdown(*later)
+
+
+def test_a_node_that_takes_the_closer_role_while_its_watch_lags_keeps_it_and_forms_the_round(
+        etcd_server: Any, run_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The closer leaves while gathering; a waiting node takes the freed closer key. On a loaded
+    # machine its control watch reports that write a moment later, after the node has looked
+    # again (here at the end of the last call). It must not take itself for a node that lost
+    # the key and drop its closer while keeping the key: no round could form while it lives.
+    deliver = ControlView._on_events
+
+    def late(view: ControlView, events: Any, revision: int) -> None:
+        time.sleep(1.5)  # longer than the 0.5 s last call
+        deliver(view, events, revision)
+
+    monkeypatch.setattr(ControlView, "_on_events", late)
+    first = create_handler(_params(etcd_server.endpoint, run_id, 2, 4, last_call_timeout=30))  # forms nothing
+    later = _handlers(etcd_server.endpoint, run_id, 2, 2, 4)
+    pool = ThreadPoolExecutor(3)
+    try:
+        leaving = pool.submit(first.next_rendezvous)
+        _eventually(lambda: first._closer is not None, 10, "the first node takes the closer role")  # noqa: SLF001
+        joining = [pool.submit(h.next_rendezvous) for h in later]
+        _eventually(lambda: len(read_members(first.client, first.keys)) == 3, 10, "the others registered")
+        first.leave()
+        with pytest.raises(RendezvousClosedError):
+            leaving.result(timeout=10)
+        assert [f.result(timeout=30).world_size for f in joining] == [2, 2]
+    finally:
+        _shutdown(*later)
+        pool.shutdown()
 
 
 def test_an_etcd_outage_longer_than_the_lease_drops_no_live_node(private_etcd: Any, run_id: str) -> None:
