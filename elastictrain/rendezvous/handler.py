@@ -162,7 +162,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                 self.connect()
                 self._join(after, for_joiners=for_joiners)
             left_out = None
-            spare_of = 0  # the full round's node count, when this node has just become a spare
+            full_without_me = None  # the current round, when it is full and this node not in it
             with control.cond:
                 seen = control.version
                 if control.problem is not None:
@@ -181,10 +181,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                     break
                 if (current is not None and current.rank_of(self.node_id) is None
                         and len(current.nodes) >= current.max_nodes):
-                    # The round is full without this node: a newcomer, or a member that re-entered
-                    # once a spare had taken its seat. It waits as a spare (and past the join timeout).
-                    spare_of = 0 if self._spare else len(current.nodes)
-                    self._spare = True
+                    full_without_me = current
                 if (current is not None and current.round > after and current.rank_of(self.node_id) is None
                         and current.snapshot >= self._registered):
                     # A round decided with this node's key in view left it out (for want of
@@ -193,8 +190,13 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                     left_out = current.round
                 closer_free = control.closer is None
                 mine = control.closer == self.node_id
-            if spare_of:
-                self._announce_spare(spare_of)
+            if full_without_me is not None and not self._spare and self._round_stands(full_without_me):
+                # The round is full without this node and its members train: a newcomer, or a
+                # member that re-entered once a spare had taken its seat. It waits as a spare
+                # (and past the join timeout). A full round whose members are gone (the job
+                # launched again after they all died) only waits to be re-formed.
+                self._spare = True
+                self._announce_spare(len(full_without_me.nodes))
             if left_out is not None:
                 after = left_out
                 self._join(after)

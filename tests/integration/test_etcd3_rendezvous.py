@@ -227,6 +227,9 @@ def test_a_node_that_registers_within_the_last_call_is_in_the_first_round(etcd_s
             handler.leave()  # gone without closing the rendezvous (a crash, once its lease expired)
     first_two = _handlers(etcd_server.endpoint, run_id, 2, 2, 3, last_call_timeout=5)
     late = create_handler(_params(etcd_server.endpoint, run_id, 2, 3, last_call_timeout=5))
+    spares: list[int] = []
+    for handler in [*first_two, late]:
+        handler.on_spare = spares.append  # the round they find is full, but nobody of it is left
     pool = ThreadPoolExecutor(3)
     try:
         gathering = [pool.submit(h.next_rendezvous) for h in first_two]
@@ -236,6 +239,7 @@ def test_a_node_that_registers_within_the_last_call_is_in_the_first_round(etcd_s
         infos = [f.result(timeout=15) for f in gathering]
         assert [i.world_size for i in infos] == [3, 3], "the first round formed without the node that came late"
         assert joining.result(timeout=15).world_size == 3
+        assert spares == [], "a node said it waits as a spare for a round whose members are all gone"
     finally:
         _shutdown(*first_two, late)
         pool.shutdown()
