@@ -336,8 +336,8 @@ class Closer:
         # a round with no survivor in it (the job launched again after all its nodes died):
         # nodes start at slightly different times, and one a moment late would otherwise wait
         # for a round that forms only when the others next re-enter (a join, or a restart).
-        everyone_in = len(candidates) == len(members) and current is not None and any(
-            current.rank_of(m.record.node) is not None for m in candidates)
+        survivors = current is not None and not set(current.nodes).isdisjoint(m.record.node for m in candidates)
+        everyone_in = survivors and len(candidates) == len(members)
         if not everyone_in and now < due and (
                 len(candidates) < self._max or absent_members(members, current, candidates)):
             return due
