@@ -32,7 +32,7 @@ from elastictrain.rendezvous.records import RoundRecord, decode
 SHORT_LEASE = {"keep_alive_interval": 0.5, "keep_alive_max_attempt": 4}
 # Handlers that must all be in the first round although fewer would do (min_nodes < n): the
 # first round waits the last call for more nodes, and on a loaded machine one handler may
-# register more than the 0.5 s of the others' later.
+# register more than the default 0.5 s after the others.
 ALL_IN_FIRST = {"last_call_timeout": 2}
 
 
@@ -176,7 +176,7 @@ def test_a_member_that_re_enters_to_take_in_a_joining_node_leaves_the_change_joi
     _join_all([first, second])
     [joiner] = _handlers(etcd_server.endpoint, run_id, 1, 2, 3)
     def first_re_entered() -> bool:
-        member = read_members(first.client, RunKeys.of(run_id)).get(first.node_id)
+        member = read_members(first.client, first.keys).get(first.node_id)
         return member is not None and member.record.after >= first.round
 
     with ThreadPoolExecutor(3) as pool:
