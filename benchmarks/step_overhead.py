@@ -1,7 +1,7 @@
 """Per-step cost of ``elastictrain.Session`` against a hand-written DDP loop, at world size 2.
 
 Two worker processes (gloo, a free-port TCPStore) train the same model on the
-same data both ways, alternating which goes first in each repetition:
+same data three ways:
 
 - hand: ``DistributedSampler`` + ``DataLoader(batch_size=G/2)``, ``zero_grad``,
   forward, loss, ``backward``, ``optimizer.step()``;
@@ -12,12 +12,14 @@ same data both ways, alternating which goes first in each repetition:
   each step's gradient all-reduce (one more parameter's gradient), the agent's assignment is checked
   and the progress slot written at every step.
 
-Each run times ``--steps`` steps after ``--warmup``; rank 0's time counts (DDP
-keeps the ranks in lockstep). Reported: median steps/s over ``--reps`` runs,
-for a tiny model (where fixed per-step costs show most) and a medium one, and
-the session's overhead, ``(hand_steps_per_s / session_steps_per_s - 1) * 100``,
-from the medians and as the median of each repetition's back-to-back pair,
-and rank 0's CPU time per step (robust to other load on the machine).
+The three run side by side in each worker process, taking turns in blocks of ``--block``
+steps (10: about half a second for the large model), so that a shared machine's load,
+which comes and goes over seconds, falls on all three alike. Each repetition builds
+them afresh and times ``--steps`` steps of each after ``--warmup``; rank 0's time counts
+(DDP keeps the ranks in lockstep). Reported: median steps/s over ``--reps``
+repetitions, for a tiny model (where fixed per-step costs show most) and a larger one,
+the overhead ``(hand_steps_per_s / session_steps_per_s - 1) * 100`` from the medians and
+as the median of each repetition's own ratio (paired), and rank 0's CPU time per step.
 Prints a table and one JSON line, and writes the JSON to ``--out``.
 
     python benchmarks/step_overhead.py --reps 5 --out benchmarks/results/step_overhead.json
@@ -36,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,7 +63,7 @@ def _build(name: str) -> Any:
     return model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
 
-def _hand(name: str, dataset: Any, global_batch: int, warmup: int, steps: int) -> tuple[float, float]:
+def _hand(name: str, dataset: Any, global_batch: int, steps: int) -> Iterator[None]:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -71,49 +74,38 @@ def _hand(name: str, dataset: Any, global_batch: int, warmup: int, steps: int) -
     sampler = DistributedSampler(dataset, shuffle=True, seed=0)
     loader = iter(DataLoader(dataset, batch_size=global_batch // dist.get_world_size(), sampler=sampler,
                              drop_last=True))
-    started = cpu = 0.0
-    for index in range(warmup + steps):
-        if index == warmup:
-            dist.barrier()
-            started, cpu = time.perf_counter(), time.process_time()
+    for _ in range(steps):
         x, y = next(loader)
         optimizer.zero_grad(set_to_none=True)
         loss = torch.nn.functional.mse_loss(ddp(x), y)
         loss.backward()
         optimizer.step()
-    return steps / (time.perf_counter() - started), (time.process_time() - cpu) / steps * 1e6
+        yield
 
 
-def _session(name: str, dataset: Any, global_batch: int, warmup: int, steps: int) -> tuple[float, float]:
+def _session(name: str, dataset: Any, global_batch: int, steps: int) -> Iterator[None]:
     import torch
-    import torch.distributed as dist
 
     import elastictrain
 
     model, optimizer = _build(name)
-    started = cpu = 0.0
     with elastictrain.Session(model, optimizer, dataset, global_batch_size=global_batch, seed=0,
-                              max_steps=warmup + steps, log_every=None) as session:
+                              max_steps=steps, log_every=None) as session:
         for step in session.steps():
-            if step.number == warmup + 1:
-                dist.barrier()
-                started, cpu = time.perf_counter(), time.process_time()
             for micro in step:
                 x, y = micro.batch
                 micro.backward(torch.nn.functional.mse_loss(session.model(x), y))
-            if step.number == warmup + steps:
-                break  # stop the clock before the session's exit (no final work without checkpoints anyway)
-        elapsed, used = time.perf_counter() - started, time.process_time() - cpu
-    return steps / elapsed, used / steps * 1e6
+            yield  # the session applies this step (optimizer step, sampler commit) when resumed
 
 
-def _session_inprocess(name: str, dataset: Any, global_batch: int, warmup: int, steps: int) -> tuple[float, float]:
+def _session_inprocess(name: str, dataset: Any, global_batch: int, steps: int) -> Iterator[None]:
     import torch.distributed as dist
 
     from elastictrain._control import CONTROL_DIR_ENV, Assignment, ProgressTable, write_assignment
 
     # What an in-process agent prepares for its worker: a control directory with the
-    # current generation's assignment and a progress table.
+    # current generation's assignment and a progress table. The session finds it when
+    # it starts (at the first step), and keeps its channel open until it ends.
     with tempfile.TemporaryDirectory() as directory:
         ProgressTable(directory, 1, create=True).close()
         write_assignment(directory, Assignment(generation=1, round=0, world_size=dist.get_world_size(),
@@ -121,17 +113,52 @@ def _session_inprocess(name: str, dataset: Any, global_batch: int, warmup: int, 
                                                ranks={"0": dist.get_rank()}))
         os.environ[CONTROL_DIR_ENV] = directory
         try:
-            return _session(name, dataset, global_batch, warmup, steps)
+            steps_of = _session(name, dataset, global_batch, steps)
+            yield next(steps_of)
         finally:
             del os.environ[CONTROL_DIR_ENV]
+        yield from steps_of
 
 
 KINDS = {"hand": _hand, "session": _session, "inprocess": _session_inprocess}
 
 
+def _interleaved(name: str, dataset: Any, args: argparse.Namespace) -> dict[str, tuple[float, float]]:
+    """One repetition: the three loops side by side in this process, taking turns in blocks
+    of ``--block`` steps (who goes first rotates every round), each block timed on its own.
+    Load that comes and goes on a shared machine falls on all three alike. Blocks, not single
+    steps: the ranks meet in each step's all-reduce, and a rank still finishing the previous
+    loop's step makes its peer wait in the next loop's; that happens once per block. Returns
+    per loop (steps/s, CPU microseconds per step) over the steps after the warm-up."""
+    import torch.distributed as dist
+
+    rounds = -(-args.steps // args.block)
+    total = args.warmup + rounds * args.block
+    loops = {kind: make(name, dataset, args.global_batch, total) for kind, make in KINDS.items()}
+    for _ in range(args.warmup):
+        for steps_of in loops.values():
+            next(steps_of)
+    dist.barrier()
+    wall = dict.fromkeys(KINDS, 0.0)
+    cpu = dict.fromkeys(KINDS, 0.0)
+    kinds = list(KINDS)
+    for index in range(rounds):
+        for kind in kinds[index % len(kinds):] + kinds[:index % len(kinds)]:
+            steps_of = loops[kind]
+            started, used = time.perf_counter(), time.process_time()
+            for _ in range(args.block):
+                next(steps_of)
+            wall[kind] += time.perf_counter() - started
+            cpu[kind] += time.process_time() - used
+    for steps_of in loops.values():
+        for _ in steps_of:  # a session ends its run (and leaves its group) after its last step
+            pass
+    timed = rounds * args.block
+    return {kind: (timed / wall[kind], cpu[kind] / timed * 1e6) for kind in KINDS}
+
+
 def worker(rank: int, port: int, args: argparse.Namespace, result: Path) -> None:
     import torch
-    import torch.distributed as dist
     from torch.utils.data import TensorDataset
 
     import elastictrain
@@ -139,17 +166,15 @@ def worker(rank: int, port: int, args: argparse.Namespace, result: Path) -> None
     torch.set_num_threads(1)  # two workers on a 2-core machine: no oversubscription
     context = elastictrain.WorkerContext(rank=rank, world_size=WORLD_SIZE, master_addr="127.0.0.1", master_port=port)
     elastictrain.init_process_group(context, backend="gloo")
-    out: dict[str, dict[str, list[float]]] = {}  # hand/session: steps/s; hand_cpu/session_cpu: CPU us/step
+    out: dict[str, dict[str, list[float]]] = {}  # hand/session/inprocess: steps/s; *_cpu: CPU us/step
     for name in args.models:
         width = MODELS[name][0]
         data = torch.Generator().manual_seed(1)
         samples = args.global_batch * (args.warmup + args.steps + 1)
         dataset = TensorDataset(torch.randn(samples, width, generator=data), torch.randn(samples, 1, generator=data))
         runs: dict[str, list[float]] = {k: [] for kind in KINDS for k in (kind, f"{kind}_cpu")}
-        for rep in range(args.reps):
-            order = list(KINDS)[rep % len(KINDS):] + list(KINDS)[:rep % len(KINDS)]  # rotate who goes first
-            for kind in order:
-                rate, cpu_us = KINDS[kind](name, dataset, args.global_batch, args.warmup, args.steps)
+        for _ in range(args.reps):
+            for kind, (rate, cpu_us) in _interleaved(name, dataset, args).items():
                 runs[kind].append(rate)
                 runs[f"{kind}_cpu"].append(cpu_us)
         out[name] = runs
@@ -169,6 +194,7 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--block", type=int, default=10, help="steps a loop runs before the next takes its turn")
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--models", nargs="+", default=["tiny", "medium"], choices=list(MODELS))
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -185,6 +211,7 @@ def main() -> int:
         port = _free_port()
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
         forwarded = ["--reps", str(args.reps), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                     "--block", str(args.block),
                      "--global-batch", str(args.global_batch), "--models", *args.models]
         procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(rank), "--port", str(port),
                                    "--result", str(result), *forwarded], env=env)
@@ -203,8 +230,8 @@ def main() -> int:
         inproc = statistics.median(runs["inprocess"])
         hand, session = statistics.median(runs["hand"]), statistics.median(runs["session"])
         overhead = (hand / session - 1.0) * 100.0
-        # Each repetition ran both loops back to back: their ratio cancels most
-        # of the drift of a shared machine's load between repetitions.
+        # Within a repetition the loops took turns: their ratio cancels most of
+        # the drift of a shared machine's load, within and between repetitions.
         paired = statistics.median((h / s - 1.0) * 100.0 for h, s in zip(runs["hand"], runs["session"], strict=True))
         # CPU time per step of rank 0 is what the loop itself costs; other
         # processes on a loaded machine stretch wall time but not this.
@@ -235,6 +262,7 @@ def main() -> int:
         "backend": "gloo",
         "global_batch": args.global_batch,
         "steps": args.steps,
+        "block": args.block,
         "warmup": args.warmup,
         "reps": args.reps,
         "models": {name: dict(zip(("width", "hidden", "layers"), MODELS[name], strict=True)) for name in raw},

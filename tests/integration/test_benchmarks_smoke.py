@@ -63,3 +63,24 @@ def test_driver_smoke_mode_writes_every_section_with_expected_keys(tmp_path: Pat
     for heading in ("## 1-3. Recovery", "## 4. Rendezvous scale", "## 5. Checkpoint stall",
                     "## 6. Step overhead", "## 7. etcd load"):
         assert heading in report
+
+
+# In the default suite (about 10 s): nothing else runs this benchmark's code.
+@pytest.mark.timeout(180)
+def test_step_overhead_runs_the_three_loops_in_turns_and_reports_each(tmp_path: Path) -> None:
+    out = tmp_path / "step_overhead.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/step_overhead.py", "--reps", "2", "--steps", "6", "--warmup", "2", "--block", "3",
+         "--models", "tiny", "--out", str(out)],
+        cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=160,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert (record["steps"], record["block"], record["reps"]) == (6, 3, 2)
+    tiny = record["results"]["tiny"]
+    for kind in ("hand", "session", "inprocess"):
+        rates = tiny[f"{kind}_steps_per_s"]["samples"]
+        assert len(rates) == 2 and all(rate > 0 for rate in rates), (kind, rates)
+        assert len(tiny[f"{kind}_cpu_us_per_step"]["samples"]) == 2
+    assert {"overhead_pct", "paired_overhead_pct", "inprocess_overhead_pct", "inprocess_paired_overhead_pct",
+            "cpu_overhead_pct"} <= tiny.keys()
