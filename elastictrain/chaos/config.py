@@ -14,7 +14,7 @@ from datetime import timedelta
 
 from elastictrain.chaos.faults import FaultKind, PlannedFault
 from elastictrain.chaos.netns import check_available
-from elastictrain.launch.cli import check_run_flags
+from elastictrain.launch.arguments import check_run_flags
 from elastictrain._durations import parse_duration
 from elastictrain.errors import ConfigError
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from elastictrain.launch.cli import build_parser
+from elastictrain.launch.arguments import build_parser
 
 ETCD_CLIENT = ["--debug", "--etcd", "--etcd-ca-cert", "--etcd-cert", "--etcd-key", "--etcd-user", "--help",
                "--rdzv-conf", "--run-id"]

@@ -6,16 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.launch import cli
+from elastictrain.launch import arguments, cli
 from elastictrain.launch.config import RunConfig
 from elastictrain.errors import ConfigError
 
 
 def _config(*argv: str) -> RunConfig:
-    args = cli.build_parser().parse_args(["run", *argv])
-    cli._resolve_torchrun_spellings(args)
-    return cli._run_config(args, etcd=args.etcd or "127.0.0.1:2379", run_id=args.run_id or "local",
-                           local_addr="127.0.0.1")
+    args = arguments.build_parser().parse_args(["run", *argv])
+    arguments.resolve_torchrun_spellings(args)
+    return arguments.run_config(args, etcd=args.etcd or "127.0.0.1:2379", run_id=args.run_id or "local",
+                                local_addr="127.0.0.1")
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 
-from elastictrain.launch.cli import build_parser
+from elastictrain.launch.arguments import build_parser
 from tests.conftest import REPO_ROOT
 
 README = (REPO_ROOT / "README.md").read_text()
