@@ -15,9 +15,9 @@ same data three ways:
 The three run side by side in each worker process, taking turns in blocks of ``--block``
 steps (10: about half a second for the large model), so that a shared machine's load,
 which comes and goes over seconds, falls on all three alike. Each repetition builds
-them afresh and times ``--steps`` steps of each after ``--warmup``; rank 0's time counts
-(DDP keeps the ranks in lockstep). Reported: median steps/s over ``--reps``
-repetitions, for a tiny model (where fixed per-step costs show most) and a larger one,
+them afresh and times ``--steps`` steps of each (rounded up to whole blocks) after
+``--warmup``; rank 0's time counts (DDP keeps the ranks in lockstep). Reported: median
+steps/s over ``--reps`` repetitions, for a tiny model (where fixed per-step costs show most) and a larger one,
 the overhead ``(hand_steps_per_s / session_steps_per_s - 1) * 100`` from the medians and
 as the median of each repetition's own ratio (paired), and rank 0's CPU time per step.
 Prints a table and one JSON line, and writes the JSON to ``--out``.
@@ -37,8 +37,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -132,8 +132,8 @@ def _interleaved(name: str, dataset: Any, args: argparse.Namespace) -> dict[str,
     per loop (steps/s, CPU microseconds per step) over the steps after the warm-up."""
     import torch.distributed as dist
 
-    rounds = -(-args.steps // args.block)
-    total = args.warmup + rounds * args.block
+    rounds = args.steps // args.block  # main() made it whole blocks
+    total = args.warmup + args.steps
     loops = {kind: make(name, dataset, args.global_batch, total) for kind, make in KINDS.items()}
     for _ in range(args.warmup):
         for steps_of in loops.values():
@@ -153,8 +153,7 @@ def _interleaved(name: str, dataset: Any, args: argparse.Namespace) -> dict[str,
     for steps_of in loops.values():
         for _ in steps_of:  # a session ends its run (and leaves its group) after its last step
             pass
-    timed = rounds * args.block
-    return {kind: (timed / wall[kind], cpu[kind] / timed * 1e6) for kind in KINDS}
+    return {kind: (args.steps / wall[kind], cpu[kind] / args.steps * 1e6) for kind in KINDS}
 
 
 def worker(rank: int, port: int, args: argparse.Namespace, result: Path) -> None:
@@ -202,6 +201,12 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    for flag in ("reps", "steps", "block"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be at least 0, got {args.warmup}")
+    args.steps = -(-args.steps // args.block) * args.block  # whole blocks: each loop times as many steps
     if args.worker is not None:
         worker(args.worker, args.port, args, args.result)
         return 0
