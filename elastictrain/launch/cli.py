@@ -49,6 +49,11 @@ __all__ = ["main"]
 
 _EXIT_USAGE = 2
 
+_QUERY_RETRY_DEADLINE_S = 10
+"""How long ``status`` and ``stop`` retry an etcd that does not answer, unless ``--rdzv-conf
+retry_deadline=`` says otherwise: long enough for a leader election, short enough that a
+wrong port is reported while the user still waits for the answer (nodes keep 30 s)."""
+
 
 def _check_event_log(path: str) -> None:
     """Make the event log's directory and check that the file takes appends, before any process starts."""
@@ -213,7 +218,9 @@ def _client_for(args: argparse.Namespace) -> Any:
 
     if not args.etcd:
         raise ConfigError("--etcd HOST:PORT is required")
-    return connect(etcd_settings_from(etcd_options(args), args.etcd))
+    options = etcd_options(args)
+    options.setdefault("retry_deadline", _QUERY_RETRY_DEADLINE_S)
+    return connect(etcd_settings_from(options, args.etcd))
 
 
 def _cmd_status(args: argparse.Namespace) -> int:

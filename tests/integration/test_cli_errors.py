@@ -164,3 +164,18 @@ def test_a_reader_that_goes_away_ends_status_quietly(etcd_server: Any) -> None:
     err = proc.stderr.read()
     assert proc.wait(timeout=60) == 128 + signal.SIGPIPE
     assert err == ""
+
+
+def test_status_and_stop_give_up_on_an_etcd_that_does_not_answer_after_ten_seconds(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # A wrong --etcd port is reported while the user still waits for the answer; a node keeps
+    # retrying for 30 s (an etcd restart under a running job), a one-off query need not.
+    from elastictrain.etcd.server import free_port
+
+    port = free_port()
+    assert main(["status", "--etcd", f"127.0.0.1:{port}", "--run-id", "x"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert f"etcd unreachable for connecting after 10s: 127.0.0.1:{port}" in err[-1], err
+    # Its own --rdzv-conf retry_deadline still wins.
+    assert main(["stop", "--etcd", f"127.0.0.1:{port}", "--run-id", "x", "--rdzv-conf", "retry_deadline=1"]) == 1
+    assert f"after 1s: 127.0.0.1:{port}" in capsys.readouterr().err.strip().splitlines()[-1]
