@@ -145,6 +145,20 @@ class Etcd3RendezvousHandler(RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         """See base class."""
+        try:
+            return self._wait_for_round()
+        except (RendezvousClosedError, RendezvousGracefulExitError):
+            raise
+        except Exception as exc:
+            if not self._control.stopped:
+                raise
+            # leave() closed the etcd client under one of this wait's requests: the wait ends
+            # as the node left, whatever that request's failure looked like.
+            self._release_closer()
+            raise RendezvousClosedError(
+                f"node {self.node_id} left the rendezvous of run '{self.keys.run_id}'") from exc
+
+    def _wait_for_round(self) -> RendezvousInfo:
         started = time.monotonic()
         deadline = started + self._config.join_timeout.total_seconds()
         for_joiners, self._for_joiners = self._for_joiners, False

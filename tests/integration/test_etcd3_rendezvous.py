@@ -611,3 +611,39 @@ def test_a_read_older_than_the_watchs_last_event_does_not_undo_it(etcd_server: A
         assert view.round is not None and view.round.round == 0, "the older read undid the round the watch delivered"
     finally:
         view.close()
+
+
+def test_leaving_while_the_waiting_thread_is_in_an_etcd_request_still_ends_it_as_closed(etcd_server: Any, run_id: str,
+                                                                                       etcd_client: Any) -> None:
+    # leave() closes the etcd client under a waiting thread's request (here: registering anew
+    # after etcd expired its lease). That request fails on the closed channel; the wait must
+    # end as a left rendezvous, as it does between requests, not with the request's error.
+    [alone] = _handlers(etcd_server.endpoint, run_id, 1, 2, 2, join_timeout=20, **SHORT_LEASE)
+    real_call = alone.client.call
+    in_flight, release = threading.Event(), threading.Event()
+    waiter: list[threading.Thread] = []
+
+    def call(operation: Any, what: str = "etcd request", **kwargs: Any) -> Any:
+        if waiter and threading.current_thread() is waiter[0] and not in_flight.is_set():
+            def held(client: Any) -> Any:
+                in_flight.set()
+                release.wait(10)  # leave() closes the client meanwhile
+                return operation(client)
+            return real_call(held, what, **kwargs)
+        return real_call(operation, what, **kwargs)
+
+    with ThreadPoolExecutor(1) as pool:
+        def wait() -> Any:
+            waiter.append(threading.current_thread())
+            return alone.next_rendezvous()
+
+        waiting = pool.submit(wait)
+        _eventually(lambda: alone.node_id in read_members(alone.client, alone.keys), 10, "it registered")
+        alone.client.call = call  # type: ignore[method-assign]
+        lease_id = alone._alive.id  # noqa: SLF001
+        etcd_client.call(lambda c: c.revoke_lease(lease_id))  # it registers anew: a request
+        assert in_flight.wait(10), "the waiting thread made no request"
+        alone.leave()
+        release.set()
+        with pytest.raises(RendezvousClosedError, match="left the rendezvous"):
+            waiting.result(timeout=10)
