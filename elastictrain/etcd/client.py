@@ -224,18 +224,20 @@ class EtcdClient:
         self._current = 0
         self._watch_hub: Any = None
         self._keepalive_hub: Any = None
-        self._winding_down: timedelta | None = None
+        self._goodbyes_end: float | None = None  # time.monotonic() past which calls make one attempt
 
     @property
     def settings(self) -> EtcdSettings:
         return self._settings
 
     def wind_down(self, deadline: timedelta) -> None:
-        """Retry each call for at most ``deadline`` from now on (not the retry deadline): for a
-        node whose job has ended, whose goodbyes (closing the rendezvous, its last record) must
-        not each wait out the retry deadline on an unreachable etcd. What they would have said
-        expires with the node's leases."""
-        self._winding_down = min(deadline, self._winding_down or deadline)
+        """Retry calls only until ``deadline`` from now (the first such deadline given), all of
+        them together, and make a single attempt after it: for a node whose job has ended, whose
+        goodbyes (closing the rendezvous, once as finished and again at each shutdown, revoking
+        its lease, its last record) must not each wait on an unreachable etcd. What they would
+        have said expires with the node's leases."""
+        end = time.monotonic() + deadline.total_seconds()
+        self._goodbyes_end = min(end, self._goodbyes_end or end)
 
     @property
     def current_index(self) -> int:
@@ -388,8 +390,9 @@ class EtcdClient:
             errors.EtcdAuthError: etcd refused our credentials or TLS setup.
         """
         last: list[tuple[Endpoint, BaseException]] = []
-        retry_s = min(deadline or self._settings.retry_deadline,
-                      self._winding_down or self._settings.retry_deadline).total_seconds()
+        retry_s = (deadline or self._settings.retry_deadline).total_seconds()
+        if self._goodbyes_end is not None:
+            retry_s = min(retry_s, max(0.0, self._goodbyes_end - time.monotonic()))
 
         def attempt() -> _T:
             index, client = self._current, None
@@ -419,7 +422,7 @@ class EtcdClient:
             others = len(self._settings.endpoints) > 1
             logger.warning("etcd at %s does not answer %s (%s); retrying%s for up to %gs", endpoint, what,
                            _describe(exc), " on the next endpoint" if others else "",
-                           retry_s)
+                           round(retry_s, 1))
 
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(self._is_transient),
@@ -443,9 +446,9 @@ class EtcdClient:
                 ) from exc
             if self._is_transient(exc):
                 tried = ", ".join(sorted({f"{ep} ({_describe(e)})" for ep, e in last}))
-                raise errors.EtcdUnavailableError(
-                    f"etcd unreachable for {what} after {retry_s:g}s: {tried}"
-                ) from exc
+                within = (f"after {retry_s:g}s" if self._goodbyes_end is None
+                          else "within the time this node's goodbyes share")
+                raise errors.EtcdUnavailableError(f"etcd unreachable for {what} {within}: {tried}") from exc
             if isinstance(exc, self._etcd3.exceptions.Etcd3Exception) or _grpc_code_name(exc):
                 raise errors.EtcdUnavailableError(
                     f"etcd at {self.current_endpoint} failed {what}: {_describe(exc)}"

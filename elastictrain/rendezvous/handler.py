@@ -62,9 +62,11 @@ __all__ = ["Etcd3RendezvousHandler", "create_handler"]
 
 _LOG_EVERY = 5.0
 _GOODBYE_DEADLINE = timedelta(seconds=5)
-"""How long each call retries once this node's job has ended (:meth:`~Etcd3RendezvousHandler.set_finished`,
-:meth:`~Etcd3RendezvousHandler.shutdown`): with etcd down at the end, a node exited only after
-its goodbyes had each waited out the retry deadline (92 s with the default 30 s)."""
+"""How long this node's goodbyes retry, all of them together, once its job has ended
+(:meth:`~Etcd3RendezvousHandler.set_finished`, :meth:`~Etcd3RendezvousHandler.shutdown`, and the
+agent's last record after them): with etcd down at the end, a node exited only after its goodbyes
+had each waited out the retry deadline (92 s with the default 30 s), and later after each had
+waited 5 s (17 s)."""
 LOCAL_WORLD_SIZE_KEY = "local_world_size"
 """``RendezvousParameters`` key: workers this node starts (``elastictrain run`` passes it)."""
 
