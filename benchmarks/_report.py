@@ -268,12 +268,15 @@ def _steps(results: dict[str, Any]) -> list[str]:
     lines: list[str] = []
     if section.get("status") == "ok":
         record = section["record"]
-        lines += ["`benchmarks/step_overhead.py` (elastictrain.Session vs a hand-written DDP loop, world size "
-                  f"{record.get('world_size')}):", "",
-                  "| model | hand-written DDP steps/s | Session steps/s | Session overhead |", "|---|---|---|---|"]
+        lines += ["`benchmarks/step_overhead.py` (elastictrain.Session, and Session under in-process recovery, vs "
+                  f"a hand-written DDP loop, taking turns in blocks of {record.get('block')} steps; world size "
+                  f"{record.get('world_size')}; overhead: median of each repetition's own ratio):", "",
+                  "| model | hand-written DDP steps/s | Session steps/s | Session overhead "
+                  "| in-process steps/s | in-process overhead |", "|---|---|---|---|---|---|"]
         for model, r in record.get("results", {}).items():
             lines.append(f"| {model} | {r['hand_steps_per_s']['median']:.1f} | "
-                         f"{r['session_steps_per_s']['median']:.1f} | {r['overhead_pct']:.1f}% |")
+                         f"{r['session_steps_per_s']['median']:.1f} | {r['paired_overhead_pct']:+.1f}% | "
+                         f"{r['inprocess_steps_per_s']['median']:.1f} | {r['inprocess_paired_overhead_pct']:+.1f}% |")
     else:
         lines += [f"| TODO: Session per-step overhead | `benchmarks/step_overhead.py`: "
                   f"{section.get('status', 'not run')} ({section.get('reason', '')}) |", "|---|---|"]

@@ -85,3 +85,9 @@ def test_step_overhead_runs_the_three_loops_in_turns_and_reports_each(tmp_path: 
         assert len(tiny[f"{kind}_cpu_us_per_step"]["samples"]) == 2
     assert {"overhead_pct", "paired_overhead_pct", "inprocess_overhead_pct", "inprocess_paired_overhead_pct",
             "cpu_overhead_pct"} <= tiny.keys()
+    # The driver's report shows both overheads, as the script's own output does.
+    from benchmarks import _report
+
+    table = _report.markdown({"step_overhead": {"status": "ok", "record": record}})
+    [row] = [line for line in table.splitlines() if line.startswith("| tiny |")]
+    assert row.count("%") == 2 and f"{tiny['inprocess_paired_overhead_pct']:+.1f}%" in row, row
