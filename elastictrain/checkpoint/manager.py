@@ -45,7 +45,8 @@ from . import _manifest as fmt
 from . import _snapshot as snap
 from ._overlap import Overlap, SnapshotCopy
 from .coordinator import Coordinator, default_coordinator
-from .storage import LocalStorage, Storage
+from . import _shared_directory as shared_directory
+from .storage import LocalStorage, Storage, delete_quietly
 
 __all__ = ["CheckpointManager", "RestoreInfo", "Stateful"]
 
@@ -185,7 +186,8 @@ class CheckpointManager:
         self._host = socket.gethostname()
         self._fence: int | None = None
         try:
-            self._check_directory(claim=fence)
+            self._fence = shared_directory.check(self._storage, self._prefix, self._coord, host=self._host,
+                                                 claim=fence)
         except BaseException:
             self._coord.close()  # every rank raises: none keeps the group it will never use
             raise
@@ -207,70 +209,6 @@ class CheckpointManager:
     def fence(self) -> int | None:
         """This world's fencing token in the directory (None until claimed: see ``fence=``)."""
         return self._fence
-
-    def _check_directory(self, *, claim: bool) -> None:
-        """Rank 0 creates the directory, writes a probe (and claims a token); every rank must read the probe.
-
-        Now, not at the first save, steps (or hours) later: a directory rank 0 cannot
-        write, or one that some node does not share (a node-local disk, a missing
-        mount) and that would make ranks restore different checkpoints, or none.
-        """
-        rank0 = self._coord.rank == 0
-        setup: tuple[str, str, int | None] | CheckpointError | None = None
-        if rank0:
-            setup = self._write_probe(claim)
-        try:
-            setup = self._coord.broadcast(setup)
-        except CheckpointError:
-            if rank0 and not isinstance(setup, CheckpointError) and setup is not None:
-                self._delete_quietly(setup[0])
-            raise
-        if isinstance(setup, CheckpointError):
-            raise setup
-        assert setup is not None  # noqa: S101 - rank 0 always sends a setup or an error
-        probe, nonce, token = setup
-        seen = True
-        if not rank0:
-            try:
-                with self._storage.open_read(probe) as f:
-                    seen = f.read() == nonce.encode()
-            except OSError:
-                seen = False
-        views = self._coord.all_gather((seen, self._host))
-        if rank0:
-            self._delete_quietly(probe)
-        blind = [(rank, host) for rank, (ok, host) in enumerate(views) if not ok]
-        if blind:
-            hosts = ", ".join(sorted({host for _, host in blind}))
-            ranks = ", ".join(str(rank) for rank, _ in blind)
-            raise CheckpointError(
-                f"checkpoint directory {self.location} is not on a filesystem shared by all ranks: host(s) {hosts} "
-                f"(rank(s) {ranks}) cannot see the file rank 0 (host {views[0][1]}) wrote there; mount one shared "
-                "filesystem (NFS, Lustre, a ReadWriteMany volume) at this path on every node"
-            )
-        self._fence = token
-
-    def _write_probe(self, claim: bool) -> tuple[str, str, int | None] | CheckpointError:
-        try:
-            self._storage.make_dir(self._prefix)
-        except OSError as exc:
-            return CheckpointError(f"cannot create checkpoint directory {self.location}: {exc}")
-        nonce = secrets.token_hex(8)
-        probe = fmt.join(self._prefix, f".probe-{nonce}")
-        try:
-            with self._storage.open_write(probe) as f:
-                f.write(nonce.encode())
-        except OSError as exc:
-            return CheckpointError(f"checkpoint directory {self.location} is not writable: {exc.strerror or exc}")
-        try:
-            token = _fence.claim(self._storage, self._prefix) if claim else None
-        except OSError as exc:
-            self._delete_quietly(probe)
-            return CheckpointError(f"cannot claim a fencing token in {self.location}: {exc}")
-        except CheckpointError as exc:
-            self._delete_quietly(probe)
-            return exc
-        return probe, nonce, token
 
     def save(self, step: int, state: Mapping[str, Stateful | dict[str, Any]]) -> None:
         """Save ``state`` as the checkpoint of ``step``; a collective.
@@ -565,7 +503,7 @@ class CheckpointManager:
                 self._commit(step, staging, nonce, [f for files, _ in reports for f in files])
             except Exception as exc:
                 outcome = str(exc)
-                self._delete_quietly(staging)
+                delete_quietly(self._storage, staging)
         outcome = self._coord.broadcast(outcome)
         if outcome is not None:
             raise CheckpointError(f"checkpoint of step {step} was not committed: {outcome}")
@@ -699,14 +637,7 @@ class CheckpointManager:
         # Every staging dir is stale here: at most one save is in flight, and it just committed.
         doomed = [fmt.step_dir(s) for s in others[self._keep_last - 1 :]] + [n for n in names if fmt.is_staging_dir(n)]
         for name in doomed:
-            self._delete_quietly(fmt.join(self._prefix, name))
-
-    def _delete_quietly(self, path: str) -> None:
-        try:
-            self._storage.delete(path)
-        except OSError as exc:
-            # A failed deletion costs disk space, not correctness; it must not fail the save.
-            logger.warning("could not delete %s: %s", self._storage.location(path), exc)
+            delete_quietly(self._storage, fmt.join(self._prefix, name))
 
     def _agree(self, step: int | None, skip: frozenset[int] = frozenset()) -> tuple[int, dict[str, Any]] | None:
         """Rank 0's choice of checkpoint (manifest and sizes checked), on every rank; a collective.

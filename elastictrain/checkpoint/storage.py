@@ -14,13 +14,16 @@ marker object last and listing only prefixes that carry one).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO, Protocol, runtime_checkable
 
-__all__ = ["Storage", "LocalStorage"]
+__all__ = ["Storage", "LocalStorage", "delete_quietly"]
+
+logger = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -196,3 +199,11 @@ def _fsync_dir(path: Path) -> None:
     finally:
         os.close(fd)
 
+
+def delete_quietly(storage: Storage, path: str) -> None:
+    """Delete ``path``, and only warn if that fails: a failed deletion (a probe, a stale staging
+    directory, a checkpoint past ``keep_last``) costs disk space, not correctness."""
+    try:
+        storage.delete(path)
+    except OSError as exc:
+        logger.warning("could not delete %s: %s", storage.location(path), exc)
