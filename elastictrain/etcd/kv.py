@@ -86,6 +86,9 @@ class TxnResult:
     """The result of each ``get`` of the branch that ran, in order."""
     deleted: list[int]
     """How many keys each ``delete`` of the branch that ran deleted, in order."""
+    counts: list[int]
+    """How many keys each ``get`` of the branch that ran matched, in order (all of them, also
+    with ``count_only``)."""
 
 
 # --- operations -------------------------------------------------------------------------------
@@ -167,11 +170,12 @@ def txn(client: EtcdClient, compare: Sequence[Any], success: Sequence[Any], fail
         return c.kvstub.Txn(request, c.timeout, credentials=c.call_credentials, metadata=c.metadata)
 
     response = client.call(send, what=what, once=once)
-    ranges = [[KeyValue.from_pb(kv) for kv in op.response_range.kvs]
-              for op in response.responses if op.WhichOneof("response") == "response_range"]
+    reads = [op.response_range for op in response.responses if op.WhichOneof("response") == "response_range"]
+    ranges = [[KeyValue.from_pb(kv) for kv in read.kvs] for read in reads]
     deleted = [int(op.response_delete_range.deleted)
                for op in response.responses if op.WhichOneof("response") == "response_delete_range"]
-    return TxnResult(bool(response.succeeded), int(response.header.revision), ranges, deleted)
+    return TxnResult(bool(response.succeeded), int(response.header.revision), ranges, deleted,
+                     [int(read.count) for read in reads])
 
 
 def range_(client: EtcdClient, key: str | bytes, *, prefix: bool = False, keys_only: bool = False,

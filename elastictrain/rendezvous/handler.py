@@ -53,7 +53,15 @@ from elastictrain.etcd.lease import KeptLease, RunLease
 from elastictrain.rendezvous import BACKEND_NAME
 from elastictrain.rendezvous.keys import RunKeys
 from elastictrain.rendezvous.membership import Closer, ControlView, RoundWatch, close_rendezvous, is_open, read_members
-from elastictrain.rendezvous.records import FINISHED, CloserRecord, MemberRecord, ReadyRecord, RoundRecord, encode
+from elastictrain.rendezvous.records import (
+    FINISHED,
+    AllReadyRecord,
+    CloserRecord,
+    MemberRecord,
+    ReadyRecord,
+    RoundRecord,
+    encode,
+)
 from elastictrain.rendezvous.store import Etcd3Store
 
 logger = logging.getLogger(__name__)
@@ -61,6 +69,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["Etcd3RendezvousHandler", "create_handler"]
 
 _LOG_EVERY = 5.0
+_READY_RECOUNT_S = 5.0
+"""How often :meth:`~Etcd3RendezvousHandler.ready_nodes` counts the ready keys itself while the
+all-ready key does not name its round: only if the node that completed the count failed to
+write that key (each node asks at every monitor tick while a node joins)."""
 _GOODBYE_DEADLINE = timedelta(seconds=5)
 """How long this node's goodbyes retry, all of them together, once its job has ended
 (:meth:`~Etcd3RendezvousHandler.set_finished`, :meth:`~Etcd3RendezvousHandler.shutdown`, and the
@@ -118,6 +130,8 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         self._registered = 0
         """The revision of this node's last write of its member key (see :meth:`_join`)."""
         self._ready_round: int | None = None
+        self._ready_count: tuple[int, int, float] | None = None
+        """(round, count, when): the ready keys this node last counted itself (see :meth:`ready_nodes`)."""
         self._for_joiners = False
 
     # --- torch's interface --------------------------------------------------------------------
@@ -343,15 +357,22 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         joined = self._joined
         if joined is None or self._alive.id is None:
             return
-        ops = [kv.put(self.keys.ready(joined.round) + self.node_id, encode(ReadyRecord(self.node_id)),
-                      self._alive.id)]
+        ready = self.keys.ready(joined.round)
+        ops = [kv.put(ready + self.node_id, encode(ReadyRecord(self.node_id)), self._alive.id)]
         if self._ready_round is not None and self._ready_round != joined.round:
             ops.append(kv.delete(self.keys.ready(self._ready_round) + self.node_id))  # one key per node
-        kv.txn(self.client, [], ops, what="saying this node's workers are ready")
+        ops.append(kv.get(ready, prefix=True, count_only=True))  # with this node's key
+        result = kv.txn(self.client, [], ops, what="saying this node's workers are ready")
         self._ready_round = joined.round
+        if result.counts[0] >= len(joined.nodes):
+            self._say_all_ready(joined.round)
 
     def ready_nodes(self) -> int:
-        """How many nodes of the round this node joined said their workers can form its group.
+        """How many nodes of the round this node joined said their workers can form its group:
+        all of them once the all-ready key names the round (from the control watch: no etcd
+        request), else the count this node last made (again every few seconds: see
+        :data:`_READY_RECOUNT_S`). Every node asks at each monitor tick while a node joins: a
+        count from each would be thousands of requests a second at a thousand nodes.
 
         Raises:
             EtcdError: etcd is unreachable or refused us.
@@ -359,8 +380,29 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         joined = self._joined
         if joined is None:
             return 0
-        # The count alone: every node asks at each monitor tick while a joining node starts.
-        return kv.count(self.client, self.keys.ready(joined.round), what="reading how many nodes are ready")
+        with self._control.cond:
+            if self._control.all_ready == joined.round:
+                return len(joined.nodes)
+        now = time.monotonic()
+        last = self._ready_count
+        if last is None or last[0] != joined.round:
+            self._ready_count = (joined.round, 0, now)  # the first count waits too: the key may come
+            return 0
+        if now - last[2] < _READY_RECOUNT_S:
+            return last[1]
+        count = kv.count(self.client, self.keys.ready(joined.round), what="reading how many nodes are ready")
+        self._ready_count = (joined.round, count, now)
+        if count >= len(joined.nodes):
+            logger.info("every node of round %d said its workers are ready, but none said so for all: saying it",
+                        joined.round)
+            self._say_all_ready(joined.round)
+        return count
+
+    def _say_all_ready(self, round_: int) -> None:
+        """Write the all-ready key for ``round_`` (the others learn it from their control watch)."""
+        value = encode(AllReadyRecord(round_))
+        self.run_lease.write(lambda lease: kv.txn(self.client, [], [kv.put(self.keys.all_ready, value, lease)],
+                                                  what="saying every node of the round is ready"))
 
     @property
     def round(self) -> int | None:

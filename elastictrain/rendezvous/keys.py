@@ -9,6 +9,7 @@ Everything elastictrain stores for run ``R`` lives under ``/elastictrain/R/``:
 - ``rdzv/ctl/round``: the last round formed (its members in rank order);
 - ``rdzv/ctl/closer``: the node that forms the next round (liveness lease);
 - ``rdzv/ctl/closed``: present once the rendezvous is closed;
+- ``rdzv/ctl/ready``: the last round whose nodes all said their workers are ready;
 - ``rdzv/ready/<round>/<node>``: the node's workers can form that round's group now
   (on the node's liveness lease);
 - ``store/<incarnation>/<round>/...``: the c10d store keys of one round;
@@ -102,7 +103,7 @@ class RunKeys:
 
     @property
     def ctl(self) -> str:
-        """Prefix of the round, closer and closed keys: what every waiting node watches."""
+        """Prefix of the round, closer, closed and all-ready keys: what every node watches."""
         return self.prefix + "rdzv/ctl/"
 
     @property
@@ -116,6 +117,10 @@ class RunKeys:
     @property
     def closed(self) -> str:
         return self.ctl + "closed"
+
+    @property
+    def all_ready(self) -> str:
+        return self.ctl + "ready"
 
     def ready(self, round_: int) -> str:
         """Prefix of the nodes that said their workers can form ``round_``'s group now."""

@@ -42,7 +42,15 @@ from elastictrain.etcd.client import EtcdClient
 from elastictrain.etcd.lease import RunLease
 from elastictrain.etcd.watch import Watch, WatchEvent
 from elastictrain.rendezvous.keys import RunKeys
-from elastictrain.rendezvous.records import ClosedRecord, CloserRecord, MemberRecord, RoundRecord, decode, encode
+from elastictrain.rendezvous.records import (
+    AllReadyRecord,
+    ClosedRecord,
+    CloserRecord,
+    MemberRecord,
+    RoundRecord,
+    decode,
+    encode,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +147,8 @@ class ControlView:
         self.closer: str | None = None
         self.closer_kv: kv.KeyValue | None = None
         self.closed: ClosedRecord | None = None
+        self.all_ready: int | None = None
+        """The last round whose nodes all said their workers are ready (``rdzv/ctl/ready``)."""
         self.problem: errors.CorruptRendezvousStateError | None = None
         self.version = 0
         """Bumped on every change (and by :meth:`touch`): waiters wait for it to move."""
@@ -171,7 +181,7 @@ class ControlView:
             # that joins reads here, and the round formed just after its read may already
             # have arrived by the watch: replacing the view would lose it for good.)
             if revision >= self._seen:
-                self.round = self.round_kv = self.closer = self.closer_kv = self.closed = None
+                self.round = self.round_kv = self.closer = self.closer_kv = self.closed = self.all_ready = None
                 self.problem = None
                 for item in kvs:
                     self._apply(item, deleted=False)
@@ -221,6 +231,8 @@ class ControlView:
                 self.closer_kv = None if deleted else item
             elif item.key == self._keys.closed:
                 self.closed = None if deleted else decode(ClosedRecord, item.key, item.value)
+            elif item.key == self._keys.all_ready:
+                self.all_ready = None if deleted else decode(AllReadyRecord, item.key, item.value).round
         except errors.CorruptRendezvousStateError as exc:
             self.problem = exc
 

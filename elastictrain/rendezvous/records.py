@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 
 from elastictrain import errors
 
-__all__ = ["FINISHED", "ClosedRecord", "CloserRecord", "MemberRecord", "ReadyRecord", "RoundRecord", "decode",
-           "encode"]
+__all__ = ["FINISHED", "AllReadyRecord", "ClosedRecord", "CloserRecord", "MemberRecord", "ReadyRecord", "RoundRecord",
+           "decode", "encode"]
 
 SCHEMA = 1
 
@@ -103,6 +103,17 @@ class ReadyRecord:
     kind = "ready"
 
     node: str
+
+
+@dataclass(frozen=True, slots=True)
+class AllReadyRecord:
+    """Every node of a round said its workers are ready (``rdzv/ctl/ready``, on the run's
+    lease): written by the node whose word made the count complete, so that the others learn
+    it from the watch they already keep instead of each counting the ready keys."""
+
+    kind = "all_ready"
+
+    round: int
 
 
 FINISHED = "finished"
