@@ -220,6 +220,8 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                     left_out = current.round
                 closer_free = control.closer is None
                 mine = control.closer == self.node_id
+                key = control.closer_kv  # this node's own, on its current lease (see below)
+                held_key = key if mine and key is not None and key.lease == self._alive.id else None
             if full_without_me is not None and not self._spare and self._round_stands(full_without_me):
                 # The round is full without this node and its members train: a newcomer, or a
                 # member that re-entered once a spare had taken its seat. It waits as a spare
@@ -233,6 +235,12 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                 continue
             if self._closer is not None and not mine:
                 self._release_closer()  # it formed a round, or lost the key
+            if held_key is not None and self._closer is None:
+                # The key is this node's, but it has no closer (it let it go on a view that an
+                # older event had made wrong): no other node can take the key while it lives.
+                logger.info("node %s holds the closer key of run '%s': gathering the round again", self.node_id,
+                            self.keys.run_id)
+                self._become_closer(held_key.create_revision)
             if closer_free and self._closer is None:
                 self._try_to_close()
             wake = self._closer.step(time.monotonic()) if self._closer is not None else None

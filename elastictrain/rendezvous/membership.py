@@ -158,6 +158,7 @@ class ControlView:
         """Whether this node left (:meth:`close`): the view is no longer kept current."""
         self._loaded_at = 0  # the revision of the last full read: older events are in it
         self._seen = 0  # the newest revision this view reflects (a read's, or the watch's last event's)
+        self._closer_changed = 0  # the revision of the closer key's last change in the view
         self._watch: Watch | None = None
 
     def touch(self) -> None:
@@ -183,6 +184,7 @@ class ControlView:
             if revision >= self._seen:
                 self.round = self.round_kv = self.closer = self.closer_kv = self.closed = self.all_ready = None
                 self.problem = None
+                self._closer_changed = 0  # events up to the read's revision are skipped anyway
                 for item in kvs:
                     self._apply(item, deleted=False)
                 self._loaded_at = self._seen = revision
@@ -216,6 +218,7 @@ class ControlView:
                 if item.key == self._keys.round:
                     # The same transaction deleted the closer key: no event needed to know it.
                     self.closer = self.closer_kv = None
+                    self._closer_changed = max(self._closer_changed, item.mod_revision)
             self.version += 1
             self.cond.notify_all()
 
@@ -227,6 +230,9 @@ class ControlView:
                 elif self.round_kv is None or item.mod_revision >= self.round_kv.mod_revision:
                     self.round, self.round_kv = decode(RoundRecord, item.key, item.value), item
             elif item.key == self._keys.closer:
+                if item.mod_revision < self._closer_changed:
+                    return  # older than a write of this node's that the view took before its event
+                self._closer_changed = item.mod_revision
                 self.closer = None if deleted else decode(CloserRecord, item.key, item.value).node
                 self.closer_kv = None if deleted else item
             elif item.key == self._keys.closed:

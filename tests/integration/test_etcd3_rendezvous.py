@@ -27,7 +27,7 @@ from elastictrain.rendezvous import register
 from elastictrain.rendezvous.handler import Etcd3RendezvousHandler, create_handler
 from elastictrain.rendezvous.keys import RunKeys
 from elastictrain.rendezvous.membership import ControlView, read_members
-from elastictrain.rendezvous.records import AllReadyRecord, RoundRecord, decode
+from elastictrain.rendezvous.records import AllReadyRecord, CloserRecord, RoundRecord, decode, encode
 
 # A liveness lease of 2 s (0.5 s x 4, the shortest allowed) keeps the tests short.
 SHORT_LEASE = {"keep_alive_interval": 0.5, "keep_alive_max_attempt": 4}
@@ -432,11 +432,14 @@ def test_a_node_that_dies_while_gathering_does_not_block_the_next_ones(etcd_serv
                                                                        etcd_client: Any) -> None:
     # It registers, takes the closer role, and dies before anyone else arrives.
     [dying] = _handlers(etcd_server.endpoint, run_id, 1, 2, 2, **SHORT_LEASE)
-    gathering = threading.Thread(target=lambda: pytest.raises(Exception, dying.next_rendezvous), daemon=True)
+    gathering = threading.Thread(target=lambda: pytest.raises(RendezvousClosedError, dying.next_rendezvous),
+                                 daemon=True)
     gathering.start()
     _eventually(lambda: dying._closer is not None, 10, "the first node takes the closer role")  # noqa: SLF001
     dying._alive.close()  # noqa: SLF001 - killed: its lease runs out
-    dying._release_closer()  # noqa: SLF001 - and nothing of it acts any more
+    dying._control.close()  # noqa: SLF001 - and nothing of it acts any more: its waiting loop ends
+    gathering.join(10)
+    assert not gathering.is_alive() and dying._closer is None  # noqa: SLF001
     later = _handlers(etcd_server.endpoint, run_id, 2, 2, 2, **SHORT_LEASE)
     infos = _join_all(later)
     assert {i.world_size for i in infos} == {2}
@@ -669,3 +672,61 @@ def test_leaving_while_the_waiting_thread_is_in_an_etcd_request_still_ends_it_as
         release.set()
         with pytest.raises(RendezvousClosedError, match="left the rendezvous"):
             waiting.result(timeout=10)
+
+
+def test_a_node_that_took_the_closer_key_keeps_its_role_when_older_events_of_that_key_arrive_after(
+        etcd_server: Any, run_id: str, etcd_client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A node's control watch lags: it has seen the last closer go, but not yet that another node
+    # took the key and gave it up again meanwhile. It takes the free key, and then those older
+    # events arrive. Before, they named the other node as closer (the node dropped its role
+    # while its key stayed) and then none: no round could form while the node lived.
+    keys = RunKeys.of(run_id)
+    kv.txn(etcd_client, [], [kv.put(keys.closer, encode(CloserRecord("gone_1")))], what="test")
+    [lagging] = _handlers(etcd_server.endpoint, run_id, 1, 2, 2, join_timeout=15)
+    view = lagging._control  # noqa: SLF001
+    deliver = ControlView._on_events
+    held: list[tuple[Any, int]] = []
+    until: list[int | None] = [None]  # deliver events up to this revision; hold the later ones
+    lock = threading.Lock()
+
+    def lagging_watch(self: ControlView, events: Any, revision: int) -> None:
+        if self is not view:
+            deliver(self, events, revision)
+            return
+        with lock:
+            held.extend((event, revision) for event in events)
+            if until[0] is None:
+                return
+            ready = [(e, r) for e, r in held if e.revision <= until[0]]
+            held[:] = [(e, r) for e, r in held if e.revision > until[0]]
+        for event, rev in ready:
+            deliver(self, [event], rev)
+
+    monkeypatch.setattr(ControlView, "_on_events", lagging_watch)
+    pool = ThreadPoolExecutor(2)
+    try:
+        waiting = pool.submit(lagging.next_rendezvous)
+        _eventually(lambda: view.closer == "gone_1", 10, "it registered and sees the closer")
+        deleted = kv.txn(etcd_client, [], [kv.delete(keys.closer)], what="test").revision  # the closer goes
+        taken = kv.txn(etcd_client, [], [kv.put(keys.closer, encode(CloserRecord("other_2")))], what="test").revision
+        kv.txn(etcd_client, [], [kv.delete(keys.closer)], what="test")  # another took it and gave it up
+        with lock:
+            until[0] = deleted
+        lagging_watch(view, [], deleted)  # the lagging node sees the first deletion only
+        _eventually(lambda: lagging._closer is not None, 10, "the lagging node takes the free key")  # noqa: SLF001
+        with lock:
+            until[0] = taken
+        lagging_watch(view, [], taken)  # then, one at a time, the older events
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline and lagging._closer is not None:  # noqa: SLF001 - its loop looks
+            time.sleep(0.05)
+        with lock:
+            until[0] = 1 << 62
+        lagging_watch(view, [], 0)  # the other's release, and the node's own write
+        time.sleep(0.5)
+        [late] = _handlers(etcd_server.endpoint, run_id, 1, 2, 2, join_timeout=15)
+        assert late.next_rendezvous().world_size == 2
+        assert waiting.result(timeout=10).world_size == 2
+        _shutdown(lagging, late)
+    finally:
+        pool.shutdown(wait=False)
