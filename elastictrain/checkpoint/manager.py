@@ -42,10 +42,10 @@ from elastictrain.errors import CheckpointError, ConfigError, CorruptCheckpointE
 
 from . import _fence
 from . import _manifest as fmt
+from . import _shared_directory as shared_directory
 from . import _snapshot as snap
 from ._overlap import Overlap, SnapshotCopy
 from .coordinator import Coordinator, default_coordinator
-from . import _shared_directory as shared_directory
 from .storage import LocalStorage, Storage, delete_quietly
 
 __all__ = ["CheckpointManager", "RestoreInfo", "Stateful"]
