@@ -225,6 +225,7 @@ class EtcdClient:
         self._watch_hub: Any = None
         self._keepalive_hub: Any = None
         self._goodbyes_end: float | None = None  # time.monotonic() past which calls make one attempt
+        self._closed = False
 
     @property
     def settings(self) -> EtcdSettings:
@@ -255,6 +256,8 @@ class EtcdClient:
 
     def _client_for(self, index: int) -> Any:
         with self._lock:
+            if self._closed:
+                raise errors.EtcdError("this etcd client was closed (its node left the run): no more requests")
             client = self._clients.get(index)
             if client is None:
                 endpoint = self._settings.endpoints[index]
@@ -323,6 +326,8 @@ class EtcdClient:
         with self._lock:
             if self._watch_hub is None:
                 self._watch_hub = WatchHub(self)
+                if self._closed:
+                    self._watch_hub.close()  # it opens nothing
             return self._watch_hub
 
     def keepalive_hub(self) -> Any:
@@ -332,6 +337,8 @@ class EtcdClient:
         with self._lock:
             if self._keepalive_hub is None:
                 self._keepalive_hub = KeepAliveHub(self)
+                if self._closed:
+                    self._keepalive_hub.close()  # it opens nothing
             return self._keepalive_hub
 
     def stream_client(self) -> tuple[int, Any]:
@@ -389,6 +396,8 @@ class EtcdClient:
             errors.EtcdUnavailableError: No endpoint answered within ``retry_deadline`` (or ``deadline``).
             errors.EtcdAuthError: etcd refused our credentials or TLS setup.
         """
+        if self._closed:
+            raise errors.EtcdError(f"cannot send {what}: this etcd client was closed (its node left the run)")
         last: list[tuple[Endpoint, BaseException]] = []
         retry_s = (deadline or self._settings.retry_deadline).total_seconds()
         if self._goodbyes_end is not None:
@@ -456,11 +465,14 @@ class EtcdClient:
             raise
 
     def close(self) -> None:
-        """Stop this client's watches and keep-alives and close its channels."""
+        """Stop this client's watches and keep-alives and close its channels, for good: a
+        request made after it (by a thread that has not yet seen its node leave) fails with
+        :class:`~elastictrain.errors.EtcdError` instead of opening a channel again, so that a
+        node that left neither registers anew nor keeps a lease alive."""
         with self._lock:
+            self._closed = True
             clients, self._clients = list(self._clients.values()), {}
             hubs = [h for h in (self._watch_hub, self._keepalive_hub) if h is not None]
-            self._watch_hub = self._keepalive_hub = None
         for hub in hubs:
             hub.close()
         for client in clients:

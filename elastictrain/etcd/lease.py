@@ -61,6 +61,8 @@ class KeepAliveHub:
 
     def add(self, lease: KeptLease, lease_id: int) -> None:
         with self._cond:
+            if self._closed:  # its client was closed
+                return
             self._leases[lease_id] = lease
             self._due[lease_id] = 0.0  # at once
             self._cond.notify_all()

@@ -178,7 +178,6 @@ def _run_node(config: RunConfig, params: RendezvousParameters, events: EventLog,
     handler.on_spare = agent.waiting_as_spare
     outcome = _run_agent(agent, handler, config)  # the channel is the NodeSetup's, closed with it
     events.emit("job_end", exit_code=outcome.exit_code, summary=outcome.summary)
-    agent._publish(state="succeeded" if outcome.exit_code == 0 else "failed")  # noqa: SLF001
     events.close()
     return outcome
 
@@ -217,7 +216,25 @@ def _check_run_id(handler: Etcd3RendezvousHandler, config: RunConfig) -> None:
 
 
 def _run_agent(agent: ElasticAgent, handler: Etcd3RendezvousHandler, config: RunConfig) -> JobOutcome:
-    shutdown_rendezvous = True
+    """Run the agent; publish this node's last record, then close the rendezvous and leave it
+    (its etcd client closes with it), or only leave it on a signal."""
+    try:
+        outcome = _agent_outcome(agent, handler, config)
+    except ElasticTrainError:
+        handler.shutdown()
+        raise
+    except BaseException:
+        # A signal (Ctrl-C, SIGTERM): leave the rendezvous open so that the other
+        # nodes can carry on without us (torch does the same), but say at once that
+        # this node is gone rather than let its lease run out.
+        handler.leave()
+        raise
+    agent._publish(state="succeeded" if outcome.exit_code == 0 else "failed")  # noqa: SLF001
+    handler.shutdown()
+    return outcome
+
+
+def _agent_outcome(agent: ElasticAgent, handler: Etcd3RendezvousHandler, config: RunConfig) -> JobOutcome:
     try:
         result: RunResult | None = agent.run()
     except RendezvousClosedError:
@@ -236,18 +253,6 @@ def _run_agent(agent: ElasticAgent, handler: Etcd3RendezvousHandler, config: Run
             f"now closed: to resume from that checkpoint, start the job under a new --run-id, or after "
             f"`elastictrain stop --run-id {config.run_id} --purge`",
         )
-    except ElasticTrainError:
-        raise
-    except BaseException:
-        # A signal (Ctrl-C, SIGTERM): leave the rendezvous open so that the other
-        # nodes can carry on without us (torch does the same), but say at once that
-        # this node is gone rather than let its lease run out.
-        shutdown_rendezvous = False
-        handler.leave()
-        raise
-    finally:
-        if shutdown_rendezvous:
-            handler.shutdown()
     if result is None:  # torch's agent returns nothing after RendezvousGracefulExitError
         return JobOutcome(0, f"run {config.run_id!r} ended while this node waited as a spare "
                              f"(it had --max-nodes {config.max_nodes} already)")

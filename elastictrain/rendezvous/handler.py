@@ -330,7 +330,10 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         self._for_joiners = True
 
     def shutdown(self) -> bool:
-        """See base class. Closes the rendezvous (as torch's handlers do) and leaves it."""
+        """See base class. Closes the rendezvous (as torch's handlers do) and leaves it; once the
+        node has left, it does nothing and returns ``False``."""
+        if self._control.stopped:
+            return False
         self.client.wind_down(_GOODBYE_DEADLINE)
         try:
             self.set_closed()

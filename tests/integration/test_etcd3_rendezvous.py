@@ -563,8 +563,8 @@ def test_a_node_whose_job_ended_while_etcd_is_down_says_goodbye_within_seconds_n
     # the rendezvous as finished, closing it again at shutdown and publishing its last record
     # each waited out the 30 s retry deadline.
     # Later, each of them (and the revoke) still waited 5 s: about 17 s in all. The goodbyes
-    # now share 5 s, as the launcher makes them: closing as finished, torch's agent's shutdown,
-    # the launcher's, and the last record.
+    # now share 5 s, as the launcher makes them: closing as finished, the last record, and
+    # the shutdown (a second one, after the node left, sends nothing).
     handlers = _handlers(private_etcd.endpoint, run_id, 2, 1, 2, retry_deadline=30, **ALL_IN_FIRST)
     _join_all(handlers)
     ending = handlers[1]
@@ -574,10 +574,10 @@ def test_a_node_whose_job_ended_while_etcd_is_down_says_goodbye_within_seconds_n
     started = time.monotonic()
     with pytest.raises(EtcdError, match="etcd unreachable for"):
         ending.set_finished()
-    assert ending.shutdown() is False  # said in one line, as before
-    assert ending.shutdown() is False
     with pytest.raises(EtcdError, match="etcd unreachable for"):
         publisher.update(state="succeeded")
+    assert ending.shutdown() is False  # said in one line, as before
+    assert ending.shutdown() is False
     took = time.monotonic() - started
     assert took < 8, f"the goodbyes took {took:.1f}s with etcd down (they share 5 s)"
     handlers[0].leave()
@@ -672,6 +672,43 @@ def test_leaving_while_the_waiting_thread_is_in_an_etcd_request_still_ends_it_as
         release.set()
         with pytest.raises(RendezvousClosedError, match="left the rendezvous"):
             waiting.result(timeout=10)
+
+
+def test_a_waiting_thread_that_leave_overtakes_between_two_requests_registers_nothing_anew(
+        etcd_server: Any, run_id: str, etcd_client: Any) -> None:
+    # leave() runs after the waiting thread decided to register anew (etcd expired its lease)
+    # and before its request. Before, the closed client opened its channel again for that
+    # request: the node that had left granted a lease and wrote its member key, and the other
+    # nodes counted it as waiting until that lease expired.
+    [alone] = _handlers(etcd_server.endpoint, run_id, 1, 2, 2, join_timeout=20, **SHORT_LEASE)
+    real_call = alone.client.call
+    about_to, release = threading.Event(), threading.Event()
+    waiter: list[threading.Thread] = []
+
+    def call(operation: Any, what: str = "etcd request", **kwargs: Any) -> Any:
+        if waiter and threading.current_thread() is waiter[0] and not about_to.is_set():
+            about_to.set()
+            release.wait(10)  # leave() runs meanwhile
+        return real_call(operation, what, **kwargs)
+
+    with ThreadPoolExecutor(1) as pool:
+        def wait() -> Any:
+            waiter.append(threading.current_thread())
+            return alone.next_rendezvous()
+
+        waiting = pool.submit(wait)
+        _eventually(lambda: alone.node_id in read_members(etcd_client, alone.keys), 10, "it registered")
+        alone.client.call = call  # type: ignore[method-assign]
+        lease_id = alone._alive.id  # noqa: SLF001
+        etcd_client.call(lambda c: c.revoke_lease(lease_id))  # it registers anew: a request
+        assert about_to.wait(10), "the waiting thread made no request"
+        alone.leave()
+        release.set()
+        with pytest.raises(RendezvousClosedError, match="left the rendezvous"):
+            waiting.result(timeout=10)
+    assert alone.node_id not in read_members(etcd_client, alone.keys), "the node registered again after it left"
+    with pytest.raises(EtcdError, match="closed"):
+        alone.client.call(lambda c: c.status(), what="a request after leave()")
 
 
 def test_a_node_that_took_the_closer_key_keeps_its_role_when_older_events_of_that_key_arrive_after(

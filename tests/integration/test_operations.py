@@ -96,6 +96,8 @@ def test_status_duplicate_run_id_stop_and_events(etcd_server: Any, run_id: str, 
     finally:
         if job.poll() is None:
             job.kill()
+    ended = wait_for_status(endpoint, run_id, lambda s: True)
+    assert [n["state"] for n in ended["nodes"]] == ["succeeded", "succeeded"]  # each node's last record
     kinds = [json.loads(line) for line in events.read_text().splitlines()]
     by_kind: dict[str, list[dict[str, Any]]] = {}
     for event in kinds:
