@@ -37,6 +37,11 @@ logger = logging.getLogger(__name__)
 _RETRY_NOTICE_EVERY = 5.0
 """Seconds between warnings that a request is being retried because etcd does not answer."""
 
+_LAST_ATTEMPT = 0.5
+"""Seconds an attempt waits for etcd's answer once a node's goodbyes have spent their shared time
+(see :meth:`EtcdClient.wind_down`): a live etcd answers well within it, an unreachable one (a cut
+link answers nothing) costs no more."""
+
 __all__ = [
     "Endpoint",
     "EtcdClient",
@@ -233,10 +238,10 @@ class EtcdClient:
 
     def wind_down(self, deadline: timedelta) -> None:
         """Retry calls only until ``deadline`` from now (the first such deadline given), all of
-        them together, and make a single attempt after it: for a node whose job has ended, whose
-        goodbyes (closing the rendezvous, once as finished and again at each shutdown, revoking
-        its lease, its last record) must not each wait on an unreachable etcd. What they would
-        have said expires with the node's leases."""
+        them together, and make a single attempt of at most :data:`_LAST_ATTEMPT` seconds after
+        it: for a node whose job has ended, whose goodbyes (closing the rendezvous as finished,
+        its last record, closing it again at shutdown, revoking its lease) must not each wait on
+        an unreachable etcd. What they would have said expires with the node's leases."""
         end = time.monotonic() + deadline.total_seconds()
         self._goodbyes_end = min(end, self._goodbyes_end or end)
 
@@ -407,6 +412,11 @@ class EtcdClient:
             index, client = self._current, None
             try:
                 client = self._client_for(index)
+                if self._goodbyes_end is not None:
+                    # etcd3 gives each request its client's timeout: bound it by the time the
+                    # goodbyes have left (every request of a node that winds down is one).
+                    left = self._goodbyes_end - time.monotonic()
+                    client.timeout = max(_LAST_ATTEMPT, min(self._settings.request_timeout.total_seconds(), left))
                 return operation(client)
             except Exception as exc:
                 last.append((self._settings.endpoints[index], exc))

@@ -28,6 +28,7 @@ from elastictrain.rendezvous.handler import Etcd3RendezvousHandler, create_handl
 from elastictrain.rendezvous.keys import RunKeys
 from elastictrain.rendezvous.membership import ControlView, read_members
 from elastictrain.rendezvous.records import AllReadyRecord, CloserRecord, RoundRecord, decode, encode
+from tests.support.tcp_proxy import TcpProxy
 
 # A liveness lease of 2 s (0.5 s x 4, the shortest allowed) keeps the tests short.
 SHORT_LEASE = {"keep_alive_interval": 0.5, "keep_alive_max_attempt": 4}
@@ -582,6 +583,28 @@ def test_a_node_whose_job_ended_while_etcd_is_down_says_goodbye_within_seconds_n
     assert took < 8, f"the goodbyes took {took:.1f}s with etcd down (they share 5 s)"
     handlers[0].leave()
 
+
+def test_a_node_cut_off_from_etcd_as_its_job_ends_says_goodbye_within_seconds(etcd_server: Any, run_id: str) -> None:
+    # A cut link refuses nothing: a request goes unanswered until its timeout. Each goodbye
+    # past the 5 s they share still made a whole attempt: 20 s in all with the default request
+    # timeout of 5 s (seen). An attempt now waits no longer than the time the goodbyes have
+    # left, or _LAST_ATTEMPT once it is spent.
+    with TcpProxy("127.0.0.1", etcd_server.options.client_port) as proxy:
+        staying = create_handler(_params(etcd_server.endpoint, run_id, 2, 2, **ALL_IN_FIRST))
+        ending = create_handler(_params(proxy.endpoint, run_id, 2, 2, request_timeout=5, **ALL_IN_FIRST))
+        _join_all([staying, ending])
+        publisher = RunPublisher(ending.client, ending.keys, ending.run_lease,
+                                 NodeRecord(node_id=ending.node_id, host="h", addr="127.0.0.1", pid=1))
+        proxy.set_delay(600)  # nothing comes back
+        started = time.monotonic()
+        with pytest.raises(EtcdError, match="etcd unreachable for"):
+            ending.set_finished()
+        with pytest.raises(EtcdError, match="etcd unreachable for"):
+            publisher.update(state="succeeded")
+        assert ending.shutdown() is False
+        took = time.monotonic() - started
+        assert took < 8, f"the goodbyes took {took:.1f}s over a cut link (they share 5 s)"
+        staying.shutdown()
 
 def test_rounds_form_for_many_nodes_with_few_requests_each(etcd_server: Any, run_id: str) -> None:
     n = 32
