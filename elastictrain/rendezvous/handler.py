@@ -121,6 +121,8 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         self._control = ControlView(client, self.keys)
         self._closer: Closer | None = None
         self._joined: RoundRecord | None = None
+        self._joined_revision = 0
+        """The revision that wrote the round key of :attr:`_joined` (it fences words for that round)."""
         self._round_watch: RoundWatch | None = None
         self._watch_lock = threading.Lock()
         self._spare = False
@@ -200,7 +202,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                 if control.stopped:  # left (leave() or shutdown() from another thread)
                     self._release_closer()
                     raise RendezvousClosedError(f"node {self.node_id} left the rendezvous of run '{self.keys.run_id}'")
-                current = control.round
+                current, current_kv = control.round, control.round_kv
                 if control.closed is not None:
                     self._release_closer()
                     if self._spare:
@@ -267,7 +269,8 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             with control.cond:
                 control.cond.wait_for(lambda: control.version != seen, max(0.0, timeout))
         self._release_closer()
-        return self._enter_round(current)
+        assert current_kv is not None  # noqa: S101 - it holds current
+        return self._enter_round(current, current_kv.mod_revision)
 
     def is_closed(self) -> bool:
         """See base class."""
@@ -410,9 +413,12 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         return count
 
     def _say_all_ready(self, round_: int) -> None:
-        """Write the all-ready key for ``round_`` (the others learn it from their control watch)."""
+        """Write the all-ready key for ``round_``, the round this node joined (the others learn it
+        from their control watch), unless a newer round replaced it: a late word must not
+        replace the newer round's."""
         value = encode(AllReadyRecord(round_))
-        self.run_lease.write(lambda lease: kv.txn(self.client, [], [kv.put(self.keys.all_ready, value, lease)],
+        still = [kv.compare_mod(self.keys.round, "==", self._joined_revision)]
+        self.run_lease.write(lambda lease: kv.txn(self.client, still, [kv.put(self.keys.all_ready, value, lease)],
                                                   what="saying every node of the round is ready"))
 
     @property
@@ -539,10 +545,10 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             closer = self._control.closer
         return f"closer {closer or 'not yet chosen'}; min {self._min} node(s), max {self._max}"
 
-    def _enter_round(self, current: RoundRecord) -> RendezvousInfo:
+    def _enter_round(self, current: RoundRecord, revision: int) -> RendezvousInfo:
         rank = current.rank_of(self.node_id)
         assert rank is not None  # noqa: S101 - checked by the caller
-        self._joined, self._spare = current, False
+        self._joined, self._joined_revision, self._spare = current, revision, False
         store = Etcd3Store(self.client, self.keys.store(self._control.incarnation, current.round), self.run_lease,
                            timeout=self._config.join_timeout)
         logger.info("joined round %d of run '%s' as node rank %d of %d", current.round, self.keys.run_id, rank,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import threading
@@ -179,6 +180,25 @@ def test_when_no_node_said_all_are_ready_each_counts_the_ready_keys_now_and_then
     assert [decode(AllReadyRecord, keys.all_ready, item.value).round for item in found] == [round_]
     _shutdown(*nodes)
 
+
+def test_a_late_word_that_all_are_ready_for_an_older_round_leaves_the_newer_rounds_key(
+        etcd_server: Any, run_id: str, etcd_client: Any) -> None:
+    # A node completes the ready count of its round only after a newer round has formed and
+    # said all its nodes are ready (its request was slow, or it was cut off). Before, its
+    # write replaced the newer round's key: those nodes then counted the ready keys every
+    # 5 s instead of learning it from their watch.
+    nodes = _handlers(etcd_server.endpoint, run_id, 2, 2, 2)
+    _join_all(nodes)
+    keys, old = nodes[0].keys, nodes[0].joined
+    assert old is not None
+    nodes[1].say_ready()  # 1 of 2: no word for all yet
+    newer = dataclasses.replace(old, round=old.round + 1)
+    kv.txn(etcd_client, [], [kv.put(keys.round, encode(newer)),
+                             kv.put(keys.all_ready, encode(AllReadyRecord(newer.round)))], what="test")
+    nodes[0].say_ready()  # completes the older round's count, late
+    _, found = kv.range_(etcd_client, keys.all_ready, what="test")
+    assert [decode(AllReadyRecord, keys.all_ready, item.value).round for item in found] == [newer.round]
+    _shutdown(*nodes)
 
 def test_a_member_that_re_enters_to_take_in_a_joining_node_leaves_the_change_joins_only(etcd_server: Any,
                                                                                        run_id: str) -> None:
