@@ -15,8 +15,10 @@ the last error. Authentication and TLS failures are not retried.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import re
 import socket
 import ssl
 import threading
@@ -134,7 +136,9 @@ def parse_endpoints(text: str) -> list[Endpoint]:
         The endpoints, in the order given (that is the failover order).
 
     Raises:
-        ValueError: An endpoint is empty or its port is not a number in 1..65535.
+        ValueError: An endpoint is empty, its host cannot be one (a name of other characters
+            than letters, digits, '.', '-' and '_', or a malformed IPv6 address), or its port
+            is not a number in 1..65535: said at once, not after retrying it.
     """
     endpoints = []
     for raw in text.split(","):
@@ -146,7 +150,9 @@ def parse_endpoints(text: str) -> list[Endpoint]:
         if not item:
             raise ValueError(f"malformed etcd endpoint list {text!r}: empty endpoint")
         if item.startswith("["):  # [ipv6]:port
-            host, _, rest = item[1:].partition("]")
+            host, bracket, rest = item[1:].partition("]")
+            if not bracket:
+                raise ValueError(f"malformed etcd endpoint {raw.strip()!r}: no ']' after the IPv6 address")
             port_text = rest[1:] if rest.startswith(":") else ""
         elif item.count(":") == 1:
             host, port_text = item.split(":")
@@ -156,6 +162,7 @@ def parse_endpoints(text: str) -> list[Endpoint]:
             host, port_text = item, ""
         if not host:
             raise ValueError(f"malformed etcd endpoint {raw.strip()!r}: no host")
+        _check_host(host, raw.strip())
         if port_text == "":
             port = DEFAULT_ETCD_PORT
         elif port_text.isdigit() and 0 < int(port_text) < 65536:
@@ -166,6 +173,22 @@ def parse_endpoints(text: str) -> list[Endpoint]:
             )
         endpoints.append(Endpoint(host, port))
     return endpoints
+
+
+_HOST_NAME = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def _check_host(host: str, endpoint: str) -> None:
+    """Raise ``ValueError`` unless ``host`` can be a host: a name or IPv4 address, or an IPv6 address."""
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"malformed etcd endpoint {endpoint!r}: {host!r} is not an IPv6 address (write "
+                             "host:port, or [IPv6 address]:port)") from None
+    elif not _HOST_NAME.fullmatch(host):
+        raise ValueError(f"malformed etcd endpoint {endpoint!r}: host {host!r} may hold only letters, digits, "
+                         "'.', '-' and '_'")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

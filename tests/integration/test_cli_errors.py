@@ -27,6 +27,13 @@ CASES = [
     (["run", str(REPO_ROOT / "pyproject.toml")], 2, "is not a Python file"),
     (["run", "--etcd", "host:notaport", "--run-id", "x", SCRIPT], 2, "malformed etcd endpoint 'host:notaport'"),
     (["run", "--etcd", "a:1,,b:2", "--run-id", "x", SCRIPT], 2, "empty endpoint"),
+    # A host that cannot be one was tried for the whole retry deadline (10 s for status), and
+    # only then named, as unreachable.
+    (["status", "--etcd", "127.0.0.1:2379:2379", "--run-id", "x"], 2,
+     "malformed etcd endpoint '127.0.0.1:2379:2379': '127.0.0.1:2379:2379' is not an IPv6 address"),
+    (["status", "--etcd", "[fe80::1:2379", "--run-id", "x"], 2, "malformed etcd endpoint '[fe80::1:2379': no ']'"),
+    (["status", "--etcd", "etcd host:2379", "--run-id", "x"], 2,
+     "malformed etcd endpoint 'etcd host:2379': host 'etcd host' may hold only letters, digits"),
     (["run", "--etcd", "127.0.0.1:2379", SCRIPT], 2, "--run-id is required with --etcd"),
     (["run", "--run-id", "a/b", SCRIPT], 2, "run id 'a/b' may hold only"),
     (["run", "--min-nodes", "2", SCRIPT], 2, "pass --local-nodes 2"),
