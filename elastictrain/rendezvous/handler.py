@@ -578,9 +578,10 @@ def create_handler(params: RendezvousParameters, *, client: EtcdClient | None = 
 
     Args:
         params: torch's rendezvous parameters.
-        client: An etcd client to use instead of a new one from ``params`` (several
-            simulated nodes in one process share one connection); the handler then
-            owns it.
+        client: An etcd client to use instead of a new one from ``params`` (the
+            simulated nodes of a benchmark process share one connection). The handler
+            closes it when it leaves (``leave()``, ``shutdown()``), for good: handlers
+            that share one must not leave while the others go on.
 
     Raises:
         ConfigError: A parameter is invalid.
