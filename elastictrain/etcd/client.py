@@ -15,17 +15,14 @@ the last error. Authentication and TLS failures are not retried.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
-import re
 import socket
 import ssl
 import threading
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -33,6 +30,7 @@ import tenacity
 
 from elastictrain import errors
 from elastictrain.errors import DependencyError
+from elastictrain.etcd.conf import Endpoint, EtcdSettings
 
 logger = logging.getLogger(__name__)
 
@@ -45,17 +43,12 @@ _LAST_ATTEMPT = 0.5
 link answers nothing) costs no more."""
 
 __all__ = [
-    "Endpoint",
     "EtcdClient",
-    "EtcdSettings",
     "connect",
     "import_etcd3",
-    "parse_endpoints",
 ]
 
 _T = TypeVar("_T")
-
-DEFAULT_ETCD_PORT = 2379
 
 # gRPC's own reconnect back-off grows to 120 s by default: after an etcd restart a
 # client could sit out two minutes before even trying again. Keep it short; our
@@ -113,114 +106,6 @@ def import_etcd3() -> Any:
         ) from exc
     _etcd3 = etcd3
     return etcd3
-
-
-@dataclass(frozen=True, slots=True)
-class Endpoint:
-    """One etcd client URL, reduced to host and port."""
-
-    host: str
-    port: int
-
-    def __str__(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-
-
-def parse_endpoints(text: str) -> list[Endpoint]:
-    """Parse ``host:port[,host:port...]`` (``http(s)://`` prefixes allowed).
-
-    Args:
-        text: Comma-separated endpoints. A missing port means 2379.
-
-    Returns:
-        The endpoints, in the order given (that is the failover order).
-
-    Raises:
-        ValueError: An endpoint is empty, its host cannot be one (a name of other characters
-            than letters, digits, '.', '-' and '_', or a malformed IPv6 address), or its port
-            is not a number in 1..65535: said at once, not after retrying it.
-    """
-    endpoints = []
-    for raw in text.split(","):
-        item = raw.strip()
-        for scheme in ("http://", "https://"):
-            if item.startswith(scheme):
-                item = item[len(scheme):]
-        item = item.rstrip("/")
-        if not item:
-            raise ValueError(f"malformed etcd endpoint list {text!r}: empty endpoint")
-        if item.startswith("["):  # [ipv6]:port
-            host, bracket, rest = item[1:].partition("]")
-            if not bracket:
-                raise ValueError(f"malformed etcd endpoint {raw.strip()!r}: no ']' after the IPv6 address")
-            port_text = rest[1:] if rest.startswith(":") else ""
-        elif item.count(":") == 1:
-            host, port_text = item.split(":")
-        elif ":" in item:  # bare IPv6 address, no port
-            host, port_text = item, ""
-        else:
-            host, port_text = item, ""
-        if not host:
-            raise ValueError(f"malformed etcd endpoint {raw.strip()!r}: no host")
-        _check_host(host, raw.strip())
-        if port_text == "":
-            port = DEFAULT_ETCD_PORT
-        elif port_text.isdigit() and 0 < int(port_text) < 65536:
-            port = int(port_text)
-        else:
-            raise ValueError(
-                f"malformed etcd endpoint {raw.strip()!r}: port must be a number in 1..65535"
-            )
-        endpoints.append(Endpoint(host, port))
-    return endpoints
-
-
-_HOST_NAME = re.compile(r"[A-Za-z0-9._-]+")
-
-
-def _check_host(host: str, endpoint: str) -> None:
-    """Raise ``ValueError`` unless ``host`` can be a host: a name or IPv4 address, or an IPv6 address."""
-    if ":" in host:
-        try:
-            ipaddress.IPv6Address(host)
-        except ValueError:
-            raise ValueError(f"malformed etcd endpoint {endpoint!r}: {host!r} is not an IPv6 address (write "
-                             "host:port, or [IPv6 address]:port)") from None
-    elif not _HOST_NAME.fullmatch(host):
-        raise ValueError(f"malformed etcd endpoint {endpoint!r}: host {host!r} may hold only letters, digits, "
-                         "'.', '-' and '_'")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class EtcdSettings:
-    """How to reach etcd and how hard to try."""
-
-    endpoints: tuple[Endpoint, ...]
-    """Members to try, in failover order."""
-
-    request_timeout: timedelta = timedelta(seconds=5)
-    """Deadline of a single gRPC request."""
-
-    retry_deadline: timedelta = timedelta(seconds=30)
-    """Total time one operation may spend retrying transient failures."""
-
-    ca_cert: str | None = None
-    """CA bundle that signed the etcd server certificates; enables TLS."""
-
-    cert_cert: str | None = None
-    """Client certificate for mutual TLS."""
-
-    cert_key: str | None = None
-    """Private key of ``cert_cert``."""
-
-    user: str | None = None
-    """etcd user for password authentication."""
-
-    password: str | None = field(default=None, repr=False)
-    """Password of ``user``; never logged (``repr=False``)."""
-
-    def describe(self) -> str:
-        return ",".join(str(e) for e in self.endpoints)
 
 
 def _grpc_code_name(exc: BaseException) -> str | None:

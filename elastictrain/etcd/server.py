@@ -30,7 +30,7 @@ from pathlib import Path
 from elastictrain._addresses import is_loopback
 from elastictrain._process import dying_with_us
 from elastictrain.errors import EtcdServerError
-from elastictrain.etcd.client import Endpoint
+from elastictrain.etcd.conf import Endpoint
 
 logger = logging.getLogger(__name__)
 
