@@ -131,6 +131,7 @@ class EtcdSettings:
     def describe(self) -> str:
         return ",".join(str(e) for e in self.endpoints)
 
+
 ETCD_PASSWORD_ENV = "ELASTICTRAIN_ETCD_PASSWORD"
 
 

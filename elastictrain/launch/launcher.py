@@ -229,6 +229,7 @@ def _run_agent(agent: ElasticAgent, handler: Etcd3RendezvousHandler, config: Run
         # this node is gone rather than let its lease run out.
         handler.leave()
         raise
+    handler.begin_goodbyes()  # the last record is the first of them
     agent._publish(state="succeeded" if outcome.exit_code == 0 else "failed")  # noqa: SLF001
     handler.shutdown()
     return outcome

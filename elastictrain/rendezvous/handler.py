@@ -288,7 +288,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         """Close the rendezvous because this node's workers finished training: the job is done.
         Nodes still forming a group (one that joined as the job ended) then stop instead of
         waiting for ranks that have exited; nodes still training finish as usual."""
-        self.client.wind_down(_GOODBYE_DEADLINE)
+        self.begin_goodbyes()
         close_rendezvous(self.client, self.keys, self.run_lease, by=self.node_id, reason=FINISHED)
 
     def num_nodes_waiting(self) -> int:
@@ -337,7 +337,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         node has left, it does nothing and returns ``False``."""
         if self._control.stopped:
             return False
-        self.client.wind_down(_GOODBYE_DEADLINE)
+        self.begin_goodbyes()
         try:
             self.set_closed()
             return True
@@ -348,6 +348,12 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             self.leave()
 
     # --- elastictrain's additions -------------------------------------------------------------
+
+    def begin_goodbyes(self) -> None:
+        """Say that this node's job has ended: from now on its etcd requests (its last status
+        record, closing the rendezvous, revoking its lease) retry for :data:`_GOODBYE_DEADLINE`
+        in all, not each for the retry deadline (see :meth:`EtcdClient.wind_down`)."""
+        self.client.wind_down(_GOODBYE_DEADLINE)
 
     def leave(self) -> None:
         """Leave the rendezvous without closing it: stop watching, and revoke this node's lease,

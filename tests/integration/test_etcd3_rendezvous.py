@@ -22,6 +22,9 @@ from torch.distributed.elastic.rendezvous import (
 
 from elastictrain.errors import EtcdError
 from elastictrain.etcd import kv
+from elastictrain.launch import launcher
+from elastictrain.launch.agent import ElasticAgent
+from elastictrain.launch.config import RunConfig
 from elastictrain.launch.run_state import NodeRecord, RunPublisher, read_status
 from elastictrain.rendezvous import handler as handler_module
 from elastictrain.rendezvous import register
@@ -603,6 +606,34 @@ def test_a_node_whose_job_ended_while_etcd_is_down_says_goodbye_within_seconds_n
     assert took < 8, f"the goodbyes took {took:.1f}s with etcd down (they share 5 s)"
     handlers[0].leave()
 
+
+def test_a_node_whose_job_failed_while_etcd_is_down_says_goodbye_within_seconds(private_etcd: Any,
+                                                                                  run_id: str) -> None:
+    # The launcher publishes a node's last record before it closes the rendezvous (ed51d62). A
+    # job that failed says no word that it finished, which began the goodbyes' shared 5 s:
+    # that record then retried for the whole retry deadline (30 s here) with etcd down.
+    handlers = _handlers(private_etcd.endpoint, run_id, 2, 1, 2, retry_deadline=30, **ALL_IN_FIRST)
+    _join_all(handlers)
+    ending = handlers[1]
+
+    class FailedAgent:
+        """What the launcher asks of an agent whose job failed: its run, and its last record."""
+
+        stopped_by_request = False
+        _publisher = RunPublisher(ending.client, ending.keys, ending.run_lease,
+                                  NodeRecord(node_id=ending.node_id, host="h", addr="127.0.0.1", pid=1))
+        _publish = ElasticAgent._publish
+
+        def run(self) -> None:
+            raise RendezvousTimeoutError("the next round did not form")
+
+    private_etcd.kill()
+    started = time.monotonic()
+    outcome = launcher._run_agent(FailedAgent(), ending, RunConfig(script=__file__, run_id=run_id))  # type: ignore[arg-type]  # noqa: SLF001
+    took = time.monotonic() - started
+    assert outcome.exit_code == 1 and "timed out" in outcome.summary
+    assert took < 8, f"the goodbyes took {took:.1f}s with etcd down (they share 5 s)"
+    handlers[0].leave()
 
 def test_a_node_cut_off_from_etcd_as_its_job_ends_says_goodbye_within_seconds(etcd_server: Any, run_id: str) -> None:
     # A cut link refuses nothing: a request goes unanswered until its timeout. Each goodbye
