@@ -203,6 +203,7 @@ def test_a_late_word_that_all_are_ready_for_an_older_round_leaves_the_newer_roun
     assert [decode(AllReadyRecord, keys.all_ready, item.value).round for item in found] == [newer.round]
     _shutdown(*nodes)
 
+
 def test_a_member_that_re_enters_to_take_in_a_joining_node_leaves_the_change_joins_only(etcd_server: Any,
                                                                                        run_id: str) -> None:
     # Chaos, stop 32 (`--schedule kill_node@2,kill_worker@8`, 1 run in 4): the other member
@@ -635,6 +636,7 @@ def test_a_node_whose_job_failed_while_etcd_is_down_says_goodbye_within_seconds(
     assert took < 8, f"the goodbyes took {took:.1f}s with etcd down (they share 5 s)"
     handlers[0].leave()
 
+
 def test_a_node_cut_off_from_etcd_as_its_job_ends_says_goodbye_within_seconds(etcd_server: Any, run_id: str) -> None:
     # A cut link refuses nothing: a request goes unanswered until its timeout. Each goodbye
     # past the 5 s they share still made a whole attempt: 20 s in all with the default request
@@ -656,6 +658,7 @@ def test_a_node_cut_off_from_etcd_as_its_job_ends_says_goodbye_within_seconds(et
         took = time.monotonic() - started
         assert took < 8, f"the goodbyes took {took:.1f}s over a cut link (they share 5 s)"
         staying.shutdown()
+
 
 def test_rounds_form_for_many_nodes_with_few_requests_each(etcd_server: Any, run_id: str) -> None:
     n = 32
