@@ -715,58 +715,30 @@ def test_a_read_older_than_the_watchs_last_event_does_not_undo_it(etcd_server: A
         view.close()
 
 
-def test_leaving_while_the_waiting_thread_is_in_an_etcd_request_still_ends_it_as_closed(etcd_server: Any, run_id: str,
-                                                                                       etcd_client: Any) -> None:
-    # leave() closes the etcd client under a waiting thread's request (here: registering anew
-    # after etcd expired its lease). That request fails on the closed channel; the wait must
-    # end as a left rendezvous, as it does between requests, not with the request's error.
-    [alone] = _handlers(etcd_server.endpoint, run_id, 1, 2, 2, join_timeout=20, **SHORT_LEASE)
+def _leave_while_the_waiting_thread_registers(alone: Etcd3RendezvousHandler, etcd_client: Any, *,
+                                              on_the_channel: bool) -> None:
+    """Let ``alone`` wait for a round; revoke its lease so that it registers again (a request);
+    hold that request, before it takes a channel or (``on_the_channel``) after, while the test
+    calls ``leave()``; then require the wait to end as a left rendezvous."""
     real_call = alone.client.call
-    in_flight, release = threading.Event(), threading.Event()
+    held, release = threading.Event(), threading.Event()
     waiter: list[threading.Thread] = []
 
-    def call(operation: Any, what: str = "etcd request", **kwargs: Any) -> Any:
-        if waiter and threading.current_thread() is waiter[0] and not in_flight.is_set():
-            def held(client: Any) -> Any:
-                in_flight.set()
-                release.wait(10)  # leave() closes the client meanwhile
-                return operation(client)
-            return real_call(held, what, **kwargs)
-        return real_call(operation, what, **kwargs)
-
-    with ThreadPoolExecutor(1) as pool:
-        def wait() -> Any:
-            waiter.append(threading.current_thread())
-            return alone.next_rendezvous()
-
-        waiting = pool.submit(wait)
-        _eventually(lambda: alone.node_id in read_members(alone.client, alone.keys), 10, "it registered")
-        alone.client.call = call  # type: ignore[method-assign]
-        lease_id = alone._alive.id  # noqa: SLF001
-        etcd_client.call(lambda c: c.revoke_lease(lease_id))  # it registers anew: a request
-        assert in_flight.wait(10), "the waiting thread made no request"
-        alone.leave()
-        release.set()
-        with pytest.raises(RendezvousClosedError, match="left the rendezvous"):
-            waiting.result(timeout=10)
-
-
-def test_a_waiting_thread_that_leave_overtakes_between_two_requests_registers_nothing_anew(
-        etcd_server: Any, run_id: str, etcd_client: Any) -> None:
-    # leave() runs after the waiting thread decided to register anew (etcd expired its lease)
-    # and before its request. Before, the closed client opened its channel again for that
-    # request: the node that had left granted a lease and wrote its member key, and the other
-    # nodes counted it as waiting until that lease expired.
-    [alone] = _handlers(etcd_server.endpoint, run_id, 1, 2, 2, join_timeout=20, **SHORT_LEASE)
-    real_call = alone.client.call
-    about_to, release = threading.Event(), threading.Event()
-    waiter: list[threading.Thread] = []
+    def hold() -> None:
+        held.set()
+        release.wait(10)  # leave() runs meanwhile
 
     def call(operation: Any, what: str = "etcd request", **kwargs: Any) -> Any:
-        if waiter and threading.current_thread() is waiter[0] and not about_to.is_set():
-            about_to.set()
-            release.wait(10)  # leave() runs meanwhile
-        return real_call(operation, what, **kwargs)
+        if not waiter or threading.current_thread() is not waiter[0] or held.is_set():
+            return real_call(operation, what, **kwargs)
+        if not on_the_channel:
+            hold()
+            return real_call(operation, what, **kwargs)
+
+        def on_channel(client: Any) -> Any:
+            hold()
+            return operation(client)
+        return real_call(on_channel, what, **kwargs)
 
     with ThreadPoolExecutor(1) as pool:
         def wait() -> Any:
@@ -778,11 +750,30 @@ def test_a_waiting_thread_that_leave_overtakes_between_two_requests_registers_no
         alone.client.call = call  # type: ignore[method-assign]
         lease_id = alone._alive.id  # noqa: SLF001
         etcd_client.call(lambda c: c.revoke_lease(lease_id))  # it registers anew: a request
-        assert about_to.wait(10), "the waiting thread made no request"
+        assert held.wait(10), "the waiting thread made no request"
         alone.leave()
         release.set()
         with pytest.raises(RendezvousClosedError, match="left the rendezvous"):
             waiting.result(timeout=10)
+
+
+def test_leaving_while_the_waiting_thread_is_in_an_etcd_request_still_ends_it_as_closed(etcd_server: Any, run_id: str,
+                                                                                       etcd_client: Any) -> None:
+    # leave() closes the etcd client under a waiting thread's request (here: registering anew
+    # after etcd expired its lease). That request fails on the closed channel; the wait must
+    # end as a left rendezvous, as it does between requests, not with the request's error.
+    [alone] = _handlers(etcd_server.endpoint, run_id, 1, 2, 2, join_timeout=20, **SHORT_LEASE)
+    _leave_while_the_waiting_thread_registers(alone, etcd_client, on_the_channel=True)
+
+
+def test_a_waiting_thread_that_leave_overtakes_between_two_requests_registers_nothing_anew(
+        etcd_server: Any, run_id: str, etcd_client: Any) -> None:
+    # leave() runs after the waiting thread decided to register anew (etcd expired its lease)
+    # and before its request. Before, the closed client opened its channel again for that
+    # request: the node that had left granted a lease and wrote its member key, and the other
+    # nodes counted it as waiting until that lease expired.
+    [alone] = _handlers(etcd_server.endpoint, run_id, 1, 2, 2, join_timeout=20, **SHORT_LEASE)
+    _leave_while_the_waiting_thread_registers(alone, etcd_client, on_the_channel=False)
     assert alone.node_id not in read_members(etcd_client, alone.keys), "the node registered again after it left"
     with pytest.raises(EtcdError, match="closed"):
         alone.client.call(lambda c: c.status(), what="a request after leave()")
