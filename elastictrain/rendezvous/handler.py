@@ -385,7 +385,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         result = kv.txn(self.client, [], ops, what="saying this node's workers are ready")
         self._ready_round = joined.round
         if result.counts[0] >= len(joined.nodes):
-            self._say_all_ready(joined.round)
+            self._say_all_ready()
 
     def ready_nodes(self) -> int:
         """How many nodes of the round this node joined said their workers can form its group:
@@ -415,14 +415,15 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         if count >= len(joined.nodes):
             logger.info("every node of round %d said its workers are ready, but none said so for all: saying it",
                         joined.round)
-            self._say_all_ready(joined.round)
+            self._say_all_ready()
         return count
 
-    def _say_all_ready(self, round_: int) -> None:
-        """Write the all-ready key for ``round_``, the round this node joined (the others learn it
-        from their control watch), unless a newer round replaced it: a late word must not
-        replace the newer round's."""
-        value = encode(AllReadyRecord(round_))
+    def _say_all_ready(self) -> None:
+        """Write the all-ready key for the round this node joined (the others learn it from their
+        control watch), unless a newer round replaced it: a late word must not replace the newer
+        round's."""
+        assert self._joined is not None  # noqa: S101 - the callers checked it
+        value = encode(AllReadyRecord(self._joined.round))
         still = [kv.compare_mod(self.keys.round, "==", self._joined_revision)]
         self.run_lease.write(lambda lease: kv.txn(self.client, still, [kv.put(self.keys.all_ready, value, lease)],
                                                   what="saying every node of the round is ready"))
