@@ -12,17 +12,22 @@ A directory per agent (``ELASTICTRAIN_CONTROL_DIR``) holds:
   finished a step and its typical step time, when its liveness thread last ran, and what it is doing (training,
   recovering, busy in a long operation). Writing a slot is a ``struct`` pack into an
   ``mmap``: nothing measurable per step.
+- ``doorbell``: a FIFO that wakes the agent between its monitor ticks. A worker rings it
+  when its slot's state changes (its slot opened, its collective failed), so that the agent
+  acts on it at once rather than at its next tick; the agent's rendezvous rings it too.
 
 Nothing here imports torch: the agent and the workers both use it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
 import struct
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,6 +37,7 @@ __all__ = [
     "CONTROL_DIR_ENV",
     "RECOVERY_MODES",
     "Assignment",
+    "Doorbell",
     "ProgressTable",
     "WorkerState",
     "read_assignment",
@@ -47,6 +53,7 @@ or by restarting them (torch's way)."""
 
 _ASSIGNMENT = "assignment.json"
 _PROGRESS = "progress"
+_DOORBELL = "doorbell"
 _SCHEMA = 1
 
 
@@ -179,6 +186,57 @@ class ProgressTable:
     def close(self) -> None:
         self._map.close()
         self._file.close()
+
+
+class Doorbell:
+    """The control directory's FIFO (see the module docstring): :meth:`ring` makes it readable
+    (:meth:`fileno`) until the agent drains it (:meth:`drain`). Many rings before a drain wake
+    the agent once: a ring says "look again", not what changed.
+
+    Args:
+        directory: The control directory.
+        create: The agent creates the FIFO and waits on it; workers only ring it.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], *, create: bool = False) -> None:
+        path = Path(directory) / _DOORBELL
+        self._lock = threading.Lock()  # ring() runs on other threads too (the rendezvous' watches)
+        self._reader: int | None = None
+        if create:
+            os.mkfifo(path, 0o600)
+            # First: opening a FIFO to write, without blocking, needs a reader.
+            self._reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            # The agent keeps a writer open too: with none, a FIFO reads as at its end, at once.
+            self._writer: int | None = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # no FIFO, or no agent to read it: the agent sees the slot at its next tick
+            self._writer = None
+
+    def ring(self) -> None:
+        """Wake the agent (never blocks; nothing happens if nobody reads)."""
+        with self._lock:
+            if self._writer is None:
+                return
+            # Full (BlockingIOError): rings are pending anyway. No reader (BrokenPipeError): nobody to wake.
+            with contextlib.suppress(OSError):
+                os.write(self._writer, b"\0")
+
+    def fileno(self) -> int:
+        """What the agent waits on (``select``): readable once rung."""
+        assert self._reader is not None  # noqa: S101 - the agent's end only
+        return self._reader
+
+    def drain(self) -> None:
+        """Take every ring so far (the next wait waits for a new one)."""
+        with contextlib.suppress(BlockingIOError):
+            os.read(self.fileno(), 65536)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in (self._reader, self._writer):
+                if fd is not None:
+                    os.close(fd)
+            self._reader = self._writer = None
 
 
 def now() -> float:

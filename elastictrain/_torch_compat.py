@@ -46,6 +46,7 @@ __all__ = [
     "set_local_rank_env",
     "worker_exit_codes",
     "worker_group",
+    "worker_sentinels",
 ]
 
 PINNED_TORCH = "2.13"
@@ -174,6 +175,16 @@ def worker_exit_codes(context: Any) -> list[int | None] | None:
     if not isinstance(context, MultiprocessContext) or context._pc is None:  # noqa: SLF001 - checked above
         return None
     return [process.exitcode for process in context._pc.processes]  # noqa: SLF001 - checked above
+
+
+def worker_sentinels(context: Any) -> dict[int, int]:
+    """The ``multiprocessing`` sentinel of each process of a torch process context that runs
+    functions, by pid: a file descriptor that becomes readable once the process's parent reported
+    its end (what the context's ``wait`` learns it from). Empty for another kind of context, or
+    one not started."""
+    if not isinstance(context, MultiprocessContext) or context._pc is None:  # noqa: SLF001 - checked above
+        return {}
+    return {process.pid: process.sentinel for process in context._pc.processes}  # noqa: SLF001 - checked above
 
 
 def set_local_rank_env(agent: LocalElasticAgent, env: dict[str, str | None], local_rank: int, spec: Any) -> None:

@@ -63,6 +63,12 @@ _HOLD_S = 60.0
 """How long the nodes of a job train on after a node joined the rendezvous, waiting for its
 workers to be ready, before they re-form the group anyway."""
 
+_ENDING_TICK = 0.01
+"""The agent's first tick once a worker that said it is done still runs, doubled at each tick
+up to the monitor interval: the worker hands its return value over when its script ends (torch's
+process context keeps it until the agent reads it), and nothing rings for that. A script may
+go on for a while after its session closed (an evaluation, a final save): the ticks get longer."""
+
 _FORMING = frozenset({SlotState.STARTING, SlotState.RECOVERING, SlotState.BUSY})
 """Worker states that wait for peers to form a group (not training)."""
 
@@ -295,6 +301,7 @@ class InProcessAgent(ElasticAgent):
         self._killed_hung: set[int] = set()
         self._held: _Held | None = None
         self._ready_round: int | None = None
+        self._ending_tick: float | None = None
         self.recoveries = 0
 
     @property
@@ -399,8 +406,12 @@ class InProcessAgent(ElasticAgent):
         group = _torch_compat.worker_group(self)
         spec = group.spec
         self._initialize_workers(group)
+        wake_on_change = getattr(spec.rdzv_handler, "wake_on_change", None)
+        if wake_on_change is not None:
+            wake_on_change(self._channel.doorbell.ring)
         while True:
-            time.sleep(spec.monitor_interval)
+            # A tick, or sooner: a worker's slot changed, a worker ended, or the rendezvous changed.
+            self._channel.wait(self._tick(spec.monitor_interval), self._workers.ends())
             result = self._monitor_workers(group)
             group.state = result.state
             if result.state == WorkerState.SUCCEEDED:
@@ -468,6 +479,16 @@ class InProcessAgent(ElasticAgent):
                 self._publish_recovery(group, held.cause, held.started, held_since=held.formed, joined=cause is None)
             if cause is not None:
                 self._recover(group, cause, joins=joins)
+
+    def _tick(self, interval: float) -> float:
+        """How long the next wait for a change may last: ``interval``, or shorter while a worker
+        said it is done and its process lives (see :data:`_ENDING_TICK`)."""
+        live = set(self._workers.pids().values())
+        if not any(p.state == SlotState.DONE and p.pid in live for p in self._channel.progress()):
+            self._ending_tick = None
+            return interval
+        self._ending_tick = min(interval, 2 * self._ending_tick if self._ending_tick else _ENDING_TICK)
+        return self._ending_tick
 
     def _say_if_lingering(self, handler: Any, now: float) -> None:
         """Say once if this node's workers still run long after the job finished on other nodes:

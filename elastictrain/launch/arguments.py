@@ -230,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(run, "--restart-window", default=3600.0, type=float, help="seconds over which --max-restarts counts this node's failures (in-process recovery)")
     _add(run, "--local-nodes", default=None, type=_positive_int, help="start this many node agents on this machine (a multi-node job without several hosts)")
     _add(run, "--local-addr", "--local_addr", default=None, help="address other nodes reach this node at (default: this host's address on its route to etcd, 127.0.0.1 with a private etcd)")
-    _add(run, "--monitor-interval", "--monitor_interval", default=0.1, type=float, help="seconds between the agent's checks of its workers")
+    _add(run, "--monitor-interval", "--monitor_interval", default=0.1, type=float, help="longest wait between the agent's checks of its workers (in-process recovery acts sooner, on each change: a worker's state, a worker's end, the rendezvous)")
     _add(run, "--join-timeout", default=defaults.join_timeout.total_seconds(), type=float, help="seconds to wait for --min-nodes to gather")
     _add(run, "--last-call-timeout", default=defaults.last_call_timeout.total_seconds(), type=float, help="extra seconds to wait for more nodes once --min-nodes are there")
     _add(run, "--keep-alive-interval", default=defaults.keep_alive_interval.total_seconds(), type=float, help="seconds between node heartbeats; a node silent for 5 of them is dead")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import select
 import shutil
 import signal
 import tempfile
@@ -28,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from elastictrain._control import Assignment, Progress, ProgressTable, WorkerState, write_assignment
+from elastictrain._control import Assignment, Doorbell, Progress, ProgressTable, WorkerState, write_assignment
 from elastictrain._process import proc_stat
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,14 @@ class WorkerProcesses:
             pids[local_rank] = context.pids()[0]
         return pids
 
+    def ends(self) -> dict[int, int]:
+        """For each running worker, by pid, a file descriptor that becomes readable once its end
+        is known (see :meth:`Channel.wait`)."""
+        from elastictrain import _torch_compat  # noqa: PLC0415 - imports torch (see exited_cleanly)
+
+        return {pid: fd for context in self.contexts.values()
+                for pid, fd in _torch_compat.worker_sentinels(context).items()}
+
     def poll(self) -> dict[int, Any]:
         """The result of every worker that ended since it was started, by local rank."""
         ended = {}
@@ -152,6 +161,11 @@ class Channel:
     def __init__(self, local_world_size: int) -> None:
         self.directory = tempfile.mkdtemp(prefix="elastictrain-control-")
         self.table = ProgressTable(self.directory, local_world_size, create=True)
+        self.doorbell = Doorbell(self.directory, create=True)
+        """Rung by the workers when their slots' states change, and by the rendezvous when its
+        membership does (see :meth:`wait`)."""
+        self._ended: set[int] = set()
+        """Worker processes whose end woke a :meth:`wait` already."""
         self.local_world_size = local_world_size
         self.assignment: Assignment | None = None
 
@@ -164,11 +178,24 @@ class Channel:
         if self.assignment is not None and not self.assignment.pending:
             self.publish(replace(self.assignment, pending=True, cause=cause, joined=False))
 
+    def wait(self, timeout: float, ends: dict[int, int] | None = None) -> None:
+        """Wait ``timeout`` seconds (a monitor tick), or less: until a worker or the rendezvous
+        rings the doorbell, or a worker process ends (``ends``: by pid, a file descriptor that
+        becomes readable then, see :meth:`WorkerProcesses.ends`; each end wakes one wait)."""
+        ends = ends or {}
+        self._ended &= ends.keys()
+        waiting = [fd for pid, fd in ends.items() if pid not in self._ended]
+        ready = set(select.select([self.doorbell, *waiting], [], [], timeout)[0])
+        if self.doorbell in ready:
+            self.doorbell.drain()
+        self._ended |= {pid for pid, fd in ends.items() if fd in ready}
+
     def progress(self) -> list[Progress]:
         return [self.table.read(i) for i in range(self.local_world_size)]
 
     def close(self) -> None:
         self.table.close()
+        self.doorbell.close()
         shutil.rmtree(self.directory, ignore_errors=True)
 
 

@@ -291,6 +291,13 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         self.begin_goodbyes()
         close_rendezvous(self.client, self.keys, self.run_lease, by=self.node_id, reason=FINISHED)
 
+    def wake_on_change(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` whenever what :meth:`num_nodes_waiting` and :meth:`ready_nodes` say
+        may have changed (a node waits, a member left, a round formed, all nodes said they are
+        ready, this node lost its lease), so that an agent acts on it at once instead of at its
+        next monitor tick. It is called on the rendezvous' watch threads: it must not block."""
+        self._control.on_change = callback
+
     def num_nodes_waiting(self) -> int:
         """See base class. Counts every reason to re-form this node's round, from etcd events
         (no etcd request): nodes that wait to join and fit under ``max_nodes``, members that
@@ -302,7 +309,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         with self._watch_lock:
             watch = self._round_watch
             if watch is None:  # started on first use: next_rendezvous returns sooner
-                watch = self._round_watch = RoundWatch(self.client, self.keys, joined)
+                watch = self._round_watch = RoundWatch(self.client, self.keys, joined, on_change=self._control.touch)
         with self._control.cond:
             current, closed = self._control.round, self._control.closed
         if closed is not None:

@@ -135,7 +135,7 @@ def choose_members(candidates: list[Member], current: RoundRecord | None, max_no
 class ControlView:
     """The run's control keys as etcd last told this node, updated by a watch.
 
-    Waiters use :attr:`cond`; every update notifies it.
+    Waiters use :attr:`cond`; every update notifies it, and calls :attr:`on_change`.
     """
 
     def __init__(self, client: EtcdClient, keys: RunKeys) -> None:
@@ -160,12 +160,19 @@ class ControlView:
         self._seen = 0  # the newest revision this view reflects (a read's, or the watch's last event's)
         self._closer_changed = 0  # the revision of the closer key's last change in the view
         self._watch: Watch | None = None
+        self.on_change: Callable[[], None] | None = None
+        """Called after each update (on the thread that made it, the watch's most often)."""
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     def touch(self) -> None:
         """Wake every waiter: something it depends on (not a control key) changed."""
         with self.cond:
             self.version += 1
             self.cond.notify_all()
+        self._changed()
 
     @property
     def incarnation(self) -> int:
@@ -191,6 +198,7 @@ class ControlView:
             self.loaded = True
             self.version += 1
             self.cond.notify_all()
+        self._changed()
         if self._watch is None:
             self._watch = Watch(self._client, self._keys.ctl, prefix=True, start_revision=revision + 1,
                                 on_events=self._on_events, on_compacted=self._reload, name="control-watch").start()
@@ -208,6 +216,7 @@ class ControlView:
                     self._seen = max(self._seen, event.revision)
             self.version += 1
             self.cond.notify_all()
+        self._changed()
 
     def apply_own_write(self, item: kv.KeyValue) -> None:
         """Take a write this node made (e.g. the round it formed) before its watch event arrives."""
@@ -221,6 +230,7 @@ class ControlView:
                     self._closer_changed = max(self._closer_changed, item.mod_revision)
             self.version += 1
             self.cond.notify_all()
+        self._changed()
 
     def _apply(self, item: kv.KeyValue, *, deleted: bool) -> None:
         try:

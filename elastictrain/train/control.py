@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from elastictrain._control import CONTROL_DIR_ENV, Assignment, AssignmentWatch, ProgressTable, WorkerState, now
+from elastictrain._control import CONTROL_DIR_ENV, Assignment, AssignmentWatch, Doorbell, ProgressTable, WorkerState, now
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,8 @@ class WorkerControl:
         self._collective_at = 0.0
         self._stuck_in_collective_only = False
         self._closed = threading.Event()
-        self._write()
+        self._doorbell = Doorbell(directory)
+        self._announce()  # the slot is open: the agent learns it at once, not at its next tick
         self._thread = threading.Thread(target=self._liveness, name="elastictrain-liveness", daemon=True)
         self._thread.start()
 
@@ -80,6 +81,11 @@ class WorkerControl:
             self._table.write(self._slot, pid=self._pid, step=self.step, step_at=self.step_at, step_s=self.step_s,
                               alive_at=now(),
                               state=self.state, generation=self.generation)
+
+    def _announce(self) -> None:
+        """Write the slot and wake the agent: its state changed."""
+        self._write()
+        self._doorbell.ring()
 
     def _liveness(self) -> None:
         while not self._closed.wait(LIVENESS_PERIOD):
@@ -135,7 +141,7 @@ class WorkerControl:
 
     def set_state(self, state: int) -> None:
         self.state = state
-        self._write()
+        self._announce()
 
     def step_done(self, step: int) -> None:
         """Record a finished step and the typical step time (a ``struct`` pack into shared memory)."""
@@ -181,7 +187,7 @@ class WorkerControl:
             if current is not None and current.generation > self.generation:
                 self.generation = current.generation
                 self.state = WorkerState.BUSY  # forming the new group: not a request for another one
-                self._write()
+                self._announce()
                 return current
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no new assignment from the agent within {timeout:g}s "
@@ -191,6 +197,7 @@ class WorkerControl:
     def close(self) -> None:
         self._closed.set()
         self.state = WorkerState.DONE
-        self._write()
+        self._announce()
         self._thread.join(timeout=1.0)
         self._table.close()
+        self._doorbell.close()

@@ -136,6 +136,24 @@ def test_a_killed_worker_is_replaced_alone_each_time_its_peer_keeps_its_process_
 
 
 @pytest.mark.timeout(300)
+def test_the_agents_act_on_a_killed_worker_at_once_not_at_their_next_monitor_tick(etcd_server: Any, run_id: str,
+                                                                                  tmp_path: Path) -> None:
+    # Ticks of 60 s: the killed worker's agent sees its end, and the survivor's agent its failed
+    # collective, when it happens (a pidfd, the control channel's doorbell), not up to 60 s later.
+    out = tmp_path / "job"
+    nodes = [start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.1",
+                        extra=("--monitor-interval", "60")) for _ in range(2)]
+    wait_until(lambda: len({r["rank"] for r in records(out) if r["step"] >= 10}) == 2, "step 10", nodes)
+    victim = latest_pid(out, 1)
+    os.kill(victim, signal.SIGKILL)
+    wait_until(lambda: latest_pid(out, 1) != victim, "the replacement trains a step", nodes, timeout=20)
+    outputs = finish(nodes)
+    assert [n.returncode for n in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert len({r["pid"] for r in steps_by_rank(out)[0]}) == 1, "the survivor was restarted"
+    assert_every_step_once(out, [0, 1])
+
+
+@pytest.mark.timeout(300)
 def test_a_node_whose_only_worker_is_killed_replaces_it_as_a_recovery_not_a_restart(
         etcd_server: Any, run_id: str, tmp_path: Path) -> None:
     # The dead worker was dropped before the agent judged whether its node's workers recover in
@@ -284,22 +302,24 @@ def ready_nodes(etcd_client: Any, run_id: str, round_: int) -> int:
 
 
 def join_at(etcd_server: Any, run_id: str, out: Path, step: int, *, steps: int = STEPS,
-            newcomer: tuple[str, ...] = (),
-            job: tuple[str, ...] = (), once_held: bool = False) -> tuple[list[subprocess.Popen[str]], set[int], int]:
+            newcomer: tuple[str, ...] = (), job: tuple[str, ...] = (), once_held: bool = False,
+            extra: tuple[str, ...] = ()) -> tuple[list[subprocess.Popen[str]], set[int], int]:
     """Two nodes train ``steps`` steps; every rank holds inside ``step`` until ``out/release``
     exists. A third node (with the extra job arguments ``newcomer``) starts once they trained
     step 1 (``once_held``: once both ranks hold inside ``step``, their vote on it cast); ``job``: job
-    arguments for all three. Returns the three nodes, the first two's worker pids and the round of
-    three nodes, once formed."""
+    arguments for all three; ``extra``: ``elastictrain run`` options for all three. Returns the
+    three nodes, the first two's worker pids and the round of three nodes, once formed."""
     release = out / "release"
     args = ("--steps", str(steps), "--step-sleep", "0.05", "--hold-before", f"{step}:{release}", *job)
-    nodes = [start_node(etcd_server.endpoint, run_id, out, *args, min_nodes=2, max_nodes=3) for _ in range(2)]
+    nodes = [start_node(etcd_server.endpoint, run_id, out, *args, min_nodes=2, max_nodes=3, extra=extra)
+             for _ in range(2)]
     wait_until(lambda: len({r["rank"] for r in records(out) if r["step"] == 1}) == 2, "step 1", nodes)
     if once_held:
         wait_until(lambda: all((out / f"release.held-{rank}").exists() for rank in (0, 1)),
                    f"both ranks hold in step {step}", nodes)
     before = {latest_pid(out, rank) for rank in (0, 1)}
-    nodes.append(start_node(etcd_server.endpoint, run_id, out, *args, *newcomer, min_nodes=2, max_nodes=3))
+    nodes.append(start_node(etcd_server.endpoint, run_id, out, *args, *newcomer, min_nodes=2, max_nodes=3,
+                            extra=extra))
     wait_until(lambda: any(e.get("nodes") == 3 for e in events(out, "rendezvous")), "a round of 3 nodes", nodes)
     round_ = next(e["round"] for e in events(out, "rendezvous") if e.get("nodes") == 3)
     return nodes, before, round_
@@ -360,6 +380,22 @@ def test_the_nodes_train_on_while_a_joining_nodes_workers_start(etcd_server: Any
     assert_joined_at_one_boundary(out, before, nodes, outputs)
     held = [e for e in events(out, "recovery") if "trained_on_s" in e]
     assert len(held) == 2 and all(e["trained_on_s"] > 0 for e in held), held
+
+
+@pytest.mark.timeout(300)
+def test_the_agents_act_on_a_joining_node_at_once_not_at_their_next_monitor_tick(etcd_server: Any, run_id: str,
+                                                                                  tmp_path: Path) -> None:
+    # Ticks of 60 s: each step of the join that an agent took at its next tick (the training
+    # nodes seeing the newcomer wait, the newcomer saying its worker is ready, the training
+    # nodes publishing the generation of three) would take up to that long.
+    out = tmp_path / "job"
+    slow_ticks = ("--monitor-interval", "60")
+    nodes, before, _ = join_at(etcd_server, run_id, out, 8, steps=400, job=("--fast-at-world", "3"),
+                               extra=slow_ticks)
+    (out / "release").touch()
+    wait_until(lambda: any(r["world"] == 3 for r in records(out)), "a step at world 3", nodes, timeout=40)
+    outputs = finish(nodes)
+    assert_joined_at_one_boundary(out, before, nodes, outputs)
 
 
 @pytest.mark.timeout(300)

@@ -18,12 +18,14 @@ import torch
 import torch.distributed as dist
 
 import elastictrain
-from elastictrain._control import Assignment, AssignmentWatch, Progress, ProgressTable, WorkerState, write_assignment
+from elastictrain._control import (
+    Assignment, AssignmentWatch, Doorbell, Progress, ProgressTable, WorkerState, write_assignment,
+)
 from elastictrain._process import proc_stat
 from elastictrain.train.control import JobEnded, WorkerControl
 from elastictrain.errors import SessionError
 from elastictrain.train.recovery import describe, is_collective_failure
-from elastictrain.launch.worker_group import FailureBudget, HangDetector
+from elastictrain.launch.worker_group import Channel, FailureBudget, HangDetector
 
 
 def _assignment(generation: int, **changes: Any) -> Assignment:
@@ -51,6 +53,49 @@ def test_progress_slots_written_by_a_worker_are_read_by_the_agent(tmp_path: Path
     assert agent.read(0).pid == 0
     worker.close()
     agent.close()
+
+
+def _waited(channel: Channel, ends: dict[int, int] | None = None, timeout: float = 60.0) -> bool:
+    """Whether ``channel.wait`` ended before its ``timeout``."""
+    started = time.monotonic()
+    channel.wait(timeout, ends)
+    return time.monotonic() - started < timeout / 2
+
+
+def test_a_worker_wakes_its_agent_when_its_slot_opens_its_state_changes_or_its_process_ends() -> None:
+    channel = Channel(1)
+    try:
+        assert not _waited(channel, timeout=0.1)
+        control = WorkerControl(channel.directory, 0, 1)
+        try:
+            assert _waited(channel), "opening the slot did not wake the agent"
+            assert not _waited(channel, timeout=0.1), "one wake per change: the rings were not drained"
+            control.set_state(WorkerState.RECOVERING)
+            assert _waited(channel), "a collective's failure did not wake the agent"
+            control.step_done(1)
+            assert not _waited(channel, timeout=0.3), "a step woke the agent"
+        finally:
+            control.close()
+        channel.wait(0.0)
+        # Rings never block a worker: not when the agent has not read them (a full FIFO)...
+        worker = Doorbell(channel.directory)
+        for _ in range(100_000):
+            worker.ring()
+        assert _waited(channel) and not _waited(channel, timeout=0.1)
+        # A worker process that ends wakes the agent once.
+        process = mp.get_context("fork").Process(target=time.sleep, args=(1.0,))
+        process.start()
+        assert process.pid is not None
+        ends = {process.pid: process.sentinel}
+        assert not _waited(channel, ends, timeout=0.1)
+        assert _waited(channel, ends), "a worker's end did not wake the agent"
+        assert not _waited(channel, ends, timeout=0.1), "an ended worker woke the agent again"
+        process.join()
+    finally:
+        channel.close()
+    # ... nor when the agent is gone.
+    worker.ring()
+    worker.close()
 
 
 def test_worker_control_adopts_the_next_generation_and_refuses_a_closed_group(tmp_path: Path) -> None:
