@@ -53,7 +53,7 @@ PINNED_TORCH = "2.13"
 """The torch minor version these names were checked against (``pyproject.toml`` pins it)."""
 
 AGENT_OVERRIDES: dict[str, tuple[str, ...]] = {
-    # SimpleElasticAgent's extension points that elastictrain.launch.agent overrides or calls,
+    # SimpleElasticAgent's extension points that elastictrain.launch.agent and .inprocess_agent override or call,
     # with the parameters torch 2.13 gives them.
     "_rendezvous": ("self", "worker_group"),
     "_assign_worker_ranks": ("self", "store", "group_rank", "group_world_size", "spec"),

@@ -3,7 +3,7 @@
 :func:`launch` is torch's ``launch_agent`` with these differences: the rendezvous is
 ours (``etcd3``), every worker runs under ``elastictrain.launch._worker_boot`` (it dies with
 its agent and records its root-cause error), the agent recovers in place by default
-(:class:`~elastictrain.launch.agent.InProcessAgent`), and the outcome comes back as a
+(:class:`~elastictrain.launch.inprocess_agent.InProcessAgent`), and the outcome comes back as a
 :class:`JobOutcome` with an exit code and a one-line summary instead of an exception.
 """
 
@@ -28,7 +28,8 @@ from torch.distributed.elastic.rendezvous import (
 
 from elastictrain.launch import node_setup
 from elastictrain.launch._worker_boot import run_script
-from elastictrain.launch.agent import ElasticAgent, InProcessAgent
+from elastictrain.launch.agent import ElasticAgent
+from elastictrain.launch.inprocess_agent import InProcessAgent
 from elastictrain.launch.config import RunConfig
 from elastictrain.errors import ElasticTrainError, RunIdInUseError
 from elastictrain.events import EventLog, route_torch_events

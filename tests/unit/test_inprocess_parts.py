@@ -558,7 +558,7 @@ def test_workers_still_running_long_after_the_job_finished_elsewhere_are_reporte
     import logging
     import types
 
-    from elastictrain.launch.agent import _LINGER_S, InProcessAgent
+    from elastictrain.launch.inprocess_agent import _LINGER_S, InProcessAgent
     from elastictrain.launch.worker_group import WorkerProcesses
 
     agent = object.__new__(InProcessAgent)  # only the state this check reads
@@ -566,7 +566,7 @@ def test_workers_still_running_long_after_the_job_finished_elsewhere_are_reporte
     agent._workers = WorkerProcesses(lambda _: None)
     training = types.SimpleNamespace(finished_seen=False)
     finished = types.SimpleNamespace(finished_seen=True)
-    with caplog.at_level(logging.WARNING, logger="elastictrain.launch.agent"):
+    with caplog.at_level(logging.WARNING, logger="elastictrain.launch.inprocess_agent"):
         agent._say_if_lingering(training, 0.0)
         agent._say_if_lingering(finished, 10.0)
         agent._say_if_lingering(finished, 10.0 + _LINGER_S / 2)
