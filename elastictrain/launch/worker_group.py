@@ -184,9 +184,11 @@ class Channel:
         becomes readable then, see :meth:`WorkerProcesses.ends`; each end wakes one wait)."""
         ends = ends or {}
         self._ended &= ends.keys()
-        waiting = [fd for pid, fd in ends.items() if pid not in self._ended]
-        ready = set(select.select([self.doorbell, *waiting], [], [], timeout)[0])
-        if self.doorbell in ready:
+        poller = select.poll()  # not select(): no limit on the descriptors' numbers
+        for fd in [self.doorbell.fileno(), *(fd for pid, fd in ends.items() if pid not in self._ended)]:
+            poller.register(fd, select.POLLIN)
+        ready = {fd for fd, _ in poller.poll(timeout * 1000)}
+        if self.doorbell.fileno() in ready:
             self.doorbell.drain()
         self._ended |= {pid for pid, fd in ends.items() if fd in ready}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing as mp
+import os
 import socket
 import threading
 import time
@@ -91,6 +92,15 @@ def test_a_worker_wakes_its_agent_when_its_slot_opens_its_state_changes_or_its_p
         assert _waited(channel, ends), "a worker's end did not wake the agent"
         assert not _waited(channel, ends, timeout=0.1), "an ended worker woke the agent again"
         process.join()
+        # An agent with many descriptors open (select() takes none numbered 1024 or more).
+        read, write = os.pipe()
+        high = os.dup2(read, 4000)
+        os.close(read)
+        os.close(write)  # its end: readable at once
+        try:
+            assert _waited(channel, {1: high}), "the end of a worker whose descriptor is numbered 4000 was missed"
+        finally:
+            os.close(high)
     finally:
         channel.close()
     # ... nor when the agent is gone.
