@@ -190,7 +190,7 @@ class CheckpointManager:
     @property
     def location(self) -> str:
         """Where the checkpoints live, for humans."""
-        return self._storage.location(self._prefix)
+        return self._reader.location
 
     @property
     def fence(self) -> int | None:
