@@ -168,13 +168,20 @@ def process_context(agent: LocalElasticAgent) -> Any:
     return agent._pcontext  # noqa: SLF001 - checked above
 
 
-def worker_exit_codes(context: Any) -> list[int | None] | None:
-    """The exit code of each process of a torch process context that runs functions
-    (``MultiprocessContext``), as the process's parent reported it: None for one still running
-    or whose end is not reported yet. None for another kind of context, or one not started."""
+def _worker_processes(context: Any) -> list[Any] | None:
+    """The ``multiprocessing`` processes of a torch process context that runs functions
+    (``MultiprocessContext``); None for another kind of context, or one not started."""
     if not isinstance(context, MultiprocessContext) or context._pc is None:  # noqa: SLF001 - checked above
         return None
-    return [process.exitcode for process in context._pc.processes]  # noqa: SLF001 - checked above
+    return list(context._pc.processes)  # noqa: SLF001 - checked above
+
+
+def worker_exit_codes(context: Any) -> list[int | None] | None:
+    """The exit code of each process of a torch process context that runs functions, as the
+    process's parent reported it: None for one still running or whose end is not reported yet.
+    None for another kind of context, or one not started."""
+    processes = _worker_processes(context)
+    return None if processes is None else [process.exitcode for process in processes]
 
 
 def worker_sentinels(context: Any) -> dict[int, int]:
@@ -182,9 +189,7 @@ def worker_sentinels(context: Any) -> dict[int, int]:
     functions, by pid: a file descriptor that becomes readable once the process's parent reported
     its end (what the context's ``wait`` learns it from). Empty for another kind of context, or
     one not started."""
-    if not isinstance(context, MultiprocessContext) or context._pc is None:  # noqa: SLF001 - checked above
-        return {}
-    return {process.pid: process.sentinel for process in context._pc.processes}  # noqa: SLF001 - checked above
+    return {process.pid: process.sentinel for process in _worker_processes(context) or []}
 
 
 def set_local_rank_env(agent: LocalElasticAgent, env: dict[str, str | None], local_rank: int, spec: Any) -> None:
