@@ -197,7 +197,7 @@ def communicate_reporting_hangs(procs: list[subprocess.Popen[str]], *, timeout: 
 def fail_with_stacks(procs: list[subprocess.Popen[str]], outputs: list[tuple[str, str]], why: str) -> None:
     """Fail the test: ``why``, the output of the first ``len(outputs)`` processes (which have
     exited), then each other one's output and its processes' stacks; those are killed."""
-    from elastictrain.chaos.faults import descendants
+    from elastictrain.chaos.processes import descendants
 
     report = []
     for proc in procs[len(outputs):]:

@@ -37,7 +37,7 @@ __all__ = [
 
 _LAZY = {
     "DEFAULT_KINDS": "config", "ChaosConfig": "config", "ChaosResult": "harness", "run_chaos": "harness",
-    "FaultKind": "faults", "PlannedFault": "faults", "RandomPlanner": "faults", "parse_schedule": "faults",
+    "FaultKind": "schedule", "PlannedFault": "schedule", "RandomPlanner": "schedule", "parse_schedule": "schedule",
     "Evidence": "invariants", "InvariantResult": "invariants",
 }
 

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from elastictrain.chaos.config import DEFAULT_KINDS, ChaosConfig
-from elastictrain.chaos.faults import FaultKind, parse_kinds, parse_schedule
+from elastictrain.chaos.schedule import FaultKind, parse_kinds, parse_schedule
 from elastictrain.chaos.harness import run_chaos
 from elastictrain.errors import ConfigError, ElasticTrainError
 

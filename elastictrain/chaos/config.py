@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from elastictrain.chaos.faults import FaultKind, PlannedFault
+from elastictrain.chaos.schedule import FaultKind, PlannedFault
 from elastictrain.chaos.netns import check_available
 from elastictrain.launch.arguments import check_run_flags
 from elastictrain._durations import parse_duration

@@ -1,271 +1,389 @@
-"""The faults a chaos run injects, when, and how they reach processes.
+"""The faults a chaos run injects: one class per kind, which injects it and says when the job recovered.
 
-A schedule is a list of :class:`PlannedFault` (a kind and the training step
-after which it fires), written ``kill_worker@4,kill_node@10,join@16``, or
-drawn one at a time by a :class:`RandomPlanner` from a seed. Kinds:
+The harness makes a :class:`Fault` for each fault of the schedule (:func:`fault_for`),
+calls :meth:`Fault.inject` once the job has applied the fault's step (until it finds
+its target), then :meth:`Fault.recovered` until the job trains again, or until
+:meth:`Fault.bound` has passed (the run is hung). Each writes what it did and saw in
+its :class:`~elastictrain.chaos.schedule.FaultRecord`, the report's entry.
 
-========================  ===================================================================
-``kill_worker``           SIGKILL one worker process (its agent restarts the group)
-``kill_node``             SIGKILL one node agent; its workers die with it (the node leaves)
-``bounce_node``           ``kill_node``, then a replacement node joins ``rejoin_after`` later
-                          (at ``--min-nodes`` the survivors wait below min-nodes meanwhile)
-``hang_worker``           SIGSTOP one worker for ``hang_seconds`` (longer than the collective
-                          timeout: a hang, not a crash), then SIGCONT it (or SIGKILL)
-``join``                  start one more node agent, with ``--join`` (into a full round: a hot spare)
-``kill_etcd``             SIGKILL every etcd member, restart them ``etcd_down`` later
-``kill_etcd_leader``      (3-member etcd) SIGKILL the leader, restart it ``etcd_down`` later
-``partition_node``        (``netns`` only) cut one node off etcd and its peers for
-                          ``partition_duration``, then reconnect it (:mod:`~elastictrain.chaos.netns`)
-========================  ===================================================================
-
-Workers are found from the process tree, not from the job's evidence: a node
-agent forks each worker from its forkserver, so the workers of a node are the
-children of the agent's child that serves as its forkserver
-(:data:`~elastictrain.launch.node_setup.FORKSERVER_TITLE`, or ``multiprocessing.forkserver``).
+Workers are found from the process tree (:mod:`~elastictrain.chaos.processes`), not from
+the job's evidence.
 """
 
 from __future__ import annotations
 
-import enum
+import contextlib
 import os
-import random
-import re
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+import signal
+import time
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar
 
-from elastictrain._process import proc_stat
-from elastictrain.errors import ConfigError
-from elastictrain.launch.node_setup import FORKSERVER_TITLE
+from elastictrain.chaos.processes import process_state, worker_pids
+from elastictrain.chaos.schedule import FaultKind, FaultRecord
 
-__all__ = [
-    "FaultKind", "FaultRecord", "PlannedFault", "RandomPlanner", "children", "descendants", "parse_kinds",
-    "parse_schedule", "process_state", "worker_pids",
-]
+if TYPE_CHECKING:
+    from elastictrain.chaos.cluster import Node
+    from elastictrain.chaos.harness import Harness
 
+__all__ = ["BounceNode", "Fault", "HangWorker", "Join", "KillEtcd", "KillEtcdLeader", "KillNode", "KillWorker",
+           "PartitionNode", "fault_for"]
 
-class FaultKind(str, enum.Enum):
-    """What a fault does; see the module docstring."""
-
-    KILL_WORKER = "kill_worker"
-    KILL_NODE = "kill_node"
-    BOUNCE_NODE = "bounce_node"
-    HANG_WORKER = "hang_worker"
-    JOIN = "join"
-    KILL_ETCD = "kill_etcd"
-    KILL_ETCD_LEADER = "kill_etcd_leader"
-    PARTITION_NODE = "partition_node"
-
-    @property
-    def restarts_workers(self) -> bool:
-        """True if the fault must end the current process group (recovery = a new one training)."""
-        return self in _RESTARTING
-
-    @property
-    def etcd(self) -> bool:
-        """True for faults of the etcd server, which training itself need not notice."""
-        return self in (FaultKind.KILL_ETCD, FaultKind.KILL_ETCD_LEADER)
+_ETCD_SETTLE_S = 10.0
+"""How long after an etcd outage ends the job is watched for its effects: heartbeats lapsed during
+it are judged within about this (5 missed heartbeats and a rendezvous)."""
 
 
-_RESTARTING = frozenset({FaultKind.KILL_WORKER, FaultKind.KILL_NODE, FaultKind.BOUNCE_NODE,
-                         FaultKind.HANG_WORKER, FaultKind.JOIN, FaultKind.PARTITION_NODE})
-
-
-@dataclass(frozen=True, slots=True)
-class PlannedFault:
-    """One fault of a schedule."""
-
-    kind: FaultKind
-    """What to inject."""
-
-    at_step: int
-    """Inject once the job has applied this step (and recovered from the previous fault)."""
-
-    def __str__(self) -> str:
-        return f"{self.kind.value}@{self.at_step}"
-
-
-_ITEM = re.compile(r"^\s*([a-z_]+)\s*@\s*(\d+)\s*$")
-
-
-def parse_schedule(text: str) -> list[PlannedFault]:
-    """Parse ``kind@step[,kind@step...]``; faults fire in the order given.
-
-    Raises:
-        ConfigError: An unknown kind or a malformed item.
-    """
-    faults = []
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        match = _ITEM.match(item)
-        if not match:
-            raise ConfigError(f"schedule item {item!r} is not KIND@STEP (e.g. kill_worker@4)")
-        try:
-            kind = FaultKind(match.group(1))
-        except ValueError:
-            kinds = ", ".join(k.value for k in FaultKind)
-            raise ConfigError(f"unknown fault kind {match.group(1)!r}; expected one of {kinds}") from None
-        faults.append(PlannedFault(kind, int(match.group(2))))
-    return faults
-
-
-def parse_kinds(text: str) -> tuple[FaultKind, ...]:
-    """Parse a comma-separated list of fault kinds.
-
-    Raises:
-        ConfigError: An unknown kind, or none.
-    """
-    try:
-        kinds = tuple(FaultKind(k.strip()) for k in text.split(",") if k.strip())
-    except ValueError as exc:
-        raise ConfigError(f"{exc}; expected kinds among {', '.join(k.value for k in FaultKind)}") from None
-    if not kinds:
-        raise ConfigError("no fault kinds given")
-    return kinds
-
-
-class RandomPlanner:
-    """Draws the next fault from a seed, among the kinds that fit the cluster's state now.
-
-    The draw depends only on the seed and on the harness's own actions (how
-    many nodes it has killed and started), so a seed replays the same fault
-    sequence: a failure found by a soak can be reproduced.
+class Fault(ABC):
+    """One fault of a run, of the kind :attr:`kind`.
 
     Args:
-        seed: The seed.
-        kinds: The kinds to draw from.
-        gap: Inclusive range of steps of training between one recovery and the next fault.
+        record: What happened to it (filled in as it does).
+        harness: The run: its configuration, cluster, nodes and the job's progress.
     """
 
-    def __init__(self, seed: int, kinds: Sequence[FaultKind], gap: tuple[int, int] = (2, 5)) -> None:
-        if gap[0] < 1 or gap[1] < gap[0]:
-            raise ConfigError(f"gap must be 1 <= low <= high, got {gap}")
-        self._rng = random.Random(seed)
-        self.kinds = tuple(kinds)
-        self.gap = gap
+    kind: ClassVar[FaultKind]
 
-    def feasible(self, kind: FaultKind, *, nodes: int, min_nodes: int, max_nodes: int,
-                 etcd_members: int) -> bool:
-        """Whether ``kind`` keeps the job able to finish: never below min-nodes for good, never above
-        ``max_nodes`` (the run's capacity: with hot spares, more than the job's ``--max-nodes``)."""
-        if kind in (FaultKind.KILL_NODE, FaultKind.PARTITION_NODE):
-            return nodes > min_nodes
-        if kind is FaultKind.JOIN:
-            return nodes < max_nodes
-        if kind is FaultKind.KILL_ETCD_LEADER:
-            return etcd_members >= 3
-        return nodes >= 1
+    def __init__(self, record: FaultRecord, harness: Harness) -> None:
+        self.record = record
+        self.harness = harness
 
-    def next(self, after_step: int, *, nodes: int, min_nodes: int, max_nodes: int,
-             etcd_members: int) -> PlannedFault | None:
-        """The next fault, ``gap`` steps after ``after_step``; None if no kind fits."""
-        options = [k for k in self.kinds if self.feasible(k, nodes=nodes, min_nodes=min_nodes,
-                                                          max_nodes=max_nodes, etcd_members=etcd_members)]
-        if not options:
-            return None
-        kind = self._rng.choice(options)
-        return PlannedFault(kind, after_step + self._rng.randint(*self.gap))
+    @abstractmethod
+    def inject(self, now: float) -> bool:
+        """Strike now: record the target, and ``ended`` (now, or when a later action undoes the
+        fault). False if its target is not there yet: the harness tries again shortly."""
 
-    def choice(self, items: Sequence[int]) -> int:
-        """A seeded pick (which node, which worker)."""
-        return self._rng.choice(list(items))
+    def settled(self) -> bool:
+        """Whether what the fault set off beside the job's recovery has played out. By default:
+        a node it added to a full round says it waits as a spare, or trains, or has exited."""
+        name = self.record.awaits_spare
+        return not name or self.harness.node_settled(name)
 
+    def recovered(self, *, final: bool = False) -> bool:
+        """Whether the job trains again after the fault; sets the record's ``recovered`` and ``restarted``.
 
-@dataclass
-class FaultRecord:
-    """A fault as it happened; times are ``time.time()``."""
+        Args:
+            final: The run is over: judge with what there is.
+        """
+        record = self.record
+        if record.ended is None or record.below_min:
+            return False
+        if not self.settled() and not final:
+            return False
+        if record.expects_restart:
+            return self._group_trained_since(self._restart_after())
+        # A node that was not training died, or a spare joined: training just goes on.
+        progress = self.harness.progress
+        first = next((s for s in progress.steps if s["t"] > self._injected), None)
+        if first is None and not final:
+            return False
+        record.restarted = any(g["t"] > self._injected for g in progress.segments)
+        record.recovered = first["t"] if first else None
+        return True
 
-    index: int
-    kind: FaultKind
-    at_step: int
-    injected: float | None = None
-    target: str = ""
-    ended: float | None = None
-    """When its delayed part ran (SIGCONT, etcd restart, replacement start); = injected if none."""
-    recovered: float | None = None
-    """When the job had trained again (see ``recovery_s`` in the report)."""
-    restarted: bool | None = None
-    step_before: int | None = None
-    note: str = ""
-    hung: bool = False
-    expects_restart: bool = True
-    """The fault must end the training process group (False for etcd, or a node that was not training)."""
-    below_min: bool = False
-    """It left fewer than min-nodes for good: the job is expected to give up, not to recover."""
-    target_pids: list[int] = field(default_factory=list)
-    """The worker processes the fault touched (killed, stopped, cut off); every other worker of
-    the group keeps its process under in-process recovery."""
-    spare_waiting: bool = False
-    """A hot spare waited when the fault struck: the group formed after it keeps its world size."""
-    awaits_spare: str = ""
-    """A node that this fault adds to a full round (a join, a bounce's replacement): the fault has
-    settled once that node says it waits as a spare, or trains."""
+    def bound(self) -> float:
+        """Seconds the job may go without training after the fault before the run counts as hung."""
+        config = self.harness.config
+        bound = config.bound_for(self.kind)
+        if self.record.below_min:  # the survivors wait out --join-timeout before they give up
+            bound += config.join_timeout.total_seconds()
+        return bound
 
     @property
-    def recovery_s(self) -> float | None:
-        """Seconds from the injection until the job trained again, once it has."""
-        return None if self.recovered is None or self.injected is None else self.recovered - self.injected
+    def _injected(self) -> float:
+        if self.record.injected is None:
+            raise RuntimeError(f"fault {self.record.index} has not been injected")
+        return self.record.injected
 
-    def to_json(self, start: float) -> dict[str, Any]:
-        def rel(t: float | None) -> float | None:
-            return None if t is None else round(t - start, 3)
+    def _restart_after(self) -> float:
+        """The fault ends the training group: the first group formed after this time trains."""
+        return self._injected
 
-        return {"index": self.index, "kind": self.kind.value, "at_step": self.at_step, "target": self.target,
-                "step_before": self.step_before, "injected_s": rel(self.injected), "ended_s": rel(self.ended),
-                "recovered_s": rel(self.recovered),
-                "recovery_s": None if self.recovery_s is None else round(self.recovery_s, 3),
-                "restarted": self.restarted, "hung": self.hung, "note": self.note,
-                "spare_waiting": self.spare_waiting,
-                "target_pids": list(self.target_pids)}
+    def _group_trained_since(self, since: float) -> bool:
+        progress = self.harness.progress
+        for seg in (s for s in progress.segments if s["t"] > since):
+            first = progress.first_step_of(seg["seg"])
+            if first is not None:
+                self.record.recovered, self.record.restarted = first["t"], True
+                return True
+        return False
 
-
-# --- processes --------------------------------------------------------------------------------
-
-
-def _stat(pid: int) -> tuple[int, str] | None:
-    """(ppid, state) of ``pid``, or None if it is gone."""
-    fields = proc_stat(pid)
-    return None if fields is None else (int(fields[1]), fields[0])
-
-
-def children(pid: int) -> list[int]:
-    """Live child processes of ``pid`` (zombies excluded)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            stat = _stat(int(entry))
-            if stat is not None and stat[0] == pid and stat[1] != "Z":
-                out.append(int(entry))
-    return sorted(out)
+    def _start_joiner(self) -> tuple[str, bool]:
+        """Start one more node with ``--join``; its name, and whether the round is full without it
+        (it waits as a hot spare: the fault settles once it says so)."""
+        harness = self.harness
+        spare = len(harness.alive_nodes()) >= harness.config.max_nodes
+        name = harness.start_node(join=True).name
+        self.record.awaits_spare = name if spare else ""
+        return name, spare
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live process below ``pid``."""
-    out, queue = [], [pid]
-    while queue:
-        for child in children(queue.pop()):
-            out.append(child)
-            queue.append(child)
-    return out
+class _WorkerFault(Fault):
+    """A fault of one worker process of a training node, chosen with the run's seed."""
+
+    def _pick_worker(self) -> tuple[Node, int] | None:
+        harness = self.harness
+        training = harness.training_nodes()
+        candidates = [(n, pid) for n in harness.alive_nodes() if n.name in training for pid in worker_pids(n.pid)
+                      if process_state(pid) not in (None, "T", "Z")]
+        if not candidates:
+            return None
+        return candidates[harness.planner.choice(range(len(candidates)))]
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
+class KillWorker(_WorkerFault):
+    """SIGKILL one worker process: its agent replaces it (restart mode: restarts the group)."""
+
+    kind = FaultKind.KILL_WORKER
+
+    def inject(self, now: float) -> bool:
+        picked = self._pick_worker()
+        if picked is None:
+            return False
+        node, pid = picked
+        self.record.target, self.record.target_pids = f"{node.name} worker pid {pid}", [pid]
+        os.kill(pid, signal.SIGKILL)
+        self.record.ended = now
+        return True
 
 
-def worker_pids(agent_pid: int) -> list[int]:
-    """The worker processes of a node agent: the children of its forkserver."""
-    workers = []
-    for child in children(agent_pid):
-        if any(title in _cmdline(child) for title in (FORKSERVER_TITLE, "multiprocessing.forkserver")):
-            workers.extend(children(child))
-    return workers
+class HangWorker(_WorkerFault):
+    """SIGSTOP one worker for ``hang_duration`` (longer than the collective timeout: a hang, not a
+    crash), then SIGCONT it (SIGKILL with ``hang_then_kill``)."""
+
+    kind = FaultKind.HANG_WORKER
+
+    def inject(self, now: float) -> bool:
+        picked = self._pick_worker()
+        if picked is None:
+            return False
+        node, pid = picked
+        self.record.target, self.record.target_pids = f"{node.name} worker pid {pid}", [pid]
+        os.kill(pid, signal.SIGSTOP)
+        self.harness.stopped[pid] = now
+        self.harness.later(self.harness.config.hang_duration, self._resume)
+        return True
+
+    def _resume(self) -> None:
+        pid = self.record.target_pids[0]
+        self.harness.stopped.pop(pid, None)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL if self.harness.config.hang_then_kill else signal.SIGCONT)
+        self.record.ended = time.time()
 
 
-def process_state(pid: int) -> str | None:
-    """The kernel's one-letter state of ``pid`` (``T`` when stopped), or None if gone."""
-    stat = _stat(pid)
-    return None if stat is None else stat[1]
+class _NodeFault(Fault):
+    """A fault of one node, preferably one that trains now, chosen with the run's seed."""
+
+    def _pick_node(self) -> tuple[Node, bool] | None:
+        """A node, and whether it trains."""
+        harness = self.harness
+        alive = harness.alive_nodes()
+        training = [n for n in alive if n.name in harness.training_nodes()]
+        pool = training or alive
+        if not pool:
+            return None
+        return pool[harness.planner.choice(range(len(pool)))], bool(training)
+
+    def _target(self, node: Node, training: bool) -> None:
+        self.record.target = node.name if training else f"{node.name} (waiting to join: not training)"
+        self.record.target_pids = worker_pids(node.pid)
+
+
+class KillNode(_NodeFault):
+    """SIGKILL one node agent; its workers die with it, and the node leaves for good."""
+
+    kind = FaultKind.KILL_NODE
+
+    def inject(self, now: float) -> bool:
+        picked = self._pick_node()
+        if picked is None:
+            return False
+        node, training = picked
+        alive = len(self.harness.alive_nodes())
+        self._target(node, training)
+        # A node outside the training group leaves it untouched.
+        self.record.expects_restart = training
+        node.kill()
+        self.record.ended = now
+        # With no node coming back, the survivors wait out --join-timeout and give up.
+        self.record.below_min = alive - 1 < self.harness.config.min_nodes
+        return True
+
+
+class BounceNode(_NodeFault):
+    """:class:`KillNode`, then a replacement node joins ``rejoin_after`` later (at ``--min-nodes``
+    the survivors wait below min-nodes meanwhile)."""
+
+    kind = FaultKind.BOUNCE_NODE
+
+    def inject(self, now: float) -> bool:
+        picked = self._pick_node()
+        if picked is None:
+            return False
+        node, training = picked
+        self._target(node, training)
+        # Even a node outside the training group brings a node that joins, and so a new group.
+        self.record.expects_restart = True
+        node.kill()
+        self.harness.later(self.harness.config.rejoin_after, self._replace)
+        return True
+
+    def _replace(self) -> None:
+        name, spare = self._start_joiner()
+        self.record.target += f", replaced by {name}" + (" (the round is full: a spare)" if spare else "")
+        self.record.ended = time.time()
+
+    def _restart_after(self) -> float:
+        # The group with the replacement in it trains; with a spare waiting, the group the spare
+        # completed (the replacement then waits as a spare).
+        if self.record.spare_waiting:
+            return self._injected
+        assert self.record.ended is not None  # noqa: S101 - recovered() checks it first
+        return self.record.ended
+
+
+class PartitionNode(_NodeFault):
+    """(``netns`` only) Cut one node off etcd and its peers for ``partition_duration``, then
+    reconnect it (:mod:`~elastictrain.chaos.netns`)."""
+
+    kind = FaultKind.PARTITION_NODE
+
+    def __init__(self, record: FaultRecord, harness: Harness) -> None:
+        super().__init__(record, harness)
+        self.node: Node | None = None
+
+    def inject(self, now: float) -> bool:
+        harness, record = self.harness, self.record
+        network = harness.network
+        if network is None:
+            raise RuntimeError("partition_node needs netns (ChaosConfig refuses it without)")
+        picked = self._pick_node()
+        if picked is None:
+            return False
+        if len(harness.alive_nodes()) - 1 < harness.config.min_nodes:
+            # Below min-nodes the survivors would wait for the cut node: not a partition the job
+            # can ride out, so wait for a node to join (or give up after 60 s).
+            record.note = "cutting a node would leave fewer than min-nodes"
+            return False
+        node, training = picked
+        record.note = ""
+        self._target(node, training)
+        record.expects_restart = training
+        index = harness.nodes.index(node)
+        network.cut(index)
+        node.partitioned = now
+        self.node = node
+
+        def heal() -> None:
+            network.heal(index)
+            record.ended = time.time()
+
+        harness.later(harness.config.partition_duration, heal)
+        return True
+
+    def settled(self) -> bool:
+        """Whether the node cut off has settled since the heal: trains again, waits as a spare (a
+        spare took its place meanwhile), or has exited. Waiting for it keeps its rejoin (a new
+        group) from landing on the next fault."""
+        node, record, harness = self.node, self.record, self.harness
+        assert node is not None and record.ended is not None  # noqa: S101 - recovered() checks it first
+        if not node.alive():
+            record.note = f"{node.name} exited {node.exit_code} after the heal"
+            return True
+        if node.name in harness.said_spare(since=record.ended):
+            record.note = f"{node.name} waits as a spare after the heal"
+            return True
+        nodes_by_segment = harness.nodes_by_segment()
+        for seg in (s for s in harness.progress.segments if s["t"] > record.ended):
+            trained = harness.progress.first_step_of(seg["seg"]) is not None
+            if trained and node.name in nodes_by_segment.get(seg["seg"], ()):
+                record.note = f"{node.name} rejoined after the heal"
+                return True
+        return False
+
+
+class Join(Fault):
+    """Start one more node agent, with ``--join`` (into a full round: a hot spare)."""
+
+    kind = FaultKind.JOIN
+
+    def inject(self, now: float) -> bool:
+        name, spare = self._start_joiner()
+        self.record.target = name + (" (the round is full: it waits as a hot spare)" if spare else "")
+        # A spare changes no group: the fault has settled once the node says it waits.
+        self.record.expects_restart = not spare
+        self.record.ended = now
+        return True
+
+
+class _EtcdFault(Fault):
+    """A fault of the etcd cluster, which training itself need not notice."""
+
+    def recovered(self, *, final: bool = False) -> bool:
+        # Training needs no etcd within a round, but heartbeats may have lapsed while it was down.
+        # Settle until a lapse would have been judged, then: did a new group form, and when did
+        # training go on (in the new group if there was one)?
+        record, progress = self.record, self.harness.progress
+        if record.ended is None:
+            return False
+        settle = record.ended + _ETCD_SETTLE_S
+        if time.time() < settle and not final:
+            return False
+        new = [s for s in progress.segments if self._injected < s["t"] <= settle]
+        if new and progress.first_step_of(new[-1]["seg"]) is None and not final:
+            return False  # a group formed because of the outage and has not trained yet
+        record.restarted = bool(new)
+        first = progress.first_step_of(new[-1]["seg"]) if new else next(
+            (s for s in progress.steps if s["t"] > self._injected), None)
+        record.recovered = first["t"] if first else None
+        return True
+
+
+class KillEtcd(_EtcdFault):
+    """SIGKILL every etcd member, restart them ``etcd_down`` later."""
+
+    kind = FaultKind.KILL_ETCD
+
+    def inject(self, now: float) -> bool:
+        etcd = self.harness.etcd
+        self.record.target = f"all {len(etcd.servers)} etcd member(s)"
+        for index in range(len(etcd.servers)):
+            etcd.kill_member(index)
+
+        def restart_all() -> None:
+            etcd.start()
+            self.record.ended = time.time()
+
+        self.harness.later(self.harness.config.etcd_down, restart_all)
+        return True
+
+
+class KillEtcdLeader(_EtcdFault):
+    """(3-member etcd) SIGKILL the leader, restart it ``etcd_down`` later."""
+
+    kind = FaultKind.KILL_ETCD_LEADER
+
+    def inject(self, now: float) -> bool:
+        etcd = self.harness.etcd
+        leader = etcd.leader()
+        if leader is None:
+            return False
+        self.record.target = f"etcd leader m{leader}"
+        etcd.kill_member(leader)
+
+        def restart_leader() -> None:
+            etcd.start_member(leader)
+            self.record.ended = time.time()
+
+        self.harness.later(self.harness.config.etcd_down, restart_leader)
+        return True
+
+
+_BY_KIND: dict[FaultKind, type[Fault]] = {cls.kind: cls for cls in (
+    KillWorker, HangWorker, KillNode, BounceNode, PartitionNode, Join, KillEtcd, KillEtcdLeader)}
+
+
+def fault_for(record: FaultRecord, harness: Harness) -> Fault:
+    """The fault of ``record``'s kind."""
+    return _BY_KIND[record.kind](record, harness)

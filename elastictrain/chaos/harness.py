@@ -3,11 +3,12 @@
 :func:`run_chaos` starts an etcd (1 or 3 members) and ``nodes`` separate
 ``elastictrain run --etcd ... --run-id ...`` agents on this machine, then
 follows the job's progress through the evidence its
-:class:`~elastictrain.chaos.Recorder` writes, and injects each fault once the
-job has applied the fault's step and recovered from the previous fault. A gate
-file paces the job (see :mod:`~elastictrain.chaos.recorder`): it holds the job
-after the next fault's step until the fault is injected, so faults land where
-the schedule says on any machine. When every node has exited it judges the
+:class:`~elastictrain.chaos.Recorder` writes, and injects each fault
+(:mod:`~elastictrain.chaos.faults`: a class per kind) once the job has applied
+the fault's step and recovered from the previous fault. A gate file paces the
+job (see :mod:`~elastictrain.chaos.recorder`): it holds the job after the next
+fault's step until the fault is injected, so faults land where the schedule
+says on any machine. When every node has exited it judges the
 invariants (:mod:`~elastictrain.chaos.verdict`) and writes the report
 (:mod:`~elastictrain.chaos.report`). An uninterrupted reference run of the same
 script (one process, no launcher) runs alongside, for the final-parameters invariant.
@@ -42,10 +43,11 @@ from elastictrain._process import dying_with_us
 from elastictrain.chaos import invariants as inv
 from elastictrain.chaos.cluster import EtcdCluster, Node
 from elastictrain.chaos.config import DEFAULT_KINDS, ChaosConfig
-from elastictrain.chaos.faults import FaultKind, FaultRecord, RandomPlanner, process_state, worker_pids
+from elastictrain.chaos.faults import Fault, fault_for
 from elastictrain.chaos.netns import NS_INTERFACE, NodeNetwork
 from elastictrain.chaos.recorder import CHAOS_DIR_ENV, GATE_ENV
 from elastictrain.chaos.report import build_report
+from elastictrain.chaos.schedule import FaultRecord, RandomPlanner
 from elastictrain.chaos.verdict import judge
 from elastictrain.launch.config import check_writable_dir
 from elastictrain.errors import ConfigError
@@ -130,7 +132,9 @@ class _Progress:
         return inv.total_steps(self.config)
 
 
-class _Harness:
+class Harness:
+    """One chaos run: its etcd, its nodes, the job's progress and its faults; see the module docstring."""
+
     def __init__(self, config: ChaosConfig) -> None:
         self.config = config
         self.run_dir = Path(config.run_dir).resolve()
@@ -155,10 +159,9 @@ class _Harness:
                 self.network.teardown()
             raise
         self.nodes: list[Node] = []
-        self.faults: list[FaultRecord] = []
+        self.faults: list[Fault] = []
         self.actions: list[tuple[float, Callable[[], None]]] = []
         self.stopped: dict[int, float] = {}  # pid -> when SIGSTOPped, until resumed
-        self.cut_nodes: dict[int, Node] = {}  # fault index -> the node partition_node cut off
         self.aborted: str | None = None
         self.gate = -1
         self.start = time.time()
@@ -217,23 +220,24 @@ class _Harness:
 
     # --- faults -------------------------------------------------------------------------------
 
-    def _later(self, delay: timedelta, action: Callable[[], None]) -> None:
+    def later(self, delay: timedelta, action: Callable[[], None]) -> None:
+        """Run ``action`` ``delay`` from now, from the run's loop."""
         self.actions.append((time.time() + delay.total_seconds(), action))
 
-    def _nodes_by_segment(self) -> dict[int, set[str]]:
+    def nodes_by_segment(self) -> dict[int, set[str]]:
         """Names of the nodes with a worker in each process group (from the job's evidence)."""
         nodes: dict[int, set[str]] = defaultdict(set)
         for worker in inv.read_lines(self.evidence_dir / "workers.jsonl"):
             nodes[worker["seg"]].add(worker["node"])
         return nodes
 
-    def _training_nodes(self) -> set[str]:
+    def training_nodes(self) -> set[str]:
         """Names of the nodes with a worker in the newest process group."""
         if not self.progress.segments:
             return set()
-        return self._nodes_by_segment().get(self.progress.segments[-1]["seg"], set())
+        return self.nodes_by_segment().get(self.progress.segments[-1]["seg"], set())
 
-    def _said_spare(self, since: float = 0.0) -> set[str]:
+    def said_spare(self, since: float = 0.0) -> set[str]:
         """Names of the nodes that said they wait as hot spares (the agents' ``spare`` event), since ``since``.
         The agents' event log is read on from where the last call stopped."""
         with contextlib.suppress(FileNotFoundError):
@@ -248,228 +252,30 @@ class _Harness:
                     self._spares_said.append((event["node"], event.get("ts", 0.0)))
         return {node for node, ts in self._spares_said if ts > since}
 
-    def _spares(self) -> list[Node]:
+    def spares(self) -> list[Node]:
         """Live nodes that wait as hot spares now: they said so and have no worker in the newest group."""
-        said, training = self._said_spare(), self._training_nodes()
+        said, training = self.said_spare(), self.training_nodes()
         return [n for n in self.alive_nodes() if n.name in said and n.name not in training]
 
-    def _settled(self, name: str) -> bool:
+    def node_settled(self, name: str) -> bool:
         """Whether a node added to a full round waits as a spare (it said so) or trains, or has exited."""
         node = next(n for n in self.nodes if n.name == name)
-        return not node.alive() or name in self._said_spare() or name in self._training_nodes()
+        return not node.alive() or name in self.said_spare() or name in self.training_nodes()
 
-    def _start_joiner(self, fault: FaultRecord) -> tuple[str, bool]:
-        """Start one more node with ``--join`` for ``fault``; its name, and whether the round is
-        full without it (it waits as a hot spare: ``fault`` settles once it says so)."""
-        spare = len(self.alive_nodes()) >= self.config.max_nodes
-        name = self.start_node(join=True).name
-        fault.awaits_spare = name if spare else ""
-        return name, spare
-
-    def _pick_node(self) -> tuple[Node, bool] | None:
-        """A node to kill, preferably one that trains now; and whether it does."""
-        alive = self.alive_nodes()
-        training = [n for n in alive if n.name in self._training_nodes()]
-        pool = training or alive
-        if not pool:
-            return None
-        return pool[self.planner.choice(range(len(pool)))], bool(training)
-
-    def _pick_worker(self) -> tuple[Node, int] | None:
-        training = self._training_nodes()
-        candidates = [(n, pid) for n in self.alive_nodes() if n.name in training for pid in worker_pids(n.pid)
-                      if process_state(pid) not in (None, "T", "Z")]
-        if not candidates:
-            return None
-        index = self.planner.choice(range(len(candidates)))
-        return candidates[index]
-
-    def inject(self, fault: FaultRecord) -> bool:
+    def inject(self, fault: Fault) -> bool:
         """Inject ``fault`` now; False if its target is not there yet (try again shortly)."""
-        kind, config = fault.kind, self.config
-        now = time.time()
-        fault.spare_waiting = bool(self._spares())
-        if kind in (FaultKind.KILL_WORKER, FaultKind.HANG_WORKER):
-            picked = self._pick_worker()
-            if picked is None:
-                return False
-            node, pid = picked
-            fault.target = f"{node.name} worker pid {pid}"
-            fault.target_pids = [pid]
-            if kind is FaultKind.KILL_WORKER:
-                os.kill(pid, signal.SIGKILL)
-                fault.ended = now
-            else:
-                os.kill(pid, signal.SIGSTOP)
-                self.stopped[pid] = now
-
-                def resume(pid: int = pid) -> None:
-                    self.stopped.pop(pid, None)
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL if config.hang_then_kill else signal.SIGCONT)
-                    fault.ended = time.time()
-
-                self._later(config.hang_duration, resume)
-        elif kind in (FaultKind.KILL_NODE, FaultKind.BOUNCE_NODE):
-            picked = self._pick_node()
-            if picked is None:
-                return False
-            node, training = picked
-            alive = len(self.alive_nodes())
-            fault.target = node.name if training else f"{node.name} (waiting to join: not training)"
-            fault.target_pids = worker_pids(node.pid)
-            # A node outside the training group leaves it untouched (a bounce still
-            # brings a node that joins, and so a new group).
-            fault.expects_restart = training or kind is FaultKind.BOUNCE_NODE
-            node.kill()
-            if kind is FaultKind.KILL_NODE:
-                fault.ended = now
-                # With no node coming back, the survivors wait out --join-timeout and give up.
-                fault.below_min = alive - 1 < config.min_nodes
-            else:
-                def replace() -> None:
-                    name, spare = self._start_joiner(fault)
-                    fault.target += f", replaced by {name}" + (" (the round is full: a spare)" if spare else "")
-                    fault.ended = time.time()
-
-                self._later(config.rejoin_after, replace)
-        elif kind is FaultKind.PARTITION_NODE:
-            assert self.network is not None  # noqa: S101 - the config requires netns
-            picked = self._pick_node()
-            if picked is None:
-                return False
-            if len(self.alive_nodes()) - 1 < config.min_nodes:
-                # Below min-nodes the survivors would wait for the cut node: not a partition the job
-                # can ride out, so wait for a node to join (or give up after 60 s).
-                fault.note = "cutting a node would leave fewer than min-nodes"
-                return False
-            node, training = picked
-            fault.note = ""
-            fault.target_pids = worker_pids(node.pid)
-            index = self.nodes.index(node)
-            fault.target = node.name if training else f"{node.name} (waiting to join: not training)"
-            fault.expects_restart = training
-            self.network.cut(index)
-            node.partitioned = now
-            self.cut_nodes[fault.index] = node
-
-            def heal(index: int = index) -> None:
-                assert self.network is not None  # noqa: S101
-                self.network.heal(index)
-                fault.ended = time.time()
-
-            self._later(config.partition_duration, heal)
-        elif kind is FaultKind.JOIN:
-            name, spare = self._start_joiner(fault)
-            fault.target = name + (" (the round is full: it waits as a hot spare)" if spare else "")
-            # A spare changes no group: the fault has settled once the node says it waits.
-            fault.expects_restart = not spare
-            fault.ended = now
-        elif kind is FaultKind.KILL_ETCD:
-            fault.target = f"all {len(self.etcd.servers)} etcd member(s)"
-            for index in range(len(self.etcd.servers)):
-                self.etcd.kill_member(index)
-
-            def restart_all() -> None:
-                self.etcd.start()
-                fault.ended = time.time()
-
-            self._later(config.etcd_down, restart_all)
-        elif kind is FaultKind.KILL_ETCD_LEADER:
-            leader = self.etcd.leader()
-            if leader is None:
-                return False
-            fault.target = f"etcd leader m{leader}"
-            self.etcd.kill_member(leader)
-
-            def restart_leader(index: int = leader) -> None:
-                self.etcd.start_member(index)
-                fault.ended = time.time()
-
-            self._later(config.etcd_down, restart_leader)
-        fault.injected = now
-        fault.step_before = self.progress.step
-        logger.info("fault %d: %s at step %d -> %s", fault.index, kind.value, self.progress.step, fault.target)
+        now, record = time.time(), fault.record
+        record.spare_waiting = bool(self.spares())
+        if not fault.inject(now):
+            return False
+        record.injected = now
+        record.step_before = self.progress.step
+        logger.info("fault %d: %s at step %d -> %s", record.index, record.kind.value, self.progress.step,
+                    record.target)
         return True
 
-    def _bound(self, fault: FaultRecord) -> float:
-        bound = self.config.bound_for(fault.kind)
-        if fault.below_min:
-            bound += self.config.join_timeout.total_seconds()
-        return bound
-
-    def _back_from_partition(self, fault: FaultRecord) -> bool:
-        """Whether the node ``fault`` cut off has settled since the heal: trains again, waits as a
-        spare (a spare took its place meanwhile), or has exited.
-
-        Waiting for it keeps its rejoin (a restart of the whole group) from landing on the next fault.
-        """
-        node = self.cut_nodes[fault.index]
-        if not node.alive():
-            fault.note = f"{node.name} exited {node.exit_code} after the heal"
-            return True
-        assert fault.ended is not None  # noqa: S101 - checked by the caller
-        if node.name in self._said_spare(since=fault.ended):
-            fault.note = f"{node.name} waits as a spare after the heal"
-            return True
-        nodes_by_segment = self._nodes_by_segment()
-        for seg in (s for s in self.progress.segments if s["t"] > fault.ended):
-            trained = self.progress.first_step_of(seg["seg"]) is not None
-            if trained and node.name in nodes_by_segment.get(seg["seg"], ()):
-                fault.note = f"{node.name} rejoined after the heal"
-                return True
-        return False
-
-    def check_recovered(self, fault: FaultRecord, *, final: bool = False) -> bool:
-        """Whether the job trains again after ``fault``; sets its recovery time.
-
-        Args:
-            fault: An injected fault.
-            final: The run is over: judge with what there is.
-        """
-        assert fault.injected is not None  # noqa: S101 - private invariant
-        if fault.ended is None or fault.below_min:
-            return False
-        if fault.kind is FaultKind.PARTITION_NODE and not self._back_from_partition(fault) and not final:
-            return False
-        if fault.awaits_spare and not self._settled(fault.awaits_spare) and not final:
-            return False
-        progress = self.progress
-        if fault.expects_restart:
-            # A bounce recovers once a group with the replacement in the rendezvous trains; with a
-            # spare waiting, once the group the spare completed trains (the replacement is a spare).
-            bounce = fault.kind is FaultKind.BOUNCE_NODE and not fault.spare_waiting
-            ref = fault.ended if bounce else fault.injected
-            for seg in (s for s in progress.segments if s["t"] > ref):
-                first = progress.first_step_of(seg["seg"])
-                if first is not None:
-                    fault.recovered, fault.restarted = first["t"], True
-                    return True
-            return False
-        if not fault.kind.etcd:  # a node that was not training died: training just goes on
-            first = next((s for s in progress.steps if s["t"] > fault.injected), None)
-            if first is None and not final:
-                return False
-            fault.restarted = any(g["t"] > fault.injected for g in progress.segments)
-            fault.recovered = first["t"] if first else None
-            return True
-        # etcd: training needs no etcd within a round, but heartbeats may have lapsed
-        # while it was down. Settle until a lapse would have been judged (5 missed
-        # heartbeats and a rendezvous), then: did a new group form, and when did
-        # training go on (in the new group if there was one)?
-        settle = fault.ended + 10.0
-        if time.time() < settle and not final:
-            return False
-        new = [s for s in progress.segments if fault.injected < s["t"] <= settle]
-        if new and progress.first_step_of(new[-1]["seg"]) is None and not final:
-            return False  # a group formed because of the outage and has not trained yet
-        fault.restarted = bool(new)
-        first = progress.first_step_of(new[-1]["seg"]) if new else next(
-            (s for s in progress.steps if s["t"] > fault.injected), None)
-        fault.recovered = first["t"] if first else None
-        return True
-
-    def next_fault(self) -> FaultRecord | None:
+    def next_fault(self) -> Fault | None:
+        """The next fault: the schedule's, or one the planner draws now; None once there is none."""
         config, index = self.config, len(self.faults)
         if config.faults:
             if index >= config.faults:
@@ -483,7 +289,8 @@ class _Harness:
             if index >= len(config.schedule):
                 return None
             planned = config.schedule[index]
-        return FaultRecord(index, planned.kind, planned.at_step, expects_restart=planned.kind.restarts_workers)
+        record = FaultRecord(index, planned.kind, planned.at_step, expects_restart=planned.kind.restarts_workers)
+        return fault_for(record, self)
 
     # --- the run ------------------------------------------------------------------------------
 
@@ -512,13 +319,14 @@ class _Harness:
         end = time.time()
         bounds: dict[str, float] = {}
         for fault in self.faults:
-            if fault.injected is not None:
-                bounds[fault.kind.value] = max(bounds.get(fault.kind.value, 0.0), self._bound(fault))
+            if fault.record.injected is not None:
+                bounds[fault.kind.value] = max(bounds.get(fault.kind.value, 0.0), fault.bound())
+        records = [f.record for f in self.faults]
         verdict = judge(self.config, run_dir=self.run_dir, evidence_dir=self.evidence_dir, nodes=self.nodes,
-                        faults=self.faults, bounds=bounds, aborted=self.aborted, reference_exit=reference_exit)
+                        faults=records, bounds=bounds, aborted=self.aborted, reference_exit=reference_exit)
         report = build_report(
             self.config, verdict, run_id=self.run_id, run_dir=self.run_dir, script_args=self._args(self.run_dir),
-            faults=self.faults, nodes={n.name: n.exit_code for n in self.nodes},
+            faults=records, nodes={n.name: n.exit_code for n in self.nodes},
             killed=[n.name for n in self.nodes if n.killed is not None], aborted=self.aborted, start=self.start,
             end=end)
         return ChaosResult(self.run_dir, report, verdict.results)
@@ -529,12 +337,13 @@ class _Harness:
         finally:
             self.progress.poll()
             for fault in self.faults:
-                if fault.below_min:
-                    fault.note = fault.note or "left fewer than min-nodes for good: the job was to give up"
-                elif fault.injected is not None and fault.recovered is None and not fault.hung:
-                    self.check_recovered(fault, final=True)
-                    if fault.recovered is None:
-                        fault.note = fault.note or "no training after it: the run ended first"
+                record = fault.record
+                if record.below_min:
+                    record.note = record.note or "left fewer than min-nodes for good: the job was to give up"
+                elif record.injected is not None and record.recovered is None and not record.hung:
+                    fault.recovered(final=True)
+                    if record.recovered is None:
+                        record.note = record.note or "no training after it: the run ended first"
 
     def _set_gate(self, value: int) -> None:
         """Let the job start steps up to ``value`` (it only ever rises)."""
@@ -552,8 +361,8 @@ class _Harness:
         is injected the job may go a little further, always past its newest
         checkpoint, so that a restarted group can show that it trains.
         """
-        pending: FaultRecord | None = None  # planned, not injected yet
-        current: FaultRecord | None = None  # injected, not recovered yet
+        pending: Fault | None = None  # planned, not injected yet
+        current: Fault | None = None  # injected, not recovered yet
         planning = True
         reference_failed_at: float | None = None
         waiting_since: float | None = None
@@ -581,35 +390,10 @@ class _Harness:
                                     f"(see {self.run_dir / 'reference' / 'log.txt'})")
                     return
             if current is not None:
-                if self.check_recovered(current):
-                    logger.info("fault %d (%s) recovered in %.1fs", current.index, current.kind.value,
-                                (current.recovered or now) - (current.injected or now))
+                if self._watch(current, now):
                     current = None
-                elif now - (current.injected or now) > self._bound(current):
-                    current.hung = True
-                    self.aborted = (f"fault {current.index} ({current.kind.value}): "
-                                    + ("the survivors below min-nodes did not exit" if current.below_min
-                                       else "no training") + f" within {self._bound(current):g}s")
+                elif self.aborted:
                     return
-                else:
-                    # A new group must be able to train one step past where it starts: its
-                    # checkpoint (restart; committed even when the save then failed, so
-                    # restores count too), or in-process the step the survivors stopped at:
-                    # the step in flight when the fault struck (a join lets it finish) until
-                    # the new group formed, then the last step applied before it formed.
-                    start = progress.newest_checkpoint()
-                    if config.recovery == "in-process":
-                        formed = [g for g in progress.segments if g["t"] > (current.injected or now)]
-                        if formed:
-                            applied = [s["step"] for s in progress.steps if s["t"] < formed[-1]["t"]]
-                            start = max(start, max(applied, default=0))
-                        else:
-                            start = max(start, (current.step_before or 0) + 1)
-                    self._set_gate(start + 1)
-                    new = [g for g in progress.segments if g["t"] > (current.injected or now)]
-                    if new and now - new[-1]["t"] > 10 and progress.first_step_of(new[-1]["seg"]) is None:
-                        # Belt and braces: a group held at the gate cannot show that it trains.
-                        self._set_gate(max(progress.step, progress.newest_checkpoint()) + 1)
             if current is None and pending is None and planning:
                 pending = self.next_fault()
                 if pending is None:
@@ -617,25 +401,59 @@ class _Harness:
                     self._set_gate(_OPEN)
                 else:
                     self.faults.append(pending)
-                    self._set_gate(pending.at_step)
+                    self._set_gate(pending.record.at_step)
             total = progress.total_steps()
-            if pending is not None and total is not None and pending.at_step >= total:
-                pending.note = f"not injected: the job ends at step {total}"
+            if pending is not None and total is not None and pending.record.at_step >= total:
+                pending.record.note = f"not injected: the job ends at step {total}"
                 pending, planning = None, False
                 self._set_gate(_OPEN)
-            if current is None and pending is not None and progress.step >= pending.at_step:
+            if current is None and pending is not None and progress.step >= pending.record.at_step:
                 if self.inject(pending):
                     current, pending, waiting_since = pending, None, None
                     if current.kind.etcd:
                         self._set_gate(progress.step + 3)  # training needs no etcd: let it go on
-                    elif not current.expects_restart:
+                    elif not current.record.expects_restart:
                         self._set_gate(progress.step + 1)
                 else:
                     waiting_since = waiting_since or now
                     if now - waiting_since > 60:
-                        pending.note = f"not injected: {pending.note or 'no target found'} within 60 s"
+                        pending.record.note = f"not injected: {pending.record.note or 'no target found'} within 60 s"
                         pending, waiting_since = None, None
             time.sleep(0.05)
+
+    def _watch(self, fault: Fault, now: float) -> bool:
+        """Whether the job has recovered from ``fault``, an injected fault. Until it has, the gate lets
+        the job train past where its new group starts; after the fault's bound the run is aborted."""
+        record = fault.record
+        injected = record.injected if record.injected is not None else now
+        if fault.recovered():
+            logger.info("fault %d (%s) recovered in %.1fs", record.index, record.kind.value,
+                        (record.recovered or now) - injected)
+            return True
+        if now - injected > fault.bound():
+            record.hung = True
+            self.aborted = (f"fault {record.index} ({record.kind.value}): "
+                            + ("the survivors below min-nodes did not exit" if record.below_min else "no training")
+                            + f" within {fault.bound():g}s")
+            return False
+        # A new group must be able to train one step past where it starts: its checkpoint (restart;
+        # committed even when the save then failed, so restores count too), or in-process the step
+        # the survivors stopped at: the step in flight when the fault struck (a join lets it finish)
+        # until the new group formed, then the last step applied before it formed.
+        progress = self.progress
+        start = progress.newest_checkpoint()
+        formed = [g for g in progress.segments if g["t"] > injected]
+        if self.config.recovery == "in-process":
+            if formed:
+                applied = [s["step"] for s in progress.steps if s["t"] < formed[-1]["t"]]
+                start = max(start, max(applied, default=0))
+            else:
+                start = max(start, (record.step_before or 0) + 1)
+        self._set_gate(start + 1)
+        if formed and now - formed[-1]["t"] > 10 and progress.first_step_of(formed[-1]["seg"]) is None:
+            # Belt and braces: a group held at the gate cannot show that it trains.
+            self._set_gate(max(progress.step, progress.newest_checkpoint()) + 1)
+        return False
 
     def _teardown(self) -> None:
         for pid in list(self.stopped):
@@ -648,6 +466,7 @@ class _Harness:
         if self.network:
             self.network.teardown()
 
+
 def run_chaos(config: ChaosConfig) -> ChaosResult:
     """Run one chaos run end to end; see the module docstring.
 
@@ -655,4 +474,4 @@ def run_chaos(config: ChaosConfig) -> ChaosResult:
         ConfigError: A bad configuration, or a non-empty ``run_dir``.
         EtcdServerError: etcd could not be started.
     """
-    return _Harness(config).run()
+    return Harness(config).run()

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from elastictrain.chaos.config import ChaosConfig
-from elastictrain.chaos.faults import FaultRecord
+from elastictrain.chaos.schedule import FaultRecord
 from elastictrain.chaos.verdict import Verdict
 
 __all__ = ["build_report", "recovery_summary", "write_plot", "write_report"]

@@ -19,7 +19,7 @@ from pathlib import Path
 from elastictrain.chaos import invariants as inv
 from elastictrain.chaos.cluster import Node
 from elastictrain.chaos.config import ChaosConfig
-from elastictrain.chaos.faults import FaultRecord
+from elastictrain.chaos.schedule import FaultRecord
 from elastictrain.chaos.recorder import CHAOS_DIR_ENV
 
 __all__ = ["Verdict", "expected_outcome", "judge"]

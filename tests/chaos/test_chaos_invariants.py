@@ -19,7 +19,7 @@ import torch
 from elastictrain.chaos import ChaosConfig
 from elastictrain.chaos import invariants as inv
 from elastictrain.chaos.cluster import Node
-from elastictrain.chaos.faults import FaultKind, FaultRecord, PlannedFault, RandomPlanner, parse_kinds, parse_schedule
+from elastictrain.chaos.schedule import FaultKind, FaultRecord, PlannedFault, RandomPlanner, parse_kinds, parse_schedule
 from elastictrain.chaos.recorder import Recorder
 from elastictrain.chaos.verdict import _exit_status, unnoticed_faults
 from elastictrain.errors import ConfigError

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from elastictrain.chaos import ChaosConfig, FaultKind, parse_schedule, run_chaos
-from elastictrain.chaos.faults import parse_kinds
+from elastictrain.chaos.schedule import parse_kinds
 from tests.conftest import REPO_ROOT
 
 JOB = str(REPO_ROOT / "tests" / "scripts" / "chaos_job.py")

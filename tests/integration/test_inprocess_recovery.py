@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from elastictrain.chaos.faults import descendants, worker_pids
+from elastictrain.chaos.processes import descendants, worker_pids
 from elastictrain.etcd import kv
 from elastictrain.rendezvous.keys import RunKeys
 from tests.conftest import REPO_ROOT, communicate_reporting_hangs, fail_with_stacks, hang_reporting_env
