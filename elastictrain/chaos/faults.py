@@ -149,7 +149,8 @@ class KillWorker(_WorkerFault):
 
 class HangWorker(_WorkerFault):
     """SIGSTOP one worker for ``hang_duration`` (longer than the collective timeout: a hang, not a
-    crash), then SIGCONT it (SIGKILL with ``hang_then_kill``)."""
+    crash), then SIGCONT it (SIGKILL with ``hang_then_kill``). The hang is over sooner if the
+    worker is killed while stopped: by its agent, which found it hung, or by a restart of its group."""
 
     kind = FaultKind.HANG_WORKER
 
@@ -161,7 +162,7 @@ class HangWorker(_WorkerFault):
         self.record.target, self.record.target_pids = f"{node.name} worker pid {pid}", [pid]
         os.kill(pid, signal.SIGSTOP)
         self.harness.stopped[pid] = now
-        self.harness.later(self.harness.config.hang_duration, self._resume)
+        self._resume_later = self.harness.later(self.harness.config.hang_duration, self._resume)
         return True
 
     def _resume(self) -> None:
@@ -170,6 +171,16 @@ class HangWorker(_WorkerFault):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL if self.harness.config.hang_then_kill else signal.SIGCONT)
         self.record.ended = time.time()
+
+    def recovered(self, *, final: bool = False) -> bool:
+        pid = self.record.target_pids[0]
+        if self.record.ended is None and process_state(pid) in (None, "Z"):
+            # Nothing is left to resume: the next fault need not wait out the rest of the hang.
+            self.harness.cancel(self._resume_later)
+            self.harness.stopped.pop(pid, None)
+            self.record.ended = time.time()
+            self.record.note = "killed while stopped, before it was to be resumed"
+        return super().recovered(final=final)
 
 
 class _NodeFault(Fault):

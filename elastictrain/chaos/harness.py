@@ -220,9 +220,16 @@ class Harness:
 
     # --- faults -------------------------------------------------------------------------------
 
-    def later(self, delay: timedelta, action: Callable[[], None]) -> None:
-        """Run ``action`` ``delay`` from now, from the run's loop."""
-        self.actions.append((time.time() + delay.total_seconds(), action))
+    def later(self, delay: timedelta, action: Callable[[], None]) -> tuple[float, Callable[[], None]]:
+        """Run ``action`` ``delay`` from now, from the run's loop; the handle :meth:`cancel` takes."""
+        entry = (time.time() + delay.total_seconds(), action)
+        self.actions.append(entry)
+        return entry
+
+    def cancel(self, entry: tuple[float, Callable[[], None]]) -> None:
+        """Drop an action :meth:`later` had planned, unless it has run."""
+        with contextlib.suppress(ValueError):
+            self.actions.remove(entry)
 
     def nodes_by_segment(self) -> dict[int, set[str]]:
         """Names of the nodes with a worker in each process group (from the job's evidence)."""

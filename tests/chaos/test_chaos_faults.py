@@ -78,7 +78,7 @@ def test_etcd_leader_loss_and_a_hang_are_survived_then_below_min_nodes_the_job_g
 ) -> None:
     # A 3-member etcd loses its leader (training goes on); a worker hangs past
     # the collective timeout (SIGSTOP for 15 s, then SIGCONT) and the group is
-    # re-formed; then a node dies for good: its peer waits --join-timeout for
+    # re-formed without it; then a node dies for good: its peer waits --join-timeout for
     # it, then exits non-zero saying why. (The join timeout also bounds the first
     # rendezvous: 15 s was seen to expire there on a machine at load 23.)
     schedule = "kill_etcd_leader@2,hang_worker@4,kill_node@8"
@@ -92,6 +92,10 @@ def test_etcd_leader_loss_and_a_hang_are_survived_then_below_min_nodes_the_job_g
         "kill_etcd_leader", "hang_worker", "kill_node"]
     hang = report["faults"][1]
     assert hang["restarted"] and hang["recovery_s"] is not None, hang
+    # Its agent killed the stopped worker: the hang was over then, and the next fault came
+    # without waiting out the rest of its 15 s.
+    assert hang["note"] == "killed while stopped, before it was to be resumed", hang
+    assert hang["ended_s"] - hang["injected_s"] < 15, hang
     assert not report["completed"]
     survivors = {n: c for n, c in report["node_exit_codes"].items() if n not in report["nodes_killed_by_faults"]}
     assert len(survivors) == 1 and all(code not in (0, None) for code in survivors.values()), survivors
