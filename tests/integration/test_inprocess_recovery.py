@@ -325,6 +325,11 @@ def join_at(etcd_server: Any, run_id: str, out: Path, step: int, *, steps: int =
     return nodes, before, round_
 
 
+SLOW_UNTIL_WORLD_3 = ("--step-sleep", "0.25", "--fast-at-world", "3")
+"""Job arguments that keep a 150-step job training at world 2 for about 40 s (however busy the
+cores) until a third node joins, and let it finish soon after."""
+
+
 def assert_joined_at_one_boundary(out: Path, before: set[int], nodes: list[subprocess.Popen[str]],
                                   outputs: list[str]) -> list[dict[str, Any]]:
     """Every node exited 0, the first two kept their processes, every rank entered world 3 at the
@@ -369,7 +374,7 @@ def test_the_nodes_train_on_while_a_joining_nodes_workers_start(etcd_server: Any
     # so that the job lasts until the newcomer joins (however busy the cores) but no longer.
     out = tmp_path / "job"
     loaded = out / "model-loaded"
-    nodes, before, round_ = join_at(etcd_server, run_id, out, 8, steps=400, job=("--fast-at-world", "3"),
+    nodes, before, round_ = join_at(etcd_server, run_id, out, 8, steps=150, job=SLOW_UNTIL_WORLD_3,
                                     newcomer=("--wait-before-session", str(loaded)))
     (out / "release").touch()
     wait_until(lambda: len([r for r in records(out) if r["world"] == 2 and r["step"] >= 8 + 5]) >= 2 * 6,
@@ -390,7 +395,7 @@ def test_the_agents_act_on_a_joining_node_at_once_not_at_their_next_monitor_tick
     # nodes publishing the generation of three) would take up to that long.
     out = tmp_path / "job"
     slow_ticks = ("--monitor-interval", "60")
-    nodes, before, _ = join_at(etcd_server, run_id, out, 8, steps=400, job=("--fast-at-world", "3"),
+    nodes, before, _ = join_at(etcd_server, run_id, out, 8, steps=150, job=SLOW_UNTIL_WORLD_3,
                                extra=slow_ticks)
     (out / "release").touch()
     wait_until(lambda: any(r["world"] == 3 for r in records(out)), "a step at world 3", nodes, timeout=40)
@@ -445,7 +450,8 @@ def test_a_worker_stopped_while_its_group_forms_is_killed_and_replaced_and_the_j
     # it is ready, and the others stop to form the group of three with it): it must be killed
     # and replaced, and the job go on at world size 3 (without the fix it waits for it forever).
     out = tmp_path / "job"
-    args = ("--steps", "600", "--step-sleep", "0.05")
+    # Slow steps at world 2 (a minute of them, however busy the cores), fast ones at world 3.
+    args = ("--steps", "200", "--step-sleep", "0.25", "--fast-at-world", "3")
     nodes = [start_node(etcd_server.endpoint, run_id, out, *args, min_nodes=2, max_nodes=3) for _ in range(2)]
     wait_until(lambda: len({r["rank"] for r in records(out) if r["step"] >= 2}) == 2, "step 2", nodes)
     nodes.append(start_node(etcd_server.endpoint, run_id, out, *args, min_nodes=2, max_nodes=3))
