@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from elastictrain import errors
@@ -163,16 +163,21 @@ class ControlView:
         self.on_change: Callable[[], None] | None = None
         """Called after each update (on the thread that made it, the watch's most often)."""
 
-    def _changed(self) -> None:
+    @contextlib.contextmanager
+    def _update(self) -> Iterator[None]:
+        """Hold the lock while the view changes; then bump :attr:`version`, wake the waiters and
+        call :attr:`on_change` (outside the lock)."""
+        with self.cond:
+            yield
+            self.version += 1
+            self.cond.notify_all()
         if self.on_change is not None:
             self.on_change()
 
     def touch(self) -> None:
         """Wake every waiter: something it depends on (not a control key) changed."""
-        with self.cond:
-            self.version += 1
-            self.cond.notify_all()
-        self._changed()
+        with self._update():
+            pass
 
     @property
     def incarnation(self) -> int:
@@ -183,7 +188,7 @@ class ControlView:
     def load(self, kvs: list[kv.KeyValue], revision: int) -> None:
         """Replace the view with a read of the control prefix made at ``revision``, and keep it
         current from there on (starting the watch on first use)."""
-        with self.cond:
+        with self._update():
             # A read made before the watch's newest event is older than this view: the watch
             # has applied every change up to that event, so the read is taken as seen. (A node
             # that joins reads here, and the round formed just after its read may already
@@ -196,9 +201,6 @@ class ControlView:
                     self._apply(item, deleted=False)
                 self._loaded_at = self._seen = revision
             self.loaded = True
-            self.version += 1
-            self.cond.notify_all()
-        self._changed()
         if self._watch is None:
             self._watch = Watch(self._client, self._keys.ctl, prefix=True, start_revision=revision + 1,
                                 on_events=self._on_events, on_compacted=self._reload, name="control-watch").start()
@@ -209,18 +211,15 @@ class ControlView:
         return revision
 
     def _on_events(self, events: list[WatchEvent], _revision: int) -> None:
-        with self.cond:
+        with self._update():
             for event in events:
                 if event.revision > self._loaded_at:  # older ones are in the last load already
                     self._apply(event.kv, deleted=event.deleted)
                     self._seen = max(self._seen, event.revision)
-            self.version += 1
-            self.cond.notify_all()
-        self._changed()
 
     def apply_own_write(self, item: kv.KeyValue) -> None:
         """Take a write this node made (e.g. the round it formed) before its watch event arrives."""
-        with self.cond:
+        with self._update():
             current = self.round_kv if item.key == self._keys.round else None
             if current is None or current.mod_revision < item.mod_revision:
                 self._apply(item, deleted=False)
@@ -228,9 +227,6 @@ class ControlView:
                     # The same transaction deleted the closer key: no event needed to know it.
                     self.closer = self.closer_kv = None
                     self._closer_changed = max(self._closer_changed, item.mod_revision)
-            self.version += 1
-            self.cond.notify_all()
-        self._changed()
 
     def _apply(self, item: kv.KeyValue, *, deleted: bool) -> None:
         try:
