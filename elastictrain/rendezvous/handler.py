@@ -53,15 +53,8 @@ from elastictrain.etcd.lease import KeptLease, RunLease
 from elastictrain.rendezvous import BACKEND_NAME
 from elastictrain.rendezvous.keys import RunKeys
 from elastictrain.rendezvous.membership import Closer, ControlView, RoundWatch, close_rendezvous, is_open, read_members
-from elastictrain.rendezvous.records import (
-    FINISHED,
-    AllReadyRecord,
-    CloserRecord,
-    MemberRecord,
-    ReadyRecord,
-    RoundRecord,
-    encode,
-)
+from elastictrain.rendezvous.ready import ReadyWord
+from elastictrain.rendezvous.records import FINISHED, CloserRecord, MemberRecord, RoundRecord, encode
 from elastictrain.rendezvous.store import Etcd3Store
 
 logger = logging.getLogger(__name__)
@@ -69,10 +62,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["Etcd3RendezvousHandler", "create_handler"]
 
 _LOG_EVERY = 5.0
-_READY_RECOUNT_S = 5.0
-"""How often :meth:`~Etcd3RendezvousHandler.ready_nodes` counts the ready keys itself while the
-all-ready key does not name its round: only if the node that completed the count failed to
-write that key (each node asks at every monitor tick while a node joins)."""
 _GOODBYE_DEADLINE = timedelta(seconds=5)
 """How long this node's goodbyes retry, all of them together, once its job has ended
 (:meth:`~Etcd3RendezvousHandler.set_finished`, :meth:`~Etcd3RendezvousHandler.shutdown`, and the
@@ -131,9 +120,8 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         round it waits on is full); ``elastictrain run`` records it as an event and in ``status``."""
         self._registered = 0
         """The revision of this node's last write of its member key (see :meth:`_join`)."""
-        self._ready_round: int | None = None
-        self._ready_count: tuple[int, int, float] | None = None
-        """(round, count, when): the ready keys this node last counted itself (see :meth:`ready_nodes`)."""
+        self._ready = ReadyWord(client, self.keys, self.node_id, alive=self._alive, run_lease=self.run_lease,
+                                control=self._control)
         self._for_joiners = False
 
     # --- torch's interface --------------------------------------------------------------------
@@ -376,64 +364,27 @@ class Etcd3RendezvousHandler(RendezvousHandler):
     def say_ready(self) -> None:
         """Say that this node's workers can form the group of the round it joined now (they
         train and can stop at their next step, or they were started and wait for their peers).
-        Nodes that train on until a joining node is ready count these (:meth:`ready_nodes`).
+        Nodes that train on until a joining node is ready count these (:meth:`ready_nodes`; see
+        :mod:`~elastictrain.rendezvous.ready`).
 
         Raises:
             EtcdError: etcd is unreachable or refused us.
         """
-        joined = self._joined
-        if joined is None or self._alive.id is None:
-            return
-        ready = self.keys.ready(joined.round)
-        ops = [kv.put(ready + self.node_id, encode(ReadyRecord(self.node_id)), self._alive.id)]
-        if self._ready_round is not None and self._ready_round != joined.round:
-            ops.append(kv.delete(self.keys.ready(self._ready_round) + self.node_id))  # one key per node
-        ops.append(kv.get(ready, prefix=True, count_only=True))  # with this node's key
-        result = kv.txn(self.client, [], ops, what="saying this node's workers are ready")
-        self._ready_round = joined.round
-        if result.counts[0] >= len(joined.nodes):
-            self._say_all_ready()
+        joined, revision = self._joined, self._joined_revision
+        if joined is not None:
+            self._ready.say(joined, revision)
 
     def ready_nodes(self) -> int:
         """How many nodes of the round this node joined said their workers can form its group:
-        all of them once the all-ready key names the round (from the control watch: no etcd
-        request), else the count this node last made (again every few seconds: see
-        :data:`_READY_RECOUNT_S`). Every node asks at each monitor tick while a node joins: a
-        count from each would be thousands of requests a second at a thousand nodes.
+        learnt from the control watch once all did, else counted again every few seconds
+        (:mod:`~elastictrain.rendezvous.ready`). Every node asks at each monitor tick while a
+        node joins.
 
         Raises:
             EtcdError: etcd is unreachable or refused us.
         """
-        joined = self._joined
-        if joined is None:
-            return 0
-        with self._control.cond:
-            if self._control.all_ready == joined.round:
-                return len(joined.nodes)
-        now = time.monotonic()
-        last = self._ready_count
-        if last is None or last[0] != joined.round:
-            self._ready_count = (joined.round, 0, now)  # the first count waits too: the key may come
-            return 0
-        if now - last[2] < _READY_RECOUNT_S:
-            return last[1]
-        count = kv.count(self.client, self.keys.ready(joined.round), what="reading how many nodes are ready")
-        self._ready_count = (joined.round, count, now)
-        if count >= len(joined.nodes):
-            logger.info("every node of round %d said its workers are ready, but none said so for all: saying it",
-                        joined.round)
-            self._say_all_ready()
-        return count
-
-    def _say_all_ready(self) -> None:
-        """Write the all-ready key for the round this node joined (the others learn it from their
-        control watch), unless a newer round replaced it: a late word must not replace the newer
-        round's."""
-        assert self._joined is not None  # noqa: S101 - the callers checked it
-        value = encode(AllReadyRecord(self._joined.round))
-        still = [kv.compare_mod(self.keys.round, "==", self._joined_revision)]
-        self.run_lease.write(lambda lease: kv.txn(self.client, still, [kv.put(self.keys.all_ready, value, lease)],
-                                                  what="saying every node of the round is ready"))
+        joined, revision = self._joined, self._joined_revision
+        return 0 if joined is None else self._ready.count(joined, revision)
 
     @property
     def round(self) -> int | None:

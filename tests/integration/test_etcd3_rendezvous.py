@@ -26,7 +26,7 @@ from elastictrain.launch import launcher
 from elastictrain.launch.agent import ElasticAgent
 from elastictrain.launch.config import RunConfig
 from elastictrain.launch.run_state import NodeRecord, RunPublisher, read_status
-from elastictrain.rendezvous import handler as handler_module
+from elastictrain.rendezvous import ready as ready_module
 from elastictrain.rendezvous import register
 from elastictrain.rendezvous.handler import Etcd3RendezvousHandler, create_handler
 from elastictrain.rendezvous.keys import RunKeys
@@ -170,7 +170,7 @@ def test_when_no_node_said_all_are_ready_each_counts_the_ready_keys_now_and_then
     # The node that completed the count may have failed to write the all-ready key (etcd
     # went away, the node died just after): the others count the keys themselves, seldom,
     # and the first to find them all says so for everyone.
-    monkeypatch.setattr(handler_module, "_READY_RECOUNT_S", 0.5)
+    monkeypatch.setattr(ready_module, "RECOUNT_S", 0.5)
     nodes = _handlers(private_etcd.endpoint, run_id, 2, 2, 2)
     _join_all(nodes)
     keys, round_ = nodes[0].keys, nodes[0].round
