@@ -121,14 +121,17 @@ class Fault(ABC):
 class _WorkerFault(Fault):
     """A fault of one worker process of a training node, chosen with the run's seed."""
 
-    def _pick_worker(self) -> tuple[Node, int] | None:
+    def _target_worker(self) -> int | None:
+        """Pick a running worker of a training node and record it as the target; its pid (None: none yet)."""
         harness = self.harness
         training = harness.training_nodes()
         candidates = [(n, pid) for n in harness.alive_nodes() if n.name in training for pid in worker_pids(n.pid)
                       if process_state(pid) not in (None, "T", "Z")]
         if not candidates:
             return None
-        return candidates[harness.planner.choice(range(len(candidates)))]
+        node, pid = candidates[harness.planner.choice(range(len(candidates)))]
+        self.record.target, self.record.target_pids = f"{node.name} worker pid {pid}", [pid]
+        return pid
 
 
 class KillWorker(_WorkerFault):
@@ -137,11 +140,9 @@ class KillWorker(_WorkerFault):
     kind = FaultKind.KILL_WORKER
 
     def inject(self, now: float) -> bool:
-        picked = self._pick_worker()
-        if picked is None:
+        pid = self._target_worker()
+        if pid is None:
             return False
-        node, pid = picked
-        self.record.target, self.record.target_pids = f"{node.name} worker pid {pid}", [pid]
         os.kill(pid, signal.SIGKILL)
         self.record.ended = now
         return True
@@ -155,11 +156,9 @@ class HangWorker(_WorkerFault):
     kind = FaultKind.HANG_WORKER
 
     def inject(self, now: float) -> bool:
-        picked = self._pick_worker()
-        if picked is None:
+        pid = self._target_worker()
+        if pid is None:
             return False
-        node, pid = picked
-        self.record.target, self.record.target_pids = f"{node.name} worker pid {pid}", [pid]
         os.kill(pid, signal.SIGSTOP)
         self.harness.stopped[pid] = now
         self._resume_later = self.harness.later(self.harness.config.hang_duration, self._resume)

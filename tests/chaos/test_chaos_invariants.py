@@ -19,6 +19,7 @@ import torch
 from elastictrain.chaos import ChaosConfig
 from elastictrain.chaos import invariants as inv
 from elastictrain.chaos.cluster import Node
+from elastictrain.chaos.faults import fault_for
 from elastictrain.chaos.schedule import FaultKind, FaultRecord, PlannedFault, RandomPlanner, parse_kinds, parse_schedule
 from elastictrain.chaos.recorder import Recorder
 from elastictrain.chaos.verdict import _exit_status, unnoticed_faults
@@ -208,6 +209,12 @@ def test_schedules_parse_and_bad_ones_say_why() -> None:
     with pytest.raises(ConfigError, match="KIND@STEP"):
         parse_schedule("kill_worker")
     assert parse_kinds("join,kill_etcd") == (FaultKind.JOIN, FaultKind.KILL_ETCD)
+
+
+def test_every_fault_kind_has_a_class_of_its_own_that_injects_it() -> None:
+    classes = {kind: type(fault_for(FaultRecord(0, kind, 1), harness=None)) for kind in FaultKind}  # type: ignore[arg-type]
+    assert all(cls.kind is kind for kind, cls in classes.items()), classes
+    assert len(set(classes.values())) == len(FaultKind), classes
 
 
 def test_random_faults_replay_from_a_seed_and_never_leave_min_max_nodes() -> None:
