@@ -26,6 +26,7 @@ import torch
 from elastictrain.chaos.processes import descendants, worker_pids
 from elastictrain.etcd import kv
 from elastictrain.rendezvous.keys import RunKeys
+from elastictrain.train.group_keeper import RECOVERY_PHASES
 from tests.conftest import REPO_ROOT, communicate_reporting_hangs, fail_with_stacks, hang_reporting_env
 
 JOB = str(REPO_ROOT / "tests" / "scripts" / "inprocess_job.py")
@@ -130,6 +131,12 @@ def test_a_killed_worker_is_replaced_alone_each_time_its_peer_keeps_its_process_
     assert_every_step_once(out, [0, 1])
     recoveries = events(out, "recovery")
     assert recoveries and all(e["world_size"] == 2 for e in recoveries)
+    # Rank 0's event of each re-formation says where its seconds went.
+    formed = [e for e in recoveries if "seconds" in e]
+    assert len(formed) == 3, recoveries
+    for event in formed:
+        spent = [event[phase] for phase in RECOVERY_PHASES]
+        assert min(spent) >= 0 and 0.8 * event["seconds"] - 0.01 <= sum(spent) <= event["seconds"] + 0.001, event
     final = [torch.load(out / f"final-{r}.pt", weights_only=True) for r in (0, 1)]
     assert_same_parameters(final[0], final[1])
     assert_same_parameters(final[0], reference(tmp_path))
@@ -536,9 +543,6 @@ def test_only_this_nodes_own_failures_spend_its_budget(etcd_server: Any, run_id:
     # Rank 1 raises before step 5 in every process that gets there: a crash loop on node B.
     # Node A (--max-restarts 0) sees its peer fail again and again; that must not spend
     # its budget. Node B's own budget (2) runs out at the third failure, and B ends the job.
-    from elastictrain.etcd import kv
-    from elastictrain.rendezvous.keys import RunKeys
-
     out = tmp_path / "job"
     node_a = start_node(etcd_server.endpoint, run_id, out, "--fail-at", "1:5", extra=("--max-restarts", "0"))
     members = RunKeys.of(run_id).members
