@@ -67,7 +67,9 @@ Each trial also records where the recovery time went, from the agents' log lines
 detected, rendezvous done, worker process started, imports done, process group
 up, model and optimizer built, checkpoint group up, checkpoint restored, DDP
 built (or the Session entered), first step; and, under elastictrain, the run's own
-``recovery``/``restart``/``worker_failure`` events.
+``recovery``/``restart``/``worker_failure`` events. Under in-process recovery rank 0's
+``recovery`` events say where each re-formation's seconds went; ``reformation_s`` summarizes
+them per scenario (a row of the table).
 
     python benchmarks/recovery.py --scenarios worker_crash --reps 3
     python benchmarks/recovery.py --launchers elastictrain_inprocess,elastictrain_restart,torchrun_tuned \\
@@ -604,6 +606,11 @@ def _aggregate(trials: list[dict[str, Any]]) -> dict[str, Any]:
         for name in phase_names
     }
     out["phases_median_s"] = phases(out["milestones_median_s"])
+    # In-process: rank 0's account of each re-formation (where its seconds went).
+    reformed = [e for t in trials for e in t.get("run_events", []) if e.get("kind") == "recovery" and "wait_s" in e]
+    if reformed:
+        out["reformation_s"] = {name: summarize(e[name] for e in reformed)
+                                for name in ("seconds", "wait_s", "group_s", "state_s", "ddp_s")}
     return out
 
 
@@ -687,6 +694,14 @@ def _cell(summary: dict[str, Any] | None, digits: int = 2, unit: str = " s") -> 
     return text
 
 
+def _reformation(phases: dict[str, Any] | None) -> str:
+    """Medians of rank 0's re-formations: ``0.30 s; 0.02 / 0.16 / 0.12 / 0.00``."""
+    if not phases:
+        return "—"
+    parts = " / ".join(f"{phases[name]['median']:.2f}" for name in ("wait_s", "group_s", "state_s", "ddp_s"))
+    return f"{phases['seconds']['median']:.2f} s; {parts}"
+
+
 def markdown_table(results: dict[str, Any]) -> str:
     """The recovery results as one compact markdown table: median (min–max) per cell."""
     scenarios = results.get("scenarios", {})
@@ -709,6 +724,9 @@ def markdown_table(results: dict[str, Any]) -> str:
         row("↳ committed steps redone", [_cell(e["steps_redone"], digits=0, unit="") if e else "—" for e in stats])
         row("↳ trials where the survivors kept their pids",
             [f"{e['survivor_pids_kept']}/{e['trials_timed']}" if e else "—" for e in stats])
+        if any(e and "reformation_s" in e for e in stats):
+            row("↳ rank 0's re-formation: in all; waiting for the generation / joining the group / the state / DDP",
+                [_reformation(e.get("reformation_s")) if e else "—" for e in stats])
     state = results.get("state_mb")
     lines.append("")
     lines.append(f"Median (min–max) over {results.get('reps', '?')} repetition(s); seconds from the SIGKILL (join: "
