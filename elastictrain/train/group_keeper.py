@@ -49,8 +49,9 @@ save is in flight (re-forming would wait for it to be written)."""
 
 RECOVERY_PHASES = ("wait_s", "group_s", "state_s", "ddp_s")
 """Where a re-formation's seconds go (the ``recovery`` event carries each): leaving the old group
-and waiting for the agent's next generation; joining the new group; agreeing on the state and
-receiving it from a peer (or restoring it); wrapping the model in DDP."""
+and waiting for the agent's next generation; joining the new group (and any formation that
+failed); agreeing on the state and receiving it from a peer (or restoring it); wrapping the
+model in DDP."""
 
 
 def describe_phases(phases: dict[str, float]) -> str:
@@ -280,19 +281,21 @@ class GroupKeeper:
             self.generation.leave(self.log)
             self._adopt(wait_for_generation(control, self.config.recovery_timeout.total_seconds()))
             phases["wait_s"] += time.perf_counter() - mark
+            mark = time.perf_counter()
             try:
-                mark = time.perf_counter()
                 self._join()
                 # The same order of collectives as a worker that starts in this generation
                 # (Session._start): hooks' on_rendezvous, then the state agreement.
                 self.hooks.dispatch("on_rendezvous", rank=self.context.rank, world_size=self.context.world_size,
                                     restart_count=self.context.restart_count)
                 phases["group_s"] += time.perf_counter() - mark
+                mark = time.perf_counter()
                 received = self.form(holds_state=holds_state, phases=phases)
                 break
             except Exception as exc:
                 if not is_collective_failure(exc):
                     raise
+                phases["group_s"] += time.perf_counter() - mark  # a formation that failed counts as joining
                 cause = f"{cause}; then the new group failed to form ({describe(exc)})"
         control.set_state(WorkerState.TRAINING)
         self.recoveries += 1
