@@ -120,6 +120,9 @@ SCENARIOS = ("worker_crash", "node_loss", "hot_spare", "node_join", "node_join_o
 JOIN_SCENARIOS = ("node_join", "node_join_own_core")
 CLASSIC_SCENARIOS = ("worker_crash", "node_loss", "node_join")
 TUNED_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
+REFORMATION_PHASES = ("wait_s", "group_s", "state_s", "ddp_s")
+"""The fields of rank 0's ``recovery`` event that say where a re-formation's seconds went
+(``elastictrain.train.group_keeper.RECOVERY_PHASES``, not imported: this driver imports no torch)."""
 MAX_RESTARTS = 3
 
 # Stderr lines of the agents that mark the phases of a recovery (torch's agent logs
@@ -607,10 +610,11 @@ def _aggregate(trials: list[dict[str, Any]]) -> dict[str, Any]:
     }
     out["phases_median_s"] = phases(out["milestones_median_s"])
     # In-process: rank 0's account of each re-formation (where its seconds went).
-    reformed = [e for t in trials for e in t.get("run_events", []) if e.get("kind") == "recovery" and "wait_s" in e]
+    reformed = [e for t in trials for e in t.get("run_events", [])
+                if e.get("kind") == "recovery" and REFORMATION_PHASES[0] in e]
     if reformed:
         out["reformation_s"] = {name: summarize(e[name] for e in reformed)
-                                for name in ("seconds", "wait_s", "group_s", "state_s", "ddp_s")}
+                                for name in ("seconds", *REFORMATION_PHASES)}
     return out
 
 
@@ -698,7 +702,7 @@ def _reformation(phases: dict[str, Any] | None) -> str:
     """Medians of rank 0's re-formations: ``0.30 s; 0.02 / 0.16 / 0.12 / 0.00``."""
     if not phases:
         return "—"
-    parts = " / ".join(f"{phases[name]['median']:.2f}" for name in ("wait_s", "group_s", "state_s", "ddp_s"))
+    parts = " / ".join(f"{phases[name]['median']:.2f}" for name in REFORMATION_PHASES)
     return f"{phases['seconds']['median']:.2f} s; {parts}"
 
 

@@ -222,7 +222,7 @@ class Doorbell:
                 os.write(self._writer, b"\0")
 
     def fileno(self) -> int:
-        """What the agent waits on (``select``): readable once rung."""
+        """What the agent waits on (``poll``): readable once rung."""
         assert self._reader is not None  # noqa: S101 - the agent's end only
         return self._reader
 

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+from benchmarks.recovery import REFORMATION_PHASES
 from elastictrain.chaos.processes import descendants, worker_pids
 from elastictrain.etcd import kv
 from elastictrain.rendezvous.keys import RunKeys
@@ -131,7 +132,9 @@ def test_a_killed_worker_is_replaced_alone_each_time_its_peer_keeps_its_process_
     assert_every_step_once(out, [0, 1])
     recoveries = events(out, "recovery")
     assert recoveries and all(e["world_size"] == 2 for e in recoveries)
-    # Rank 0's event of each re-formation says where its seconds went.
+    # Rank 0's event of each re-formation says where its seconds went (the recovery benchmark
+    # reads the same fields).
+    assert REFORMATION_PHASES == RECOVERY_PHASES
     formed = [e for e in recoveries if "seconds" in e]
     assert len(formed) == 3, recoveries
     for event in formed:
