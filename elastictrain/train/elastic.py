@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from elastictrain import events
-from elastictrain.train import process_group as pg
+from elastictrain.train import peer_connections, process_group as pg
 from elastictrain._control import WorkerState
 from elastictrain.errors import ConfigError, SessionError
 from elastictrain.train.sampler import ElasticSampler
@@ -189,7 +189,7 @@ def run_elastic(train: Callable[[ElasticState], _T], state: ElasticState, *, res
                 cause = f"a collective failed ({describe(exc)})"
             logger.info("re-forming the group in place: %s", cause)
             control.set_state(WorkerState.RECOVERING)  # the agent re-forms now
-            pg.sever(None)  # a peer blocked on this rank fails now, not at the timeout
+            peer_connections.sever(None)  # a peer blocked on this rank fails now, not at the timeout
             pg.destroy_process_group()
             assignment = wait_for_generation(control, recovery_timeout)
             state.context = context_for(state.context, assignment)

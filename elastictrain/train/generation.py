@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from elastictrain import _torch_compat
-from elastictrain.train import process_group as pg
+from elastictrain.train import peer_connections, process_group as pg
 from elastictrain.checkpoint import CheckpointManager, TorchDistributedCoordinator
 from elastictrain.errors import CheckpointError, ConfigError
 from elastictrain.train.control import WorkerControl
@@ -135,7 +135,7 @@ class Generation:
         finished for a while (a collective waits for a peer that is gone without closing its
         connections: a host lost, a network cut), the liveness thread of ``control`` ends the
         wait: it aborts NCCL's communicators, or shuts down this group's gloo connections
-        (:func:`~elastictrain.train.process_group.shut_down`). The collective fails at once instead
+        (:func:`~elastictrain.train.peer_connections.shut_down`). The collective fails at once instead
         of after the group's timeout, and the rank re-forms."""
         if not self.placement.distributed:
             return
@@ -149,7 +149,8 @@ class Generation:
             elif backend == "gloo":
                 # This group's connections: the callback runs on another thread, maybe once
                 # this rank has formed the next group (which it must not touch).
-                control.on_stuck(functools.partial(_shut_down_stuck, pg.connections(None)), in_collective_only=True)
+                control.on_stuck(functools.partial(_shut_down_stuck, peer_connections.on_record(None)),
+                                 in_collective_only=True)
 
     def _count_forward(self, *_: Any) -> None:
         self.forwards += 1
@@ -169,11 +170,11 @@ class Generation:
         """Drop the group and what was built on it, without a collective (peers may be dead):
         a checkpoint save in flight fails at its barrier, so nothing commits.
 
-        The training groups' connections are severed first (:func:`~elastictrain.train.process_group.sever`):
+        The training groups' connections are severed first (:func:`~elastictrain.train.peer_connections.sever`):
         a peer blocked on this rank in a collective, or a DDP bucket still queued here, fails at
         once instead of after the group's timeout, and so does a save that waits for that peer.
         """
-        pg.sever(None, self._gloo)
+        peer_connections.sever(None, self._gloo)
         self.ddp = self.flag = None
         checkpoints, self.checkpoints = self.checkpoints, None
         try:
@@ -183,7 +184,7 @@ class Generation:
             log.info("checkpoint save abandoned by the re-formation: %s", exc)
         finally:
             if self._checkpoint_group is not None:
-                pg.sever(self._checkpoint_group)  # a peer whose save still waits on this rank fails now
+                peer_connections.sever(self._checkpoint_group)  # a peer whose save still waits on this rank fails now
             self._gloo = self._checkpoint_group = None
             pg.destroy_process_group()
 
@@ -204,7 +205,7 @@ class Generation:
 
 
 def _shut_down_stuck(connections: tuple[tuple[int, int], ...]) -> None:
-    if pg.shut_down(connections):
+    if peer_connections.shut_down(connections):
         logger.warning("a collective is stuck on a peer that is gone: shut down this group's connections")
 
 
@@ -212,5 +213,5 @@ def _replaced_or_peer_lost(control: WorkerControl | None, group: dist.ProcessGro
     """What ends a save's wait for its peers' checkpoint files early: the agent announced the next
     generation, or a peer's connection in the checkpoint ``group`` closed (it died, or left)."""
     def check() -> bool:
-        return (control is not None and control.superseded()) or pg.lost_peer(group)
+        return (control is not None and control.superseded()) or peer_connections.lost_peer(group)
     return check

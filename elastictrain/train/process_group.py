@@ -15,12 +15,9 @@ worker hosts). This module owns that group's life in the process:
 - ``destroy_process_group`` on every exit path: the context manager's exit
   (normal or exception) and an ``atexit`` handler, so nothing in this process
   ever meets a stale group. A process killed by a signal takes its group with it;
-- :func:`sever` for a worker that leaves its group and lives on (in-process
-  recovery): gloo cannot abort a collective (pytorch/pytorch#130345), and a group
-  outlives ``destroy`` while anything holds it (DDP, a pending collective), so a
-  peer blocked on this rank would wait out the whole timeout. Severing shuts down
-  the group's connections to its peers: their collectives, and this rank's own
-  pending ones, fail at once.
+- each gloo group's connections to its peers on record
+  (:mod:`elastictrain.train.peer_connections`), for a worker that leaves its group
+  and lives on (in-process recovery) to sever them.
 """
 
 from __future__ import annotations
@@ -28,7 +25,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import select
 import socket
 import threading
 import time
@@ -40,9 +36,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from elastictrain._process import fd_targets
 from elastictrain._durations import parse_duration
 from elastictrain.errors import ConfigError
+from elastictrain.train import peer_connections
 from elastictrain.train.worker import STANDALONE_RUN_ID, WorkerContext
 
 __all__ = [
@@ -55,11 +51,9 @@ __all__ = [
     "destroy_process_group",
     "device_for",
     "init_process_group",
-    "lost_peer",
     "new_gloo_group",
     "process_group_scope",
     "resolve_timeout",
-    "sever",
 ]
 
 logger = logging.getLogger(__name__)
@@ -249,7 +243,8 @@ def init_process_group(
     _register_atexit()
     # gloo's connections to its peers, to sever if this worker leaves the group and lives on
     # (NCCL's communicators are aborted instead); the store's own connections are left alone.
-    record = _recording(context.world_size - 1, context.master_port) if chosen == "gloo" else nullcontext([])
+    record = (peer_connections.recording(context.world_size - 1, context.master_port) if chosen == "gloo"
+              else nullcontext([]))
     if generation is not None:
         store = _meet(context, resolved_timeout, *generation)
         with record as connections:
@@ -276,8 +271,8 @@ def init_process_group(
                 )
         finally:
             waiting.cancel()
-    _connections.clear()
-    _connections[_WORLD] = connections
+    peer_connections.forget_all()
+    peer_connections.keep(None, connections)
     _owned = True
     logger.debug("process group formed: backend %s, rank %d of %d, device %s, timeout %ss",
                  chosen, context.rank, context.world_size, place, resolved_timeout.total_seconds())
@@ -340,70 +335,11 @@ def _meet(context: WorkerContext, timeout: timedelta, tag: str, superseded: Call
 
 def new_gloo_group(timeout: timedelta | None = None) -> dist.ProcessGroup:
     """A gloo group over every rank of the default group (a collective), whose connections
-    :func:`sever` can shut down."""
-    with _recording(dist.get_world_size() - 1) as connections:
+    :func:`~elastictrain.train.peer_connections.sever` can shut down."""
+    with peer_connections.recording(dist.get_world_size() - 1) as connections:
         group = dist.new_group(backend="gloo", timeout=timeout)
-    _connections[group.group_name] = connections
+    peer_connections.keep(group, connections)
     return group
-
-
-def sever(*groups: dist.ProcessGroup | None) -> int:
-    """Shut down the connections to its peers of each gloo group given (``None``: the default
-    group) that :func:`init_process_group` or :func:`new_gloo_group` formed; others are left
-    alone. Never raises.
-
-    The group stays to be destroyed, but is of no use any more: each of its collectives in
-    flight here or on a peer (one that waits for this rank) fails at once, where it would
-    otherwise wait out the group's timeout. gloo cannot abort a collective, and destroying a
-    group closes its connections only once nothing holds it: DDP, a collective still queued
-    on it (a DDP bucket launched before another failed) keep it, and the group's destructor
-    itself waits for its queued collectives. For a worker that leaves its group and lives on.
-
-    Returns:
-        How many connections were shut down.
-    """
-    severed = 0
-    for group in groups:
-        key = _WORLD if group is None else group.group_name
-        severed += shut_down(tuple(_connections.pop(key, ())))
-    return severed
-
-
-def connections(group: dist.ProcessGroup | None) -> tuple[tuple[int, int], ...]:
-    """The connections to its peers on record of a gloo group (``None``: the default group), as
-    :func:`sever` would find them now: for :func:`shut_down` later, from another thread, which
-    then touches these and never a later group's."""
-    return tuple(_connections.get(_WORLD if group is None else group.group_name, ()))
-
-
-def shut_down(recorded: tuple[tuple[int, int], ...]) -> int:
-    """Shut down the ``recorded`` connections (see :func:`connections`) that are still open, as
-    :func:`sever` does; how many it shut down. Never raises."""
-    return sum(_shut_down(fd, inode) for fd, inode in recorded)
-
-
-def lost_peer(group: dist.ProcessGroup | None) -> bool:
-    """Whether a peer of ``group`` (``None``: the default group), one that
-    :func:`init_process_group` or :func:`new_gloo_group` formed, closed its connection to
-    this rank: its process died, or it left the group. One ``poll`` of its connections, no
-    collective; False for a group not on record.
-
-    For a rank that waits on its peers outside a collective (for their checkpoint files):
-    a collective would fail at once on a dead peer, a wait on files would not.
-    """
-    held: list[int] = []
-    try:
-        poller = select.poll()
-        for fd, inode in _connections.get(_WORLD if group is None else group.group_name, ()):
-            duplicate = _held(fd, inode)
-            if duplicate is None:
-                return True  # gloo closed it: the connection broke
-            held.append(duplicate)
-            poller.register(duplicate, _HANGUP)
-        return any(events & _HANGUP for _, events in poller.poll(0))
-    finally:
-        for fd in held:
-            os.close(fd)
 
 
 def destroy_process_group() -> None:
@@ -415,107 +351,13 @@ def destroy_process_group() -> None:
     if not _owned:
         return
     _owned = False
-    _connections.clear()
+    peer_connections.forget_all()
     if not (dist.is_available() and dist.is_initialized()):
         return
     try:
         dist.destroy_process_group()
     except Exception as exc:  # noqa: BLE001 - teardown after a failure must not mask it
         logger.warning("destroying the process group failed: %s", exc)
-
-
-_WORLD = ""
-"""The default group's key among the groups whose connections are on record."""
-
-_connections: dict[str, list[tuple[int, int]]] = {}
-"""The connections to its peers of each gloo group formed here (by group name): (fd, the
-socket's inode, which tells it from a later socket that reuses the fd)."""
-
-_HANGUP = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
-"""What :func:`select.poll` says of a connection whose other end closed or reset."""
-
-
-def _socket_inodes() -> dict[int, int]:
-    """This process's sockets: fd -> inode; empty where ``/proc`` is not (not Linux)."""
-    return {fd: int(target[8:-1]) for fd, target in fd_targets().items() if target.startswith("socket:[")}
-
-
-def _held(fd: int, inode: int) -> int | None:
-    """A duplicate of ``fd`` if it still is the socket ``inode`` (the caller closes it), else None
-    (gloo closed it, and the fd may have been reused): whatever becomes of ``fd`` meanwhile, the
-    duplicate stays that socket."""
-    try:
-        held = os.dup(fd)
-    except OSError:
-        return None
-    try:
-        if os.fstat(held).st_ino == inode:
-            return held
-    except OSError:
-        pass
-    os.close(held)
-    return None
-
-
-def _tcp_sockets() -> dict[int, tuple[int, int, bool]]:
-    """The TCP sockets of this network namespace: inode -> (local port, remote port, listening),
-    from ``/proc`` (nothing of a socket is touched: its flags, its blocking mode stay as they are)."""
-    table = {}
-    for path in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-        try:
-            with open(path) as rows:
-                next(rows, None)  # the header
-                for row in rows:
-                    fields = row.split()
-                    if len(fields) > 9:
-                        table[int(fields[9])] = (int(fields[1].rsplit(":", 1)[1], 16),
-                                                 int(fields[2].rsplit(":", 1)[1], 16), fields[3] == "0A")
-        except OSError:
-            continue
-    return table
-
-
-@contextmanager
-def _recording(peers: int, exclude_port: int | None = None) -> Iterator[list[tuple[int, int]]]:
-    """The connections a gloo group opened to its ``peers`` other ranks while the block ran: the
-    TCP connections this process opened meanwhile, but for those to or from ``exclude_port`` (the
-    store's). gloo opens one per peer for each of its listeners; when the count is not that (a
-    thread of the user's connected somewhere meanwhile, gloo connects lazily), none are
-    recorded: nothing that may not be gloo's is ever shut down or watched."""
-    before = set(_socket_inodes().items())
-    connections: list[tuple[int, int]] = []
-    yield connections
-    new = {fd: inode for fd, inode in _socket_inodes().items() if (fd, inode) not in before}
-    if not new:
-        return
-    tcp = _tcp_sockets()
-    ours = {fd: tcp[inode] for fd, inode in new.items() if inode in tcp and exclude_port not in tcp[inode][:2]}
-    listeners = sum(1 for _, _, listening in ours.values() if listening)
-    found = [(fd, new[fd]) for fd, (_, _, listening) in ours.items() if not listening]
-    if len(found) == listeners * peers:
-        connections.extend(found)
-    else:
-        logger.info("could not tell this gloo group's %d connection(s) from others opened meanwhile (found %d): "
-                    "a peer blocked on this rank as it leaves the group will wait out the group's timeout",
-                    listeners * peers, len(found))
-
-
-def _shut_down(fd: int, inode: int) -> int:
-    """Shut down the connection on ``fd`` if it still is the socket ``inode``; 1 if it did."""
-    held = _held(fd, inode)
-    if held is None:
-        return 0
-    try:
-        sock = socket.socket(fileno=held)
-    except OSError:
-        os.close(held)
-        return 0
-    with sock:  # closes the duplicate only
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-            return 1
-        except OSError:
-            return 0
 
 
 def _register_atexit() -> None:

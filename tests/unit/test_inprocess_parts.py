@@ -832,7 +832,7 @@ def test_a_rank_that_leaves_its_group_frees_the_peers_blocked_on_it_at_once() ->
 
 
 def _foreign_connection_worker(rank: int, port: int, results: Any) -> None:
-    from elastictrain.train import process_group as pg
+    from elastictrain.train import peer_connections, process_group as pg
     from elastictrain.train.worker import WorkerContext
 
     pg.init_process_group(WorkerContext(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port),
@@ -849,7 +849,7 @@ def _foreign_connection_worker(rank: int, port: int, results: Any) -> None:
     threading.Timer(0.3, lambda: opened.append(socket.create_connection(server.getsockname()))).start()
     group = pg.new_gloo_group()  # the user's thread connects somewhere while it forms
     accepted, _ = server.accept()
-    severed = pg.sever(group)
+    severed = peer_connections.sever(group)
     opened[0].sendall(b"still open")
     received = accepted.recv(10)
     dist.barrier()
