@@ -22,6 +22,7 @@ __all__ = [
     "EtcdServerError",
     "RendezvousBackendError",
     "CorruptRendezvousStateError",
+    "UnreadableRecordError",
     "RunIdInUseError",
     "CheckpointError",
     "CorruptCheckpointError",
@@ -58,6 +59,13 @@ class EtcdError(ElasticTrainError):
 
 class EtcdServerError(ElasticTrainError):
     """The embedded etcd server could not be found, started or stopped."""
+
+
+class UnreadableRecordError(ElasticTrainError, ValueError):
+    """An etcd key holds bytes that elastictrain did not write (a foreign key, or another
+    version's record). What reads run state without a rendezvous (``status``) meets it as it is,
+    without importing torch; the rendezvous reports it to torch's agent as a
+    :class:`CorruptRendezvousStateError`."""
 
 
 class RunIdInUseError(ElasticTrainError):
@@ -116,7 +124,8 @@ def _define_torch_family() -> dict[str, type]:
         """Base for rendezvous failures that are ours rather than etcd's."""
 
     class CorruptRendezvousStateError(RendezvousBackendError, RendezvousStateError):
-        """The rendezvous key holds bytes that elastictrain did not write."""
+        """The rendezvous key holds bytes that elastictrain did not write (see
+        :class:`UnreadableRecordError`)."""
 
     classes = [EtcdUnavailableError, EtcdIndeterminateError, EtcdAuthError, RendezvousBackendError,
                CorruptRendezvousStateError]

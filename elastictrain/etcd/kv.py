@@ -34,6 +34,7 @@ __all__ = [
     "prefix_end",
     "put",
     "range_",
+    "range_pages",
     "txn",
 ]
 
@@ -187,6 +188,27 @@ def range_(client: EtcdClient, key: str | bytes, *, prefix: bool = False, keys_o
     """
     response = _range(client, get(key, prefix=prefix, keys_only=keys_only), what)
     return int(response.header.revision), [KeyValue.from_pb(kv) for kv in response.kvs]
+
+
+def range_pages(client: EtcdClient, prefix: str | bytes, *, page: int, what: str) -> tuple[int, list[KeyValue]]:
+    """Every key under ``prefix``, ``page`` keys a request, each page read at the revision of the
+    first: the revision and the keys. One request unless there are more than ``page`` keys, and
+    no response grows past what gRPC takes (4 MB).
+
+    Raises:
+        EtcdError: As :meth:`EtcdClient.call` (also when etcd compacted that revision meanwhile).
+    """
+    rpc = _rpc()
+    start, end = _b(prefix), prefix_end(prefix)
+    revision, found = 0, []
+    while True:
+        request = rpc.RangeRequest(key=start, range_end=end, limit=page, revision=revision)
+        response = _range(client, rpc.RequestOp(request_range=request), what)
+        revision = revision or int(response.header.revision)
+        found.extend(KeyValue.from_pb(kv) for kv in response.kvs)
+        if not response.more or not response.kvs:
+            return revision, found
+        start = bytes(response.kvs[-1].key) + b"\0"
 
 
 def count(client: EtcdClient, prefix: str | bytes, *, what: str) -> int:

@@ -225,7 +225,7 @@ def _client_for(args: argparse.Namespace) -> Any:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from elastictrain.launch import status_report
-    from elastictrain.launch.run_state import list_runs, read_status
+    from elastictrain.launch.run_state import read_every_status, read_status
 
     if args.verify_checksums and not args.checkpoint_dir:
         raise ConfigError("--verify-checksums needs --checkpoint-dir (the directory whose checkpoint to verify)")
@@ -237,7 +237,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         raise ConfigError(f"--checkpoint-dir {args.checkpoint_dir!r} is not a directory")
     client = _client_for(args)
     if args.all:
-        runs = [read_status(client, run_id, lease_ttls=False) for run_id in list_runs(client)]
+        runs = read_every_status(client)
         print(json.dumps([r.to_json() for r in runs], indent=2) if args.json else status_report.runs_table(runs))
         return 0
     if not args.run_id:

@@ -34,9 +34,10 @@ from elastictrain.rendezvous.records import ClosedRecord, RoundRecord, decode
 __all__ = [
     "NodeRecord",
     "RunPublisher",
+    "STATUS_PAGE",
     "RunStatus",
-    "list_runs",
     "purge",
+    "read_every_status",
     "read_status",
     "request_stop",
     "stop_requested",
@@ -44,6 +45,10 @@ __all__ = [
 
 _LEASE_LOOKUPS = 64
 """Most participants whose remaining lease TTL ``status`` asks etcd for (one request each)."""
+
+STATUS_PAGE = 1000
+"""Keys ``status`` reads in one request. gRPC takes at most 4 MB in one response: about 4 KB a key,
+several times what a node's record holds."""
 
 
 @dataclass(slots=True)
@@ -136,8 +141,45 @@ def read_status(client: EtcdClient, run_id: str, *, lease_ttls: bool = True) -> 
         ConfigError: ``run_id`` is not a valid run id.
     """
     keys = RunKeys.of(run_id)
-    _, entries = kv.range_(client, keys.prefix, prefix=True, what="reading the run")
-    status = RunStatus(run_id=run_id, exists=bool(entries))
+    _, entries = kv.range_pages(client, keys.prefix, page=STATUS_PAGE, what="reading the run")
+    status, leases = _status_of(keys, entries)
+    if lease_ttls:
+        for participant in status.participants[:_LEASE_LOOKUPS]:
+            lease = leases.get(participant["node_id"])
+            if lease:
+                participant["lease_ttl_s"] = _lease_ttl(client, lease)
+    return status
+
+
+def read_every_status(client: EtcdClient) -> list[RunStatus]:
+    """:func:`read_status` of every run that has keys on this etcd, by run id, without the lease
+    lookups: every key is read at once (a request per :data:`STATUS_PAGE` keys), not a request
+    per run. Keys under ``/elastictrain/`` that no run id could have written are left out.
+
+    Raises:
+        EtcdError: etcd could not be read.
+    """
+    root = KEY_ROOT + "/"
+    _, entries = kv.range_pages(client, root, page=STATUS_PAGE, what="reading every run")
+    runs: dict[str, list[kv.KeyValue]] = {}
+    for item in entries:
+        run_id, slash, _ = item.key[len(root):].partition("/")
+        if slash and _is_run_id(run_id):
+            runs.setdefault(run_id, []).append(item)
+    return [_status_of(RunKeys.of(run_id), found)[0] for run_id, found in sorted(runs.items())]
+
+
+def _is_run_id(text: str) -> bool:
+    try:
+        validate_run_id(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _status_of(keys: RunKeys, entries: list[kv.KeyValue]) -> tuple[RunStatus, dict[str, int]]:
+    """The status a run's keys say, and each member's lease."""
+    status = RunStatus(run_id=keys.run_id, exists=bool(entries))
     current: RoundRecord | None = None
     members: dict[str, Member] = {}
     leases: dict[str, int] = {}
@@ -157,7 +199,7 @@ def read_status(client: EtcdClient, run_id: str, *, lease_ttls: bool = True) -> 
                 status.meta = _json_object(item)
             elif item.key.startswith(keys.records):
                 records.append(_json_object(item, required=("node_id",)))
-        except errors.CorruptRendezvousStateError as exc:
+        except errors.UnreadableRecordError as exc:
             status.problems.append(str(exc))
     for record in records:
         record["alive"] = record["node_id"] in members  # its liveness lease, not its last word
@@ -175,12 +217,7 @@ def read_status(client: EtcdClient, run_id: str, *, lease_ttls: bool = True) -> 
     # The rendezvous's own rule: a node left out of the round whose key predates it (a dead
     # node whose lease runs on) is not waiting.
     status.waiting = sorted(m.record.node for m in waiting(members, current))
-    if lease_ttls:
-        for participant in status.participants[:_LEASE_LOOKUPS]:
-            lease = leases.get(participant["node_id"])
-            if lease:
-                participant["lease_ttl_s"] = _lease_ttl(client, lease)
-    return status
+    return status, leases
 
 
 def _json_object(item: kv.KeyValue, required: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -189,7 +226,7 @@ def _json_object(item: kv.KeyValue, required: tuple[str, ...] = ()) -> dict[str,
     except (ValueError, UnicodeDecodeError):
         value = None
     if not isinstance(value, dict) or any(name not in value for name in required):
-        raise errors.CorruptRendezvousStateError(
+        raise errors.UnreadableRecordError(
             f"etcd key {item.key} does not hold an elastictrain record (not a JSON object"
             f"{' with ' + ', '.join(required) if required else ''}: {item.value[:16]!r}...); delete it")
     return value
@@ -239,23 +276,6 @@ def purge(client: EtcdClient, run_id: str) -> int:
     keys = RunKeys.of(run_id)
     result = kv.txn(client, [], [kv.delete(keys.prefix, prefix=True)], what="deleting the run's keys")
     return result.deleted[0]
-
-
-def list_runs(client: EtcdClient) -> list[str]:
-    """Run ids that have keys on this etcd (keys under ``/elastictrain/`` that no run id
-    could have written are left out)."""
-    root = KEY_ROOT + "/"
-    _, found = kv.range_(client, root, prefix=True, keys_only=True, what="listing runs")
-    runs = set()
-    for item in found:
-        run_id, slash, _ = item.key[len(root):].partition("/")
-        if not slash:
-            continue
-        try:
-            runs.add(validate_run_id(run_id))
-        except ValueError:
-            continue
-    return sorted(runs)
 
 
 def this_host() -> str:

@@ -82,7 +82,7 @@ def member_of(item: kv.KeyValue) -> Member:
     """The member a member key holds.
 
     Raises:
-        CorruptRendezvousStateError: The key holds no member record (a foreign key).
+        UnreadableRecordError: The key holds no member record (a foreign key).
     """
     return Member(decode(MemberRecord, item.key, item.value), item.create_revision, item.mod_revision)
 
@@ -92,7 +92,7 @@ def read_members(client: EtcdClient, keys: RunKeys) -> dict[str, Member]:
     _, found = kv.range_(client, keys.members, prefix=True, what="reading the rendezvous members")
     members: dict[str, Member] = {}
     for item in found:
-        with contextlib.suppress(errors.CorruptRendezvousStateError):
+        with contextlib.suppress(errors.UnreadableRecordError):
             member = member_of(item)
             members[member.record.node] = member
     return members
@@ -245,8 +245,8 @@ class ControlView:
                 self.closed = None if deleted else decode(ClosedRecord, item.key, item.value)
             elif item.key == self._keys.all_ready:
                 self.all_ready = None if deleted else decode(AllReadyRecord, item.key, item.value).round
-        except errors.CorruptRendezvousStateError as exc:
-            self.problem = exc
+        except errors.UnreadableRecordError as exc:
+            self.problem = errors.CorruptRendezvousStateError(str(exc))  # for torch's agent
 
     def close(self) -> None:
         """Stop watching, and wake the waiters: they must not wait on a view nothing updates."""
@@ -308,7 +308,7 @@ class Closer:
     def _put(self, item: kv.KeyValue) -> None:
         try:
             member = member_of(item)
-        except errors.CorruptRendezvousStateError as exc:
+        except errors.UnreadableRecordError as exc:
             if item.key not in self._reported:  # a foreign key among the members: left out, said once
                 self._reported.add(item.key)
                 logger.warning("ignoring %s", exc)
@@ -446,7 +446,7 @@ class RoundWatch:
                     continue
                 try:
                     record = decode(MemberRecord, event.key, event.kv.value)
-                except errors.CorruptRendezvousStateError:
+                except errors.UnreadableRecordError:
                     continue
                 if node in self._members:
                     if record.after >= self._joined.round:

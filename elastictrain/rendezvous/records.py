@@ -3,8 +3,9 @@
 Nothing read from etcd is ever unpickled or evaluated: anyone who can write a
 key must not be able to run code on a training host or the operator's
 machine. A value that is not a document of the expected kind and schema is
-reported as :class:`~elastictrain.errors.CorruptRendezvousStateError`, whose
-message names the key.
+reported as :class:`~elastictrain.errors.UnreadableRecordError` (the rendezvous hands it to
+torch's agent as a :class:`~elastictrain.errors.CorruptRendezvousStateError`), whose message
+names the key.
 """
 
 from __future__ import annotations
@@ -144,13 +145,13 @@ def decode(cls: type[_R], key: str, value: bytes) -> _R:
     """Parse ``value`` read from etcd ``key`` as a ``cls`` record.
 
     Raises:
-        errors.CorruptRendezvousStateError: It is not JSON, not a ``cls`` document of our
-            schema, or a field has the wrong type; the message names the key.
+        errors.UnreadableRecordError: It is not JSON, not a ``cls`` document of our schema, or a
+            field has the wrong type; the message names the key.
     """
     kind = cls.kind  # type: ignore[attr-defined]
 
-    def corrupt(why: str) -> errors.CorruptRendezvousStateError:
-        return errors.CorruptRendezvousStateError(
+    def corrupt(why: str) -> errors.UnreadableRecordError:
+        return errors.UnreadableRecordError(
             f"etcd key {key} does not hold an elastictrain {kind} record ({why}); it was not written by "
             "this version of elastictrain: delete it, or use another run id"
         )

@@ -5,6 +5,7 @@ The link is a :class:`~tests.support.tcp_proxy.TcpProxy` that delays each direct
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -13,6 +14,10 @@ from typing import Any
 
 import pytest
 
+from elastictrain.etcd import kv
+from elastictrain.etcd.client import EtcdClient
+from elastictrain.launch.run_state import STATUS_PAGE
+from elastictrain.rendezvous.keys import KEY_ROOT, RunKeys
 from tests.conftest import REPO_ROOT, subprocess_env
 from tests.integration.test_operations import cli
 from tests.support.tcp_proxy import TcpProxy
@@ -32,9 +37,31 @@ def test_status_reaches_a_distant_etcd(etcd_server: Any, round_trip: float) -> N
         started = time.monotonic()
         result = cli("status", "--etcd", proxy.endpoint, "--all")
         assert result.returncode == 0, result.stderr
-        # Within the 30 s retry deadline that ends in "unreachable" (a handful of round trips:
-        # about 2 s alone here, 20.6 s once beside the rest of the suite on 2 cores).
+        # Within the 30 s retry deadline that ends in "unreachable": a handful of round trips
+        # (2 s here), whatever the number of runs that the suite's tests left on this etcd.
         assert time.monotonic() - started < 29
+
+
+def test_status_of_every_run_asks_etcd_as_often_whatever_the_number_of_runs(
+        etcd_client: EtcdClient, etcd_server: Any, run_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``status --all`` read each run in a request of its own: a round trip per run, 25 s for
+    50 runs 0.5 s away. It reads them all at once (a request per page of keys)."""
+    runs = [f"{run_id}-{i}" for i in range(40)]
+    kv.txn(etcd_client, [], [kv.put(RunKeys.of(run).meta, json.dumps({"script": "x.py"}).encode()) for run in runs],
+           what="test")
+    keys = kv.count(etcd_client, KEY_ROOT + "/", what="test")
+    requests: list[str] = []
+    call = EtcdClient.call
+
+    def counted(self: EtcdClient, operation: Any, what: str = "etcd request", **kwargs: Any) -> Any:
+        requests.append(what)
+        return call(self, operation, what, **kwargs)
+
+    monkeypatch.setattr(EtcdClient, "call", counted)
+    result = cli("status", "--etcd", etcd_server.endpoint, "--all", "--json")
+    assert result.returncode == 0, result.stderr
+    assert set(runs) <= {run["run_id"] for run in json.loads(result.stdout)}
+    assert len(requests) <= 1 + keys // STATUS_PAGE + 1, requests  # a connection check, a request per page
 
 
 @pytest.mark.timeout(240)

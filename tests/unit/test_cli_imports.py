@@ -7,6 +7,8 @@ import ast
 import subprocess
 import sys
 
+from elastictrain.etcd import kv
+from elastictrain.rendezvous.keys import RunKeys
 from tests.conftest import REPO_ROOT, subprocess_env
 
 # Runs a command of the CLI in a fresh interpreter, then says whether torch got imported.
@@ -32,8 +34,14 @@ def test_help_does_not_import_torch() -> None:
     assert _probe("run", "--help").startswith("NO-TORCH 0")
 
 
-def test_status_and_stop_do_not_import_torch(etcd_server) -> None:
+def test_status_and_stop_do_not_import_torch(etcd_server, etcd_client, run_id) -> None:
+    # A run whose keys elastictrain did not all write: saying so imported torch (the rendezvous's
+    # error for it is torch's), and whether --all did depended on what the tests before left in etcd.
+    keys = RunKeys.of(run_id)
+    kv.txn(etcd_client, [], [kv.put(keys.meta, b'{"script": "train.py"}'), kv.put(keys.round, b"not a record"),
+                             kv.put(keys.member("n1"), b"not a record")], what="test")
     assert _probe("status", "--etcd", etcd_server.endpoint, "--run-id", "no-such-run").startswith("NO-TORCH 1")
+    assert _probe("status", "--etcd", etcd_server.endpoint, "--run-id", run_id).startswith("NO-TORCH 0")
     assert _probe("status", "--etcd", etcd_server.endpoint, "--all").startswith("NO-TORCH 0")
     assert _probe("stop", "--etcd", etcd_server.endpoint, "--run-id", "no-such-run").startswith("NO-TORCH 1")
 
