@@ -54,8 +54,12 @@ from elastictrain.rendezvous.records import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Closer", "ControlView", "Member", "RoundWatch", "absent_members", "choose_members", "close_rendezvous",
-           "is_open", "member_of", "read_members", "waiting"]
+__all__ = ["STORES_KEPT", "Closer", "ControlView", "Member", "RoundWatch", "absent_members", "choose_members",
+           "close_rendezvous", "is_open", "member_of", "read_members", "waiting"]
+
+STORES_KEPT = 3
+"""Rounds whose store keys stay: the newest and the two before it (an agent may still be starting
+a round that two newer ones superseded; it must not wait on a store that is gone)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,8 +394,14 @@ class Closer:
             kv.compare_create(keys.closed, "==", 0),
         ]
         value = encode(record)
+        # A round's store keys (torch's agents exchange their ranks there) outlive it: the round
+        # that forms deletes those of the round STORES_KEPT before it, or every re-formation of a
+        # long job would add a store's keys that status and every node starting read again.
+        cleanup = ([kv.delete(keys.store(current_kv.create_revision, record.round - STORES_KEPT), prefix=True)]
+                   if current_kv is not None and record.round >= STORES_KEPT else [])
         result = self._run_lease.write(lambda lease: kv.txn(
-            self._client, compare, [kv.put(keys.round, value, lease), kv.delete(keys.closer), kv.get(keys.round)],
+            self._client, compare,
+            [kv.put(keys.round, value, lease), kv.delete(keys.closer), kv.get(keys.round), *cleanup],
             what="forming a rendezvous round"))
         if result.succeeded:
             logger.info("formed round %d of run '%s' with %d node(s): %s", record.round, keys.run_id,

@@ -30,7 +30,7 @@ from elastictrain.rendezvous import ready as ready_module
 from elastictrain.rendezvous import register
 from elastictrain.rendezvous.handler import Etcd3RendezvousHandler, create_handler
 from elastictrain.rendezvous.keys import RunKeys
-from elastictrain.rendezvous.membership import ControlView, read_members
+from elastictrain.rendezvous.membership import STORES_KEPT, ControlView, read_members
 from elastictrain.rendezvous.records import AllReadyRecord, CloserRecord, RoundRecord, decode, encode
 from tests.support.tcp_proxy import TcpProxy
 
@@ -300,6 +300,22 @@ def test_members_see_a_joiner_below_max_and_re_form_with_it(etcd_server: Any, ru
     assert {i.world_size for i in infos} == {3} and sorted(i.rank for i in infos) == [0, 1, 2]
     assert [h.num_nodes_waiting() for h in [*handlers, joiner]] == [0, 0, 0]
     _shutdown(*handlers, joiner)
+
+
+def test_a_new_round_deletes_the_store_of_the_round_three_before_it(etcd_server: Any, run_id: str,
+                                                                    etcd_client: Any) -> None:
+    """Each round's store keys stayed as long as the run: a long job's keys grew with each
+    re-formation, and status and every starting node read them all."""
+    handlers = _handlers(etcd_server.endpoint, run_id, 2, 2, 2)
+    for _ in range(6):
+        infos = _join_all(handlers)
+        infos[0].store.set("ranks", "from this round's agents")
+    assert [h.round for h in handlers] == [5, 5]
+    stores = RunKeys.of(run_id).prefix + "store/"
+    _, found = kv.range_(etcd_client, stores, prefix=True, keys_only=True, what="test")
+    rounds = {int(item.key[len(stores):].split("/")[1]) for item in found}
+    assert rounds == set(range(6 - STORES_KEPT, 6))
+    _shutdown(*handlers)
 
 
 def test_members_see_a_member_that_asks_for_a_new_round(etcd_server: Any, run_id: str) -> None:
