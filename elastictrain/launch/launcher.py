@@ -37,7 +37,7 @@ from elastictrain.launch.failure_report import WorkerFailure, from_process_failu
 from elastictrain.launch.node_setup import NodeSetup
 from elastictrain.rendezvous import BACKEND_NAME, register
 from elastictrain.rendezvous.handler import LOCAL_WORLD_SIZE_KEY, Etcd3RendezvousHandler, create_handler
-from elastictrain.launch.run_state import NodeRecord, RunPublisher, read_status, stop_requested, this_host
+from elastictrain.launch.run_state import NodeRecord, RunPublisher, read_membership, stop_requested, this_host
 from elastictrain.launch.worker_group import Channel, FailureBudget
 
 logger = logging.getLogger(__name__)
@@ -191,7 +191,7 @@ def _job_signature(config: RunConfig) -> dict[str, Any]:
 
 def _check_run_id(handler: Etcd3RendezvousHandler, config: RunConfig) -> None:
     """Refuse to start a second job under a run id that is in use, unless told to join it."""
-    status = read_status(handler.client, config.run_id, lease_ttls=False)
+    status = read_membership(handler.client, config.run_id)
     run = f"run id {config.run_id!r}"
     if status.closed:
         if stop_requested(handler.client, config.run_id):

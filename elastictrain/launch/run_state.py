@@ -39,6 +39,7 @@ __all__ = [
     "RunStatus",
     "purge",
     "read_every_status",
+    "read_membership",
     "read_status",
     "request_stop",
     "stop_requested",
@@ -156,6 +157,21 @@ def read_status(client: EtcdClient, run_id: str, *, lease_ttls: bool = True) -> 
             for (participant, _), ttl in zip(lookups, ttls):
                 participant["lease_ttl_s"] = ttl
     return status
+
+
+def read_membership(client: EtcdClient, run_id: str) -> RunStatus:
+    """:func:`read_status` from the run's rendezvous keys and metadata alone, in one request: its
+    round, whether it is closed, its members and what it runs, without the nodes' records, the
+    rounds' stores or the lease lookups. What a node that starts checks, at any number of nodes.
+
+    Raises:
+        EtcdError: etcd could not be read.
+        ConfigError: ``run_id`` is not a valid run id.
+    """
+    keys = RunKeys.of(run_id)
+    result = kv.txn(client, [], [kv.get(keys.ctl, prefix=True), kv.get(keys.members, prefix=True), kv.get(keys.meta)],
+                    what="reading the run's rendezvous")
+    return _status_of(keys, [item for found in result.ranges for item in found])[0]
 
 
 def read_every_status(client: EtcdClient) -> list[RunStatus]:

@@ -8,12 +8,19 @@ import json
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from elastictrain.errors import RunIdInUseError
+from elastictrain.etcd import kv
+from elastictrain.launch import launcher
 from elastictrain.launch.cli import main
+from elastictrain.launch.config import RunConfig
+from elastictrain.rendezvous.keys import RunKeys
+from elastictrain.rendezvous.records import MemberRecord, RoundRecord, encode
 from tests.conftest import REPO_ROOT, run_reporting_hangs, subprocess_env
 
 MLP = str(REPO_ROOT / "examples" / "mlp.py")
@@ -113,3 +120,30 @@ def test_status_duplicate_run_id_stop_and_events(etcd_server: Any, run_id: str, 
     assert purged.returncode == 0 and "the run id is free again" in purged.stdout
     gone = cli("status", "--etcd", endpoint, "--run-id", run_id, "--json")
     assert gone.returncode == 1 and json.loads(gone.stdout)["exists"] is False
+
+
+def test_a_starting_node_checks_its_run_id_without_reading_the_nodes_records_or_the_rounds_stores(
+        etcd_client: Any, run_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every node that starts checks that its run id is free, or its own job's. It read all of the
+    run's keys: at 1,000 nodes, each node's record and the last rounds' stores too, for each
+    node that starts. It reads the rendezvous keys and the metadata, in one request."""
+    keys, nodes = RunKeys.of(run_id), ["n0", "n1"]
+    lease = etcd_client.call(lambda c: c.lease(60), what="test")
+    kv.txn(etcd_client, [], [
+        kv.put(keys.round, encode(RoundRecord(round=1, nodes=nodes, nproc=[1, 1], master_addr="127.0.0.1",
+                                              master_port=1, snapshot=1, min_nodes=2, max_nodes=2))),
+        *(kv.put(keys.member(node), encode(MemberRecord(node=node, addr="127.0.0.1", host="h", pid=1, nproc=1,
+                                                        port=1, after=0)), lease.id) for node in nodes),
+        *(kv.put(keys.record(node), json.dumps({"node_id": node}).encode()) for node in nodes),
+        kv.put(keys.meta, json.dumps({"script": "other.py"}).encode()),
+        *(kv.put(f"{keys.store(1, 1)}key{i}", b"x") for i in range(40)),
+    ], what="test")
+    read: list[str] = []
+    from_pb = kv.KeyValue.from_pb
+    monkeypatch.setattr(kv.KeyValue, "from_pb", classmethod(lambda cls, pb: (read.append(pb.key.decode()),
+                                                                              from_pb(pb))[1]))
+    with pytest.raises(RunIdInUseError, match="is live: round 1 trains with 2 node"):
+        launcher._check_run_id(types.SimpleNamespace(client=etcd_client),  # type: ignore[arg-type]  # noqa: SLF001
+                               RunConfig(script=__file__, run_id=run_id))
+    assert keys.round in read and keys.meta in read
+    assert not [key for key in read if key.startswith((keys.records, keys.prefix + "store/"))], read
