@@ -36,22 +36,15 @@ def _write_runs(endpoint: str, nodes: int, runs: int) -> str:
     from elastictrain.etcd.client import EtcdClient
     from elastictrain.etcd.conf import EtcdSettings, parse_endpoints
     from elastictrain.rendezvous.keys import RunKeys
-    from elastictrain.rendezvous.records import MemberRecord, RoundRecord, encode
+    from tests.support.runs import formed_round
 
     client = EtcdClient(EtcdSettings(endpoints=tuple(parse_endpoints(endpoint))))
     tag = uuid.uuid4().hex[:6]
     try:
         for index, size in enumerate([nodes] + [1] * runs):
             keys = RunKeys.of(f"bench-{tag}-{index}")
-            names = [f"node{i}" for i in range(size)]
             puts = [kv.put(keys.meta, json.dumps({"script": "train.py"}).encode()),
-                    kv.put(keys.round, encode(RoundRecord(round=1, nodes=names, nproc=[1] * size,
-                                                          master_addr="127.0.0.1", master_port=1, snapshot=1,
-                                                          min_nodes=size, max_nodes=size)))]
-            for name in names:
-                lease = client.call(lambda c: c.lease(600), what="granting a lease")
-                puts.append(kv.put(keys.member(name), encode(MemberRecord(
-                    node=name, addr="127.0.0.1", host="host", pid=1, nproc=1, port=1, after=0)), lease.id))
+                    *formed_round(client, keys, [f"node{i}" for i in range(size)], lease_ttl=600)]
             for start in range(0, len(puts), 100):  # etcd takes 128 operations a transaction
                 kv.txn(client, [], puts[start:start + 100], what="writing a run")
     finally:

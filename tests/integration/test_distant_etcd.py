@@ -20,8 +20,8 @@ from elastictrain.etcd.client import EtcdClient
 from elastictrain.launch import run_state
 from elastictrain.launch.run_state import STATUS_PAGE, read_status
 from elastictrain.rendezvous.keys import KEY_ROOT, RunKeys
-from elastictrain.rendezvous.records import MemberRecord, RoundRecord, encode
 from tests.conftest import REPO_ROOT, subprocess_env
+from tests.support.runs import formed_round
 from tests.integration.test_operations import cli
 from tests.support.tcp_proxy import TcpProxy
 
@@ -71,13 +71,7 @@ def test_status_asks_for_the_leases_of_a_runs_nodes_several_at_once(
         etcd_client: EtcdClient, run_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A request per node's lease, one after the other: 32 s for a run of 64 nodes 0.5 s away."""
     keys, nodes = RunKeys.of(run_id), [f"n{i}" for i in range(8)]
-    puts = [kv.put(keys.round, encode(RoundRecord(round=1, nodes=nodes, nproc=[1] * 8, master_addr="127.0.0.1",
-                                                  master_port=1, snapshot=1, min_nodes=8, max_nodes=8)))]
-    for node in nodes:
-        lease = etcd_client.call(lambda c: c.lease(60), what="test")
-        puts.append(kv.put(keys.member(node), encode(MemberRecord(node=node, addr="127.0.0.1", host="h", pid=1,
-                                                                  nproc=1, port=1, after=0)), lease.id))
-    kv.txn(etcd_client, [], puts, what="test")
+    kv.txn(etcd_client, [], formed_round(etcd_client, keys, nodes), what="test")
     together = threading.Barrier(4, timeout=10)  # broken (and the lookup fails) unless 4 ask at once
     lease_ttl = run_state._lease_ttl
 

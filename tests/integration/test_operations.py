@@ -20,8 +20,8 @@ from elastictrain.launch import launcher
 from elastictrain.launch.cli import main
 from elastictrain.launch.config import RunConfig
 from elastictrain.rendezvous.keys import RunKeys
-from elastictrain.rendezvous.records import MemberRecord, RoundRecord, encode
 from tests.conftest import REPO_ROOT, run_reporting_hangs, subprocess_env
+from tests.support.runs import formed_round
 
 MLP = str(REPO_ROOT / "examples" / "mlp.py")
 
@@ -128,12 +128,8 @@ def test_a_starting_node_checks_its_run_id_without_reading_the_nodes_records_or_
     run's keys: at 1,000 nodes, each node's record and the last rounds' stores too, for each
     node that starts. It reads the rendezvous keys and the metadata, in one request."""
     keys, nodes = RunKeys.of(run_id), ["n0", "n1"]
-    lease = etcd_client.call(lambda c: c.lease(60), what="test")
     kv.txn(etcd_client, [], [
-        kv.put(keys.round, encode(RoundRecord(round=1, nodes=nodes, nproc=[1, 1], master_addr="127.0.0.1",
-                                              master_port=1, snapshot=1, min_nodes=2, max_nodes=2))),
-        *(kv.put(keys.member(node), encode(MemberRecord(node=node, addr="127.0.0.1", host="h", pid=1, nproc=1,
-                                                        port=1, after=0)), lease.id) for node in nodes),
+        *formed_round(etcd_client, keys, nodes),
         *(kv.put(keys.record(node), json.dumps({"node_id": node}).encode()) for node in nodes),
         kv.put(keys.meta, json.dumps({"script": "other.py"}).encode()),
         *(kv.put(f"{keys.store(1, 1)}key{i}", b"x") for i in range(40)),
