@@ -16,6 +16,7 @@ _EXPORTS = {
     "RestoreInfo": "elastictrain.checkpoint",
     "ElasticTrainError": "elastictrain.errors",
     "SessionError": "elastictrain.errors",
+    "HangBounds": "elastictrain.train.hang_bounds",
     "HookDispatcher": "elastictrain.train.hooks",
     "Hooks": "elastictrain.train.hooks",
     "MixedPrecision": "elastictrain.train.precision",
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from elastictrain.train.accumulation import accumulate, no_sync
     from elastictrain.checkpoint import CheckpointManager, RestoreInfo
     from elastictrain.errors import ElasticTrainError, SessionError
+    from elastictrain.train.hang_bounds import HangBounds
     from elastictrain.train.hooks import HookDispatcher, Hooks
     from elastictrain.train.precision import MixedPrecision
     from elastictrain.train.process_group import Placement, destroy_process_group, init_process_group, process_group_scope
@@ -76,6 +78,7 @@ __all__ = [
     "ElasticSampler",
     "ElasticState",
     "ElasticTrainError",
+    "HangBounds",
     "HookDispatcher",
     "Hooks",
     "MicroBatch",

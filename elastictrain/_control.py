@@ -9,9 +9,11 @@ A directory per agent (``ELASTICTRAIN_CONTROL_DIR``) holds:
   worker reads it at each step boundary (one ``stat`` while nothing changed).
 - ``progress``: a small shared-memory table, one slot per local worker, that each
   worker writes and the agent reads: its pid, its step count, when it last
-  finished a step and its typical step time, when its liveness thread last ran, and what it is doing (training,
-  recovering, busy in a long operation). Writing a slot is a ``struct`` pack into an
-  ``mmap``: nothing measurable per step.
+  finished a step and its typical step time, when its liveness thread last ran, what it is doing (training,
+  recovering, busy in a long operation), which section of a step it is in (:class:`Section`) since when
+  and until when it may stay there, and how much slower than its peers it computes. Writing a slot is a
+  ``struct`` pack into an ``mmap``: nothing measurable per step.
+- ``stacks-<slot>``: where a worker's Python stacks go when its agent asks for them (:data:`STACK_SIGNAL`).
 - ``doorbell``: a FIFO that wakes the agent between its monitor ticks. A worker rings it
   when its slot's state changes (its slot opened, its collective failed), so that the agent
   acts on it at once rather than at its next tick; the agent's rendezvous rings it too.
@@ -25,6 +27,7 @@ import contextlib
 import json
 import mmap
 import os
+import signal
 import struct
 import tempfile
 import threading
@@ -39,8 +42,11 @@ __all__ = [
     "Assignment",
     "Doorbell",
     "ProgressTable",
+    "STACK_SIGNAL",
+    "Section",
     "WorkerState",
     "read_assignment",
+    "stacks_path",
     "write_assignment",
 ]
 
@@ -56,6 +62,16 @@ _PROGRESS = "progress"
 _DOORBELL = "doorbell"
 _SCHEMA = 1
 
+STACK_SIGNAL = signal.SIGUSR2
+"""The signal on which a worker writes the Python stack of each of its threads to its stacks file
+(``faulthandler``, which needs no interpreter lock: a worker spinning in Python or blocked in a
+native call answers it too)."""
+
+
+def stacks_path(directory: str | os.PathLike[str], slot: int) -> Path:
+    """Where the worker of ``slot`` writes its stacks (see :data:`STACK_SIGNAL`)."""
+    return Path(directory) / f"stacks-{slot}"
+
 
 class WorkerState:
     """What a worker says it is doing (the ``state`` of its progress slot)."""
@@ -68,6 +84,26 @@ class WorkerState:
     """Forming the next generation's group (waiting for its peers, agreeing on and receiving the
     state): not a hang, and not a request for another generation."""
     DONE = 4
+
+
+class Section:
+    """Where a training worker is in its step loop (the ``section`` of its progress slot).
+
+    A worker in :attr:`STEP` or :attr:`SAVE` owes its peers a collective: past the slot's
+    ``deadline`` it is hung, whatever its process is doing. :attr:`BETWEEN` is the user's code
+    between two steps: past the deadline its agent only warns."""
+
+    NONE = 0
+    """Not in a step (starting, forming a group, recovering): judged by its process alone."""
+    STEP = 1
+    """A step was handed out (its data loading, forward and backward) and the rank has not yet
+    reached the step's gradient collective."""
+    SAVE = 2
+    """Saving a checkpoint (its peers wait for it at the save's barrier)."""
+    BETWEEN = 3
+    """The user's code after a step's micro-batches, before it asks for the next step."""
+
+    NAMES = {NONE: "none", STEP: "step", SAVE: "checkpoint save", BETWEEN: "between steps"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,8 +173,9 @@ class AssignmentWatch:
         return self._current
 
 
-# One slot per local worker: pid, step, step_at, step_s, alive_at, state, generation.
-_SLOT = struct.Struct("<qqdddqq")
+# One slot per local worker: pid, step, step_at, step_s, alive_at, state, generation,
+# section, section_at, deadline, straggle.
+_SLOT = struct.Struct("<qqdddqqqddd")
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +193,14 @@ class Progress:
     state: int
     generation: int
     """The generation it trains in (or recovers from)."""
+    section: int = Section.NONE
+    """Where it is in its step loop (:class:`Section`)."""
+    section_at: float = 0.0
+    """When it entered that section."""
+    deadline: float = 0.0
+    """When it is hung if still in that section (0: no bound)."""
+    straggle: float = 0.0
+    """How many times its peers' median its recent steps' compute took (0: not measured yet)."""
 
 
 class ProgressTable:
@@ -177,8 +222,10 @@ class ProgressTable:
         self.slots = slots
 
     def write(self, slot: int, *, pid: int, step: int, step_at: float, step_s: float, alive_at: float, state: int,
-              generation: int) -> None:
-        _SLOT.pack_into(self._map, slot * _SLOT.size, pid, step, step_at, step_s, alive_at, state, generation)
+              generation: int, section: int = Section.NONE, section_at: float = 0.0, deadline: float = 0.0,
+              straggle: float = 0.0) -> None:
+        _SLOT.pack_into(self._map, slot * _SLOT.size, pid, step, step_at, step_s, alive_at, state, generation,
+                        section, section_at, deadline, straggle)
 
     def read(self, slot: int) -> Progress:
         return Progress(*_SLOT.unpack_from(self._map, slot * _SLOT.size))

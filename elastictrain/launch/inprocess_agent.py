@@ -25,11 +25,12 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError
 from torch.distributed.elastic.utils import macros
 
 from elastictrain import _torch_compat
-from elastictrain._control import Assignment, WorkerState as SlotState
+from elastictrain._control import Assignment, Progress, WorkerState as SlotState, stacks_path
 from elastictrain.errors import EtcdError
 from elastictrain.events import NODE_ENV
 from elastictrain.launch.agent import ElasticAgent, describe_change, failure_cause, final_failure
-from elastictrain.launch.worker_group import Channel, FailureBudget, HangDetector, WorkerProcesses
+from elastictrain.launch.hang_detector import HangDetector, Stacks, capture_stacks
+from elastictrain.launch.worker_group import Channel, FailureBudget, WorkerProcesses
 
 _LINGER_S = 30.0
 """How long a node's workers may run after the job finished on its other nodes before it says so."""
@@ -50,6 +51,14 @@ _FORMING = frozenset({SlotState.STARTING, SlotState.RECOVERING, SlotState.BUSY})
 logger = logging.getLogger(__name__)
 
 __all__ = ["InProcessAgent"]
+
+
+def _said(stacks: Stacks | None) -> str:
+    """A worker's innermost frames for a log line (where it was stuck)."""
+    if stacks is None:
+        return ""
+    frames = stacks.main_thread()
+    return "; its stack, innermost first:\n    " + "\n    ".join(frames) if frames else ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +105,7 @@ class InProcessAgent(ElasticAgent):
         self._ready_round: int | None = None
         self._ending_tick: float | None = None
         self.recoveries = 0
+        self._node = os.environ.get(NODE_ENV) or socket.gethostname()
 
     @property
     def restarts(self) -> int:
@@ -232,20 +242,7 @@ class InProcessAgent(ElasticAgent):
                     time.sleep(backoff)
             progress = self._channel.progress()
             live = self._workers.pids()
-            self._killed_hung &= set(live.values())  # a reaped one is no longer anybody's worker
-            for slot in self._hangs.hung(progress, now, live):
-                pid = live[slot]
-                if pid in self._killed_hung:
-                    continue  # killed already; its end shows up once its process is reaped
-                self._killed_hung.add(pid)
-                rank = next((w.global_rank for w in group.workers if w.local_rank == slot), None)
-                logger.warning("worker %d on this node (rank %s, pid %d) is hung: %s: killing it", slot, rank, pid,
-                               self._hangs.reason(slot))
-                written = progress[slot].pid == pid
-                self._events.emit("hang", local_rank=slot, pid=pid,
-                                  frozen_s=round(now - progress[slot].alive_at, 3) if written else None,
-                                  step=progress[slot].step if written else None)
-                self._workers.kill(slot)
+            self._kill_hung(group, progress, now, live)
             self._say_if_lingering(spec.rdzv_handler, now)
             if (getattr(spec.rdzv_handler, "closed_seen", False) and not self._stop_requested()
                     and any(p.pid and p.state in _FORMING for p in progress)):
@@ -272,6 +269,53 @@ class InProcessAgent(ElasticAgent):
                 self._publish_recovery(group, held.cause, held.started, held_since=held.formed, joined=cause is None)
             if cause is not None:
                 self._recover(group, cause, joins=joins)
+
+    def _kill_hung(self, group: WorkerGroup, progress: list[Progress], now: float, live: dict[int, int]) -> None:
+        """Kill each hung worker, once, after capturing its stacks (its replacement follows as for
+        any dead worker), and warn once of each that runs long between two steps."""
+        self._killed_hung &= set(live.values())  # a reaped one is no longer anybody's worker
+        ranks = {w.local_rank: w.global_rank for w in group.workers}
+        for slot in self._hangs.overdue(progress, now, live):
+            p = progress[slot]
+            stacks = capture_stacks(live[slot], stacks_path(self._channel.directory, slot))
+            logger.warning("rank %s on node %s has run its own code between steps %d and %d for %.0fs (no collective "
+                           "of its peers waits for it yet; they will wait in the next one)%s", ranks.get(slot),
+                           self._node, p.step, p.step + 1, now - p.section_at, _said(stacks))
+            self._events.emit("slow_between_steps", rank=ranks.get(slot), local_rank=slot, pid=live[slot], step=p.step,
+                              seconds=round(now - p.section_at, 3),
+                              stack=stacks.main_thread() if stacks is not None else None)
+        for slot in self._hangs.hung(progress, now, live):
+            pid = live[slot]
+            if pid in self._killed_hung:
+                continue  # killed already; its end shows up once its process is reaped
+            self._killed_hung.add(pid)
+            p = progress[slot]
+            written = p.pid == pid
+            stacks = capture_stacks(pid, stacks_path(self._channel.directory, slot)) if written else None
+            kept = self._keep_stacks(stacks, ranks.get(slot), pid)
+            logger.warning("rank %s on node %s (local worker %d, pid %d) is hung: %s: killing it%s%s", ranks.get(slot),
+                           self._node, slot, pid, self._hangs.reason(slot), _said(stacks),
+                           f"\n    (every thread's stack: {kept})" if kept else "")
+            self._events.emit("hang", rank=ranks.get(slot), local_rank=slot, pid=pid,
+                              frozen_s=round(now - p.alive_at, 3) if written else None,
+                              step=p.step if written else None, reason=self._hangs.reason(slot),
+                              waited_s=round(now - p.section_at, 3) if written and p.section else None,
+                              stack=stacks.main_thread() if stacks is not None else None, stacks_file=kept)
+            self._workers.kill(slot)
+
+    def _keep_stacks(self, stacks: Stacks | None, rank: int | None, pid: int) -> str | None:
+        """Write ``stacks`` beside the node's logs; returns the file's path (None if nothing was kept)."""
+        if stacks is None:
+            return None
+        path = os.path.join(self._log_root, f"stacks-rank{rank}-pid{pid}.txt")
+        try:
+            os.makedirs(self._log_root, exist_ok=True)
+            with open(path, "w") as out:
+                out.write(stacks.text)
+        except OSError as exc:
+            logger.warning("could not keep the stacks of pid %d in %s: %s", pid, path, exc)
+            return None
+        return path
 
     def _tick(self, interval: float) -> float:
         """How long the next wait for a change may last: ``interval``, or shorter while a worker

@@ -125,6 +125,11 @@ class AgentMetrics:
                    registry=registry).set_function(lambda: self._step()[0])
         prom.Gauge("elastictrain_steps_per_second", "This node's step rate (from its workers' typical step time)",
                    registry=registry).set_function(lambda: self._step()[1])
+        prom.Gauge("elastictrain_straggler_factor", "How many times its peers' median the slowest of this node's "
+                   "workers took to compute its recent steps (see docs/recovery.md, Hangs and stragglers)",
+                   registry=registry).set_function(self._straggle)
+        self.hangs = prom.Counter("elastictrain_hangs_total", "This node's workers found hung and replaced",
+                                  registry=registry)
         prom.Gauge("elastictrain_last_checkpoint_step", "Step of the newest checkpoint saved by the job",
                    registry=registry).set_function(lambda: self._checkpoint()[0])
         prom.Gauge("elastictrain_last_checkpoint_timestamp_seconds", "When the newest checkpoint was saved "
@@ -161,6 +166,8 @@ class AgentMetrics:
                                  if reason.startswith("membership") else "other").inc()
         elif kind == "worker_failure":
             self.failures.inc(len(event.get("failures") or {}) or 1)
+        elif kind == "hang":
+            self.hangs.inc()
         elif kind == "membership_change":
             self.membership.inc()
 
@@ -173,6 +180,12 @@ class AgentMetrics:
         times = [p.step_s for p in slots if p.step_s > 0]
         rate = 1.0 / statistics.median(times) if times else 0.0
         return float(max(p.step for p in slots)), rate
+
+    def _straggle(self) -> float:
+        if self._progress is None:
+            return float("nan")
+        factors = [p.straggle for p in self._progress() if getattr(p, "pid", 0) and p.straggle > 0]
+        return max(factors) if factors else float("nan")
 
     def _checkpoint(self) -> tuple[float, float]:
         with self._lock:

@@ -8,10 +8,6 @@ needs the opposite, and this module gives it:
   dead worker is replaced alone and its healthy siblings keep their processes.
 - :class:`Channel`: the agent's end of :mod:`elastictrain._control`: it publishes
   each generation's assignment and reads the workers' progress slots.
-- :class:`HangDetector`: a worker whose process stopped running (its liveness thread
-  is silent past a deadline that follows its measured step time, and it uses no CPU:
-  stopped, or asleep for much longer) is hung. Killing it makes its peers' collectives
-  fail at once instead of at their timeout (gloo cannot abort a blocked collective).
 - :class:`FailureBudget`: how many of this node's own worker failures a job survives
   within a time window, and how long to back off before replacing one.
 """
@@ -29,13 +25,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from elastictrain._control import Assignment, Doorbell, Progress, ProgressTable, WorkerState, write_assignment
+from elastictrain._control import Assignment, Doorbell, Progress, ProgressTable, write_assignment
 from elastictrain._process import proc_stat
+from elastictrain.launch.hang_detector import STOPPED
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Channel", "FailureBudget", "HangDetector", "WorkerProcesses", "continue_stopped", "exited_cleanly",
-           "finished_without_a_word", "process_activity"]
+__all__ = ["Channel", "FailureBudget", "WorkerProcesses", "continue_stopped", "exited_cleanly",
+           "finished_without_a_word"]
 
 
 def exited_cleanly(context: Any) -> bool:
@@ -66,7 +63,7 @@ def continue_stopped(context: Any) -> None:
     """
     for pid in context.pids().values():
         fields = proc_stat(pid)
-        if fields is not None and fields[0] in _STOPPED:
+        if fields is not None and fields[0] in STOPPED:
             logger.info("worker pid %d is stopped (state %s): continuing it so that it can act on the "
                         "signal that stops it", pid, fields[0])
             try:
@@ -199,105 +196,6 @@ class Channel:
         self.table.close()
         self.doorbell.close()
         shutil.rmtree(self.directory, ignore_errors=True)
-
-
-def process_activity(pid: int) -> tuple[float, str] | None:
-    """CPU time ``pid`` has used so far (all its threads) and its scheduler state (``R``,
-    ``S``, ``D``, ``T``...), from ``/proc``; ``None`` if unknown."""
-    fields = proc_stat(pid)
-    if fields is None:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), fields[0]  # utime + stime
-
-
-_STOPPED = frozenset("Tt")
-"""Scheduler states of a process that cannot run: stopped (SIGSTOP, a debugger)."""
-
-
-_JUDGED = frozenset({WorkerState.TRAINING, WorkerState.RECOVERING})
-"""The states in which a worker whose liveness thread falls silent may be hung."""
-
-
-class HangDetector:
-    """Decides which workers are hung, from their progress slots and their processes' activity.
-
-    A worker is a suspect when it trains and its liveness thread (which runs every 0.2 s
-    whatever the training loop does) has been silent for longer than its deadline, and
-    it is hung if it still has not run ``confirm_s`` later: its process used no CPU time
-    in the meantime and is stopped (``SIGSTOP``, a debugger). A process that is merely
-    starved of CPU on a loaded machine uses CPU time and is left alone; one that sleeps
-    (in a native call that holds the interpreter, a blocking wait on a peer or a store,
-    or in the kernel on a disk) is given ``blocked_s``, since it may be waiting for a slow
-    peer or device: killing a healthy worker is a false alarm that spends the node's
-    failure budget. The deadline is ``factor`` times the worker's typical step (the median of its
-    recent intervals between steps, which it measures itself, so that a pause between
-    steps does not stretch it), at least ``floor_s``; before its second step (imports,
-    model building, restoring) ``startup_s`` applies. A worker blocked in a collective
-    that waits for a hung peer is not frozen (its liveness thread runs): it is left
-    alone. One recovering is judged as one that
-    trains: it says so before it leaves its group, which may freeze it (pytorch#75097), and
-    its liveness thread runs while it then waits for the next generation.
-
-    A worker that starts (``STARTING``, or not yet written its slot, which the worker it
-    replaces wrote) or forms a group (``BUSY``) may rightly sleep for long, on its peers or
-    building its model: it is hung only if its process is stopped, for ``confirm_s`` (and,
-    while it has not written its slot, ``floor_s``) without using CPU time. Its peers wait
-    for it in the group's formation, which no collective failure ends. A plain script writes
-    no slot and is never judged.
-    """
-
-    def __init__(self, *, floor_s: float = 2.0, factor: float = 10.0, startup_s: float = 120.0,
-                 confirm_s: float = 1.0, blocked_s: float = 60.0,
-                 activity: Callable[[int], tuple[float, str] | None] = process_activity) -> None:
-        self.floor_s, self.factor, self.startup_s = floor_s, factor, startup_s
-        self.confirm_s, self.blocked_s = confirm_s, blocked_s
-        self._activity = activity
-        self._suspects: dict[int, tuple[int, float, float | None]] = {}  # slot: (pid, since, CPU time then)
-        self._reasons: dict[int, str] = {}  # slot: why it was last found hung
-
-    def deadline(self, progress: Progress) -> float:
-        if progress.step_s <= 0:
-            return self.startup_s
-        return max(self.floor_s, self.factor * progress.step_s)
-
-    def hung(self, progress: list[Progress], now: float, live: dict[int, int]) -> list[int]:
-        """The slots of hung workers. ``live`` maps each slot to the pid of its running worker: a
-        slot still holding a replaced worker's last words is not its replacement's (which has
-        not written yet while it starts)."""
-        found = []
-        for slot, p in enumerate(progress):
-            pid = live.get(slot)
-            written = bool(p.pid) and p.pid == pid
-            if written and p.state in _JUDGED:
-                stopped_only, silent = False, now - p.alive_at > self.deadline(p)
-            elif pid and p.pid and not (written and p.state == WorkerState.DONE):
-                # Its slot was written, by it or by the worker it replaces: it recovers in place
-                # (a plain script writes none, and is not judged).
-                stopped_only, silent = True, not written or now - p.alive_at > self.floor_s
-            else:
-                stopped_only = silent = False
-            activity = self._activity(pid) if silent and pid else None
-            used, state = activity if activity is not None else (None, "?")
-            if not silent or (stopped_only and state not in _STOPPED):
-                self._suspects.pop(slot, None)
-                continue
-            suspect = self._suspects.get(slot)
-            hold = self.confirm_s if written else max(self.confirm_s, self.floor_s)
-            if suspect is None or suspect[0] != pid or used != suspect[2]:
-                self._suspects[slot] = (pid, now, used)  # first seen silent, or it ran since
-            elif now - suspect[1] >= hold and (state in _STOPPED or now - p.alive_at > self.blocked_s):
-                found.append(slot)
-                if stopped_only:
-                    doing = "forms a group" if written and p.state == WorkerState.BUSY else "starts"
-                    self._reasons[slot] = f"its process is stopped (state {state}) while it {doing}"
-                else:
-                    self._reasons[slot] = (f"its process has not run for {now - p.alive_at:.1f}s (deadline "
-                                           f"{self.deadline(p):.1f}s, from its step time; process state {state})")
-        return found
-
-    def reason(self, slot: int) -> str:
-        """Why :meth:`hung` last found ``slot``'s worker hung, in words."""
-        return self._reasons.get(slot, "?")
 
 
 @dataclass

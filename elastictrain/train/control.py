@@ -2,14 +2,19 @@
 
 See :mod:`elastictrain._control` for the channel itself. A daemon thread refreshes
 this worker's liveness stamp every ``LIVENESS_PERIOD`` seconds; a process that is
-stopped (``SIGSTOP``) or whose interpreter is held by a thread stops refreshing it,
-which is how the agent tells a hung worker from one that waits in a collective.
+stopped (``SIGSTOP``) or whose interpreter is held by a thread stops refreshing it.
+The training loop says which section of a step it is in (:meth:`WorkerControl.enter`) and
+until when it may stay there (:mod:`~elastictrain.train.hang_bounds`): a rank that owes its
+peers a collective past that deadline is hung, whatever its process does. On
+:data:`~elastictrain._control.STACK_SIGNAL` the worker writes every thread's Python stack
+for its agent (``faulthandler``).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import faulthandler
 import logging
 import os
 import statistics
@@ -17,7 +22,19 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from elastictrain._control import CONTROL_DIR_ENV, Assignment, AssignmentWatch, Doorbell, ProgressTable, WorkerState, now
+from elastictrain._control import (
+    CONTROL_DIR_ENV,
+    STACK_SIGNAL,
+    Assignment,
+    AssignmentWatch,
+    Doorbell,
+    ProgressTable,
+    Section,
+    WorkerState,
+    now,
+    stacks_path,
+)
+from elastictrain.train.hang_bounds import HangBounds, SectionClock
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +58,11 @@ class WorkerControl:
         directory: The agent's control directory.
         local_rank: This worker's local rank (its slot).
         local_world_size: Workers on this node.
+        hang_bounds: How long it may stay in each section of a step (:meth:`enter`).
     """
 
-    def __init__(self, directory: str, local_rank: int, local_world_size: int) -> None:
+    def __init__(self, directory: str, local_rank: int, local_world_size: int, *,
+                 hang_bounds: HangBounds | None = None) -> None:
         self._table = ProgressTable(directory, local_world_size)
         self._assignments = AssignmentWatch(directory)
         self._slot = local_rank
@@ -61,6 +80,14 @@ class WorkerControl:
         self._in_collective = False
         self._collective_at = 0.0
         self._stuck_in_collective_only = False
+        self._clock = SectionClock(hang_bounds or HangBounds())
+        self.section = Section.NONE
+        self._section_at = 0.0
+        self._deadline = 0.0
+        self._learns = True  # whether the section's duration teaches its bound (not after a long call)
+        self.straggle = 0.0
+        self._stacks = open(stacks_path(directory, local_rank), "w")  # noqa: SIM115 - faulthandler keeps writing it
+        faulthandler.register(STACK_SIGNAL, file=self._stacks, all_threads=True, chain=False)
         self._closed = threading.Event()
         self._doorbell = Doorbell(directory)
         self._announce()  # the slot is open: the agent learns it at once, not at its next tick
@@ -68,19 +95,59 @@ class WorkerControl:
         self._thread.start()
 
     @classmethod
-    def from_env(cls, local_rank: int, local_world_size: int) -> WorkerControl | None:
+    def from_env(cls, local_rank: int, local_world_size: int, *,
+                 hang_bounds: HangBounds | None = None) -> WorkerControl | None:
         """The channel of this worker's agent, or ``None`` when the agent recovers by restarting
         (torchrun, or ``--recovery restart``)."""
         directory = os.environ.get(CONTROL_DIR_ENV)
         if not directory or not os.path.isdir(directory):
             return None
-        return cls(directory, local_rank, local_world_size)
+        return cls(directory, local_rank, local_world_size, hang_bounds=hang_bounds)
 
     def _write(self) -> None:
         with self._lock:
             self._table.write(self._slot, pid=self._pid, step=self.step, step_at=self.step_at, step_s=self.step_s,
-                              alive_at=now(),
-                              state=self.state, generation=self.generation)
+                              alive_at=now(), state=self.state, generation=self.generation,
+                              section=self.section, section_at=self._section_at, deadline=self._deadline,
+                              straggle=self.straggle)
+
+    def enter(self, section: int) -> float:
+        """Say that this worker is now in ``section`` (a :class:`~elastictrain._control.Section`),
+        with the deadline its bound gives; the section it leaves teaches that section's bound.
+
+        Returns:
+            The seconds spent in the section it left.
+        """
+        at = now()
+        spent = at - self._section_at if self.section != Section.NONE else 0.0
+        if self.section != Section.NONE and self._learns:
+            self._clock.observe(self.section, spent)
+        self._clock.entered(section)
+        bound = self._clock.bound(section)
+        self.section, self._section_at, self._learns = section, at, True
+        self._deadline = at + bound if bound else 0.0
+        self._write()
+        return spent
+
+    @contextlib.contextmanager
+    def long_call(self, timeout: float) -> Iterator[None]:
+        """Let this worker stay in its section for ``timeout`` seconds more than its bound, for a
+        long call of the script's own; the section's clock starts again when it returns."""
+        self._deadline = max(self._deadline, now() + timeout) if self._deadline else 0.0
+        self._learns = False  # the call is no measure of the section
+        self._write()
+        try:
+            yield
+        finally:
+            bound = self._clock.bound(self.section)
+            self._section_at = now()
+            self._deadline = self._section_at + bound if bound else 0.0
+            self._write()
+
+    def set_straggle(self, factor: float) -> None:
+        """Record how many times its peers' median this worker's recent steps took (a gauge)."""
+        self.straggle = factor
+        self._write()
 
     def _announce(self) -> None:
         """Write the slot and wake the agent: its state changed."""
@@ -141,6 +208,8 @@ class WorkerControl:
 
     def set_state(self, state: int) -> None:
         self.state = state
+        if state != WorkerState.TRAINING:  # its sections are a training loop's
+            self.section, self._deadline = Section.NONE, 0.0
         self._announce()
 
     def step_done(self, step: int) -> None:
@@ -199,5 +268,7 @@ class WorkerControl:
         self.state = WorkerState.DONE
         self._announce()
         self._thread.join(timeout=1.0)
+        faulthandler.unregister(STACK_SIGNAL)
+        self._stacks.close()
         self._table.close()
         self._doorbell.close()

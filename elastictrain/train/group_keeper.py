@@ -112,7 +112,8 @@ class GroupKeeper:
         """Open the agent's control channel (in-process recovery, when the launcher opened one)
         and join the first group; no collective yet."""
         if self.config.recovery == "in-process" and self._group is None:
-            self.control = WorkerControl.from_env(self.context.local_rank, self.context.local_world_size)
+            self.control = WorkerControl.from_env(self.context.local_rank, self.context.local_world_size,
+                                                  hang_bounds=self.config.hang_bounds)
             if self.control is not None and (current := self.control.current()) is not None:
                 self._adopt(current)  # the agent's newest word, which may be newer than this process's env
         self._join()

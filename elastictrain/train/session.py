@@ -30,9 +30,11 @@ of this again from the last checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence, Sized
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -40,6 +42,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from elastictrain import events
+from elastictrain._durations import parse_duration
 from elastictrain.checkpoint import CheckpointManager, RestoreInfo
 from elastictrain.errors import ConfigError, SessionError
 from elastictrain.train.hooks import HookDispatcher
@@ -235,6 +238,26 @@ class Session:
         """Whether this worker's agent wants the group re-formed (in-process recovery): a loop that
         waits between steps of its own accord should stop waiting and let the next step run."""
         return self._keeper.reform_due()
+
+    def long_call(self, timeout: timedelta) -> contextlib.AbstractContextManager[None]:
+        """Widen this rank's hang bound by ``timeout`` around a long call of the script's own
+        inside a step (a slow data fetch, an evaluation before the step's micro-batches): under
+        in-process recovery a rank that takes longer than its bound to reach the step's collective
+        is taken for hung and replaced (see ``SessionConfig.hang_bounds``). The call teaches the
+        bound nothing, and the step's clock starts again when it returns.
+
+        ::
+
+            for step in session.steps():
+                with session.long_call(timedelta(minutes=5)):
+                    batch = fetch_from_a_slow_store()
+
+        Raises:
+            ConfigError: ``timeout`` is not a positive duration.
+        """
+        seconds = parse_duration("timeout", timeout, minimum=0.001).total_seconds()
+        control = self._keeper.control
+        return control.long_call(seconds) if control is not None else contextlib.nullcontext()
 
     # --- life cycle ----------------------------------------------------------------------------
 

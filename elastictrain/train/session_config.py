@@ -11,6 +11,7 @@ from elastictrain.train import process_group as pg
 from elastictrain._control import RECOVERY_MODES
 from elastictrain._durations import parse_duration
 from elastictrain.errors import ConfigError
+from elastictrain.train.hang_bounds import HangBounds
 from elastictrain.train.precision import PRECISIONS
 
 __all__ = ["SessionConfig"]
@@ -108,6 +109,11 @@ class SessionConfig:
     recovery_timeout: timedelta = timedelta(seconds=600)
     """How long a recovering worker waits for its agent's next assignment."""
 
+    hang_bounds: HangBounds = field(default_factory=HangBounds)
+    """Under in-process recovery, how long a rank may take to reach a step's collective (or to
+    save) before its agent takes it for hung, captures its stacks and replaces it (see
+    :class:`~elastictrain.train.hang_bounds.HangBounds`; ``Session.long_call`` widens it)."""
+
     def __post_init__(self) -> None:
         _positive("global_batch_size", self.global_batch_size)
         _positive("micro_batch_size", self.micro_batch_size, allow_none=True)
@@ -134,6 +140,8 @@ class SessionConfig:
             object.__setattr__(self, "timeout", pg.resolve_timeout(self.timeout))
         if not isinstance(self.ddp_kwargs, Mapping):
             raise ConfigError(f"ddp_kwargs must be a mapping, got {type(self.ddp_kwargs).__name__}")
+        if not isinstance(self.hang_bounds, HangBounds):
+            raise ConfigError(f"hang_bounds must be a HangBounds, got {type(self.hang_bounds).__name__}")
         if self.recovery not in RECOVERY_MODES:
             raise ConfigError(f"recovery must be one of {RECOVERY_MODES}, got {self.recovery!r}")
         if not isinstance(self.recovery_timeout, timedelta):

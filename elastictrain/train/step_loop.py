@@ -14,20 +14,27 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
+import socket
 import time
 from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader
 
+from elastictrain import events
+from elastictrain._control import Section
 from elastictrain.train.hooks import HookDispatcher
+from elastictrain.train.injector import FaultInjector
 from elastictrain.train.precision import MixedPrecision
 from elastictrain.train.rank_logging import RankLoggerAdapter
 from elastictrain.train.group_keeper import GroupKeeper
 from elastictrain.train.recovery import describe, is_collective_failure
 from elastictrain.train.session_config import SessionConfig
 from elastictrain.train.steps import END, PlanFeed, Step, to_device
+from elastictrain.train.stragglers import StragglerWatch
 from elastictrain.train.training_state import TrainingState, rank_seed
 
 __all__ = ["StepLoop"]
@@ -60,6 +67,9 @@ class StepLoop:
         self._save, self._log = save, log
         self._skipped_in_a_row = 0
         self._clock = time.perf_counter()
+        self._stragglers = StragglerWatch()
+        self._step_at: float | None = None
+        self._injector = FaultInjector.from_env()
 
     # --- what a step uses ----------------------------------------------------------------------
 
@@ -107,6 +117,27 @@ class StepLoop:
         """Marks a step's own collectives (see :meth:`GroupKeeper.collective`)."""
         return self._keeper.collective()
 
+    def inject(self, step: int) -> None:
+        """Apply this rank's faults of ``ELASTICTRAIN_INJECT`` in ``step`` (see :mod:`~elastictrain.train.injector`)."""
+        if self._injector is not None:
+            self._injector.at_step(self._keeper.context.rank, step)
+
+    def enter(self, section: int) -> None:
+        """Say where this rank is in its step loop (see :meth:`WorkerControl.enter`)."""
+        control = self._keeper.control
+        if control is not None:
+            control.enter(section)
+        if section == Section.STEP:
+            self._step_at = time.perf_counter()
+
+    def reach_collective(self) -> None:
+        """This rank reached the step's gradient collective: the step's compute (from its start,
+        data loading included) counts for the straggler watch."""
+        self.enter(Section.NONE)
+        if self._step_at is not None:
+            self._stragglers.record(time.perf_counter() - self._step_at)
+            self._step_at = None
+
     def to_device(self, obj: Any) -> Any:
         """``obj`` (a tensor, or lists/tuples/dicts of them) moved to :attr:`device`."""
         device = self.device
@@ -130,6 +161,8 @@ class StepLoop:
             feed = PlanFeed(sampler)
             batches = iter(self._loader(feed))
             while config.max_steps is None or state.step < config.max_steps:
+                # From here this rank owes its peers the step's collective: its data loading counts.
+                self.enter(Section.STEP)
                 # Fetching a step's first micro-batch makes the feed hand over its plan.
                 first = next(batches, END)
                 if first is END:
@@ -140,11 +173,14 @@ class StepLoop:
                     flag.arm(keeper.votes_to_reform())
                 step = Step(self, feed.plans.popleft(), itertools.chain((first,), batches), state.step + 1)
                 yield step
+                self.enter(Section.NONE)
                 cause = self._finish(step)
                 if cause is not None:
                     keeper.recover(cause)
+                    self._stragglers.restart()
                     self._clock = time.perf_counter()
                     break  # plan again from the committed cursor, at the new world size
+            self.enter(Section.NONE)
 
     def _pin_memory(self) -> bool:
         pin = self._config.pin_memory
@@ -219,9 +255,42 @@ class StepLoop:
             self._log().info("step %d epoch %d %s %.5g %.1f samples/s", state.step, step.epoch,
                              "loss" if config.sync_loss else "rank-0 loss", step.loss, throughput)
         self._hooks.dispatch("on_step_end", step=state.step, loss=step.loss, throughput=throughput)
+        if generation.placement.distributed and self._stragglers.due(state.step):
+            with keeper.collective():
+                self._judge_stragglers(generation.cpu_group())
         if config.checkpoint_every is not None and state.step % config.checkpoint_every == 0:
+            self.enter(Section.SAVE)
             self._save()
+            self.enter(Section.NONE)
             self._clock = time.perf_counter()  # a save's time is not a step's
+
+    def _judge_stragglers(self, group: Any) -> None:
+        """Exchange the ranks' compute times of the last window (a collective) and say whether this
+        rank started or stopped straggling (see :mod:`~elastictrain.train.stragglers`)."""
+        watch, context = self._stragglers, self._keeper.context
+        mine = torch.tensor(watch.times(), dtype=torch.float64)
+        gathered = [torch.empty_like(mine) for _ in range(context.world_size)]
+        dist.all_gather(gathered, mine, group=group)
+        verdict = watch.judge(context.rank, [t.tolist() for t in gathered])
+        if verdict is None:
+            return
+        if self._keeper.control is not None:
+            self._keeper.control.set_straggle(verdict.factor)
+        if verdict.change is None:
+            return
+        node = os.environ.get(events.NODE_ENV) or socket.gethostname()
+        first = self._state.step - watch.window + 1
+        if verdict.change == "started":
+            self._log().warning("rank %d on node %s is a straggler: its steps %d-%d computed %.1fx as long as its "
+                                "peers' (%.3f s a step against %.3f s); the job trains at its pace",
+                                context.rank, node, first, self._state.step, verdict.factor, verdict.compute_s,
+                                verdict.peers_s)
+        else:
+            self._log().warning("rank %d on node %s no longer straggles: %.1fx its peers' compute time over steps "
+                                "%d-%d", context.rank, node, verdict.factor, first, self._state.step)
+        events.emit("straggler" if verdict.change == "started" else "straggler_recovered", rank=context.rank,
+                    node=node, step=self._state.step, factor=round(verdict.factor, 3),
+                    compute_s=round(verdict.compute_s, 4), peers_s=round(verdict.peers_s, 4))
 
     def _say_if_skipped(self, skipped: bool) -> None:
         """Say that fp16's GradScaler skipped this step's update (its gradients held inf or NaN),

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from elastictrain._control import Section
 from elastictrain.train.accumulation import accumulate
 from elastictrain.errors import ConfigError, SessionError
 from elastictrain.train.sampler import ElasticBatchSampler, ElasticSampler, MicroBatch, StepPlan
@@ -104,6 +105,8 @@ class MicroStep:
         # A scale of exactly 1 (even shares, one micro-batch) needs no extra op in the graph.
         scaled = loss if self.loss_scale == 1.0 else loss * self.loss_scale
         loop = self._step._loop
+        if self.is_last:
+            loop.reach_collective()
         try:
             with loop.collective():  # the gradients' all-reduce
                 loop.precision.backward(scaled)
@@ -112,6 +115,9 @@ class MicroStep:
                 self._step.fail(exc)  # discarded; the session re-forms the group and plans it again
                 return
             raise
+        finally:
+            if self.is_last:
+                loop.enter(Section.BETWEEN)  # the script's code until it asks for the next step
         self._step._record(self, loss)
 
 
@@ -168,6 +174,7 @@ class Step:
             raise SessionError(f"step {self.number}'s micro-batches can be iterated only once")
         self._iterated = True
         loop = self._loop
+        loop.inject(self.number)
         count = len(self.plan.micro_batches)
         for index, micro in enumerate(accumulate(loop.model, self.plan.micro_batches)):
             if self.failure is not None:

@@ -14,6 +14,12 @@ model (a slow model build or data load). ``--stall-save RANK:FILE`` makes RANK's
 checkpoint write at world size 2 stall for good, writing its pid to ``FILE`` (a test then kills
 its node while its peers wait for its files).
 ``--api elastic`` trains through ``run_elastic`` instead of a Session.
+``--hang-floor S`` sets the session's ``HangBounds(step_floor=S)``. Work that must not be taken
+for a hang: ``--first-step-sleep S`` (every rank's first step takes S seconds more, as a
+compilation would), ``--between-sleep RANK:STEP:S`` (RANK runs S seconds of its own code after
+STEP's micro-batches, as an evaluation would), ``--long-call RANK:STEP:S`` (RANK sleeps S seconds
+inside STEP, wrapped in ``session.long_call``). Faults placed in the loop come from
+``ELASTICTRAIN_INJECT`` (see ``elastictrain.train.injector``).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import argparse
 import json
 import os
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -33,6 +40,11 @@ import elastictrain
 def _pair(text: str) -> tuple[int, int]:
     a, _, b = text.partition(":")
     return int(a), int(b)
+
+
+def _triple(text: str) -> tuple[int, int, float]:
+    rank, step, seconds = text.split(":")
+    return int(rank), int(step), float(seconds)
 
 
 def _step_and_path(text: str) -> tuple[int, str]:
@@ -65,9 +77,17 @@ def with_session(args: argparse.Namespace, out: Path) -> None:
             time.sleep(0.05)
     session = elastictrain.Session(model, optimizer, TensorDataset(x, y), global_batch_size=32, micro_batch_size=8,
                                    epochs=100, max_steps=args.steps, seed=7, log_every=None,
-                                   checkpoint_dir=str(out / "ckpt"), checkpoint_every=args.ckpt_every)
+                                   checkpoint_dir=str(out / "ckpt"), checkpoint_every=args.ckpt_every,
+                                   hang_bounds=elastictrain.HangBounds(step_floor=timedelta(seconds=args.hang_floor)))
+    first = True
     with session as s:
         for step in s.steps():
+            if first and args.first_step_sleep:
+                time.sleep(args.first_step_sleep)
+            first = False
+            if args.long_call and (s.rank, step.number) == args.long_call[:2]:
+                with s.long_call(timedelta(seconds=10 * args.long_call[2])):
+                    time.sleep(args.long_call[2])
             if args.stall_save and s.rank == args.stall_save[0] and s.world_size == 2 and s.checkpoints is not None:
                 s.checkpoints._fault_hook = lambda stage: _stall(stage, args.stall_save[1])  # noqa: SLF001
             if args.fail_at and (s.rank, step.number) == args.fail_at:
@@ -85,6 +105,8 @@ def with_session(args: argparse.Namespace, out: Path) -> None:
                 continue
             _append(out / "steps.jsonl", {"rank": s.rank, "pid": os.getpid(), "step": step.number,
                                           "world": s.world_size, "t": time.time()})
+            if args.between_sleep and (s.rank, step.number) == args.between_sleep[:2]:
+                time.sleep(args.between_sleep[2])
     torch.save(model.state_dict(), out / f"final-{session.rank}.pt")
 
 
@@ -132,6 +154,10 @@ def main() -> None:
     parser.add_argument("--wait-before-session", default=None)
     parser.add_argument("--stall-save", type=_step_and_path, default=None)
     parser.add_argument("--api", choices=("session", "elastic"), default="session")
+    parser.add_argument("--hang-floor", type=float, default=5.0)
+    parser.add_argument("--first-step-sleep", type=float, default=0.0)
+    parser.add_argument("--between-sleep", type=_triple, default=None)
+    parser.add_argument("--long-call", type=_triple, default=None)
     args = parser.parse_args()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,8 @@ from elastictrain._process import proc_stat
 from elastictrain.train.control import JobEnded, WorkerControl
 from elastictrain.errors import SessionError
 from elastictrain.train.recovery import describe, is_collective_failure
-from elastictrain.launch.worker_group import Channel, FailureBudget, HangDetector
+from elastictrain.launch.hang_detector import HangDetector
+from elastictrain.launch.worker_group import Channel, FailureBudget
 
 
 def _assignment(generation: int, **changes: Any) -> Assignment:

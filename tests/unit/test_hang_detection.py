@@ -1,0 +1,232 @@
+"""Hang detection by progress, its parts without agents: the bounds a worker learns, the decision
+its agent takes from a progress slot, the stacks it captures from a real process, the straggler
+verdict and the in-loop fault injector."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import textwrap
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from elastictrain._control import STACK_SIGNAL, Progress, ProgressTable, Section, WorkerState, stacks_path
+from elastictrain.errors import ConfigError
+from elastictrain.launch.hang_detector import HangDetector, Stacks, capture_stacks
+from elastictrain.train.control import WorkerControl
+from elastictrain.train.hang_bounds import HangBounds, SectionClock
+from elastictrain.train.injector import Fault, FaultInjector, InjectedFault
+from elastictrain.train.stragglers import StragglerWatch
+
+BOUNDS = HangBounds(factor=10.0, step_floor=timedelta(seconds=5), first_step=timedelta(minutes=10),
+                    save_floor=timedelta(minutes=10), between_floor=timedelta(seconds=60), warmup_steps=2)
+
+
+def test_the_first_steps_have_the_start_up_bound_then_the_floor_or_ten_times_the_longest_step_seen() -> None:
+    clock = SectionClock(BOUNDS)
+    for _ in range(2):  # the warm-up: compiling, warming caches; nothing learnt from it
+        clock.entered(Section.STEP)
+        assert clock.bound(Section.STEP) == 600.0
+        clock.observe(Section.STEP, 30.0)
+    clock.entered(Section.STEP)
+    assert clock.bound(Section.STEP) == 5.0  # 50 ms steps would give 0.5 s: the floor holds
+    clock.observe(Section.STEP, 0.05)
+    assert clock.bound(Section.STEP) == 5.0
+    clock.observe(Section.STEP, 3.0)  # a 3 s step (a 30 s model would have many)
+    assert clock.bound(Section.STEP) == 30.0
+    assert clock.bound(Section.SAVE) == 600.0 and clock.bound(Section.BETWEEN) == 60.0
+    clock.observe(Section.SAVE, 90.0)
+    assert clock.bound(Section.SAVE) == 900.0
+    assert clock.bound(Section.NONE) == 0.0
+
+
+@pytest.mark.parametrize("changes", [{"factor": 0.5}, {"step_floor": timedelta(0)}, {"save_floor": 3},
+                                     {"warmup_steps": 0}])
+def test_hang_bounds_refuse_what_would_kill_every_rank_or_none(changes: dict[str, object]) -> None:
+    with pytest.raises(ConfigError, match="hang_bounds"):
+        HangBounds(**changes)  # type: ignore[arg-type]
+
+
+def _slot(section: int, section_at: float, deadline: float, *, state: int = WorkerState.TRAINING,
+          alive_at: float = 100.0) -> Progress:
+    return Progress(10, 9, 99.0, 0.05, alive_at, state, 1, section, section_at, deadline)
+
+
+LIVE = {0: 10}
+RUNNING = {10: (4.0, "R")}.get  # a process that keeps running (spinning, or its liveness thread)
+
+
+def test_a_rank_inside_a_step_past_its_deadline_is_hung_whatever_its_process_does() -> None:
+    detector = HangDetector(activity=RUNNING)
+    # Its liveness thread is alive (alive_at is now): only its progress tells.
+    assert detector.hung([_slot(Section.STEP, 95.0, 100.0, alive_at=100.4)], 99.9, LIVE) == []
+    assert detector.hung([_slot(Section.STEP, 95.0, 100.0, alive_at=100.4)], 100.5, LIVE) == [0]
+    assert detector.reason(0) == ("inside step 10 (before its gradient collective) for 5.5s, past its bound of "
+                                  "5.0s, while its peers wait for it")
+    assert detector.hung([_slot(Section.SAVE, 0.0, 600.0, alive_at=601.0)], 601.0, LIVE) == [0]
+    assert detector.reason(0).startswith("in the checkpoint save after step 9 for 601.0s")
+
+
+def test_a_rank_between_steps_or_out_of_a_section_is_never_hung_by_its_progress() -> None:
+    detector = HangDetector(activity=RUNNING)
+    assert detector.hung([_slot(Section.BETWEEN, 0.0, 60.0, alive_at=500.0)], 500.0, LIVE) == []
+    assert detector.hung([_slot(Section.NONE, 0.0, 0.0, alive_at=500.0)], 500.0, LIVE) == []
+    # Recovering or forming a group: its section is not a training loop's.
+    assert detector.hung([_slot(Section.STEP, 0.0, 5.0, state=WorkerState.BUSY, alive_at=500.0)], 500.0, LIVE) == []
+    # A slot written by the worker a replacement took over from is not the replacement's.
+    assert detector.hung([_slot(Section.STEP, 0.0, 5.0, alive_at=500.0)], 500.0, {0: 11}) == []
+
+
+def test_a_rank_long_between_steps_is_said_once_per_stretch() -> None:
+    detector = HangDetector(activity=RUNNING)
+    between = _slot(Section.BETWEEN, 0.0, 60.0, alive_at=61.0)
+    assert detector.overdue([between], 59.0, LIVE) == []
+    assert detector.overdue([between], 61.0, LIVE) == [0]
+    assert detector.overdue([between], 90.0, LIVE) == []  # said already
+    assert detector.overdue([_slot(Section.BETWEEN, 200.0, 260.0)], 261.0, LIVE) == [0]  # the next stretch
+    assert detector.overdue([_slot(Section.STEP, 0.0, 5.0)], 261.0, LIVE) == []
+
+
+def test_a_worker_says_its_section_and_deadline_and_a_long_call_widens_it(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from elastictrain.train import control as control_module
+
+    ProgressTable(tmp_path, 1, create=True).close()
+    clock = [100.0]
+    monkeypatch.setattr(control_module, "now", lambda: clock[0])
+    control = WorkerControl(str(tmp_path), 0, 1, hang_bounds=BOUNDS)
+    table = ProgressTable(tmp_path, 1)
+    try:
+        control.set_state(WorkerState.TRAINING)
+        for _ in range(3):
+            control.enter(Section.STEP)
+            clock[0] += 0.05
+            control.enter(Section.NONE)
+        slot = table.read(0)
+        assert (slot.section, slot.deadline) == (Section.NONE, 0.0)
+        control.enter(Section.STEP)
+        slot = table.read(0)
+        assert (slot.section, slot.section_at, slot.deadline) == (Section.STEP, clock[0], clock[0] + 5.0)
+        with control.long_call(120.0):
+            assert table.read(0).deadline == clock[0] + 120.0
+            clock[0] += 100.0
+        slot = table.read(0)
+        assert (slot.section_at, slot.deadline) == (clock[0], clock[0] + 5.0)  # the step's clock starts again
+        control.enter(Section.NONE)  # the 100 s call taught the step bound nothing
+        control.enter(Section.STEP)
+        assert table.read(0).deadline == clock[0] + 5.0
+        control.set_state(WorkerState.RECOVERING)
+        assert (table.read(0).section, table.read(0).deadline) == (Section.NONE, 0.0)
+    finally:
+        control.close()
+        table.close()
+
+
+_STACKS = """\
+Thread 0x00007f61543ff6c0 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 331 in wait
+  File "/app/elastictrain/train/control.py", line 158 in _liveness
+  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
+
+Current thread 0x00007f61733d0b80 (most recent call first):
+  File "/app/train.py", line 12 in load_batch
+  File "/app/train.py", line 40 in main
+  File "/app/train.py", line 50 in <module>
+  File "<frozen runpy>", line 88 in _run_code
+"""
+
+
+def test_the_stacks_name_the_scripts_thread_innermost_frame_first() -> None:
+    assert Stacks(_STACKS).main_thread(frames=2) == ["/app/train.py:12 in load_batch", "/app/train.py:40 in main"]
+    assert Stacks("").main_thread() == []
+
+
+@pytest.mark.parametrize("stuck", ["time.sleep(3600)", "while True: pass"])
+@pytest.mark.timeout(60)
+def test_the_stacks_of_a_process_blocked_in_a_call_or_spinning_say_where_it_is(tmp_path: Path, stuck: str) -> None:
+    path = stacks_path(tmp_path, 0)
+    script = textwrap.dedent(f"""
+        import faulthandler, signal, sys, time
+        faulthandler.register({int(STACK_SIGNAL)}, file=open({str(path)!r}, "w"), all_threads=True, chain=False)
+        def stuck_here():
+            print("ready", flush=True)
+            {stuck}
+        stuck_here()
+    """)
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None and process.stdout.readline() == "ready\n"
+        time.sleep(0.1)
+        stacks = capture_stacks(process.pid, path, timeout=5.0)
+        assert stacks is not None
+        assert stacks.main_thread()[0] == "<string>:6 in stuck_here", stacks.text
+        assert process.poll() is None, "asking for the stacks ended the process"
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_no_stacks_from_a_process_that_cannot_answer(tmp_path: Path) -> None:
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert capture_stacks(process.pid, tmp_path / "none", timeout=0.2) is None  # no stacks file
+    finally:
+        process.kill()
+        process.wait()
+
+
+def _times(value: float, window: int = 10) -> list[float]:
+    return [value] * window
+
+
+def test_a_rank_twice_as_slow_as_its_peers_for_a_whole_window_is_a_straggler_until_it_recovers() -> None:
+    watch = StragglerWatch(window=10)
+    assert watch.judge(1, [_times(0.05), _times(0.5)]).change == "started"  # type: ignore[union-attr]
+    again = watch.judge(1, [_times(0.05), _times(0.5)])
+    assert again is not None and again.change is None and again.factor == pytest.approx(10.0)  # said once
+    assert watch.judge(1, [_times(0.05), _times(0.09)]).change is None  # type: ignore[union-attr]  # 1.8x
+    assert watch.judge(1, [_times(0.05), _times(0.06)]).change == "ended"  # type: ignore[union-attr]
+
+
+def test_no_straggler_from_one_slow_step_a_tiny_difference_or_no_peer() -> None:
+    watch = StragglerWatch(window=10)
+    spike = _times(0.05)
+    spike[3] = 3.0  # one slow step (a long call, a first step): not slow throughout
+    assert watch.judge(1, [_times(0.05), spike]).change is None  # type: ignore[union-attr]
+    assert watch.judge(1, [_times(0.001), _times(0.005)]).change is None  # type: ignore[union-attr]  # 4 ms more
+    assert watch.judge(0, [_times(0.5)]) is None
+    joined = [math.nan] * 5 + [0.5] * 5  # a rank that joined mid-window judges only what it saw
+    assert watch.judge(1, [_times(0.05), joined]).change is None  # type: ignore[union-attr]
+
+
+def test_the_three_ranks_median_makes_the_one_slow_rank_the_straggler_not_its_peers() -> None:
+    gathered = [_times(0.05), _times(0.06), _times(0.3)]
+    assert StragglerWatch().judge(2, gathered).change == "started"  # type: ignore[union-attr]
+    assert StragglerWatch().judge(0, gathered).change is None  # type: ignore[union-attr]
+
+
+def test_faults_are_read_from_their_spec_and_a_bad_one_is_one_clear_error() -> None:
+    assert Fault.parse("slow@0:20x12+0.6") == Fault("slow", 0, 20, 12, 0.6)
+    assert str(Fault.parse(" hang_sleep@1:30 ")) == "hang_sleep@1:30"
+    with pytest.raises(ConfigError, match="KIND@RANK:STEP"):
+        Fault.parse("hang@1:30")
+
+
+def test_a_fault_strikes_once_in_the_job_not_again_in_the_replacement(tmp_path: Path) -> None:
+    faults = [Fault("fail", 1, 5)]
+    with pytest.raises(InjectedFault, match="rank 1 in step 5"):
+        FaultInjector(faults, tmp_path).at_step(1, 5)
+    FaultInjector(faults, tmp_path).at_step(1, 5)  # the replacement runs step 5 again: no fault
+    FaultInjector(faults, tmp_path).at_step(0, 5)  # another rank: none
+
+
+def test_a_slow_fault_slows_each_of_its_steps() -> None:
+    injector = FaultInjector([Fault("slow", 0, 3, 2, 0.2)], None)
+    started = time.monotonic()
+    for step in range(1, 7):
+        injector.at_step(0, step)
+    assert time.monotonic() - started >= 0.4
