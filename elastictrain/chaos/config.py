@@ -21,12 +21,9 @@ from elastictrain.errors import ConfigError
 __all__ = ["DEFAULT_KINDS", "ChaosConfig"]
 
 DEFAULT_KINDS = (FaultKind.KILL_WORKER, FaultKind.KILL_NODE, FaultKind.BOUNCE_NODE, FaultKind.HANG_WORKER,
-                 FaultKind.JOIN, FaultKind.KILL_ETCD)
+                 FaultKind.JOIN, FaultKind.KILL_ETCD, FaultKind.HANG_SLEEP, FaultKind.HANG_SPIN, FaultKind.STRAGGLER)
 """Kinds a random run draws from (plus ``kill_etcd_leader`` with a 3-member etcd)."""
 
-_HANG_FOUND_S = 10.0
-"""The shortest hang :meth:`ChaosConfig.noticed_within` judges (finding one takes about 3 s: 2 s of
-silence, 1 s to confirm, then the re-formation)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -150,10 +147,12 @@ class ChaosConfig:
         if self.etcd_members not in (1, 3):
             raise ConfigError(f"etcd_members must be 1 or 3, got {self.etcd_members}")
         kinds = {f.kind for f in self.schedule} | (set(self.kinds) if self.faults else set())
-        if FaultKind.KILL_ETCD_LEADER in kinds and self.etcd_members < 3:
-            raise ConfigError("kill_etcd_leader needs etcd_members=3")
-        if FaultKind.PARTITION_NODE in kinds and not self.netns:
-            raise ConfigError("partition_node needs netns=True (--netns): nodes on loopback cannot be cut off")
+        for kind in sorted(kinds, key=lambda k: k.value):
+            fault = kind.fault_class
+            if self.etcd_members < fault.etcd_members:
+                raise ConfigError(f"{kind.value} needs etcd_members={fault.etcd_members}")
+            if fault.needs_netns and not self.netns:
+                raise ConfigError(f"{kind.value} needs netns=True (--netns): nodes on loopback cannot be cut off")
         if self.netns:
             check_available()
         if self.faults < 0:
@@ -176,15 +175,9 @@ class ChaosConfig:
 
     def noticed_within(self, kind: FaultKind) -> float | None:
         """Seconds within which the job must train again after a fault of ``kind`` for the fault to
-        count as noticed, not waited out: under in-process recovery a hung worker's agent kills
-        it, so the job trains again while the worker is still stopped (``hang_duration``), where
-        a hang that went unnoticed trains again only once the worker is continued. ``None``: no
-        such limit (restart mode's peers wait out the collective timeout by design; a hang
-        shorter than about 3 s may end before it is found)."""
-        if kind is not FaultKind.HANG_WORKER or self.recovery != "in-process":
-            return None
-        hang = self.hang_duration.total_seconds()
-        return hang if hang >= _HANG_FOUND_S else None
+        count as noticed, not waited out (each kind says, see
+        :meth:`~elastictrain.chaos.faults.Fault.noticed_within`); ``None``: no such limit."""
+        return kind.fault_class.noticed_within(self)
 
     @property
     def partition_duration(self) -> timedelta:
@@ -196,7 +189,5 @@ class ChaosConfig:
         """Seconds a fault of ``kind`` may take before the run counts as hung."""
         if self.recovery_bound is not None:
             return self.recovery_bound.total_seconds()
-        extra = {FaultKind.HANG_WORKER: self.hang_duration, FaultKind.KILL_ETCD: self.etcd_down,
-                 FaultKind.KILL_ETCD_LEADER: self.etcd_down, FaultKind.PARTITION_NODE: self.partition_duration,
-                 FaultKind.BOUNCE_NODE: self.rejoin_after + self.join_timeout}.get(kind, timedelta(0))
+        extra = kind.fault_class.duration(self)
         return 120.0 + self.pg_timeout.total_seconds() + extra.total_seconds()

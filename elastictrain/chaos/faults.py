@@ -1,10 +1,13 @@
-"""The faults a chaos run injects: one class per kind, which injects it and says when the job recovered.
+"""The faults a chaos run injects: one class per kind, which knows everything about its kind.
 
 The harness makes a :class:`Fault` for each fault of the schedule (:func:`fault_for`),
 calls :meth:`Fault.inject` once the job has applied the fault's step (until it finds
 its target), then :meth:`Fault.recovered` until the job trains again, or until
 :meth:`Fault.bound` has passed (the run is hung). Each writes what it did and saw in
-its :class:`~elastictrain.chaos.schedule.FaultRecord`, the report's entry.
+its :class:`~elastictrain.chaos.schedule.FaultRecord`, the report's entry. What the
+planner and the configuration ask of a kind is on its class too: whether it ends the
+training group, when it is feasible, how long it lasts, what it needs. A new kind is a
+class here and its name in :class:`~elastictrain.chaos.schedule.FaultKind`.
 
 Workers are found from the process tree (:mod:`~elastictrain.chaos.processes`), not from
 the job's evidence.
@@ -17,6 +20,7 @@ import os
 import signal
 import time
 from abc import ABC, abstractmethod
+from datetime import timedelta
 from typing import TYPE_CHECKING, ClassVar
 
 from elastictrain.chaos.processes import process_state, worker_pids
@@ -24,10 +28,15 @@ from elastictrain.chaos.schedule import FaultKind, FaultRecord
 
 if TYPE_CHECKING:
     from elastictrain.chaos.cluster import Node
+    from elastictrain.chaos.config import ChaosConfig
     from elastictrain.chaos.harness import Harness
 
-__all__ = ["BounceNode", "Fault", "HangWorker", "Join", "KillEtcd", "KillEtcdLeader", "KillNode", "KillWorker",
-           "PartitionNode", "fault_for"]
+__all__ = ["BounceNode", "Fault", "HangSleep", "HangSpin", "HangWorker", "Join", "KillEtcd", "KillEtcdLeader",
+           "KillNode", "KillWorker", "PartitionNode", "Straggler", "fault_class", "fault_for"]
+
+_HANG_FOUND_S = 10.0
+"""The shortest SIGSTOP hang :meth:`HangWorker.noticed_within` judges (finding one takes about 3 s: 2 s
+of silence, 1 s to confirm, then the re-formation)."""
 
 _ETCD_SETTLE_S = 10.0
 """How long after an etcd outage ends the job is watched for its effects: heartbeats lapsed during
@@ -44,9 +53,40 @@ class Fault(ABC):
 
     kind: ClassVar[FaultKind]
 
+    restarts_workers: ClassVar[bool] = True
+    """Whether the fault must end the current process group (recovery = a new one training)."""
+
+    of_etcd: ClassVar[bool] = False
+    """A fault of the etcd server, which training itself need not notice."""
+
+    needs_netns: ClassVar[bool] = False
+    """It needs each node in a network namespace of its own (``--netns``)."""
+
+    etcd_members: ClassVar[int] = 1
+    """The fewest etcd members it needs."""
+
     def __init__(self, record: FaultRecord, harness: Harness) -> None:
         self.record = record
         self.harness = harness
+
+    @classmethod
+    def feasible(cls, *, nodes: int, min_nodes: int, max_nodes: int, etcd_members: int) -> bool:
+        """Whether a fault of this kind keeps the job able to finish now: never below min-nodes for
+        good, never above ``max_nodes`` (the run's capacity: with hot spares, more than the job's
+        ``--max-nodes``)."""
+        return nodes >= 1 and etcd_members >= cls.etcd_members
+
+    @classmethod
+    def duration(cls, config: ChaosConfig) -> timedelta:
+        """How long the fault itself lasts (a hang, an outage, a delay) before the job can recover."""
+        return timedelta(0)
+
+    @classmethod
+    def noticed_within(cls, config: ChaosConfig) -> float | None:
+        """Seconds within which the job must train again for the fault to count as noticed, not
+        waited out (see :meth:`ChaosConfig.noticed_within
+        <elastictrain.chaos.config.ChaosConfig.noticed_within>`); None: no such limit."""
+        return None
 
     @abstractmethod
     def inject(self, now: float) -> bool:
@@ -155,6 +195,22 @@ class HangWorker(_WorkerFault):
 
     kind = FaultKind.HANG_WORKER
 
+    @classmethod
+    def duration(cls, config: ChaosConfig) -> timedelta:
+        """See base class."""
+        return config.hang_duration
+
+    @classmethod
+    def noticed_within(cls, config: ChaosConfig) -> float | None:
+        """See base class: under in-process recovery a hung worker's agent kills it, so the job
+        trains again while the worker is still stopped, where a hang that went unnoticed trains
+        again only once the worker is continued. Restart mode's peers wait out the collective
+        timeout by design; a hang shorter than about 3 s may end before it is found."""
+        if config.recovery != "in-process":
+            return None
+        hang = config.hang_duration.total_seconds()
+        return hang if hang >= _HANG_FOUND_S else None
+
     def inject(self, now: float) -> bool:
         pid = self._target_worker()
         if pid is None:
@@ -182,6 +238,84 @@ class HangWorker(_WorkerFault):
         return super().recovered(final=final)
 
 
+STRAGGLER_STEPS = 25
+"""Steps a :class:`Straggler` slows down: a whole window of the straggler watch, whatever the phase."""
+
+
+class _InLoopFault(_WorkerFault):
+    """A fault placed inside a worker's training loop (:mod:`~elastictrain.train.injector`): the
+    harness writes it to the run's injection file, and the worker it targets (by process id)
+    meets it in the step after the one the job applied last. Nothing is signalled: the worker's
+    process keeps running, as it does when a rank hangs or slows down on a real cluster."""
+
+    spec: ClassVar[str]
+    """The injector's kind and what follows the step (``x25+0.5``: for 25 steps, 0.5 s more)."""
+
+    def inject(self, now: float) -> bool:
+        pid = self._target_worker()
+        if pid is None:
+            return False
+        kind, _, extra = self.spec.partition("@")
+        self.harness.place_in_loop(f"{kind}@pid{pid}:{self.harness.progress.step + 1}{extra}")
+        self.record.ended = now
+        return True
+
+
+class HangSleep(_InLoopFault):
+    """One worker blocks in a call inside its next step, for good (``time.sleep``: the interpreter
+    lock released, process state ``S``): its agent must find it by its progress, kill it and
+    replace it; its peers keep their processes."""
+
+    kind = FaultKind.HANG_SLEEP
+    spec = "hang_sleep@"
+
+    @classmethod
+    def noticed_within(cls, config: ChaosConfig) -> float | None:
+        """See base class: without detection by progress the job trains again only after the
+        collective timeout, if at all."""
+        return config.pg_timeout.total_seconds() if config.recovery == "in-process" else None
+
+
+class HangSpin(HangSleep):
+    """One worker spins in Python inside its next step, for good (process state ``R``)."""
+
+    kind = FaultKind.HANG_SPIN
+    spec = "hang_spin@"
+
+
+class Straggler(_InLoopFault):
+    """One worker computes each of its next :data:`STRAGGLER_STEPS` steps 0.5 s slower, then
+    catches up. Nothing may be replaced for it; the job names it (a ``straggler`` event from its
+    rank) and trains on at its pace. The gate lets the job train through its slow steps."""
+
+    kind = FaultKind.STRAGGLER
+    spec = f"slow@x{STRAGGLER_STEPS}+0.5"
+    restarts_workers = False
+
+    def inject(self, now: float) -> bool:
+        if not super().inject(now):
+            return False
+        self.harness.set_gate(self.harness.progress.step + STRAGGLER_STEPS + 1)
+        return True
+
+    @classmethod
+    def duration(cls, config: ChaosConfig) -> timedelta:
+        """See base class."""
+        return timedelta(seconds=0.5 * STRAGGLER_STEPS)
+
+    def recovered(self, *, final: bool = False) -> bool:
+        """See base class: the job trained on, and the straggler was named."""
+        record = self.record
+        named = [e for e in self.harness.agent_events("straggler") if e.get("ts", 0) > self._injected]
+        if not named and not final:
+            return False
+        record.note = (f"named: rank {named[0].get('rank')} on {named[0].get('node')}, {named[0].get('factor')}x"
+                       if named else "never named")
+        if not named:
+            return False
+        return super().recovered(final=final)
+
+
 class _NodeFault(Fault):
     """A fault of one node, preferably one that trains now, chosen with the run's seed."""
 
@@ -205,6 +339,11 @@ class KillNode(_NodeFault):
 
     kind = FaultKind.KILL_NODE
 
+    @classmethod
+    def feasible(cls, *, nodes: int, min_nodes: int, max_nodes: int, etcd_members: int) -> bool:
+        """See base class."""
+        return nodes > min_nodes
+
     def inject(self, now: float) -> bool:
         picked = self._pick_node()
         if picked is None:
@@ -226,6 +365,11 @@ class BounceNode(_NodeFault):
     the survivors wait below min-nodes meanwhile)."""
 
     kind = FaultKind.BOUNCE_NODE
+
+    @classmethod
+    def duration(cls, config: ChaosConfig) -> timedelta:
+        """See base class: the replacement's delay, and the survivors below min-nodes may wait for it."""
+        return config.rejoin_after + config.join_timeout
 
     def inject(self, now: float) -> bool:
         picked = self._pick_node()
@@ -258,6 +402,17 @@ class PartitionNode(_NodeFault):
     reconnect it (:mod:`~elastictrain.chaos.netns`)."""
 
     kind = FaultKind.PARTITION_NODE
+    needs_netns = True
+
+    @classmethod
+    def feasible(cls, *, nodes: int, min_nodes: int, max_nodes: int, etcd_members: int) -> bool:
+        """See base class."""
+        return nodes > min_nodes
+
+    @classmethod
+    def duration(cls, config: ChaosConfig) -> timedelta:
+        """See base class."""
+        return config.partition_duration
 
     def __init__(self, record: FaultRecord, harness: Harness) -> None:
         super().__init__(record, harness)
@@ -318,6 +473,11 @@ class Join(Fault):
 
     kind = FaultKind.JOIN
 
+    @classmethod
+    def feasible(cls, *, nodes: int, min_nodes: int, max_nodes: int, etcd_members: int) -> bool:
+        """See base class."""
+        return nodes < max_nodes
+
     def inject(self, now: float) -> bool:
         name, spare = self._start_joiner()
         self.record.target = name + (" (the round is full: it waits as a hot spare)" if spare else "")
@@ -329,6 +489,14 @@ class Join(Fault):
 
 class _EtcdFault(Fault):
     """A fault of the etcd cluster, which training itself need not notice."""
+
+    restarts_workers = False
+    of_etcd = True
+
+    @classmethod
+    def duration(cls, config: ChaosConfig) -> timedelta:
+        """See base class."""
+        return config.etcd_down
 
     def recovered(self, *, final: bool = False) -> bool:
         # Training needs no etcd within a round, but heartbeats may have lapsed while it was down.
@@ -373,6 +541,7 @@ class KillEtcdLeader(_EtcdFault):
     """(3-member etcd) SIGKILL the leader, restart it ``etcd_down`` later."""
 
     kind = FaultKind.KILL_ETCD_LEADER
+    etcd_members = 3
 
     def inject(self, now: float) -> bool:
         etcd = self.harness.etcd
@@ -391,7 +560,13 @@ class KillEtcdLeader(_EtcdFault):
 
 
 _BY_KIND: dict[FaultKind, type[Fault]] = {cls.kind: cls for cls in (
-    KillWorker, HangWorker, KillNode, BounceNode, PartitionNode, Join, KillEtcd, KillEtcdLeader)}
+    KillWorker, HangWorker, KillNode, BounceNode, PartitionNode, Join, KillEtcd, KillEtcdLeader, HangSleep, HangSpin,
+    Straggler)}
+
+
+def fault_class(kind: FaultKind) -> type[Fault]:
+    """The class of faults of ``kind``."""
+    return _BY_KIND[kind]
 
 
 def fault_for(record: FaultRecord, harness: Harness) -> Fault:

@@ -50,6 +50,7 @@ from elastictrain.chaos.report import build_report
 from elastictrain.chaos.schedule import FaultRecord, RandomPlanner
 from elastictrain.chaos.verdict import judge
 from elastictrain.launch.config import check_writable_dir
+from elastictrain.train.injector import INJECT_FILE_ENV, INJECT_STATE_ENV
 from elastictrain.errors import ConfigError
 from elastictrain.events import LineTail
 
@@ -58,6 +59,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["DEFAULT_KINDS", "ChaosConfig", "ChaosResult", "run_chaos"]
 
 _OPEN = 2**62  # a gate that holds nothing
+_FOLLOWED = ("spare", "straggler")
+"""The kinds of events of the run's event log that the harness follows."""
 
 _REFERENCE_GRACE_S = 30.0
 """How long the job may go without a step after its reference run failed, before the run
@@ -147,7 +150,10 @@ class Harness:
         self.run_id = f"chaos-{uuid.uuid4().hex[:8]}"
         self.progress = _Progress(self.evidence_dir / "events.jsonl")
         self._agent_events = LineTail(self.run_dir / "events.jsonl")
-        self._spares_said: list[tuple[str, float]] = []  # (node, when) of each `spare` event read so far
+        self._events_seen: dict[str, list[dict[str, Any]]] = defaultdict(list)  # by kind, as read so far
+        self.inject_file = self.run_dir / "inject"
+        (self.run_dir / "inject-state").mkdir()
+        self._in_loop: list[str] = []
         self.planner = RandomPlanner(config.seed, config.kinds, config.gap)
         # With netns every node gets its own namespace, and etcd listens on their bridge.
         self.network = NodeNetwork.create() if config.netns else None
@@ -174,6 +180,8 @@ class Harness:
         env.setdefault("OMP_NUM_THREADS", "1")
         env["PYTHONUNBUFFERED"] = "1"
         env[CHAOS_DIR_ENV] = str(evidence)
+        env[INJECT_FILE_ENV] = str(self.inject_file)
+        env[INJECT_STATE_ENV] = str(self.run_dir / "inject-state")
         env["ELASTICTRAIN_PG_TIMEOUT"] = f"{self.config.pg_timeout.total_seconds():g}"
         env.update(self.config.env)
         return env
@@ -244,20 +252,41 @@ class Harness:
             return set()
         return self.nodes_by_segment().get(self.progress.segments[-1]["seg"], set())
 
-    def said_spare(self, since: float = 0.0) -> set[str]:
-        """Names of the nodes that said they wait as hot spares (the agents' ``spare`` event), since ``since``.
-        The agents' event log is read on from where the last call stopped."""
+    def agent_events(self, kind: str) -> list[dict[str, Any]]:
+        """The run's events of ``kind`` so far (one of :data:`_FOLLOWED`: the agents' and the
+        workers' event log is read on from where the last call stopped)."""
         with contextlib.suppress(FileNotFoundError):
             for line in self._agent_events.new_lines():
-                if b'"spare"' not in line:
+                if not any(f'"{followed}"'.encode() in line for followed in _FOLLOWED):
                     continue
                 try:
                     event = json.loads(line)
                 except ValueError:
                     continue
-                if event.get("kind") == "spare":
-                    self._spares_said.append((event["node"], event.get("ts", 0.0)))
-        return {node for node, ts in self._spares_said if ts > since}
+                if event.get("kind") in _FOLLOWED:
+                    self._events_seen[event["kind"]].append(event)
+        return self._events_seen[kind]
+
+    def said_spare(self, since: float = 0.0) -> set[str]:
+        """Names of the nodes that said they wait as hot spares (the agents' ``spare`` event), since ``since``."""
+        return {e["node"] for e in self.agent_events("spare") if e.get("ts", 0.0) > since}
+
+    def set_gate(self, value: int) -> None:
+        """Let the job start steps up to ``value`` (it only ever rises)."""
+        if value <= self.gate:
+            return
+        self.gate = value
+        tmp = self.gate_file.with_suffix(".tmp")
+        tmp.write_text(str(value))
+        os.replace(tmp, self.gate_file)
+
+    def place_in_loop(self, spec: str) -> None:
+        """Add a fault for the workers' injector to meet in their training loop
+        (:mod:`~elastictrain.train.injector`): the injection file is rewritten whole, atomically."""
+        self._in_loop.append(spec)
+        tmp = self.inject_file.with_suffix(".tmp")
+        tmp.write_text("".join(f"{line}\n" for line in self._in_loop))
+        os.replace(tmp, self.inject_file)
 
     def spares(self) -> list[Node]:
         """Live nodes that wait as hot spares now: they said so and have no worker in the newest group."""
@@ -296,7 +325,8 @@ class Harness:
             if index >= len(config.schedule):
                 return None
             planned = config.schedule[index]
-        record = FaultRecord(index, planned.kind, planned.at_step, expects_restart=planned.kind.restarts_workers)
+        record = FaultRecord(index, planned.kind, planned.at_step,
+                             expects_restart=planned.kind.fault_class.restarts_workers)
         return fault_for(record, self)
 
     # --- the run ------------------------------------------------------------------------------
@@ -306,7 +336,7 @@ class Harness:
         reference = None
         try:
             self.evidence_dir.mkdir()
-            self._set_gate(0)  # hold the job until the first fault is planned
+            self.set_gate(0)  # hold the job until the first fault is planned
             self.etcd.start()
             reference = self.start_reference()
             for _ in range(config.nodes):
@@ -352,15 +382,6 @@ class Harness:
                     if record.recovered is None:
                         record.note = record.note or "no training after it: the run ended first"
 
-    def _set_gate(self, value: int) -> None:
-        """Let the job start steps up to ``value`` (it only ever rises)."""
-        if value <= self.gate:
-            return
-        self.gate = value
-        tmp = self.gate_file.with_suffix(".tmp")
-        tmp.write_text(str(value))
-        os.replace(tmp, self.gate_file)
-
     def _follow(self, reference: subprocess.Popen[bytes] | None) -> None:
         """Inject the faults one after the other as the job progresses, until every node has exited.
 
@@ -405,22 +426,22 @@ class Harness:
                 pending = self.next_fault()
                 if pending is None:
                     planning = False
-                    self._set_gate(_OPEN)
+                    self.set_gate(_OPEN)
                 else:
                     self.faults.append(pending)
-                    self._set_gate(pending.record.at_step)
+                    self.set_gate(pending.record.at_step)
             total = progress.total_steps()
             if pending is not None and total is not None and pending.record.at_step >= total:
                 pending.record.note = f"not injected: the job ends at step {total}"
                 pending, planning = None, False
-                self._set_gate(_OPEN)
+                self.set_gate(_OPEN)
             if current is None and pending is not None and progress.step >= pending.record.at_step:
                 if self.inject(pending):
                     current, pending, waiting_since = pending, None, None
-                    if current.kind.etcd:
-                        self._set_gate(progress.step + 3)  # training needs no etcd: let it go on
+                    if current.of_etcd:
+                        self.set_gate(progress.step + 3)  # training needs no etcd: let it go on
                     elif not current.record.expects_restart:
-                        self._set_gate(progress.step + 1)
+                        self.set_gate(progress.step + 1)
                 else:
                     waiting_since = waiting_since or now
                     if now - waiting_since > 60:
@@ -456,10 +477,10 @@ class Harness:
                 start = max(start, max(applied, default=0))
             else:
                 start = max(start, (record.step_before or 0) + 1)
-        self._set_gate(start + 1)
+        self.set_gate(start + 1)
         if formed and now - formed[-1]["t"] > 10 and progress.first_step_of(formed[-1]["seg"]) is None:
             # Belt and braces: a group held at the gate cannot show that it trains.
-            self._set_gate(max(progress.step, progress.newest_checkpoint()) + 1)
+            self.set_gate(max(progress.step, progress.newest_checkpoint()) + 1)
         return False
 
     def _teardown(self) -> None:

@@ -55,6 +55,7 @@ import os
 import time
 import uuid
 from collections.abc import Iterable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -84,6 +85,10 @@ def fingerprint(module: torch.nn.Module) -> str:
         if isinstance(value, torch.Tensor):
             digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:32]
+
+
+_GATE_WAIT = timedelta(days=1)
+"""How long the harness may hold a step at its gate (the run's deadline ends it long before)."""
 
 
 def _gate_allows(path: str, number: int) -> bool:
@@ -247,11 +252,16 @@ class Recorder(Hooks):
             # Every rank reads the gate itself (the harness runs every node here). No
             # collective: a dead or hung peer is the agents' to notice, and a re-formation
             # they start must not wait for the gate, so it ends the wait; the step then
-            # fails against the dead peer (and is discarded) or carries the flag.
-            while not _gate_allows(path, number):
-                if session.reform_due():
-                    return
-                time.sleep(0.05)
+            # fails against the dead peer (and is discarded) or carries the flag. The wait is
+            # inside the step, where a rank that takes too long is taken for hung: it is a
+            # long call of the script's own (the harness holds the job), so it says so.
+            if _gate_allows(path, number):
+                return
+            with session.long_call(_GATE_WAIT):
+                while not _gate_allows(path, number):
+                    if session.reform_due():
+                        return
+                    time.sleep(0.05)
             return
         distributed = dist.is_available() and dist.is_initialized() and self.world_size > 1
         if distributed:

@@ -17,7 +17,14 @@ class of :mod:`~elastictrain.chaos.faults`, which injects it):
 ``kill_etcd_leader``      (3-member etcd) SIGKILL the leader, restart it ``etcd_down`` later
 ``partition_node``        (``netns`` only) cut one node off etcd and its peers for
                           ``partition_duration``, then reconnect it (:mod:`~elastictrain.chaos.netns`)
+``hang_sleep``            one worker blocks in a call inside its next step, for good (from inside
+                          its training loop: its process keeps running, as real hangs do)
+``hang_spin``             one worker spins in Python inside its next step, for good
+``straggler``             one worker computes each of its next 25 steps 0.5 s slower, then catches up
 ========================  ===================================================================
+
+Everything else a kind knows (whether it ends the training group, when it is feasible, how
+long it lasts, whether it needs netns) lives on its class.
 """
 
 from __future__ import annotations
@@ -27,9 +34,12 @@ import random
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastictrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from elastictrain.chaos.faults import Fault
 
 __all__ = ["FaultKind", "FaultRecord", "PlannedFault", "RandomPlanner", "parse_kinds", "parse_schedule"]
 
@@ -45,20 +55,21 @@ class FaultKind(str, enum.Enum):
     KILL_ETCD = "kill_etcd"
     KILL_ETCD_LEADER = "kill_etcd_leader"
     PARTITION_NODE = "partition_node"
+    HANG_SLEEP = "hang_sleep"
+    HANG_SPIN = "hang_spin"
+    STRAGGLER = "straggler"
 
     @property
     def restarts_workers(self) -> bool:
         """True if the fault must end the current process group (recovery = a new one training)."""
-        return self in _RESTARTING
+        return self.fault_class.restarts_workers
 
     @property
-    def etcd(self) -> bool:
-        """True for faults of the etcd server, which training itself need not notice."""
-        return self in (FaultKind.KILL_ETCD, FaultKind.KILL_ETCD_LEADER)
+    def fault_class(self) -> type[Fault]:
+        """The class that knows everything about this kind (:mod:`~elastictrain.chaos.faults`)."""
+        from elastictrain.chaos.faults import fault_class  # noqa: PLC0415 - faults imports this module
 
-
-_RESTARTING = frozenset({FaultKind.KILL_WORKER, FaultKind.KILL_NODE, FaultKind.BOUNCE_NODE,
-                         FaultKind.HANG_WORKER, FaultKind.JOIN, FaultKind.PARTITION_NODE})
+        return fault_class(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,15 +146,10 @@ class RandomPlanner:
 
     def feasible(self, kind: FaultKind, *, nodes: int, min_nodes: int, max_nodes: int,
                  etcd_members: int) -> bool:
-        """Whether ``kind`` keeps the job able to finish: never below min-nodes for good, never above
-        ``max_nodes`` (the run's capacity: with hot spares, more than the job's ``--max-nodes``)."""
-        if kind in (FaultKind.KILL_NODE, FaultKind.PARTITION_NODE):
-            return nodes > min_nodes
-        if kind is FaultKind.JOIN:
-            return nodes < max_nodes
-        if kind is FaultKind.KILL_ETCD_LEADER:
-            return etcd_members >= 3
-        return nodes >= 1
+        """Whether ``kind`` keeps the job able to finish (see :meth:`Fault.feasible
+        <elastictrain.chaos.faults.Fault.feasible>`)."""
+        return kind.fault_class.feasible(nodes=nodes, min_nodes=min_nodes, max_nodes=max_nodes,
+                                         etcd_members=etcd_members)
 
     def next(self, after_step: int, *, nodes: int, min_nodes: int, max_nodes: int,
              etcd_members: int) -> PlannedFault | None:

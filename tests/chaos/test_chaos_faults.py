@@ -111,6 +111,35 @@ def test_etcd_leader_loss_and_a_hang_are_survived_then_below_min_nodes_the_job_g
 
 
 @pytest.mark.timeout(600)
+def test_ranks_blocked_in_a_call_or_spinning_inside_a_step_are_replaced_and_a_straggler_is_named(
+        tmp_path: Path) -> None:
+    # The hangs of real clusters, placed inside the workers' training loop (their processes keep
+    # running): each is found by its progress and its worker replaced, the peers keep theirs; a
+    # straggler (0.5 s slower for 25 steps) is named and nothing is replaced for it.
+    schedule = "hang_sleep@3,hang_spin@8,straggler@12"
+    result = run_chaos(ChaosConfig(
+        script=JOB, script_args=("--ckpt", "{run_dir}/ckpt", "--samples", "192", "--epochs", "4", "--ckpt-every",
+                                 "4"),
+        run_dir=str(tmp_path / "run"), nodes=2, min_nodes=2, max_nodes=2, schedule=tuple(parse_schedule(schedule)),
+        seed=3,
+    ))
+    _show(result)
+    report = result.report
+    assert [f["kind"] for f in report["faults"] if f["injected_s"] is not None] == [
+        "hang_sleep", "hang_spin", "straggler"]
+    _assert_holds(result, *EVERY_INVARIANT)
+    assert report["completed"]
+    hangs, straggler = report["faults"][:2], report["faults"][2]
+    for hang in hangs:
+        assert hang["restarted"] and hang["recovery_s"] is not None, hang
+    assert straggler["note"].startswith("named: rank"), straggler
+    events = [json.loads(line) for line in (result.run_dir / "events.jsonl").read_text().splitlines()]
+    found = [e for e in events if e["kind"] == "hang"]
+    assert [e["pid"] for e in found] == [pid for hang in hangs for pid in hang["target_pids"]], found
+    assert all(any("in at_step" in frame for frame in e["stack"]) for e in found), found
+
+
+@pytest.mark.timeout(600)
 def test_hot_spares_take_the_place_of_lost_nodes_and_never_the_seat_of_a_healthy_one(tmp_path: Path) -> None:
     # 3 nodes of a job of at most 2: one waits as a hot spare. A worker kill must not hand the
     # spare a healthy node's seat (probe, stop 29: the job went back to its checkpoint); a lost

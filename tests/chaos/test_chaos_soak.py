@@ -10,7 +10,8 @@
   against 3 nodes of a job of 2 nodes (the third waits as a spare).
 - The planted bugs of tests/scripts/chaos_job.py: each must make the
   invariants fail after a single worker kill (and the same run without the bug
-  passes: that is the fast set).
+  passes: that is the fast set), and a hang detector that never fires must make a
+  run with a rank blocked in a call fail.
 - A node joins after an etcd outage longer than the heartbeat window (a fixed
   bug, found by the soak).
 """
@@ -97,6 +98,20 @@ def test_a_planted_bug_makes_the_invariants_fail(tmp_path: Path, bug: str, recov
     assert invariants["exit_status"]["ok"] is True, invariants
     assert invariants[invariant]["ok"] is False and symptom in invariants[invariant]["detail"], invariants
     assert invariants["final_parameters"]["ok"] is False, invariants
+    assert not result.ok
+
+
+@pytest.mark.timeout(600)
+def test_a_hang_detector_that_never_fires_makes_a_run_with_a_blocked_rank_fail(tmp_path: Path) -> None:
+    result = run_chaos(ChaosConfig(
+        script=JOB, run_dir=str(tmp_path / "run"), nodes=2, min_nodes=2, max_nodes=2,
+        script_args=("--ckpt", "{run_dir}/ckpt", "--samples", "192", "--ckpt-every", "2"),
+        schedule=tuple(parse_schedule("hang_sleep@5")), env={"CHAOS_JOB_BUG": "no_hang_deadline"},
+        recovery_bound=90,
+    ))
+    invariants = result.report["invariants"]
+    print("\nplanted no_hang_deadline:", {n: o["detail"][:160] for n, o in invariants.items() if o["ok"] is False})
+    assert invariants["no_hang"]["ok"] is False, invariants
     assert not result.ok
 
 

@@ -11,6 +11,8 @@ invariants catch it (test-only):
   model, so the step before each restored checkpoint is trained again.
 - ``half_applied_step``: a step whose collective failed is applied on the ranks
   that got that far instead of being discarded.
+- ``no_hang_deadline``: the worker never tells its agent how long it may stay in a step, so a
+  hang detector that judges by progress never fires.
 """
 
 from __future__ import annotations
@@ -42,6 +44,16 @@ def plant_bug(name: str | None) -> None:
         ElasticSampler.state_dict = state_dict  # type: ignore[method-assign]
     elif name == "half_applied_step":
         _plant_half_applied_step()
+    elif name == "no_hang_deadline":
+        from elastictrain._control import Section
+        from elastictrain.train.control import WorkerControl
+
+        original_enter = WorkerControl.enter
+
+        def enter(self: WorkerControl, section: int) -> float:
+            return original_enter(self, Section.NONE)
+
+        WorkerControl.enter = enter  # type: ignore[method-assign]
     else:
         raise SystemExit(f"unknown CHAOS_JOB_BUG {name!r}")
 

@@ -211,6 +211,7 @@ def test_the_three_ranks_median_makes_the_one_slow_rank_the_straggler_not_its_pe
 
 def test_faults_are_read_from_their_spec_and_a_bad_one_is_one_clear_error() -> None:
     assert Fault.parse("slow@0:20x12+0.6") == Fault("slow", 0, 20, 12, 0.6)
+    assert Fault.parse("hang_spin@pid4242:7") == Fault("hang_spin", None, 7, pid=4242)
     assert str(Fault.parse(" hang_sleep@1:30 ")) == "hang_sleep@1:30"
     with pytest.raises(ConfigError, match="KIND@RANK:STEP"):
         Fault.parse("hang@1:30")
