@@ -28,6 +28,12 @@ Every line has ``t`` (wall-clock seconds), ``rank``, ``world_size`` (current: th
 change in place under in-process recovery), ``restart``
 (``TORCHELASTIC_RESTART_COUNT``), ``pid`` and ``node`` (``BENCH_NODE``).
 
+Work that is slow on purpose (``benchmarks/hangs.py``): ``--step-sleep S`` paces every step
+(inside it, before its micro-batches), ``--first-step-sleep S`` makes each process's first step
+S longer (a compilation), ``--between-sleep STEP:S`` makes rank 0 run S seconds of its own code
+after STEP's micro-batches (an evaluation), ``--long-call STEP:S`` makes rank 0 sleep S seconds
+inside STEP, wrapped in ``session.long_call``. Faults come from ``ELASTICTRAIN_INJECT``.
+
 Usage: ``_train_session.py --events FILE --ckpt-dir DIR [--state-mb 100] [--steps N] [--ckpt-every 10]``
 """
 
@@ -41,6 +47,7 @@ import argparse  # noqa: E402 - the script's start time is taken before anything
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
+from datetime import timedelta  # noqa: E402
 
 
 def _process_start() -> float | None:
@@ -113,6 +120,10 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     parser.add_argument("--sync-ckpt", action="store_true", help="synchronous saves (default: async, like _train.py)")
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps (pacing)")
+    parser.add_argument("--first-step-sleep", type=float, default=0.0)
+    parser.add_argument("--between-sleep", type=_step_seconds, default=None, help="STEP:SECONDS on rank 0")
+    parser.add_argument("--long-call", type=_step_seconds, default=None, help="STEP:SECONDS on rank 0")
     args = parser.parse_args()
 
     log = _Log(args.events)
@@ -144,11 +155,24 @@ def main() -> None:
         log.rank, log.world_size = s.rank, s.world_size
         log("ready", step=s.step, restored=s.restored.step if s.restored is not None else None,
             in_process=s.recovers_in_process)
+        first = True
         for step in s.steps():
+            time.sleep(args.step_sleep + (args.first_step_sleep if first else 0.0))
+            first = False
+            if args.long_call and s.rank == 0 and step.number == args.long_call[0]:
+                with s.long_call(timedelta(seconds=2 * args.long_call[1])):
+                    time.sleep(args.long_call[1])
             for micro in step:
                 inputs, targets = micro.batch
                 micro.backward(torch.nn.functional.mse_loss(s.model(inputs), targets))
+            if args.between_sleep and s.rank == 0 and step.number == args.between_sleep[0]:
+                time.sleep(args.between_sleep[1])
         log("done", step=s.step)
+
+
+def _step_seconds(text: str) -> tuple[int, float]:
+    step, _, seconds = text.partition(":")
+    return int(step), float(seconds)
 
 
 if __name__ == "__main__":

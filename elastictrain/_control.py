@@ -174,8 +174,8 @@ class AssignmentWatch:
 
 
 # One slot per local worker: pid, step, step_at, step_s, alive_at, state, generation,
-# section, section_at, deadline, straggle.
-_SLOT = struct.Struct("<qqdddqqqddd")
+# section, section_at, deadline, straggle, collective_at.
+_SLOT = struct.Struct("<qqdddqqqdddd")
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +201,8 @@ class Progress:
     """When it is hung if still in that section (0: no bound)."""
     straggle: float = 0.0
     """How many times its peers' median its recent steps' compute took (0: not measured yet)."""
+    collective_at: float = 0.0
+    """When it began to wait in a step's collective (0: it waits in none), as its liveness thread last wrote."""
 
 
 class ProgressTable:
@@ -223,9 +225,9 @@ class ProgressTable:
 
     def write(self, slot: int, *, pid: int, step: int, step_at: float, step_s: float, alive_at: float, state: int,
               generation: int, section: int = Section.NONE, section_at: float = 0.0, deadline: float = 0.0,
-              straggle: float = 0.0) -> None:
+              straggle: float = 0.0, collective_at: float = 0.0) -> None:
         _SLOT.pack_into(self._map, slot * _SLOT.size, pid, step, step_at, step_s, alive_at, state, generation,
-                        section, section_at, deadline, straggle)
+                        section, section_at, deadline, straggle, collective_at)
 
     def read(self, slot: int) -> Progress:
         return Progress(*_SLOT.unpack_from(self._map, slot * _SLOT.size))

@@ -106,7 +106,7 @@ def config_from(args: argparse.Namespace) -> ChaosConfig:
         kinds = parse_kinds(args.kinds)
     else:
         kinds = (DEFAULT_KINDS + ((FaultKind.KILL_ETCD_LEADER,) if args.etcd_members == 3 else ())
-                 + ((FaultKind.PARTITION_NODE,) if args.netns else ()))
+                 + ((FaultKind.PARTITION_NODE, FaultKind.LINK_CUT) if args.netns else ()))
     script_args = list(args.script_args)
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]

@@ -30,9 +30,10 @@ if TYPE_CHECKING:
     from elastictrain.chaos.cluster import Node
     from elastictrain.chaos.config import ChaosConfig
     from elastictrain.chaos.harness import Harness
+    from elastictrain.chaos.netns import NodeNetwork
 
 __all__ = ["BounceNode", "Fault", "HangSleep", "HangSpin", "HangWorker", "Join", "KillEtcd", "KillEtcdLeader",
-           "KillNode", "KillWorker", "PartitionNode", "Straggler", "fault_class", "fault_for"]
+           "KillNode", "KillWorker", "LinkCut", "PartitionNode", "Straggler", "fault_class", "fault_for"]
 
 _HANG_FOUND_S = 10.0
 """The shortest SIGSTOP hang :meth:`HangWorker.noticed_within` judges (finding one takes about 3 s: 2 s
@@ -422,7 +423,7 @@ class PartitionNode(_NodeFault):
         harness, record = self.harness, self.record
         network = harness.network
         if network is None:
-            raise RuntimeError("partition_node needs netns (ChaosConfig refuses it without)")
+            raise RuntimeError(f"{self.kind.value} needs netns (ChaosConfig refuses it without)")
         picked = self._pick_node()
         if picked is None:
             return False
@@ -436,7 +437,7 @@ class PartitionNode(_NodeFault):
         self._target(node, training)
         record.expects_restart = training
         index = harness.nodes.index(node)
-        network.cut(index)
+        self._cut(network, index)
         node.partitioned = now
         self.node = node
 
@@ -446,6 +447,10 @@ class PartitionNode(_NodeFault):
 
         harness.later(harness.config.partition_duration, heal)
         return True
+
+    @staticmethod
+    def _cut(network: NodeNetwork, index: int) -> None:
+        network.cut(index)
 
     def settled(self) -> bool:
         """Whether the node cut off has settled since the heal: trains again, waits as a spare (a
@@ -466,6 +471,24 @@ class PartitionNode(_NodeFault):
                 record.note = f"{node.name} rejoined after the heal"
                 return True
         return False
+
+
+class LinkCut(PartitionNode):
+    """(``netns`` only) Cut one node off its peers, not off etcd, for ``partition_duration``, then
+    reconnect it: a gray failure (its lease stays alive, its collectives never complete). The
+    node that cannot reach its peers must leave the round within seconds, not after the
+    collective timeout, and rejoin after the heal."""
+
+    kind = FaultKind.LINK_CUT
+
+    @staticmethod
+    def _cut(network: NodeNetwork, index: int) -> None:
+        network.cut_peers(index)
+
+    @classmethod
+    def noticed_within(cls, config: ChaosConfig) -> float | None:
+        """See base class: waiting out the collective timeout is no answer to a cut link."""
+        return config.pg_timeout.total_seconds() if config.recovery == "in-process" else None
 
 
 class Join(Fault):
@@ -560,8 +583,8 @@ class KillEtcdLeader(_EtcdFault):
 
 
 _BY_KIND: dict[FaultKind, type[Fault]] = {cls.kind: cls for cls in (
-    KillWorker, HangWorker, KillNode, BounceNode, PartitionNode, Join, KillEtcd, KillEtcdLeader, HangSleep, HangSpin,
-    Straggler)}
+    KillWorker, HangWorker, KillNode, BounceNode, PartitionNode, LinkCut, Join, KillEtcd, KillEtcdLeader, HangSleep,
+    HangSpin, Straggler)}
 
 
 def fault_class(kind: FaultKind) -> type[Fault]:

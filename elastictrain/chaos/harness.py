@@ -44,7 +44,7 @@ from elastictrain.chaos import invariants as inv
 from elastictrain.chaos.cluster import EtcdCluster, Node
 from elastictrain.chaos.config import DEFAULT_KINDS, ChaosConfig
 from elastictrain.chaos.faults import Fault, fault_for
-from elastictrain.chaos.netns import NS_INTERFACE, NodeNetwork
+from elastictrain.chaos.netns import NS_PEER_INTERFACE, NodeNetwork
 from elastictrain.chaos.recorder import CHAOS_DIR_ENV, GATE_ENV
 from elastictrain.chaos.report import build_report
 from elastictrain.chaos.schedule import FaultRecord, RandomPlanner
@@ -206,7 +206,7 @@ class Harness:
         env = {**self._env(self.evidence_dir), GATE_ENV: str(self.gate_file)}
         if self.network:
             command = self.network.wrap(index, command)
-            env["GLOO_SOCKET_IFNAME"] = NS_INTERFACE  # else gloo binds to the address the hostname resolves to
+            env["GLOO_SOCKET_IFNAME"] = NS_PEER_INTERFACE  # else gloo binds to the address the hostname resolves to
         node = Node.start(name, command, env=env, log=self.run_dir / "nodes" / f"{name}.log",
                           cwd=self.run_dir, joined=join)
         self.nodes.append(node)

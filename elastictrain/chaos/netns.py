@@ -2,12 +2,15 @@
 
 On one machine every node agent would otherwise talk over loopback, which no
 fault can cut for one node only. With :class:`NodeNetwork` each node runs in its
-own network namespace (``ip netns exec``) with one veth interface, ``eth0`` at
-``10.77.X.(10+i)`` and no default route; the other end of the veth is a port of a bridge in the root
-namespace that holds ``10.77.X.1``, where etcd listens. Nodes reach each other
-through the bridge. Cutting a node = taking its bridge port down: its etcd
-client, its agent's store and its workers' collectives all lose the network at
-once, in both directions, and nothing it runs is signalled.
+own network namespace (``ip netns exec``) with two veth interfaces and no default route:
+``eth0`` at ``10.77.X.(10+i)``, whose other end is a port of a bridge in the root namespace
+that holds ``10.77.X.1``, where etcd listens; and ``eth1`` at ``10.78.X.(10+i)`` (the node's
+``--local-addr``), a port of a second bridge that carries what nodes send each other
+(their workers' collectives and store, the agents' reachability probes). Cutting a node =
+taking its bridge ports down (:meth:`NodeNetwork.cut`): its etcd client, its workers'
+collectives and everything else lose the network at once, in both directions, and nothing
+it runs is signalled. Cutting its peer port only (:meth:`NodeNetwork.cut_peers`) is the gray
+failure: its lease stays alive in etcd while its collectives cannot complete.
 
 Names start with ``etch<X>`` (X, the third octet, is drawn per run among the
 free ones). The bridge's alias names the harness process that owns it, so a run
@@ -34,15 +37,19 @@ from elastictrain.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NS_INTERFACE", "NodeNetwork", "check_available"]
+__all__ = ["NS_INTERFACE", "NS_PEER_INTERFACE", "NodeNetwork", "check_available"]
 
 NS_INTERFACE = "eth0"
-"""The node's interface inside its namespace (also ``GLOO_SOCKET_IFNAME``: gloo binds to it)."""
+"""The node's interface to etcd inside its namespace."""
+
+NS_PEER_INTERFACE = "eth1"
+"""The node's interface to its peers inside its namespace (also ``GLOO_SOCKET_IFNAME``: gloo binds to it)."""
 
 _PREFIX = "etch"
 _OWNER = "elastictrain-chaos pid="  # the bridge's alias: which process owns the subnet
 _BRIDGE = re.compile(rf"^{_PREFIX}(\d+)br$")
-_OURS = re.compile(rf"^{_PREFIX}(\d+)(?:-n\d+|v\d+|p\d+)$")  # namespaces, root-side and ns-side veths
+# Namespaces, root-side and ns-side veths (to etcd: v, p; to peers: w, q), the peers' bridge.
+_OURS = re.compile(rf"^{_PREFIX}(\d+)(?:-n\d+|v\d+|p\d+|w\d+|q\d+|pb)$")
 # Held while sweeping and while making a bridge, until its alias names its owner: else a run
 # starting meanwhile would take the new bridge, still without an owner, for a crashed run's.
 _LOCK = "/run/elastictrain-chaos-netns.lock"
@@ -117,6 +124,7 @@ class NodeNetwork:
     def __init__(self, subnet: int) -> None:
         self.subnet = subnet
         self.bridge = f"{_PREFIX}{subnet}br"
+        self.peer_bridge = f"{_PREFIX}{subnet}pb"
         self.gateway = f"10.77.{subnet}.1"
         """The root namespace's address on the bridge: etcd listens here."""
         self.namespaces: dict[int, str] = {}
@@ -132,7 +140,7 @@ class NodeNetwork:
         check_available()
         with open(_LOCK, "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            taken = _sweep() | {int(m.group(1)) for m in re.finditer(r"inet 10\.77\.(\d+)\.", _ip("-o", "addr"))}
+            taken = _sweep() | {int(m.group(1)) for m in re.finditer(r"inet 10\.7[78]\.(\d+)\.", _ip("-o", "addr"))}
             free = [x for x in range(1, 255) if x not in taken]
             if not free:
                 raise ConfigError("netns: every 10.77.X.0/24 subnet is in use")
@@ -143,6 +151,8 @@ class NodeNetwork:
                 _ip("link", "set", network.bridge, "alias", f"{_OWNER}{os.getpid()}")
                 _ip("addr", "add", f"{network.gateway}/24", "dev", network.bridge)
                 _ip("link", "set", network.bridge, "up")
+                _ip("link", "add", network.peer_bridge, "type", "bridge")
+                _ip("link", "set", network.peer_bridge, "up")
             except BaseException:
                 network.teardown()
                 raise
@@ -152,32 +162,44 @@ class NodeNetwork:
     def _root_veth(self, index: int) -> str:
         return f"{_PREFIX}{self.subnet}v{index}"
 
+    def _root_peer_veth(self, index: int) -> str:
+        return f"{_PREFIX}{self.subnet}w{index}"
+
     def address(self, index: int) -> str:
+        """Node ``index``'s address towards etcd."""
         return f"10.77.{self.subnet}.{10 + index}"
 
+    def peer_address(self, index: int) -> str:
+        """Node ``index``'s address towards its peers (its ``--local-addr``)."""
+        return f"10.78.{self.subnet}.{10 + index}"
+
     def add_node(self, index: int) -> str:
-        """Make node ``index``'s namespace, wired to the bridge; returns its address.
+        """Make node ``index``'s namespace, wired to both bridges; returns its peer address.
 
         Raises:
             ConfigError: An ``ip`` command failed.
         """
         if not 0 <= index <= 240:
             raise ConfigError(f"netns: at most 241 nodes per run, got node index {index}")
-        ns, root_end = f"{_PREFIX}{self.subnet}-n{index}", self._root_veth(index)
-        ns_end = f"{_PREFIX}{self.subnet}p{index}"  # renamed eth0 once inside the namespace
+        ns = f"{_PREFIX}{self.subnet}-n{index}"
         self.namespaces[index] = ns
         _ip("netns", "add", ns)
-        _ip("link", "add", root_end, "type", "veth", "peer", "name", ns_end)
-        _ip("link", "set", ns_end, "netns", ns)
-        _ip("link", "set", root_end, "master", self.bridge, "up")
-        _ip("-n", ns, "link", "set", ns_end, "name", NS_INTERFACE)
-        _ip("-n", ns, "addr", "add", f"{self.address(index)}/24", "dev", NS_INTERFACE)
-        _ip("-n", ns, "link", "set", NS_INTERFACE, "up")
+        for root_end, ns_end, bridge, name, address in (
+                (self._root_veth(index), f"{_PREFIX}{self.subnet}p{index}", self.bridge, NS_INTERFACE,
+                 self.address(index)),
+                (self._root_peer_veth(index), f"{_PREFIX}{self.subnet}q{index}", self.peer_bridge, NS_PEER_INTERFACE,
+                 self.peer_address(index))):
+            _ip("link", "add", root_end, "type", "veth", "peer", "name", ns_end)
+            _ip("link", "set", ns_end, "netns", ns)
+            _ip("link", "set", root_end, "master", bridge, "up")
+            _ip("-n", ns, "link", "set", ns_end, "name", name)  # renamed once inside the namespace
+            _ip("-n", ns, "addr", "add", f"{address}/24", "dev", name)
+            _ip("-n", ns, "link", "set", name, "up")
         _ip("-n", ns, "link", "set", "lo", "up")
         # No default route: with one, lookups of the host's name server go to the bridge and are
         # dropped there, so each reverse lookup (TCPStore makes one per connection) waits out the
         # resolver's timeout and the store's connect times out. Without, they fail at once.
-        return self.address(index)
+        return self.peer_address(index)
 
     def wrap(self, index: int, command: Sequence[str]) -> list[str]:
         """``command`` run inside node ``index``'s namespace (``ip netns exec`` execs it: the pid stays)."""
@@ -185,12 +207,18 @@ class NodeNetwork:
         return [shutil.which("ip") or "ip", "netns", "exec", self.namespaces[index], *command]
 
     def cut(self, index: int) -> None:
-        """Cut node ``index`` off etcd and its peers (its bridge port goes down)."""
-        _ip("link", "set", self._root_veth(index), "down")
+        """Cut node ``index`` off etcd and its peers (its bridge ports go down)."""
+        for veth in (self._root_veth(index), self._root_peer_veth(index)):
+            _ip("link", "set", veth, "down")
+
+    def cut_peers(self, index: int) -> None:
+        """Cut node ``index`` off its peers only: it still reaches etcd (a gray failure)."""
+        _ip("link", "set", self._root_peer_veth(index), "down")
 
     def heal(self, index: int) -> None:
         """Reconnect node ``index``."""
-        _ip("link", "set", self._root_veth(index), "up")
+        for veth in (self._root_veth(index), self._root_peer_veth(index)):
+            _ip("link", "set", veth, "up")
 
     def teardown(self) -> None:
         """Remove the namespaces, their veths and the bridge (idempotent).
@@ -205,6 +233,8 @@ class NodeNetwork:
             _ip("netns", "delete", ns, check=False)
         for index in self.namespaces:
             _ip("link", "delete", self._root_veth(index), check=False)
+            _ip("link", "delete", self._root_peer_veth(index), check=False)
+        _ip("link", "delete", self.peer_bridge, check=False)
         _ip("link", "delete", self.bridge, check=False)
         with contextlib.suppress(Exception):
             atexit.unregister(self.teardown)

@@ -17,6 +17,8 @@ class of :mod:`~elastictrain.chaos.faults`, which injects it):
 ``kill_etcd_leader``      (3-member etcd) SIGKILL the leader, restart it ``etcd_down`` later
 ``partition_node``        (``netns`` only) cut one node off etcd and its peers for
                           ``partition_duration``, then reconnect it (:mod:`~elastictrain.chaos.netns`)
+``link_cut``              (``netns`` only) cut one node off its peers but not off etcd for
+                          ``partition_duration``, then reconnect it (a gray failure)
 ``hang_sleep``            one worker blocks in a call inside its next step, for good (from inside
                           its training loop: its process keeps running, as real hangs do)
 ``hang_spin``             one worker spins in Python inside its next step, for good
@@ -55,6 +57,7 @@ class FaultKind(str, enum.Enum):
     KILL_ETCD = "kill_etcd"
     KILL_ETCD_LEADER = "kill_etcd_leader"
     PARTITION_NODE = "partition_node"
+    LINK_CUT = "link_cut"
     HANG_SLEEP = "hang_sleep"
     HANG_SPIN = "hang_spin"
     STRAGGLER = "straggler"

@@ -25,12 +25,13 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError
 from torch.distributed.elastic.utils import macros
 
 from elastictrain import _torch_compat
-from elastictrain._control import Assignment, Progress, WorkerState as SlotState, stacks_path
+from elastictrain._control import Assignment, Progress, Section, WorkerState as SlotState, stacks_path
 from elastictrain.errors import EtcdError
 from elastictrain.events import NODE_ENV
 from elastictrain.launch.agent import ElasticAgent, describe_change, failure_cause, final_failure
 from elastictrain.launch.hang_detector import HangDetector, Stacks, capture_stacks
 from elastictrain.launch.worker_group import Channel, FailureBudget, WorkerProcesses
+from elastictrain.rendezvous.reachability import is_cut_off
 
 _LINGER_S = 30.0
 """How long a node's workers may run after the job finished on its other nodes before it says so."""
@@ -44,6 +45,13 @@ _ENDING_TICK = 0.01
 up to the monitor interval: the worker hands its return value over when its script ends (torch's
 process context keeps it until the agent reads it), and nothing rings for that. A script may
 go on for a while after its session closed (an evaluation, a final save): the ticks get longer."""
+
+_PROBE_AFTER_S = 2.0
+"""How long a worker waits in a step's collective before its agent asks whether this node still
+reaches its peers (a peer merely slower, or hung and about to be replaced, answers the probe)."""
+
+_PROBE_EVERY_S = 2.0
+"""How often the agent asks again while the wait lasts."""
 
 _FORMING = frozenset({SlotState.STARTING, SlotState.RECOVERING, SlotState.BUSY})
 """Worker states that wait for peers to form a group (not training)."""
@@ -106,6 +114,7 @@ class InProcessAgent(ElasticAgent):
         self._ending_tick: float | None = None
         self.recoveries = 0
         self._node = os.environ.get(NODE_ENV) or socket.gethostname()
+        self._probed_at = 0.0
 
     @property
     def restarts(self) -> int:
@@ -243,6 +252,8 @@ class InProcessAgent(ElasticAgent):
             progress = self._channel.progress()
             live = self._workers.pids()
             self._kill_hung(group, progress, now, live)
+            if cause is None:
+                cause = self._leave_if_cut_off(spec.rdzv_handler, progress, now)
             self._say_if_lingering(spec.rdzv_handler, now)
             if (getattr(spec.rdzv_handler, "closed_seen", False) and not self._stop_requested()
                     and any(p.pid and p.state in _FORMING for p in progress)):
@@ -316,6 +327,36 @@ class InProcessAgent(ElasticAgent):
             logger.warning("could not keep the stacks of pid %d in %s: %s", pid, path, exc)
             return None
         return path
+
+    def _leave_if_cut_off(self, handler: Any, progress: list[Progress], now: float) -> str | None:
+        """When a worker has waited in a step's collective or a checkpoint save for :data:`_PROBE_AFTER_S`, ask (every
+        :data:`_PROBE_EVERY_S` while it lasts) whether this node still reaches the other members of
+        its round. If it is the one cut off (:func:`~elastictrain.rendezvous.reachability.is_cut_off`)
+        while etcd hears from it, it leaves the round so that the others re-form without it at
+        once, and rejoins once it reaches them; returns the cause of that re-formation."""
+        since = [p.collective_at or (p.section_at if p.section == Section.SAVE else 0.0)  # a save waits for peers too
+                 for p in progress if p.pid and p.state == SlotState.TRAINING]
+        waiting = [now - at for at in since if at and now - at > _PROBE_AFTER_S]
+        peers_reached = getattr(handler, "peers_reached", None)
+        if not waiting or peers_reached is None or now - self._probed_at < _PROBE_EVERY_S:
+            return None
+        self._probed_at = now
+        try:
+            reached = peers_reached()
+        except EtcdError as exc:
+            logger.warning("could not read the round's members to probe them: %s", exc)
+            return None
+        if not is_cut_off(handler.node_id, reached):
+            return None
+        unreached = sorted(node for node, ok in reached.items() if not ok)
+        logger.warning("node %s reaches %d of the %d other node(s) of its round (not %s) while etcd still hears from "
+                       "it, and its workers have waited %.1fs in a collective: its link to its peers is cut. It leaves "
+                       "the round, so that the others train on without it, and rejoins once it reaches them again",
+                       self._node, len(reached) - len(unreached), len(reached), ", ".join(unreached), max(waiting))
+        self._events.emit("cut_off", unreached=unreached, reached=len(reached) - len(unreached),
+                          waited_s=round(max(waiting), 3))
+        handler.withdraw()
+        return f"this node cannot reach {len(unreached)} of its {len(reached)} peer(s): {', '.join(unreached)}"
 
     def _tick(self, interval: float) -> float:
         """How long the next wait for a change may last: ``interval``, or shorter while a worker

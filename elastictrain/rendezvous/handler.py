@@ -50,6 +50,7 @@ from elastictrain.errors import ConfigError, EtcdError
 from elastictrain.etcd import kv
 from elastictrain.etcd.client import EtcdClient
 from elastictrain.etcd.lease import KeptLease, RunLease
+from elastictrain.rendezvous.reachability import PeerProbe, is_cut_off, reach_all
 from elastictrain.rendezvous import BACKEND_NAME
 from elastictrain.rendezvous.keys import RunKeys
 from elastictrain.rendezvous.membership import Closer, ControlView, RoundWatch, close_rendezvous, is_open, read_members
@@ -123,6 +124,9 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         self._ready = ReadyWord(client, self.keys, self.node_id, alive=self._alive, run_lease=self.run_lease,
                                 control=self._control)
         self._for_joiners = False
+        self._probe: PeerProbe | None = None
+        self._withdrawn = False
+        """This node left its round because it cannot reach its peers (:meth:`withdraw`)."""
 
     # --- torch's interface --------------------------------------------------------------------
 
@@ -148,6 +152,8 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         """
         if self._alive.id is None or self._alive.lost:
             self._alive.grant(what="connecting")
+        if self._probe is None:
+            self._probe = PeerProbe()
 
     def next_rendezvous(self) -> RendezvousInfo:
         """See base class."""
@@ -169,6 +175,8 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         deadline = started + self._config.join_timeout.total_seconds()
         for_joiners, self._for_joiners = self._for_joiners, False
         self._leave_round()
+        if self._withdrawn:
+            self._await_peers()
         self.connect()
         after = self._latest_round()
         self._join(after, for_joiners=for_joiners)
@@ -302,7 +310,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             current, closed = self._control.round, self._control.closed
         if closed is not None:
             return 0
-        if self._alive.lost or (current is not None and current.round != joined.round):
+        if self._alive.lost or self._withdrawn or (current is not None and current.round != joined.round):
             return max(1, watch.waiting())
         return watch.waiting()
 
@@ -310,7 +318,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         """Whether :meth:`num_nodes_waiting` counts nodes that wait to join and nothing else
         (every member of this node's round is alive and stays in it). No etcd request."""
         watch, joined = self._round_watch, self._joined
-        if watch is None or joined is None or self._alive.lost:
+        if watch is None or joined is None or self._alive.lost or self._withdrawn:
             return False
         with self._control.cond:
             current, closed = self._control.round, self._control.closed
@@ -359,7 +367,56 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         self._alive.revoke()
         self._alive.close()
         self.run_lease.close()
+        if self._probe is not None:
+            self._probe.close()
         self.client.close()
+
+    def peers_reached(self) -> dict[str, bool]:
+        """Whether this node reaches each other member of the round it joined (a probe each, at
+        once, each for at most :data:`~elastictrain.rendezvous.reachability.PROBE_TIMEOUT_S`).
+        Members that publish no probe port, or have left, are not counted.
+
+        Raises:
+            EtcdError: The members could not be read.
+        """
+        joined = self._joined
+        if joined is None:
+            return {}
+        members = read_members(self.client, self.keys)
+        peers = {node: (m.record.addr, m.record.probe_port) for node in joined.nodes
+                 if node != self.node_id and (m := members.get(node)) is not None and m.record.probe_port}
+        return reach_all(peers)
+
+    def withdraw(self) -> None:
+        """Leave the round because this node cannot reach its peers (see
+        :func:`~elastictrain.rendezvous.reachability.is_cut_off`): revoke its lease, so that the
+        others see at once that it is gone and re-form without it, and re-register at its next
+        :meth:`next_rendezvous` only once it reaches them again. Its etcd link is fine."""
+        self._withdrawn = True
+        self._release_closer()
+        self._alive.revoke()
+        self._control.touch()
+
+    def _await_peers(self) -> None:
+        """Wait until a withdrawn node reaches the members of the run again (a probe a second), or
+        until the run closes (then the wait raises as :meth:`next_rendezvous` does)."""
+        logger.warning("node %s waits until it reaches its peers again before it rejoins run '%s'", self.node_id,
+                       self.keys.run_id)
+        control = self._control
+        while True:
+            with control.cond:
+                if control.stopped:
+                    raise RendezvousClosedError(f"node {self.node_id} left the rendezvous of run '{self.keys.run_id}'")
+                if control.closed is not None:
+                    raise RendezvousClosedError(f"the rendezvous of run '{self.keys.run_id}' is closed")
+            members = read_members(self.client, self.keys)
+            peers = {node: (m.record.addr, m.record.probe_port) for node, m in members.items()
+                     if node != self.node_id and m.record.probe_port}
+            if not peers or not is_cut_off(self.node_id, reach_all(peers)):
+                break
+            time.sleep(1.0)
+        logger.warning("node %s reaches its peers again: it rejoins run '%s'", self.node_id, self.keys.run_id)
+        self._withdrawn = False
 
     def say_ready(self) -> None:
         """Say that this node's workers can form the group of the round it joined now (they
@@ -418,7 +475,8 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         """Say that this node wants a round newer than ``after``; take the closer key if free."""
         keys = self.keys
         record = MemberRecord(node=self.node_id, addr=self._addr, host=socket.gethostname(), pid=os.getpid(),
-                              nproc=self._nproc, port=_free_port(), after=after, for_joiners=for_joiners)
+                              nproc=self._nproc, port=_free_port(), after=after, for_joiners=for_joiners,
+                              probe_port=self._probe.port if self._probe is not None else 0)
         for attempt in range(2):
             lease = self._alive.id or self._alive.grant()
             try:

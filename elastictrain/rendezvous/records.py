@@ -49,6 +49,9 @@ class MemberRecord:
     """A member re-enters only to take in nodes that wait to join: nothing failed on it, and
     its workers train on until the joining nodes' workers are ready. The other members then
     hold the new round too (see :meth:`~elastictrain.rendezvous.membership.RoundWatch.only_joins`)."""
+    probe_port: int = 0
+    """Where this node answers its peers' reachability probes (0: it does not;
+    :mod:`~elastictrain.rendezvous.reachability`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -109,7 +109,7 @@ class WorkerControl:
             self._table.write(self._slot, pid=self._pid, step=self.step, step_at=self.step_at, step_s=self.step_s,
                               alive_at=now(), state=self.state, generation=self.generation,
                               section=self.section, section_at=self._section_at, deadline=self._deadline,
-                              straggle=self.straggle)
+                              straggle=self.straggle, collective_at=self._collective_at if self._in_collective else 0.0)
 
     def enter(self, section: int) -> float:
         """Say that this worker is now in ``section`` (a :class:`~elastictrain._control.Section`),

@@ -210,6 +210,36 @@ def test_a_node_cut_off_the_network_is_left_behind_then_rejoins_after_the_heal(t
 
 
 @pytest.mark.soak
+@pytest.mark.soak
+@pytest.mark.timeout(300)
+def test_a_node_cut_off_its_peers_but_not_etcd_leaves_within_seconds_and_rejoins_after_the_heal(
+        tmp_path: Path) -> None:
+    # A gray failure: one of 3 nodes loses its link to its peers (its second interface), not to
+    # etcd, for 20 s: its lease stays alive, its collectives and its peers' never complete. The
+    # node that reaches fewer than half of its peers must leave the round within seconds (not
+    # after the 30 s collective timeout, again at each re-formation that takes it back), the
+    # others train on without it, and it rejoins after the heal.
+    if not _netns_works():
+        pytest.skip("needs root and working `ip netns` (network namespaces)")
+    namespaces_before = _chaos_namespaces()
+    result = run_chaos(ChaosConfig(
+        script=JOB, script_args=JOB_ARGS, run_dir=str(tmp_path / "run"), nodes=3, min_nodes=2, max_nodes=3,
+        schedule=tuple(parse_schedule("link_cut@4,kill_worker@12")), seed=1, netns=True, pg_timeout=30,
+        partition=20, join_timeout=60,
+    ))
+    _show(result)
+    report = result.report
+    assert [f["kind"] for f in report["faults"] if f["injected_s"] is not None] == ["link_cut", "kill_worker"]
+    _assert_holds(result, *EVERY_INVARIANT)  # no_hang: trained again within the collective timeout
+    cut = report["faults"][0]
+    assert cut["restarted"] and cut["recovery_s"] is not None and cut["recovery_s"] < 30, cut
+    assert cut["note"].endswith("rejoined after the heal"), cut
+    assert report["completed"] and report["final_world_size"] == 3
+    events = [json.loads(line) for line in (result.run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["node"] for e in events if e["kind"] == "cut_off"] == [cut["target"]], events
+    assert _chaos_namespaces() <= namespaces_before
+
+
 @pytest.mark.timeout(300)
 def test_a_node_cut_off_while_a_spare_waits_is_replaced_and_waits_as_the_spare_after_the_heal(
         tmp_path: Path) -> None:

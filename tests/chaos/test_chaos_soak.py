@@ -1,8 +1,8 @@
 """Long chaos runs, not part of the default suite: ``pytest -m soak tests/chaos``.
 
 - A soak: ``ELASTICTRAIN_SOAK_FAULTS`` random faults (default 50) of the kinds
-  in ``ELASTICTRAIN_SOAK_KINDS`` (default: every kind but ``partition_node``,
-  which needs root and runs the nodes in network namespaces when named), drawn from
+  in ``ELASTICTRAIN_SOAK_KINDS`` (default: every kind but ``partition_node`` and ``link_cut``,
+  which need root and run the nodes in network namespaces when named), drawn from
   ``ELASTICTRAIN_SOAK_SEED`` (default 1), against 3 nodes (min 2, max 3) and a
   3-member etcd. A failing seed replays the same fault sequence:
   ``elastictrain chaos --faults N --seed S --etcd-members 3``.
@@ -40,7 +40,7 @@ def _soak(run_dir: Path, *, faults: int, seed: int, kinds: tuple[FaultKind, ...]
         etcd_members=etcd_members,
         script_args=("--ckpt", "{run_dir}/ckpt", "--samples", "384", "--epochs", str(-(-steps_needed // 24)),
                      "--ckpt-every", "3"),
-        faults=faults, seed=seed, kinds=kinds, netns=FaultKind.PARTITION_NODE in kinds,
+        faults=faults, seed=seed, kinds=kinds, netns=any(kind.fault_class.needs_netns for kind in kinds),
         deadline=3.5 * 3600,
     ))
     report = result.report
@@ -58,7 +58,7 @@ def _soak(run_dir: Path, *, faults: int, seed: int, kinds: tuple[FaultKind, ...]
 @pytest.mark.timeout(4 * 3600)
 def test_soak_random_faults_keep_every_invariant(tmp_path: Path) -> None:
     # partition_node needs root (network namespaces): only when ELASTICTRAIN_SOAK_KINDS names it.
-    every_loopback_kind = ",".join(k.value for k in FaultKind if k is not FaultKind.PARTITION_NODE)
+    every_loopback_kind = ",".join(k.value for k in FaultKind if not k.fault_class.needs_netns)
     _soak(tmp_path / "soak", faults=int(os.environ.get("ELASTICTRAIN_SOAK_FAULTS", "50")),
           seed=int(os.environ.get("ELASTICTRAIN_SOAK_SEED", "1")),
           kinds=parse_kinds(os.environ.get("ELASTICTRAIN_SOAK_KINDS", every_loopback_kind)),
