@@ -51,6 +51,7 @@ class BoundedCalls:
     def __init__(self, timeout: float) -> None:
         self._timeout = timeout
         self._last = time.monotonic()
+        self._running = False
         self._stuck: _Call | None = None
 
     @property
@@ -61,6 +62,13 @@ class BoundedCalls:
     def progress(self) -> None:
         """Note progress of the call in flight (a chunk written); callable from its thread."""
         self._last = time.monotonic()
+
+    def stalled_for(self) -> float:
+        """Seconds the call in flight (or an abandoned one that still blocks) has gone without
+        progress; 0 when no call is in flight."""
+        if self.stuck() is not None or self._running:
+            return max(0.0, time.monotonic() - self._last)
+        return 0.0
 
     def stuck(self) -> str | None:
         """What an abandoned call that has still not returned was doing, and since when; else None."""
@@ -102,12 +110,16 @@ class BoundedCalls:
         # A daemon: a call blocked in the kernel must not keep the process from exiting.
         call.thread = threading.Thread(target=target, name="elastictrain-storage", daemon=True)
         self._last = time.monotonic()
-        call.thread.start()
-        while not done.wait(_POLL):
-            if time.monotonic() - self._last > self._timeout:
-                self._stuck = call
-                raise StorageStalledError(f"{what} made no progress for {self._timeout:g}s (the storage blocks); "
-                                          "abandoned")
+        self._running = True
+        try:
+            call.thread.start()
+            while not done.wait(_POLL):
+                if time.monotonic() - self._last > self._timeout:
+                    self._stuck = call
+                    raise StorageStalledError(f"{what} made no progress for {self._timeout:g}s (the storage "
+                                              "blocks); abandoned")
+        finally:
+            self._running = False
         result = outcome[0]
         if isinstance(result, BaseException):
             raise result

@@ -128,7 +128,7 @@ class CheckpointManager:
             ``CheckpointWriteError``, from the thread that ran the save, instead of the
             error line the manager logs then (``Session`` says it in its own line, with
             the step of the next save). The error is still raised (a synchronous save),
-            or kept for ``wait``/``take_write_failure`` (an async one).
+            or kept for ``wait`` (an async one).
         fence: Claim this world's fencing token now, before restoring (a training
             job: ``Session`` does). Otherwise the token is claimed at the first
             save, so a reader that only restores (an eval job) never fences off
@@ -296,20 +296,12 @@ class CheckpointManager:
                         CheckpointError)
             raise kind(f"the background save of step {step} failed and was not committed: {exc}") from exc
 
-    def take_write_failure(self) -> tuple[int, CheckpointWriteError] | None:
-        """The step and error of the async save that ended because it could not write, taken so that
-        neither ``wait`` nor the next ``save`` raises it; None while a save is in flight, or when
-        the last one did not fail so (a failure of another kind is left for ``wait`` to raise).
-
-        ``Session`` reports such a failure at the next step boundary and trains on.
-        """
-        if self.saving:
-            return None
-        failure = self._error
-        if failure is None or not isinstance(failure[1], CheckpointWriteError):
-            return None
-        self._error = None
-        return failure[0], failure[1]
+    @property
+    def stalled(self) -> timedelta:
+        """How long the async save in flight has waited on a storage call that makes no progress
+        (zero when none is in flight, or its storage answers). ``Session`` skips a save due while
+        a rank's is stalled, rather than wait for it (a hung NFS server)."""
+        return timedelta(seconds=self._calls.stalled_for() if self.saving else 0.0)
 
     def latest_step(self) -> int | None:
         """Return the newest step whose checkpoint verifies, agreed by all ranks; a collective.
@@ -478,7 +470,7 @@ class CheckpointManager:
             if copy_error is not None:
                 raise copy_error
             self._fault("before_write")
-            written = self._calls.run(f"rank {rank}'s write of step {step}",
+            written = self._calls.run(f"the write of step {step}",
                                       lambda: self._write_part(staging, payload))
             self._fault("before_barrier")
         except Exception as exc:  # any failure must reach the barrier, or the others hang
@@ -547,7 +539,7 @@ class CheckpointManager:
         try:
             self._calls.run(f"deleting {self._storage.location(path)}", lambda: delete_quietly(self._storage, path))
         except OSError as exc:  # blocked: the next commit's retention deletes it
-            logger.warning("could not delete %s: %s", self._storage.location(path), exc)
+            logger.info("could not delete %s: %s", self._storage.location(path), exc)
 
     def _await_writers(self, staging: str) -> None:
         """Mark this rank's part of ``staging`` written, then wait until every rank has.
@@ -573,7 +565,7 @@ class CheckpointManager:
         try:
             # Also after a failure (even before this rank made the directory): the others
             # stop waiting for this rank, and the barrier reports its error.
-            self._calls.run(f"marking rank {self._coord.rank}'s part written", mark)
+            self._calls.run("marking this rank's part written", mark)
         except OSError as exc:
             logger.info("could not mark rank %d's part written: %s", self._coord.rank, exc)
             return

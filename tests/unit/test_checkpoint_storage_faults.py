@@ -165,4 +165,4 @@ def test_a_write_that_blocks_is_abandoned_after_the_bound_and_no_second_write_st
     assert _committed(directory) == ["step_00000001", "step_00000004"]
     for rank in (0, 1):
         assert [e.split(":")[0] for e in errors[rank]] == ["2", "3"], errors
-    assert "rank 1's write of step 2 made no progress" in errors[0][0]
+    assert "rank 1: the write of step 2 made no progress" in errors[0][0]
