@@ -80,11 +80,12 @@ class BoundedCalls:
             return None
         return f"{call.what} has not returned since {time.strftime('%H:%M:%S', time.localtime(call.started))}"
 
-    def run(self, what: str, fn: Callable[[], T]) -> T:
+    def run(self, what: str, fn: Callable[[], T], *, timeout: float | None = None) -> T:
         """Return ``fn()``, run on a helper thread, once it returns.
 
         Args:
-            what: Names the call in errors (``writing rank 1's part of step 20``).
+            what: Names the call in errors (``the write of step 20``).
+            timeout: This call's bound, if not the usual one.
 
         Raises:
             StorageStalledError: ``fn`` made no progress for ``timeout`` seconds (it is abandoned:
@@ -109,14 +110,15 @@ class BoundedCalls:
 
         # A daemon: a call blocked in the kernel must not keep the process from exiting.
         call.thread = threading.Thread(target=target, name="elastictrain-storage", daemon=True)
+        bound = self._timeout if timeout is None else timeout
         self._last = time.monotonic()
         self._running = True
         try:
             call.thread.start()
             while not done.wait(_POLL):
-                if time.monotonic() - self._last > self._timeout:
+                if time.monotonic() - self._last > bound:
                     self._stuck = call
-                    raise StorageStalledError(f"{what} made no progress for {self._timeout:g}s (the storage "
+                    raise StorageStalledError(f"{what} made no progress for {bound:g}s (the storage "
                                               "blocks); abandoned")
         finally:
             self._running = False

@@ -182,6 +182,9 @@ class CheckpointManager:
         self._fault_hook: Callable[[str], None] | None = None
         self._stall = (save_timeout or timeout or _DEFAULT_STALL).total_seconds()
         self._calls = BoundedCalls(self._stall)
+        # The other ranks wait for rank 0's commit in a collective (the broadcast of its outcome):
+        # a commit that blocks is abandoned well before that collective's timeout ends their wait.
+        self._commit_bound = min(self._stall, timeout.total_seconds() / 2) if timeout else self._stall
         self._on_write_failure = on_write_failure
         self._superseded = superseded
         self._host = socket.gethostname()
@@ -491,7 +494,8 @@ class CheckpointManager:
                     outcome = (any(failed for _, _, failed in reports), "; ".join(errors))
                 else:
                     files = [f for written_files, _, _ in reports for f in written_files]
-                    self._calls.run(f"the commit of step {step}", lambda: self._commit(step, staging, nonce, files))
+                    self._calls.run(f"the commit of step {step}", lambda: self._commit(step, staging, nonce, files),
+                                    timeout=self._commit_bound)
             except OSError as exc:  # ENOSPC writing the manifest, say, or a blocked rename
                 outcome = (True, str(exc))
             except Exception as exc:

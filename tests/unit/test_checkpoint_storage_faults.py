@@ -13,6 +13,7 @@ import contextlib
 import errno
 import os
 import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -166,3 +167,45 @@ def test_a_write_that_blocks_is_abandoned_after_the_bound_and_no_second_write_st
     for rank in (0, 1):
         assert [e.split(":")[0] for e in errors[rank]] == ["2", "3"], errors
     assert "rank 1: the write of step 2 made no progress" in errors[0][0]
+
+
+class BlockingRename(LocalStorage):
+    """Local storage whose commit (the rename) of step 2 blocks until released."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.release, self.returned = threading.Event(), threading.Event()
+
+    def rename(self, src: str, dst: str) -> None:
+        if dst.endswith("step_00000002"):
+            self.release.wait(30)
+            self.returned.set()
+        super().rename(src, dst)
+
+
+def test_a_commit_that_blocks_is_abandoned_before_the_ranks_waiting_for_its_outcome_time_out(
+        tmp_path: Path) -> None:
+    """Rank 1 waits for rank 0's commit in a collective (the broadcast of the outcome), whose timeout
+    is ``timeout``: rank 0 abandons the commit at half of it, so every rank fails the save as a
+    write error rather than rank 1 with a collective timeout."""
+    storage = BlockingRename(tmp_path)
+
+    def body(rank: int, hub: ThreadHub) -> None:
+        with CheckpointManager("ckpt", coordinator=ThreadCoordinator(hub, rank), storage=storage,
+                               timeout=timedelta(seconds=2), save_timeout=timedelta(seconds=20)) as mgr:
+            _save(mgr, 1, _state(1))
+            with pytest.raises(CheckpointWriteError, match="the commit of step 2 made no progress for 1s"):
+                _save(mgr, 2, _state(2))
+            with pytest.raises(CheckpointWriteError, match="skipped, so that no second write blocks"):
+                _save(mgr, 3, _state(3))
+            if rank == 0:
+                storage.release.set()
+                assert storage.returned.wait(10)
+                time.sleep(0.2)  # the rename itself, after the wait
+            hub.barrier.wait()
+            _save(mgr, 4, _state(4))
+
+    for result in run_ranks(2, body):
+        assert result is None, result
+    # The abandoned rename completed once the storage answered: step 2 is whole after all.
+    assert _committed(tmp_path / "ckpt") == ["step_00000001", "step_00000002", "step_00000004"]
