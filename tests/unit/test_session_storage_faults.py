@@ -173,8 +173,11 @@ def test_a_save_due_while_the_one_in_flight_gets_no_answer_is_skipped_not_waited
         tmp_path: Path, caplog: pytest.LogCaptureFixture, blocking_storage: type[BlockingStorage]) -> None:
     """checkpoint_timeout 60 s, a step after the blocked save that takes 3 s: the save due at step 6
     does not wait up to a minute for the blocked one; it is skipped, and said so."""
+    def release() -> None:
+        blocking_storage.release.set()
+        time.sleep(0.5)  # the write of step 4 goes on (and commits) before step 8's save falls due
     with caplog.at_level(logging.INFO):
-        session = _run(tmp_path / "ckpt", (Blob({}, at={5: lambda: time.sleep(3), 7: blocking_storage.release.set}),),
+        session = _run(tmp_path / "ckpt", (Blob({}, at={5: lambda: time.sleep(3), 7: release}),),
                        async_save=True, checkpoint_timeout=60)
     assert session.step == 10
     lines6 = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "step 6" in r.getMessage()]
