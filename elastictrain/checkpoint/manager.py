@@ -532,7 +532,7 @@ class CheckpointManager:
         """Write and sync this rank's files of ``payload`` into ``staging`` (on a helper thread:
         see ``BoundedCalls``)."""
         self._storage.make_dir(staging)
-        written = []
+        written: list[tuple[str, int, str]] = []
         if payload.replicated is not None:
             written.append(self._write(staging, fmt.REPLICATED, payload.replicated))
         written.append(self._write(staging, fmt.rank_file(self._coord.rank), payload.local))
