@@ -435,8 +435,9 @@ class Session:
         return float(tensor.item())
 
     def _next_save(self, step: int) -> str:
-        every = self.config.checkpoint_every
-        return "at the end of the run" if every is None else f"at step {(step // every + 1) * every}"
+        every, last = self.config.checkpoint_every, self.config.max_steps
+        due = None if every is None else (step // every + 1) * every
+        return "at the end of the run" if due is None or (last is not None and due >= last) else f"at step {due}"
 
     def _write_failed(self, step: int, error: CheckpointWriteError) -> None:
         """Say that the save of ``step`` could not write (``on_write_failure``; maybe on the save's
