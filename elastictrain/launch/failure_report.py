@@ -52,11 +52,13 @@ _MAX_MESSAGE = 300
 
 _FINAL_ERRORS = ("elastictrain.errors.ConfigError", "elastictrain.errors.CheckpointMismatchError",
                  "elastictrain.errors.NonFiniteStateError", "elastictrain.errors.CheckpointDirectoryError",
+                 "elastictrain.errors.DependencyError", "elastictrain.errors.TorchCompatError",
                  "SyntaxError", "IndentationError", "TabError")
 """Errors that a restart would meet again, as a traceback's last line names them: input
 elastictrain refused, a checkpoint that does not fit the model, a training state gone NaN
 (live peers and a restart from a checkpoint carry it on or train into it again), a checkpoint
-directory that is read-only or not shared by all nodes, and code that does not compile."""
+directory that is read-only or not shared by all nodes, a dependency that does not import (or a
+torch without a name elastictrain needs), and code that does not compile."""
 
 _DIAGNOSED = "elastictrain.errors."
 """Where the errors elastictrain raised on purpose live (:mod:`elastictrain.errors`): each one's

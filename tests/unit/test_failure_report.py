@@ -112,6 +112,7 @@ _ERRORS = "elastictrain.errors."
 @pytest.mark.parametrize(("raised", "final"), [
     (_ERRORS + "ConfigError", True), (_ERRORS + "CheckpointMismatchError", True),
     (_ERRORS + "NonFiniteStateError", True), (_ERRORS + "CheckpointDirectoryError", True),
+    (_ERRORS + "DependencyError", True), (_ERRORS + "TorchCompatError", True),
     ("SyntaxError", True), ("IndentationError", True),
     (_ERRORS + "CheckpointError", False), (_ERRORS + "CorruptCheckpointError", False),
     (_ERRORS + "SessionError", False), ("ValueError", False), ("ModuleNotFoundError", False)])
