@@ -80,12 +80,15 @@ class BoundedCalls:
             return None
         return f"{call.what} has not returned since {time.strftime('%H:%M:%S', time.localtime(call.started))}"
 
-    def run(self, what: str, fn: Callable[[], T], *, timeout: float | None = None) -> T:
+    def run(self, what: str, fn: Callable[[], T], *, timeout: float | None = None,
+            cancelled: Callable[[], bool] | None = None) -> T:
         """Return ``fn()``, run on a helper thread, once it returns.
 
         Args:
             what: Names the call in errors (``the write of step 20``).
             timeout: This call's bound, if not the usual one.
+            cancelled: Checked while the call runs: once it returns True (the group that saves
+                re-forms), the call is abandoned at once, as one past its bound.
 
         Raises:
             StorageStalledError: ``fn`` made no progress for ``timeout`` seconds (it is abandoned:
@@ -120,6 +123,9 @@ class BoundedCalls:
                     self._stuck = call
                     raise StorageStalledError(f"{what} made no progress for {bound:g}s (the storage "
                                               "blocks); abandoned")
+                if cancelled is not None and cancelled():
+                    self._stuck = call
+                    raise StorageStalledError(f"{what} abandoned: a rank is gone, or the group re-forms")
         finally:
             self._running = False
         result = outcome[0]

@@ -473,8 +473,9 @@ class CheckpointManager:
             if copy_error is not None:
                 raise copy_error
             self._fault("before_write")
-            written = self._calls.run(f"the write of step {step}",
-                                      lambda: self._write_part(staging, payload))
+            # A write that blocks while the group re-forms must not hold up the re-formation.
+            written = self._calls.run(f"the write of step {step}", lambda: self._write_part(staging, payload),
+                                      cancelled=self._superseded)
             self._fault("before_barrier")
         except Exception as exc:  # any failure must reach the barrier, or the others hang
             # Said once, by whoever reports the save's failure: it names every rank's error.
