@@ -25,6 +25,8 @@ __all__ = [
     "UnreadableRecordError",
     "RunIdInUseError",
     "CheckpointError",
+    "CheckpointDirectoryError",
+    "CheckpointWriteError",
     "CorruptCheckpointError",
     "NoCheckpointError",
     "CheckpointMismatchError",
@@ -74,6 +76,18 @@ class RunIdInUseError(ElasticTrainError):
 
 class CheckpointError(ElasticTrainError):
     """Saving or restoring a checkpoint failed."""
+
+
+class CheckpointDirectoryError(CheckpointError):
+    """The checkpoint directory cannot serve the job, found when a manager opens it: it cannot be
+    created or written (read-only), or some rank does not see it (not on a filesystem shared by
+    all ranks). A restart would meet it again: the job fails at once."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A save could not write its files: the storage failed (a full disk, an I/O error) or blocked
+    past the save timeout. Nothing was committed; the checkpoints committed before are intact, and
+    a later save may succeed (``Session`` reports it and trains on)."""
 
 
 class CorruptCheckpointError(CheckpointError):

@@ -10,7 +10,9 @@ Kinds written by elastictrain: ``rendezvous`` (round, world size, duration),
 ``membership_change`` (old -> new world size), ``spare`` (the round is full: this node
 waits to replace one that leaves), ``worker_failure``, ``hang``, ``recovery``, ``restart``,
 ``stop_requested``, ``job_end``, and from the training session ``checkpoint_commit`` and
-``restore`` (rank 0; an async save reports ``checkpoint_save`` when copied).
+``restore`` (rank 0; an async save reports ``checkpoint_save`` when copied),
+``checkpoint_abandoned`` (a save that could not write: ``step``, ``reason``) and
+``checkpoint_skipped`` (a save due while the one in flight gets no answer from its storage).
 torch's own agent events arrive as ``torch_agent``.
 """
 

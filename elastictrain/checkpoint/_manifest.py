@@ -114,6 +114,10 @@ class FileEntry:
     sha256: str
 
 
+_CHUNK = 64 << 20
+"""Bytes a :class:`HashingWriter` hands to the file at a time."""
+
+
 class HashingWriter:
     """A write-only file object that hashes and counts what passes through it.
 
@@ -121,7 +125,7 @@ class HashingWriter:
 
     Args:
         raw: The file to write to.
-        on_write: Called after each write (a test hook to crash mid-file).
+        on_write: Called after each chunk written (progress, and a test hook to crash mid-file).
     """
 
     def __init__(self, raw: BinaryIO, on_write: Callable[[], None] | None = None) -> None:
@@ -129,16 +133,26 @@ class HashingWriter:
         self._hash = hashlib.sha256()
         self._size = 0
         self._on_write = on_write
+        self.error: OSError | None = None
+        """The first error the file raised: torch's writer reports it as a RuntimeError of its own
+        ("unexpected pos"), which says nothing of a full disk."""
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
-        """Write ``data`` and fold it into the checksum."""
+        """Write ``data`` and fold it into the checksum, in chunks of at most 64 MiB (each one
+        calls ``on_write``: a large tensor's bytes show progress while they go out)."""
         view = memoryview(data).cast("B")
-        self._hash.update(view)
-        written = self._raw.write(view)
-        self._size += len(view)
-        if self._on_write is not None:
-            self._on_write()
-        return written if written is not None else len(view)
+        for start in range(0, max(len(view), 1), _CHUNK):
+            chunk = view[start:start + _CHUNK]
+            self._hash.update(chunk)
+            try:
+                self._raw.write(chunk)
+            except OSError as exc:
+                self.error = self.error or exc
+                raise
+            self._size += len(chunk)
+            if self._on_write is not None:
+                self._on_write()
+        return len(view)
 
     def flush(self) -> None:
         """Flush the underlying file."""
@@ -161,7 +175,12 @@ def write_file(
         writer = HashingWriter(raw, on_write)
         # A file object, not a path: torch names the archive after a path's file
         # name, and identical state should give identical bytes.
-        torch.save(obj, writer)
+        try:
+            torch.save(obj, writer)
+        except RuntimeError as exc:
+            if writer.error is None:
+                raise
+            raise writer.error from exc  # ENOSPC or EIO, not torch's "unexpected pos"
     return writer.entry(name)
 
 

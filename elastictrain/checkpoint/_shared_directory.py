@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import secrets
 
-from elastictrain.errors import CheckpointError
+from elastictrain.errors import CheckpointDirectoryError, CheckpointError
 
 from . import _fence
 from . import _manifest as fmt
@@ -32,8 +32,9 @@ def check(storage: Storage, prefix: str, coord: Coordinator, *, host: str, claim
         The world's fencing token (None unless ``claim``).
 
     Raises:
-        CheckpointError: The directory cannot be made or written, a token cannot be claimed,
-            or some rank cannot read what rank 0 wrote (every rank raises it).
+        CheckpointDirectoryError: The directory cannot be made or written, or some rank cannot
+            read what rank 0 wrote (every rank raises it).
+        CheckpointError: A token cannot be claimed.
     """
     location = storage.location(prefix)
     rank0 = coord.rank == 0
@@ -64,7 +65,7 @@ def check(storage: Storage, prefix: str, coord: Coordinator, *, host: str, claim
     if blind:
         hosts = ", ".join(sorted({host for _, host in blind}))
         ranks = ", ".join(str(rank) for rank, _ in blind)
-        raise CheckpointError(
+        raise CheckpointDirectoryError(
             f"checkpoint directory {location} is not on a filesystem shared by all ranks: host(s) {hosts} "
             f"(rank(s) {ranks}) cannot see the file rank 0 (host {views[0][1]}) wrote there; mount one shared "
             "filesystem (NFS, Lustre, a ReadWriteMany volume) at this path on every node"
@@ -77,14 +78,14 @@ def _write_probe(storage: Storage, prefix: str, location: str,
     try:
         storage.make_dir(prefix)
     except OSError as exc:
-        return CheckpointError(f"cannot create checkpoint directory {location}: {exc}")
+        return CheckpointDirectoryError(f"cannot create checkpoint directory {location}: {exc}")
     nonce = secrets.token_hex(8)
     probe = fmt.join(prefix, f".probe-{nonce}")
     try:
         with storage.open_write(probe) as f:
             f.write(nonce.encode())
     except OSError as exc:
-        return CheckpointError(f"checkpoint directory {location} is not writable: {exc.strerror or exc}")
+        return CheckpointDirectoryError(f"checkpoint directory {location} is not writable: {exc.strerror or exc}")
     try:
         token = _fence.claim(storage, prefix) if claim else None
     except OSError as exc:

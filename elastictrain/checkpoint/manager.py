@@ -39,12 +39,13 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from elastictrain.errors import CheckpointError, ConfigError, NonFiniteStateError
+from elastictrain.errors import CheckpointError, CheckpointWriteError, ConfigError, NonFiniteStateError
 
 from . import _fence
 from . import _manifest as fmt
 from . import _shared_directory as shared_directory
 from . import _snapshot as snap
+from ._bounded import BoundedCalls
 from ._overlap import Overlap, SnapshotCopy
 from ._reader import CheckpointReader, RestoreInfo
 from .coordinator import Coordinator, default_coordinator
@@ -60,7 +61,8 @@ FAULT_STAGES = ("before_write", "during_write", "before_barrier", "before_commit
 COPY_STAGE = "during_copy"
 """Where ``_fault_hook`` is also called in an overlapped save: on rank 0, before each storage's copy."""
 _DEFAULT_STALL = timedelta(minutes=5)
-"""Without ``timeout``: how long ranks wait for a peer's part while its files do not grow."""
+"""Without ``save_timeout`` or ``timeout``: how long a save's storage call may go without progress,
+and how long ranks wait for a peer's part while its files do not grow."""
 
 
 @runtime_checkable
@@ -115,9 +117,18 @@ class CheckpointManager:
             ``torch.distributed`` is initialized (creating it is a collective),
             else a single process.
         timeout: Timeout of each collective of the created gloo group; ``None``
-            keeps torch's default. While ranks wait for each other's files, it is
-            how long a peer's files may go without growing (default 5 minutes):
-            a large checkpoint is never cut short by it.
+            keeps torch's default. Also the default of ``save_timeout``.
+        save_timeout: How long a save's storage call may go without progress (a chunk
+            written, the call returning) before the save is abandoned as failed (a hung
+            NFS server), and how long ranks wait for a peer's files while they do not
+            grow; a large checkpoint is never cut short by it. ``None``: ``timeout``,
+            else 5 minutes. While an abandoned call has not returned, later saves are
+            skipped on every rank (they fail with ``CheckpointWriteError`` at once).
+        on_write_failure: Called with the step and the error when a save fails with
+            ``CheckpointWriteError``, from the thread that ran the save, instead of the
+            error line the manager logs then (``Session`` says it in its own line, with
+            the step of the next save). The error is still raised (a synchronous save),
+            or kept for ``wait`` (an async one).
         fence: Claim this world's fencing token now, before restoring (a training
             job: ``Session`` does). Otherwise the token is claimed at the first
             save, so a reader that only restores (an eval job) never fences off
@@ -148,6 +159,8 @@ class CheckpointManager:
         timeout: timedelta | None = None,
         fence: bool = False,
         superseded: Callable[[], bool] | None = None,
+        save_timeout: timedelta | None = None,
+        on_write_failure: Callable[[int, CheckpointWriteError], None] | None = None,
     ) -> None:
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise ConfigError(f"keep_last must be a positive integer, got {keep_last!r}")
@@ -167,7 +180,12 @@ class CheckpointManager:
         self._closed = False
         # Test seam: called with each FAULT_STAGES name during a save, on every rank.
         self._fault_hook: Callable[[str], None] | None = None
-        self._stall = (timeout or _DEFAULT_STALL).total_seconds()
+        self._stall = (save_timeout or timeout or _DEFAULT_STALL).total_seconds()
+        self._calls = BoundedCalls(self._stall)
+        # The other ranks wait for rank 0's commit in a collective (the broadcast of its outcome):
+        # a commit that blocks is abandoned well before that collective's timeout ends their wait.
+        self._commit_bound = min(self._stall, timeout.total_seconds() / 2) if timeout else self._stall
+        self._on_write_failure = on_write_failure
         self._superseded = superseded
         self._host = socket.gethostname()
         self._fence: int | None = None
@@ -215,8 +233,12 @@ class CheckpointManager:
 
         Raises:
             ConfigError: ``step`` or ``state`` is invalid.
-            CheckpointError: This save failed (nothing was committed), or a
-                previous async save failed (and this one was not started).
+            CheckpointWriteError: This save could not write (a full disk, an I/O
+                error, storage blocked past ``save_timeout``, or an earlier blocked
+                call has not returned: the save was skipped) on some rank; nothing
+                was committed, and the checkpoints committed before are intact.
+            CheckpointError: This save failed otherwise (nothing was committed), or
+                a previous async save failed (and this one was not started).
             NonFiniteStateError: A parameter of a module in ``state`` holds NaN or
                 infinity (training diverged); the step was not committed.
         """
@@ -226,7 +248,11 @@ class CheckpointManager:
         self.wait()
         payload = self._collect(step, state)
         if not self._async:
-            self._write_and_commit(payload)
+            try:
+                self._write_and_commit(payload)
+            except CheckpointWriteError as exc:
+                self._say_write_failure(step, exc)
+                raise
             return
         self._thread = threading.Thread(
             target=self._save_in_background, args=(payload,), name=f"elastictrain-checkpoint-{step}"
@@ -269,8 +295,16 @@ class CheckpointManager:
         failure, self._error = self._error, None
         if failure is not None:
             step, exc = failure
-            kind = NonFiniteStateError if isinstance(exc, NonFiniteStateError) else CheckpointError
+            kind = next((k for k in (NonFiniteStateError, CheckpointWriteError) if isinstance(exc, k)),
+                        CheckpointError)
             raise kind(f"the background save of step {step} failed and was not committed: {exc}") from exc
+
+    @property
+    def stalled(self) -> timedelta:
+        """How long the async save in flight has waited on a storage call that makes no progress
+        (zero when none is in flight, or its storage answers). ``Session`` skips a save due while
+        a rank's is stalled, rather than wait for it (a hung NFS server)."""
+        return timedelta(seconds=self._calls.stalled_for() if self.saving else 0.0)
 
     def latest_step(self) -> int | None:
         """Return the newest step whose checkpoint verifies, agreed by all ranks; a collective.
@@ -385,8 +419,20 @@ class CheckpointManager:
         try:
             self._write_and_commit(payload)
         except Exception as exc:  # reported by wait(): nothing may escape a thread silently
-            logger.error("background save of step %d failed; not committed: %s", payload.step, exc)
+            if isinstance(exc, CheckpointWriteError):
+                self._say_write_failure(payload.step, exc)
+            else:
+                logger.error("background save of step %d failed; not committed: %s", payload.step, exc)
             self._error = (payload.step, exc)
+
+    def _say_write_failure(self, step: int, exc: CheckpointWriteError) -> None:
+        if self._on_write_failure is None:
+            logger.error("save of step %d failed; not committed: %s", step, exc)
+            return
+        try:
+            self._on_write_failure(step, exc)
+        except Exception:  # noqa: BLE001 - a failing report must not turn into a failed save
+            logger.exception("on_write_failure failed")
 
     def _write_and_commit(self, payload: _Payload) -> None:
         started = time.monotonic()
@@ -402,53 +448,66 @@ class CheckpointManager:
                 copy_error = CheckpointError(f"copying the state to CPU memory failed: {exc!r}")
             payload.copy = None
         diverged = self._diverged(payload) if copy_error is None else None
-        proposals = self._coord.all_gather((step, secrets.token_hex(4), diverged))
-        if len({s for s, _, _ in proposals}) != 1:
-            raise CheckpointError(f"ranks disagree on the step to save: {[s for s, _, _ in proposals]}")
+        # A rank whose storage still blocks in a call of an abandoned save says so: then no rank
+        # starts a second write (it would block too), and all skip this save together.
+        proposals = self._coord.all_gather((step, secrets.token_hex(4), diverged, self._calls.stuck()))
+        if len({p[0] for p in proposals}) != 1:
+            raise CheckpointError(f"ranks disagree on the step to save: {[p[0] for p in proposals]}")
         nonce = proposals[0][1]
         # Before anything is written: a diverged step committed would push good checkpoints out.
-        diverged = next((d for _, _, d in proposals if d is not None), None)
+        diverged = next((p[2] for p in proposals if p[2] is not None), None)
         if diverged is not None:
             raise NonFiniteStateError(
                 f"step {step}: {diverged} holds NaN or infinity (training diverged); the step is not checkpointed, "
                 f"and the checkpoints committed before it are kept in {self.location}")
+        stuck = [f"rank {r}: {p[3]}" for r, p in enumerate(proposals) if p[3] is not None]
+        if stuck:
+            raise CheckpointWriteError(f"the save of step {step} was skipped, so that no second write blocks: "
+                                       + "; ".join(stuck))
         staging = fmt.join(self._prefix, fmt.staging_dir(step, nonce))
 
         written: list[tuple[str, int, str]] = []
         error: str | None = None
+        storage_failed = False
         try:
             if copy_error is not None:
                 raise copy_error
             self._fault("before_write")
-            self._storage.make_dir(staging)
-            if payload.replicated is not None:
-                written.append(self._write(staging, fmt.REPLICATED, payload.replicated))
-            written.append(self._write(staging, fmt.rank_file(rank), payload.local))
-            self._storage.sync_dir(staging)
+            # A write that blocks while the group re-forms must not hold up the re-formation.
+            written = self._calls.run(f"the write of step {step}", lambda: self._write_part(staging, payload),
+                                      cancelled=self._superseded)
             self._fault("before_barrier")
         except Exception as exc:  # any failure must reach the barrier, or the others hang
-            logger.error("rank %d could not write its part of step %d: %s", rank, step, exc)
-            error = f"rank {rank}: {exc!r}"
+            # Said once, by whoever reports the save's failure: it names every rank's error.
+            logger.debug("rank %d could not write its part of step %d: %s", rank, step, exc)
+            storage_failed = isinstance(exc, OSError)
+            error = f"rank {rank}: {exc}" if storage_failed else f"rank {rank}: {exc!r}"
 
         # Wait for the slowest writer outside the collective, whose timeout is fixed.
         self._await_writers(staging)
         # The barrier: nobody commits until every rank's files are durable.
-        reports = self._coord.all_gather((written, error))
-        outcome: str | None = None
+        reports = self._coord.all_gather((written, error, storage_failed))
+        outcome: tuple[bool, str] | None = None  # (whether the storage failed, why)
         if rank == 0:
-            errors = [e for _, e in reports if e is not None]
+            errors = [e for _, e, _ in reports if e is not None]
             try:
                 if errors:
-                    raise CheckpointError("; ".join(errors))
-                if self._fence is None:
-                    self._fence = _fence.claim(self._storage, self._prefix)
-                self._commit(step, staging, nonce, [f for files, _ in reports for f in files])
+                    outcome = (any(failed for _, _, failed in reports), "; ".join(errors))
+                else:
+                    files = [f for written_files, _, _ in reports for f in written_files]
+                    self._calls.run(f"the commit of step {step}", lambda: self._commit(step, staging, nonce, files),
+                                    timeout=self._commit_bound)
+            except OSError as exc:  # ENOSPC writing the manifest, say, or a blocked rename
+                outcome = (True, str(exc))
             except Exception as exc:
-                outcome = str(exc)
-                delete_quietly(self._storage, staging)
+                outcome = (False, str(exc))
+            if outcome is not None:
+                self._delete_quietly(staging)  # the torn staging directory goes at once
         outcome = self._coord.broadcast(outcome)
         if outcome is not None:
-            raise CheckpointError(f"checkpoint of step {step} was not committed: {outcome}")
+            storage, why = outcome
+            raise (CheckpointWriteError if storage else CheckpointError)(
+                f"checkpoint of step {step} was not committed: {why}")
         if rank == 0:
             self._retain(step)
             elapsed = time.monotonic() - started
@@ -470,6 +529,23 @@ class CheckpointManager:
                     return f"parameter {found!r} of state[{name!r}]"
         return None
 
+    def _write_part(self, staging: str, payload: _Payload) -> list[tuple[str, int, str]]:
+        """Write and sync this rank's files of ``payload`` into ``staging`` (on a helper thread:
+        see ``BoundedCalls``)."""
+        self._storage.make_dir(staging)
+        written: list[tuple[str, int, str]] = []
+        if payload.replicated is not None:
+            written.append(self._write(staging, fmt.REPLICATED, payload.replicated))
+        written.append(self._write(staging, fmt.rank_file(self._coord.rank), payload.local))
+        self._storage.sync_dir(staging)
+        return written
+
+    def _delete_quietly(self, path: str) -> None:
+        try:
+            self._calls.run(f"deleting {self._storage.location(path)}", lambda: delete_quietly(self._storage, path))
+        except OSError as exc:  # blocked: the next commit's retention deletes it
+            logger.info("could not delete %s: %s", self._storage.location(path), exc)
+
     def _await_writers(self, staging: str) -> None:
         """Mark this rank's part of ``staging`` written, then wait until every rank has.
 
@@ -482,14 +558,21 @@ class CheckpointManager:
         world = self._coord.world_size
         if world == 1:
             return
-        try:
-            # Also after a failure (even before this rank made the directory): the others
-            # stop waiting for this rank, and the barrier reports its error.
+        def mark() -> None:
             self._storage.make_dir(staging)
             with self._storage.open_write(fmt.join(staging, _written_mark(self._coord.rank))):
                 pass
+
+        def look() -> tuple[set[str], int]:
+            names = set(self._storage.list_dir(staging))
+            return names, sum(self._storage.size(fmt.join(staging, n)) for n in names if not n.startswith("."))
+
+        try:
+            # Also after a failure (even before this rank made the directory): the others
+            # stop waiting for this rank, and the barrier reports its error.
+            self._calls.run("marking this rank's part written", mark)
         except OSError as exc:
-            logger.warning("could not mark rank %d's part written: %s", self._coord.rank, exc)
+            logger.info("could not mark rank %d's part written: %s", self._coord.rank, exc)
             return
         wanted = {_written_mark(r) for r in range(world)}
         deadline = time.monotonic() + self._stall
@@ -497,16 +580,15 @@ class CheckpointManager:
         delay = 0.005
         while True:
             try:
-                names = set(self._storage.list_dir(staging))
+                names, grown = self._calls.run(f"listing {self._storage.location(staging)}", look)
                 if wanted <= names:
                     return
-                grown = sum(self._storage.size(fmt.join(staging, n)) for n in names if not n.startswith("."))
             except OSError as exc:
-                logger.warning("stopped waiting for the other ranks' files in %s: %s",
-                               self._storage.location(staging), exc)
+                logger.info("stopped waiting for the other ranks' files in %s: %s",
+                            self._storage.location(staging), exc)
                 return
             if self._superseded is not None and self._superseded():
-                logger.warning("stopped waiting for ranks %s's part of %s: a rank is gone, or the group re-forms",
+                logger.info("stopped waiting for ranks %s's part of %s: a rank is gone, or the group re-forms",
                                sorted(int(n.rsplit("-", 1)[1]) for n in wanted - names),
                                self._storage.location(staging))
                 return
@@ -514,7 +596,7 @@ class CheckpointManager:
             if grown != progress:
                 progress, deadline = grown, now + self._stall
             elif now > deadline:
-                logger.warning("ranks %s have not written their part of %s, which has not grown for %.0fs",
+                logger.info("ranks %s have not written their part of %s, which has not grown for %.0fs",
                                sorted(int(n.rsplit("-", 1)[1]) for n in wanted - names),
                                self._storage.location(staging), self._stall)
                 return
@@ -522,10 +604,16 @@ class CheckpointManager:
             delay = min(delay * 2, 0.5)
 
     def _write(self, directory: str, name: str, obj: Any) -> tuple[str, int, str]:
-        entry = fmt.write_file(self._storage, directory, name, obj, on_write=lambda: self._fault("during_write"))
+        def on_write() -> None:
+            self._calls.progress()
+            self._fault("during_write")
+
+        entry = fmt.write_file(self._storage, directory, name, obj, on_write=on_write)
         return entry.name, entry.size, entry.sha256  # a tuple: it crosses ranks pickled
 
     def _commit(self, step: int, staging: str, nonce: str, written: list[tuple[str, int, str]]) -> None:
+        if self._fence is None:
+            self._fence = _fence.claim(self._storage, self._prefix)
         entries = [fmt.FileEntry(name, size, sha) for name, size, sha in written]
         for entry in entries:
             path = fmt.join(staging, entry.name)
@@ -559,6 +647,12 @@ class CheckpointManager:
         self._fault("after_commit")
 
     def _retain(self, committed: int) -> None:
+        try:
+            self._calls.run(f"retention after step {committed}", lambda: self._retain_now(committed))
+        except OSError as exc:  # blocked: the next commit tries again
+            logger.warning("retention skipped: %s", exc)
+
+    def _retain_now(self, committed: int) -> None:
         try:
             if self._fence is not None:
                 # A newer world that claimed the directory since our commit owns what is in it.

@@ -51,11 +51,20 @@ _MACHINERY = ("/torch/", "/elastictrain/launch/_worker_boot.py", "<frozen runpy>
 _MAX_MESSAGE = 300
 
 _FINAL_ERRORS = ("elastictrain.errors.ConfigError", "elastictrain.errors.CheckpointMismatchError",
-                 "elastictrain.errors.NonFiniteStateError", "SyntaxError", "IndentationError", "TabError")
+                 "elastictrain.errors.NonFiniteStateError", "elastictrain.errors.CheckpointDirectoryError",
+                 "elastictrain.errors.DependencyError", "elastictrain.errors.TorchCompatError",
+                 "SyntaxError", "IndentationError", "TabError")
 """Errors that a restart would meet again, as a traceback's last line names them: input
 elastictrain refused, a checkpoint that does not fit the model, a training state gone NaN
-(live peers and a restart from a checkpoint carry it on or train into it again), and code
-that does not compile."""
+(live peers and a restart from a checkpoint carry it on or train into it again), a checkpoint
+directory that is read-only or not shared by all nodes, a dependency that does not import (or a
+torch without a name elastictrain needs), and code that does not compile."""
+
+_DIAGNOSED = "elastictrain.errors."
+"""Where the errors elastictrain raised on purpose live (:mod:`elastictrain.errors`): each one's
+message is the diagnosis, so the report prints no traceback for it, and does not cut it short."""
+
+_MAX_DIAGNOSIS = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +103,10 @@ class WorkerFailure:
     timestamp: float
     """When it failed (seconds since the epoch, from its error file)."""
 
+    diagnosed: bool = False
+    """Whether the error is one elastictrain raised on purpose (:mod:`elastictrain.errors`): its
+    message says what is wrong, and the report shows no traceback for it."""
+
     def describe(self) -> str:
         """``rank 1 on node1 failed: ValueError: bad batch (train.py:42)``."""
         who = f"rank {self.rank} on {self.node}"
@@ -109,14 +122,15 @@ class WorkerFailure:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> WorkerFailure:
-        return cls(**{name: data[name] for name in cls.__dataclass_fields__})  # type: ignore[attr-defined]
+        return cls(**{name: data[name] for name in cls.__dataclass_fields__  # type: ignore[attr-defined]
+                      if name in data})
 
 
-def _clean(error: str) -> str:
+def _clean(error: str, limit: int = _MAX_MESSAGE) -> str:
     """One line: gloo's source location and advice removed, cut at a sane length."""
     error = _ADVICE.sub("", _GLOO_SOURCE.sub("", error.strip()))
     line = error.splitlines()[0].strip() if error else ""
-    return line if len(line) <= _MAX_MESSAGE else line[: _MAX_MESSAGE - 3] + "..."
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def _frames(callstack: str) -> tuple[list[list[str]], list[str]]:
@@ -179,11 +193,12 @@ def from_process_failure(rank: int, failure: Any, node: str) -> WorkerFailure:
     code = int(failure.exitcode)
     signal = failure.signal_name() if code < 0 else None
     traceback, location = _trim(callstack) if callstack else ("", "")
-    error = _clean(message)
+    diagnosed = _closing_line(callstack).startswith(_DIAGNOSED)
+    error = _clean(message, _MAX_DIAGNOSIS if diagnosed else _MAX_MESSAGE)
     return WorkerFailure(
         rank=rank, node=node, pid=int(failure.pid), exit_code=code, signal=signal, error=error,
         location=location, traceback=traceback, consequential=bool(_CONSEQUENTIAL.search(message)),
-        final=_final_error(callstack) is not None, timestamp=float(failure.timestamp or 0))
+        final=_final_error(callstack) is not None, timestamp=float(failure.timestamp or 0), diagnosed=diagnosed)
 
 
 def final_error(failures: dict[int, Any]) -> tuple[int, str] | None:
@@ -213,10 +228,15 @@ def _recorded(failure: Any) -> tuple[str, str]:
     return message, callstack
 
 
+def _closing_line(callstack: str) -> str:
+    """The last line of a formatted traceback: ``module.Type: message`` of the exception raised."""
+    lines = callstack.rstrip().splitlines()
+    return lines[-1] if lines else ""
+
+
 def _final_error(callstack: str) -> str | None:
     """The name of the error among :data:`_FINAL_ERRORS` that closes ``callstack``, if one does."""
-    lines = callstack.rstrip().splitlines()
-    last = lines[-1] if lines else ""
+    last = _closing_line(callstack)
     return next((error.rpartition(".")[2] for error in _FINAL_ERRORS if last.startswith(f"{error}: ")), None)
 
 
@@ -248,10 +268,11 @@ def job_line(failures: list[WorkerFailure], restarts: int) -> str:
 
 def report(failures: list[WorkerFailure], restarts: int) -> str:
     """The text for the terminal: the root cause's traceback (once; none for a consequence, a
-    signal or a ``ConfigError``), then the job's one line."""
+    signal, an error a restart would meet again, or one elastictrain diagnosed), then the job's
+    one line."""
     root = root_cause(failures)
     line = job_line(failures, restarts)
-    if root is None or root.consequential or root.final or not root.traceback:
+    if root is None or root.consequential or root.final or root.diagnosed or not root.traceback:
         return line
     return f"traceback of rank {root.rank} on {root.node} (the root cause):\n{root.traceback}\n{line}"
 

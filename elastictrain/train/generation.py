@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from elastictrain import _torch_compat
 from elastictrain.train import peer_connections, process_group as pg
 from elastictrain.checkpoint import CheckpointManager, TorchDistributedCoordinator
-from elastictrain.errors import CheckpointError, ConfigError
+from elastictrain.errors import CheckpointError, CheckpointWriteError, ConfigError
 from elastictrain.train.control import WorkerControl
 from elastictrain.train.recovery import BoundaryFlag, abort_default_group, wrap_in_ddp
 from elastictrain.train.session_config import SessionConfig
@@ -100,11 +100,14 @@ class Generation:
                 raise ConfigError(f"ranks disagree on {name} ({by_rank}): every rank must run the same "
                                   "script with the same settings and data")
 
-    def open_checkpoints(self, config: SessionConfig, control: WorkerControl | None) -> CheckpointManager:
+    def open_checkpoints(self, config: SessionConfig, control: WorkerControl | None, *,
+                         on_write_failure: Callable[[int, CheckpointWriteError], None] | None = None,
+                         ) -> CheckpointManager:
         """The checkpoint manager of this generation, coordinating over its group.
 
         ``fence=True``: this world claims the directory before it restores, so a stale world
         (cut off from etcd while this one formed) can no longer commit there.
+        ``on_write_failure``: says that a save could not write (see ``CheckpointManager``).
         """
         assert config.checkpoint_dir is not None  # noqa: S101 - the caller checks
         coordinator = None
@@ -121,7 +124,7 @@ class Generation:
         self.checkpoints = CheckpointManager(
             config.checkpoint_dir, keep_last=config.keep_last, async_save=config.async_save,
             overlap=config.overlap_save, coordinator=coordinator, timeout=self.placement.timeout, fence=True,
-            superseded=superseded,
+            superseded=superseded, save_timeout=config.checkpoint_timeout, on_write_failure=on_write_failure,
         )
         return self.checkpoints
 

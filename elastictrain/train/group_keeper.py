@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from elastictrain import events
 from elastictrain._control import Assignment, WorkerState
+from elastictrain.errors import CheckpointWriteError
 from elastictrain.train.hooks import HookDispatcher
 from elastictrain.train.rank_logging import RankLoggerAdapter, follow_context, get_logger
 from elastictrain.train import process_group as pg
@@ -74,7 +75,8 @@ class GroupKeeper:
     """
 
     def __init__(self, config: SessionConfig, hooks: HookDispatcher, context: WorkerContext,
-                 group: dist.ProcessGroup | None, *, state: TrainingState, restore: Callable[[], None]) -> None:
+                 group: dist.ProcessGroup | None, *, state: TrainingState, restore: Callable[[], None],
+                 on_write_failure: Callable[[int, CheckpointWriteError], None] | None = None) -> None:
         self.config = config
         self.hooks = hooks
         self.context = context
@@ -87,6 +89,7 @@ class GroupKeeper:
         self._group = group
         self._state = state
         self._restore = restore
+        self._on_write_failure = on_write_failure
         self._assignment: Assignment | None = None
         self._due_since: float | None = None
 
@@ -232,7 +235,7 @@ class GroupKeeper:
                     state.step = agreement.step or 0
         sampler.set_world(self.context.rank, self.context.world_size)
         if config.checkpoint_dir is not None:
-            generation.open_checkpoints(config, self.control)
+            generation.open_checkpoints(config, self.control, on_write_failure=self._on_write_failure)
             if not peer_state:
                 self._restore()
         if received:

@@ -44,7 +44,7 @@ from torch.nn.parallel import DistributedDataParallel
 from elastictrain import events
 from elastictrain._durations import parse_duration
 from elastictrain.checkpoint import CheckpointManager, RestoreInfo
-from elastictrain.errors import ConfigError, SessionError
+from elastictrain.errors import CheckpointWriteError, ConfigError, SessionError
 from elastictrain.train.hooks import HookDispatcher
 from elastictrain.train.precision import MixedPrecision
 from elastictrain.train.progress import ProgressHook, progress_wanted
@@ -60,6 +60,11 @@ from elastictrain.train.training_state import TrainingState
 from elastictrain.train.worker import WorkerContext
 
 __all__ = ["MicroStep", "Session", "SessionConfig", "Step"]
+
+_STALL_TO_SKIP = 2.0
+"""Seconds the storage of an async save still in flight may go without answering (on any rank)
+before a save due is skipped rather than waited for: training must not wait out
+``checkpoint_timeout`` for a hung NFS server. A save that makes progress is waited for."""
 
 class Session:
     """Train a model elastically: a context manager yielding optimizer steps.
@@ -132,9 +137,10 @@ class Session:
         self.hooks = HookDispatcher(hooks)
         self._group = process_group
         self._keeper = GroupKeeper(config, self.hooks, context or WorkerContext.from_env(), process_group,
-                                   state=self._state, restore=self._restore)
+                                   state=self._state, restore=self._restore, on_write_failure=self._write_failed)
         self._loop = StepLoop(config, dataset, self._state, self._keeper, self.hooks, collate_fn=collate_fn,
-                              group=process_group, save=self.save, log=lambda: self.log)
+                              group=process_group, save=self._save_due, log=lambda: self.log)
+        self._final_save = False
         self._log = get_logger(__name__, self.context)
         self._entered = False
         self._closed = False
@@ -351,6 +357,8 @@ class Session:
 
     def _finish_run(self) -> None:
         if self.checkpoints is not None:
+            self._wait_for_save_in_flight()
+            self._final_save = True  # its failure fails the run: the last steps would be lost
             if self._state.saved_step != self._state.step:
                 self.save()
             self.checkpoints.close()
@@ -410,11 +418,68 @@ class Session:
         self._require_entered()
         yield from self._loop.run()
 
+    def _save_due(self) -> None:
+        """The save every ``checkpoint_every`` steps. One that cannot write (a full disk, an I/O
+        error, a storage that blocks) is said in one line and an event, and training goes on;
+        under ``async_save``, a save due while a rank's save in flight gets no answer from its
+        storage is skipped (every rank agrees), and said so."""
+        assert self.checkpoints is not None  # noqa: S101 - only with a checkpoint_dir
+        state = self._state
+        if self.config.async_save:
+            stalled = self._agreed_max(self.checkpoints.stalled.total_seconds())
+            if stalled >= _STALL_TO_SKIP:
+                if self.context.rank == 0:
+                    reason = f"the save in flight has had no answer from the storage for {stalled:.0f}s"
+                    self.log.warning("checkpoint of step %d skipped: %s; training continues, the next save is %s",
+                                     state.step, reason, self._next_save(state.step))
+                    events.emit("checkpoint_skipped", step=state.step, reason=reason,
+                                directory=self.checkpoints.location)
+                return
+            self._wait_for_save_in_flight()
+        try:
+            self.save()
+        except CheckpointWriteError:
+            pass  # said when it failed (_write_failed); nothing committed, the next save tries again
+
+    def _wait_for_save_in_flight(self) -> None:
+        assert self.checkpoints is not None  # noqa: S101 - only with a checkpoint_dir
+        try:
+            self.checkpoints.wait()
+        except CheckpointWriteError:  # said when it failed (_write_failed)
+            self._state.saved_step = None  # not saved after all: the run's end saves again
+
+    def _agreed_max(self, value: float) -> float:
+        """The largest ``value`` of all ranks (a collective over the training group)."""
+        if self.placement is None or not self.placement.distributed:
+            return value
+        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
+        with self._keeper.collective():
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group)
+        return float(tensor.item())
+
+    def _next_save(self, step: int) -> str:
+        every, last = self.config.checkpoint_every, self.config.max_steps
+        due = None if every is None else (step // every + 1) * every
+        return "at the end of the run" if due is None or (last is not None and due >= last) else f"at step {due}"
+
+    def _write_failed(self, step: int, error: CheckpointWriteError) -> None:
+        """Say that the save of ``step`` could not write (``on_write_failure``; maybe on the save's
+        thread): rank 0 in one line and an event. A failed final save is the run's failure instead."""
+        if self._final_save or self.context.rank != 0:
+            self.log.debug("save of step %d could not write: %s", step, error)
+            return
+        self.log.warning("%s; training continues, the next save is %s", error, self._next_save(step))
+        events.emit("checkpoint_abandoned", step=step, reason=str(error),
+                    directory=self.checkpoints.location if self.checkpoints is not None else None)
+
     def save(self) -> None:
         """Checkpoint the current state as step :attr:`step`; a collective (every rank calls it).
 
         Raises:
             SessionError: No ``checkpoint_dir`` was configured.
+            CheckpointWriteError: The save could not write (a full disk, an I/O error, a
+                storage that blocks); nothing was committed. The periodic saves of
+                ``checkpoint_every`` say so and train on.
             CheckpointError: The save failed; nothing was committed.
         """
         self._require_entered()

@@ -69,6 +69,12 @@ class SessionConfig:
     parameters or buffers in place outside the optimizer and the model's forward (see
     ``CheckpointManager(overlap=True)``; ``session.checkpoints.wait_snapshot()`` makes it safe)."""
 
+    checkpoint_timeout: timedelta = timedelta(minutes=5)
+    """How long a checkpoint save's storage call may go without progress (each 64 MiB written
+    counts) before the save is abandoned as failed (a hung NFS server; seconds are accepted).
+    Training goes on meanwhile under ``async_save``; saves due while a call still blocks are
+    skipped, and said so."""
+
     precision: str = "auto"
     """``"auto"`` (bf16 or fp16 on GPU, fp32 on CPU), ``"fp32"``, ``"bf16"`` or ``"fp16"`` (with a GradScaler)."""
 
@@ -144,6 +150,9 @@ class SessionConfig:
             raise ConfigError(f"hang_bounds must be a HangBounds, got {type(self.hang_bounds).__name__}")
         if self.recovery not in RECOVERY_MODES:
             raise ConfigError(f"recovery must be one of {RECOVERY_MODES}, got {self.recovery!r}")
+        if not isinstance(self.checkpoint_timeout, timedelta):
+            object.__setattr__(self, "checkpoint_timeout", parse_duration("checkpoint_timeout",
+                                                                          self.checkpoint_timeout, minimum=1))
         if not isinstance(self.recovery_timeout, timedelta):
             object.__setattr__(self, "recovery_timeout", parse_duration("recovery_timeout", self.recovery_timeout,
                                                                         minimum=1))

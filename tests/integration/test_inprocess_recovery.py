@@ -305,6 +305,29 @@ def test_a_node_lost_while_its_peers_wait_for_its_checkpoint_files_is_noticed_at
     assert causes == ["a worker's collective failed (a peer is gone)"], causes
 
 
+@pytest.mark.timeout(150)
+def test_a_rank_whose_checkpoint_write_blocks_re_forms_when_its_peer_is_lost_without_waiting_out_the_write(
+        etcd_server: Any, run_id: str, tmp_path: Path) -> None:
+    """Issue 40, item 5: rank 1's write blocks (an hour: a hung NFS client) when rank 0's node is
+    killed. Its save waited for the write for checkpoint_timeout (5 minutes) before the group could
+    re-form; the write is now abandoned as soon as the peer is gone, and rank 1 trains on alone."""
+    out = tmp_path / "job"
+    stalled = tmp_path / "stalled"
+    nodes = [start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.1", "--ckpt-every", "5",
+                        "--stall-save", f"1:{stalled}", min_nodes=1) for _ in range(2)]
+    wait_until(stalled.exists, "rank 1's checkpoint write stalled", nodes)
+    writer = int(stalled.read_text())
+    victim = next(n for n in nodes if writer not in descendants(n.pid))
+    survivor = next(n for n in nodes if n is not victim)
+    seen = len(records(out))
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    (output,) = finish([survivor], timeout=120)
+    assert survivor.returncode == 0, output[-3000:]
+    after = records(out)[seen:]
+    assert after and {r["world"] for r in after} == {1} and {r["pid"] for r in after} == {writer}, output[-3000:]
+
+
 def ready_nodes(etcd_client: Any, run_id: str, round_: int) -> int:
     """How many nodes said in etcd that their workers can form ``round_``'s group."""
     _, found = kv.range_(etcd_client, RunKeys.of(run_id).ready(round_), prefix=True, keys_only=True, what="test")

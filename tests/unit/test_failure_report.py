@@ -111,7 +111,9 @@ _ERRORS = "elastictrain.errors."
 
 @pytest.mark.parametrize(("raised", "final"), [
     (_ERRORS + "ConfigError", True), (_ERRORS + "CheckpointMismatchError", True),
-    (_ERRORS + "NonFiniteStateError", True), ("SyntaxError", True), ("IndentationError", True),
+    (_ERRORS + "NonFiniteStateError", True), (_ERRORS + "CheckpointDirectoryError", True),
+    (_ERRORS + "DependencyError", True), (_ERRORS + "TorchCompatError", True),
+    ("SyntaxError", True), ("IndentationError", True),
     (_ERRORS + "CheckpointError", False), (_ERRORS + "CorruptCheckpointError", False),
     (_ERRORS + "SessionError", False), ("ValueError", False), ("ModuleNotFoundError", False)])
 def test_errors_a_restart_would_meet_again_end_the_job_at_once(tmp_path: Path, raised: str, final: bool) -> None:
@@ -123,6 +125,21 @@ def test_errors_a_restart_would_meet_again_end_the_job_at_once(tmp_path: Path, r
     failure = _failure(tmp_path, "r0", f"{name}: it", stack=stack)
     assert failure_report.final_error({0: failure}) == ((0, name) if final else None)
     assert failure_report.from_process_failure(0, failure, "node0").final is final
+
+
+def test_an_error_elastictrain_diagnosed_prints_its_line_without_a_traceback_and_is_not_cut(tmp_path: Path) -> None:
+    """Issue 40, item 6: the traceback is for the script's own errors; elastictrain's message is the
+    diagnosis (before, a CheckpointError printed 20 lines of elastictrain's frames above its line,
+    and the line was cut at 300 characters)."""
+    message = "CheckpointError: checkpoint of step 4 was not committed: " + "x" * 400
+    stack = USER_STACK.replace('ValueError: bad batch 1234 in shard 7\n', f"{_ERRORS}{message}\n")
+    failure = failure_report.from_process_failure(0, _failure(tmp_path, "r0", message, stack=stack), "node0")
+    assert failure.diagnosed and not failure.final and failure.error == message
+    assert failure_report.report([failure], restarts=1) == (
+        f"rank 0 on node0 failed: {message} (train.py:42); job failed after 1 restart(s)")
+    user = failure_report.from_process_failure(
+        0, _failure(tmp_path, "r1", "ValueError: bad batch 1234 in shard 7", stack=USER_STACK), "node0")
+    assert not user.diagnosed and "Traceback" in failure_report.report([user], restarts=0)
 
 
 def test_a_config_error_from_a_dataclass_init_is_placed_at_the_script_s_call(tmp_path: Path) -> None:
