@@ -42,6 +42,8 @@ __all__ = [
     "Assignment",
     "Doorbell",
     "ProgressTable",
+    "CONTROL_PREFIX",
+    "SLOT_SIZE",
     "STACK_SIGNAL",
     "Section",
     "WorkerState",
@@ -176,6 +178,11 @@ class AssignmentWatch:
 # One slot per local worker: pid, step, step_at, step_s, alive_at, state, generation,
 # section, section_at, deadline, straggle, collective_at.
 _SLOT = struct.Struct("<qqdddqqqdddd")
+SLOT_SIZE = _SLOT.size
+"""Bytes a slot takes in the progress file (its size is this times the slots)."""
+
+CONTROL_PREFIX = "elastictrain-control-"
+"""How the name of an agent's control directory starts (in the system's temporary directory)."""
 
 
 @dataclass(frozen=True, slots=True)

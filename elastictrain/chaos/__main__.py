@@ -59,14 +59,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random faults and targets (default 0)")
     p.add_argument("--kinds", default=None, help="kinds the random faults are drawn from "
                    f"(default {','.join(k.value for k in DEFAULT_KINDS)}, +kill_etcd_leader with 3 etcd members, "
-                   "+partition_node with --netns)")
+                   "+partition_node,link_cut with --netns, +disk_full with --checkpoint-disk-mb)")
     p.add_argument("--gap", type=_gap, default=(2, 5), help="steps between a recovery and the next random fault, LOW:HIGH (default 2:5)")
     p.add_argument("--etcd-members", type=int, default=1, choices=(1, 3), help="etcd cluster size (default 1)")
     p.add_argument("--etcd-down", type=float, default=3.0, help="seconds killed etcd members stay down (default 3)")
     p.add_argument("--hang", type=float, default=None, help="seconds hang_worker stops a worker (default: pg timeout + 5)")
     p.add_argument("--hang-then-kill", action="store_true", help="end a hang with SIGKILL instead of SIGCONT")
     p.add_argument("--netns", action="store_true", help="run each node in its own network namespace (root, iproute2); "
-                   "needed by partition_node")
+                   "needed by partition_node and link_cut")
+    p.add_argument("--checkpoint-disk-mb", type=int, default=0, help="mount a tmpfs of this many MB at "
+                   "{run_dir}/ckpt for the checkpoints (root); needed by disk_full")
     p.add_argument("--partition-duration", type=float, default=None, help="seconds partition_node keeps a node "
                    "cut off (default: pg timeout + 10)")
     p.add_argument("--rejoin-after", type=float, default=3.0, help="seconds before bounce_node's replacement starts (default 3)")
@@ -106,7 +108,8 @@ def config_from(args: argparse.Namespace) -> ChaosConfig:
         kinds = parse_kinds(args.kinds)
     else:
         kinds = (DEFAULT_KINDS + ((FaultKind.KILL_ETCD_LEADER,) if args.etcd_members == 3 else ())
-                 + ((FaultKind.PARTITION_NODE, FaultKind.LINK_CUT) if args.netns else ()))
+                 + ((FaultKind.PARTITION_NODE, FaultKind.LINK_CUT) if args.netns else ())
+                 + ((FaultKind.DISK_FULL,) if args.checkpoint_disk_mb else ()))
     script_args = list(args.script_args)
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
@@ -125,7 +128,7 @@ def config_from(args: argparse.Namespace) -> ChaosConfig:
         join_timeout=args.join_timeout, max_restarts=args.max_restarts, recovery=args.recovery,
         recovery_bound=args.recovery_bound,
         deadline=args.deadline, reference=not args.no_reference, atol=args.atol, rtol=args.rtol,
-        run_args=tuple(args.run_arg),
+        run_args=tuple(args.run_arg), checkpoint_disk_mb=args.checkpoint_disk_mb,
     )
 
 

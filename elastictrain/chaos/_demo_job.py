@@ -1,12 +1,14 @@
 """The job a chaos run trains when no script is given: a small MLP under ``elastictrain.Session``.
 
 Usage: python _demo_job.py --ckpt DIR [--samples N] [--global-batch G] [--micro-batch M]
-                           [--epochs E] [--ckpt-every K] [--step-time SECONDS]
+                           [--epochs E] [--ckpt-every K] [--step-time SECONDS] [--ballast-mb MB]
 
 Each sample carries its own index, and the recorder logs the indices the
 batches actually held (not the sampler's plan), so a DataLoader that diverged
 from the plan shows in the evidence too. ``--step-time`` paces the job (a sleep
 per step) so that faults land mid-run instead of after a job that took a second.
+``--ballast-mb`` adds that many MB of state the job checkpoints (and a new worker receives)
+without training it: saves take long enough for a fault to land inside one.
 It doubles as an example of a script instrumented for chaos runs.
 """
 
@@ -32,6 +34,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--ckpt-every", type=int, default=3)
     parser.add_argument("--step-time", type=float, default=0.0)
+    parser.add_argument("--ballast-mb", type=float, default=0.0)
     args = parser.parse_args(argv)
 
     context = elastictrain.WorkerContext.from_env()
@@ -52,7 +55,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         epochs=args.epochs, seed=11, scheduler=scheduler, checkpoint_dir=args.ckpt,
         # Every checkpoint is kept, so the invariants can verify each one a restore loaded.
         checkpoint_every=args.ckpt_every, keep_last=10_000, sync_loss=True, log_every=None,
-        hooks=[recorder], extra_state={"chaos": recorder},
+        hooks=[recorder],
+        extra_state={"chaos": recorder, "ballast": {"zeros": torch.zeros(int(args.ballast_mb * 2**18))}},
     ) as session:
         for step in recorder.steps(session):
             consumed: list[int] = []

@@ -21,8 +21,10 @@ from elastictrain.errors import ConfigError
 __all__ = ["DEFAULT_KINDS", "ChaosConfig"]
 
 DEFAULT_KINDS = (FaultKind.KILL_WORKER, FaultKind.KILL_NODE, FaultKind.BOUNCE_NODE, FaultKind.HANG_WORKER,
-                 FaultKind.JOIN, FaultKind.KILL_ETCD, FaultKind.HANG_SLEEP, FaultKind.HANG_SPIN, FaultKind.STRAGGLER)
-"""Kinds a random run draws from (plus ``kill_etcd_leader`` with a 3-member etcd)."""
+                 FaultKind.JOIN, FaultKind.KILL_ETCD, FaultKind.HANG_SLEEP, FaultKind.HANG_SPIN, FaultKind.STRAGGLER,
+                 FaultKind.KILL_IN_SAVE)
+"""Kinds a random run draws from (plus ``kill_etcd_leader`` with a 3-member etcd, ``partition_node`` and
+``link_cut`` with netns, ``disk_full`` with a checkpoint disk)."""
 
 
 
@@ -118,6 +120,10 @@ class ChaosConfig:
     rtol: float = 1e-4
     """Relative tolerance of the final-parameters comparison."""
 
+    checkpoint_disk_mb: int = 0
+    """Mount a tmpfs of this many MB at ``{run_dir}/ckpt`` for the job's checkpoints (root), which
+    ``disk_full`` fills; the job must keep its checkpoints there. 0: none."""
+
     run_args: tuple[str, ...] = ()
     """Extra ``elastictrain run`` flags for every node."""
 
@@ -153,6 +159,9 @@ class ChaosConfig:
                 raise ConfigError(f"{kind.value} needs etcd_members={fault.etcd_members}")
             if fault.needs_netns and not self.netns:
                 raise ConfigError(f"{kind.value} needs netns=True (--netns): nodes on loopback cannot be cut off")
+            if fault.needs_checkpoint_disk and not self.checkpoint_disk_mb:
+                raise ConfigError(f"{kind.value} needs checkpoint_disk_mb (--checkpoint-disk-mb): a filesystem of the "
+                                  "run's own to fill, never the host's")
         if self.netns:
             check_available()
         if self.faults < 0:

@@ -18,11 +18,15 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import tempfile
 import time
 from abc import ABC, abstractmethod
 from datetime import timedelta
 from typing import TYPE_CHECKING, ClassVar
 
+from pathlib import Path
+
+from elastictrain._control import CONTROL_PREFIX, SLOT_SIZE, ProgressTable, Section
 from elastictrain.chaos.processes import process_state, worker_pids
 from elastictrain.chaos.schedule import FaultKind, FaultRecord
 
@@ -32,8 +36,8 @@ if TYPE_CHECKING:
     from elastictrain.chaos.harness import Harness
     from elastictrain.chaos.netns import NodeNetwork
 
-__all__ = ["BounceNode", "Fault", "HangSleep", "HangSpin", "HangWorker", "Join", "KillEtcd", "KillEtcdLeader",
-           "KillNode", "KillWorker", "LinkCut", "PartitionNode", "Straggler", "fault_class", "fault_for"]
+__all__ = ["BounceNode", "DiskFull", "Fault", "HangSleep", "HangSpin", "HangWorker", "Join", "KillEtcd", "KillEtcdLeader",
+           "KillInSave", "KillNode", "KillWorker", "LinkCut", "PartitionNode", "Straggler", "fault_class", "fault_for"]
 
 _HANG_FOUND_S = 10.0
 """The shortest SIGSTOP hang :meth:`HangWorker.noticed_within` judges (finding one takes about 3 s: 2 s
@@ -65,6 +69,9 @@ class Fault(ABC):
 
     etcd_members: ClassVar[int] = 1
     """The fewest etcd members it needs."""
+
+    needs_checkpoint_disk: ClassVar[bool] = False
+    """It needs the checkpoint directory on a filesystem of the run's own (``checkpoint_disk``)."""
 
     def __init__(self, record: FaultRecord, harness: Harness) -> None:
         self.record = record
@@ -315,6 +322,127 @@ class Straggler(_InLoopFault):
         if not named:
             return False
         return super().recovered(final=final)
+
+
+class KillInSave(_WorkerFault):
+    """SIGKILL one worker while it saves a checkpoint: the harness finds the worker's progress slot
+    (its agent's control channel, from the worker's environment) and kills it the moment the slot
+    says it is in a checkpoint save. Its peers, waiting for its files at the save's barrier, must
+    notice at once, commit nothing, and re-form with its replacement; the committed checkpoints
+    stay intact. The gate lets the job reach its next save."""
+
+    kind = FaultKind.KILL_IN_SAVE
+
+    def inject(self, now: float) -> bool:
+        pid = self._target_worker()
+        if pid is None:
+            return False
+        slot = _progress_slot(pid)
+        if slot is None:
+            self.record.note = "the worker has no control channel (not in-process recovery)"
+            return False
+        table, index = slot
+        every = (self.harness.progress.config or {}).get("checkpoint_every") or 1
+        self.harness.set_gate(self.harness.progress.step + every + 1)
+        deadline = time.monotonic() + _SAVE_WAIT_S
+        try:
+            while time.monotonic() < deadline:
+                if table.read(index).section == Section.SAVE:
+                    os.kill(pid, signal.SIGKILL)
+                    self.record.ended = time.time()
+                    self.record.note = "killed inside a checkpoint save"
+                    return True
+                time.sleep(0.0005)
+        except ProcessLookupError:
+            pass
+        finally:
+            table.close()
+        self.record.note = f"the worker was in no checkpoint save within {_SAVE_WAIT_S:g}s"
+        return False
+
+
+_SAVE_WAIT_S = 20.0
+"""How long :class:`KillInSave` watches its target for a save before it tries again."""
+
+
+def _progress_slot(pid: int) -> tuple[ProgressTable, int] | None:
+    """The progress table of worker ``pid``'s agent and the worker's slot there: the slot that holds
+    its pid, among the control channels of this machine's agents (a forked worker's ``/proc``
+    environment is its forkserver's, so the channel is found by the pid its worker wrote)."""
+    temp = Path(tempfile.gettempdir())
+    # An agent's channel is in the temporary directory, or in its node's own directory there.
+    for progress in [*temp.glob(f"{CONTROL_PREFIX}*/progress"), *temp.glob(f"*/{CONTROL_PREFIX}*/progress")]:
+        try:
+            slots = progress.stat().st_size // SLOT_SIZE
+            table = ProgressTable(progress.parent, slots)
+        except (OSError, ValueError):
+            continue  # its agent removed it meanwhile
+        found = next((slot for slot in range(slots) if table.read(slot).pid == pid), None)
+        if found is not None:
+            return table, found
+        table.close()
+    return None
+
+
+class DiskFull(Fault):
+    """Fill the checkpoint directory's filesystem (a tmpfs the harness mounted for the run,
+    ``checkpoint_disk``) for :data:`DISK_FULL_S`, then free it: the saves meanwhile meet a real
+    ENOSPC. Training must go on, each save that could not write is reported
+    (``checkpoint_abandoned``), the committed checkpoints stay intact, and a save after the
+    space is back commits. The gate lets the job train through it."""
+
+    kind = FaultKind.DISK_FULL
+    restarts_workers = False
+    needs_checkpoint_disk = True
+
+    @classmethod
+    def duration(cls, config: ChaosConfig) -> timedelta:
+        """See base class."""
+        return timedelta(seconds=DISK_FULL_S)
+
+    def inject(self, now: float) -> bool:
+        harness = self.harness
+        ballast = harness.checkpoint_dir / ".disk-full-ballast"
+        with open(ballast, "wb") as out:
+            chunk = b"\0" * (1 << 20)
+            try:
+                while True:
+                    out.write(chunk)
+                    out.flush()
+            except OSError:
+                pass  # full
+        self.record.target = f"{harness.checkpoint_dir} full"
+        every = (harness.progress.config or {}).get("checkpoint_every") or 1
+        harness.set_gate(harness.progress.step + every + 2)
+
+        def free() -> None:
+            ballast.unlink(missing_ok=True)
+            self.record.ended = time.time()
+
+        harness.later(timedelta(seconds=DISK_FULL_S), free)
+        return True
+
+    def recovered(self, *, final: bool = False) -> bool:
+        """See base class: the job trained on past a save it could not write, then committed one."""
+        record = self.record
+        abandoned = [e for e in self.harness.agent_events("checkpoint_abandoned") if e.get("ts", 0) > self._injected]
+        if record.ended is None or (not abandoned and not final):
+            return False
+        commits = [e for e in self.harness.agent_events("checkpoint_commit") if e.get("ts", 0) > record.ended]
+        if not commits and not final:
+            every = (self.harness.progress.config or {}).get("checkpoint_every") or 1
+            self.harness.set_gate(self.harness.progress.step + every + 1)  # on to the next save
+            return False
+        record.note = (f"save of step {abandoned[0].get('step')} abandoned ({abandoned[0].get('reason', '')[:80]}); "
+                       f"step {commits[0].get('step')} committed after the space came back"
+                       if abandoned and commits else "no save was abandoned" if not abandoned else "no commit after")
+        if not (abandoned and commits):
+            return False
+        return super().recovered(final=final)
+
+
+DISK_FULL_S = 5.0
+"""How long :class:`DiskFull` keeps the checkpoint filesystem full."""
 
 
 class _NodeFault(Fault):
@@ -584,7 +712,7 @@ class KillEtcdLeader(_EtcdFault):
 
 _BY_KIND: dict[FaultKind, type[Fault]] = {cls.kind: cls for cls in (
     KillWorker, HangWorker, KillNode, BounceNode, PartitionNode, LinkCut, Join, KillEtcd, KillEtcdLeader, HangSleep,
-    HangSpin, Straggler)}
+    HangSpin, Straggler, KillInSave, DiskFull)}
 
 
 def fault_class(kind: FaultKind) -> type[Fault]:

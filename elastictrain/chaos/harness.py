@@ -44,7 +44,7 @@ from elastictrain.chaos import invariants as inv
 from elastictrain.chaos.cluster import EtcdCluster, Node
 from elastictrain.chaos.config import DEFAULT_KINDS, ChaosConfig
 from elastictrain.chaos.faults import Fault, fault_for
-from elastictrain.chaos.netns import NS_PEER_INTERFACE, NodeNetwork
+from elastictrain.chaos.netns import NS_PEER_INTERFACE, NodeNetwork, mount_small_disk, unmount_small_disk
 from elastictrain.chaos.recorder import CHAOS_DIR_ENV, GATE_ENV
 from elastictrain.chaos.report import build_report
 from elastictrain.chaos.schedule import FaultRecord, RandomPlanner
@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["DEFAULT_KINDS", "ChaosConfig", "ChaosResult", "run_chaos"]
 
 _OPEN = 2**62  # a gate that holds nothing
-_FOLLOWED = ("spare", "straggler")
+_FOLLOWED = ("spare", "straggler", "checkpoint_abandoned", "checkpoint_commit")
 """The kinds of events of the run's event log that the harness follows."""
 
 _REFERENCE_GRACE_S = 30.0
@@ -145,6 +145,10 @@ class Harness:
             raise ConfigError(f"run directory {self.run_dir} is not empty")
         check_writable_dir(str(self.run_dir), "--run-dir")
         (self.run_dir / "nodes").mkdir()
+        self.checkpoint_dir = self.run_dir / "ckpt"
+        """Where the job is to keep its checkpoints (``--ckpt {run_dir}/ckpt``): on a tmpfs of its own
+        with ``checkpoint_disk_mb`` (faults that fill it need one)."""
+        self._disk_mounted = False
         self.evidence_dir = self.run_dir / "evidence"
         self.gate_file = self.run_dir / "gate"
         self.run_id = f"chaos-{uuid.uuid4().hex[:8]}"
@@ -332,9 +336,21 @@ class Harness:
     # --- the run ------------------------------------------------------------------------------
 
     def run(self) -> ChaosResult:
+        try:
+            return self._run()
+        finally:
+            if self._disk_mounted:  # after the verdict, which reads the checkpoints there
+                unmount_small_disk(self.checkpoint_dir)
+                self._disk_mounted = False
+
+    def _run(self) -> ChaosResult:
         config = self.config
         reference = None
         try:
+            if config.checkpoint_disk_mb:
+                self.checkpoint_dir.mkdir()
+                mount_small_disk(self.checkpoint_dir, config.checkpoint_disk_mb)
+                self._disk_mounted = True
             self.evidence_dir.mkdir()
             self.set_gate(0)  # hold the job until the first fault is planned
             self.etcd.start()

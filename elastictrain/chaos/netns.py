@@ -37,7 +37,8 @@ from elastictrain.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NS_INTERFACE", "NS_PEER_INTERFACE", "NodeNetwork", "check_available"]
+__all__ = ["NS_INTERFACE", "NS_PEER_INTERFACE", "NodeNetwork", "check_available", "mount_small_disk",
+           "unmount_small_disk"]
 
 NS_INTERFACE = "eth0"
 """The node's interface to etcd inside its namespace."""
@@ -238,3 +239,24 @@ class NodeNetwork:
         _ip("link", "delete", self.bridge, check=False)
         with contextlib.suppress(Exception):
             atexit.unregister(self.teardown)
+
+
+def mount_small_disk(path: Path, megabytes: int) -> None:
+    """Mount a tmpfs of ``megabytes`` at ``path`` (a filesystem of the run's own, which a fault may
+    fill: a real ENOSPC, and never the host's disk).
+
+    Raises:
+        ConfigError: Not root, or the mount failed.
+    """
+    if os.geteuid() != 0:
+        raise ConfigError("checkpoint_disk_mb needs root (it mounts a tmpfs for the checkpoints)")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}m", "tmpfs", str(path)],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise ConfigError(f"could not mount a {megabytes} MB tmpfs at {path}: {done.stderr.strip()}")
+
+
+def unmount_small_disk(path: Path) -> None:
+    """Unmount what :func:`mount_small_disk` mounted (lazily if something still holds it)."""
+    if subprocess.run(["umount", str(path)], capture_output=True, check=False).returncode != 0:
+        subprocess.run(["umount", "--lazy", str(path)], capture_output=True, check=False)

@@ -23,6 +23,8 @@ class of :mod:`~elastictrain.chaos.faults`, which injects it):
                           its training loop: its process keeps running, as real hangs do)
 ``hang_spin``             one worker spins in Python inside its next step, for good
 ``straggler``             one worker computes each of its next 25 steps 0.5 s slower, then catches up
+``kill_in_save``          SIGKILL one worker the moment it saves a checkpoint
+``disk_full``             (``checkpoint_disk`` only) fill the checkpoint filesystem for 5 s, then free it
 ========================  ===================================================================
 
 Everything else a kind knows (whether it ends the training group, when it is feasible, how
@@ -61,6 +63,8 @@ class FaultKind(str, enum.Enum):
     HANG_SLEEP = "hang_sleep"
     HANG_SPIN = "hang_spin"
     STRAGGLER = "straggler"
+    KILL_IN_SAVE = "kill_in_save"
+    DISK_FULL = "disk_full"
 
     @property
     def restarts_workers(self) -> bool:

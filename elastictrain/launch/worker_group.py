@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from elastictrain._control import Assignment, Doorbell, Progress, ProgressTable, write_assignment
+from elastictrain._control import CONTROL_PREFIX, Assignment, Doorbell, Progress, ProgressTable, write_assignment
 from elastictrain._process import proc_stat
 from elastictrain.launch.hang_detector import STOPPED
 
@@ -156,7 +156,7 @@ class Channel:
     """The agent's end of the control channel (:mod:`elastictrain._control`)."""
 
     def __init__(self, local_world_size: int) -> None:
-        self.directory = tempfile.mkdtemp(prefix="elastictrain-control-")
+        self.directory = tempfile.mkdtemp(prefix=CONTROL_PREFIX)
         self.table = ProgressTable(self.directory, local_world_size, create=True)
         self.doorbell = Doorbell(self.directory, create=True)
         """Rung by the workers when their slots' states change, and by the rendezvous when its

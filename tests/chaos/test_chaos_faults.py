@@ -140,6 +140,30 @@ def test_ranks_blocked_in_a_call_or_spinning_inside_a_step_are_replaced_and_a_st
 
 
 @pytest.mark.timeout(600)
+def test_a_kill_inside_a_checkpoint_save_and_a_full_disk_lose_nothing(tmp_path: Path) -> None:
+    # A worker killed the moment its slot says it saves (4 MB of state: the save takes a while),
+    # then the checkpoint filesystem (a 256 MB tmpfs of the run's own) filled for 5 s: training
+    # goes on, the saves meanwhile are reported abandoned, one after the space is back commits,
+    # and every committed checkpoint verifies.
+    if os.geteuid() != 0:
+        pytest.skip("disk_full mounts a tmpfs for the checkpoints: needs root")
+    result = run_chaos(ChaosConfig(
+        script=JOB, script_args=(*JOB_ARGS, "--ballast-mb", "4"), run_dir=str(tmp_path / "run"), nodes=2,
+        min_nodes=2, max_nodes=2, schedule=tuple(parse_schedule("kill_in_save@4,disk_full@10")), seed=4,
+        checkpoint_disk_mb=256,
+    ))
+    _show(result)
+    report = result.report
+    assert [f["kind"] for f in report["faults"] if f["injected_s"] is not None] == ["kill_in_save", "disk_full"]
+    _assert_holds(result, *EVERY_INVARIANT)
+    assert report["completed"] and report["committed_steps"] == TOTAL_STEPS
+    kill, full = report["faults"]
+    assert kill["note"] == "killed inside a checkpoint save" and kill["restarted"], kill
+    assert full["note"].startswith("save of step") and "committed after the space came back" in full["note"], full
+    assert full["restarted"] is False, full
+
+
+@pytest.mark.timeout(600)
 def test_hot_spares_take_the_place_of_lost_nodes_and_never_the_seat_of_a_healthy_one(tmp_path: Path) -> None:
     # 3 nodes of a job of at most 2: one waits as a hot spare. A worker kill must not hand the
     # spare a healthy node's seat (probe, stop 29: the job went back to its checkpoint); a lost

@@ -41,6 +41,7 @@ def _soak(run_dir: Path, *, faults: int, seed: int, kinds: tuple[FaultKind, ...]
         script_args=("--ckpt", "{run_dir}/ckpt", "--samples", "384", "--epochs", str(-(-steps_needed // 24)),
                      "--ckpt-every", "3"),
         faults=faults, seed=seed, kinds=kinds, netns=any(kind.fault_class.needs_netns for kind in kinds),
+        checkpoint_disk_mb=256 if any(kind.fault_class.needs_checkpoint_disk for kind in kinds) else 0,
         deadline=3.5 * 3600,
     ))
     report = result.report
@@ -58,7 +59,9 @@ def _soak(run_dir: Path, *, faults: int, seed: int, kinds: tuple[FaultKind, ...]
 @pytest.mark.timeout(4 * 3600)
 def test_soak_random_faults_keep_every_invariant(tmp_path: Path) -> None:
     # partition_node needs root (network namespaces): only when ELASTICTRAIN_SOAK_KINDS names it.
-    every_loopback_kind = ",".join(k.value for k in FaultKind if not k.fault_class.needs_netns)
+    # disk_full mounts a tmpfs for the checkpoints: as root only.
+    every_loopback_kind = ",".join(k.value for k in FaultKind if not k.fault_class.needs_netns
+                                   and (os.geteuid() == 0 or not k.fault_class.needs_checkpoint_disk))
     _soak(tmp_path / "soak", faults=int(os.environ.get("ELASTICTRAIN_SOAK_FAULTS", "50")),
           seed=int(os.environ.get("ELASTICTRAIN_SOAK_SEED", "1")),
           kinds=parse_kinds(os.environ.get("ELASTICTRAIN_SOAK_KINDS", every_loopback_kind)),
