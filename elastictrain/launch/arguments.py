@@ -58,9 +58,10 @@ def _add_switch(parser: argparse.ArgumentParser, flag: str, *aliases: str, help:
     """An on/off flag that ``ELASTICTRAIN_<FLAG>=1`` (or true/yes) also turns on."""
     dest = flag.lstrip("-").replace("-", "_")
     default = _env(dest, "").strip().lower() in {"1", "true", "yes", "on"}
-    parser.add_argument(flag, dest=dest, action="store_true", default=default,
+    short = [a for a in aliases if not a.startswith("--")]  # shown in --help: -v, --verbose
+    parser.add_argument(*short, flag, dest=dest, action="store_true", default=default,
                         help=f"{help} (env ELASTICTRAIN_{dest.upper()}=1)")
-    _add_aliases(parser, aliases, dest, action="store_true")
+    _add_aliases(parser, [a for a in aliases if a.startswith("--")], dest, action="store_true")
 
 
 # torchrun flags that have no meaning here, and why: refused in one line each.
@@ -211,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Launch this node's elastic agent (or several local ones) for SCRIPT.",
     )
     _add_switch(run, "--debug", help="show tracebacks and debug logs")
+    _add_switch(run, "--verbose", "-v", help="show everything on the terminal: torch's C++ warnings and "
+                "torch.elastic's own lines (otherwise in the node's log file, or dropped), and the long worker "
+                "log prefix")
     _add(run, "--nnodes", default=None, type=_nnodes, help="torchrun's spelling of the node counts: N, or "
          "MIN:MAX (same as --min-nodes MIN --max-nodes MAX)")
     _add(run, "--min-nodes", default=None, type=_positive_int,

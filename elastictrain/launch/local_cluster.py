@@ -27,7 +27,7 @@ __all__ = ["run_local_nodes"]
 
 
 def run_local_nodes(count: int, node_args: Sequence[str], *, grace_seconds: float = 30.0,
-                    per_node: Callable[[int], list[str]] | None = None) -> int:
+                    per_node: Callable[[int], list[str]] | None = None, log_dir: str | None = None) -> int:
     """Start ``count`` node agents with ``elastictrain run <node_args>`` and wait for all.
 
     Args:
@@ -35,6 +35,7 @@ def run_local_nodes(count: int, node_args: Sequence[str], *, grace_seconds: floa
         node_args: Arguments of ``elastictrain run`` for each node (no ``--local-nodes``).
         grace_seconds: After a signal, how long nodes get to stop before SIGKILL.
         per_node: Flags of node ``i`` alone (put before ``node_args``), e.g. its metrics port.
+        log_dir: Where the nodes write their log files (``node0.log``, ...), named once here.
 
     Returns:
         0 if every node exited 0, else the first non-zero exit code seen.
@@ -57,7 +58,8 @@ def run_local_nodes(count: int, node_args: Sequence[str], *, grace_seconds: floa
             env = {**os.environ, failure_report.OUTCOME_FILE_ENV: os.path.join(outcomes, f"node{index}.json")}
             # A node outlives neither this launcher nor, through its own agent, its workers.
             procs.append(subprocess.Popen(dying_with_us(cmd), env=env))
-        logger.info("started %d local nodes: pids %s", count, [p.pid for p in procs])
+        logs = f"; their logs (torch's own lines too; -v shows them here): {log_dir}/node*.log" if log_dir else ""
+        logger.info("started %d local nodes: pids %s%s", count, [p.pid for p in procs], logs)
         first_failure = 0
         pending = list(procs)
         signalled_at: float | None = None

@@ -45,7 +45,7 @@ from elastictrain.errors import ConfigError, SessionError
 from elastictrain.train.hooks import HookDispatcher
 from elastictrain.train.precision import MixedPrecision
 from elastictrain.train.progress import ProgressHook, progress_wanted
-from elastictrain.train.rank_logging import RankLoggerAdapter, get_logger, setup_logging
+from elastictrain.train.rank_logging import RankLoggerAdapter, get_logger, setup_logging, terminal_is_prefixed
 from elastictrain.train.sampler import ElasticSampler
 from elastictrain.train import process_group as pg
 from elastictrain.train.control import JobEnded
@@ -264,7 +264,7 @@ class Session:
         config, state, keeper = self.config, self._state, self._keeper
         if not logging.getLogger().handlers and not logging.getLogger("elastictrain").handlers:
             # Nobody configured logging in this worker: show ours (prefixed, rank 0's info only).
-            setup_logging(self.context, logger="elastictrain")
+            setup_logging(self.context, logger="elastictrain", brief=terminal_is_prefixed())
             logging.getLogger("elastictrain").propagate = False
         self.hooks.dispatch("on_start", context=self.context)
         keeper.open()
@@ -292,9 +292,9 @@ class Session:
                                 generation=keeper.control.generation, world_size=self.context.world_size,
                                 seconds=0.0)
         self.log.info(
-            "session started: world size %d, device %s, backend %s, precision %s, global batch %d "
+            "session started: run %r, world size %d, device %s, backend %s, precision %s, global batch %d "
             "(%d micro-batch(es) per step), %s, %s recovery",
-            self.context.world_size, device, self.placement.backend or "none", state.precision.precision,
+            self.context.run_id, self.context.world_size, device, self.placement.backend or "none", state.precision.precision,
             config.global_batch_size, self._micro_count(),
             "state from a live peer at step %d" % state.step if received else (
                 f"resumed at step {state.step}" if state.restored else "fresh start"),
