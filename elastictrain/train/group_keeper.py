@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 from collections.abc import Callable
 
@@ -34,6 +35,7 @@ from elastictrain.train.recovery import (
     describe,
     is_collective_failure,
     join_generation,
+    torch_env,
     wait_for_generation,
 )
 from elastictrain.train.session_config import SessionConfig
@@ -192,6 +194,9 @@ class GroupKeeper:
         self._set_context(context_for(self.context, assignment))
 
     def _set_context(self, context: WorkerContext) -> None:
+        if self._assignment is not None:
+            # In-process, this process outlives the environment the agent started it with.
+            os.environ.update(torch_env(context, self._assignment))
         if context is not self.context:
             self.context = context
             self.log = get_logger(__name__, context)

@@ -563,3 +563,34 @@ def test_only_this_nodes_own_failures_spend_its_budget(etcd_server: Any, run_id:
     assert not [e for e in failures if e["pid"] == node_a.pid], "node A saw a failure of its own"
     failed_workers = {f["pid"] for e in failures if e["pid"] == node_b.pid for f in e["failures"].values()}
     assert len(failed_workers) == 3, f"node B's worker failed in {len(failed_workers)} processes, not 3"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("api", ["session", "elastic"])
+def test_torchs_environment_follows_the_group_after_an_in_place_resize(etcd_server: Any, run_id: str,
+                                                                       tmp_path: Path, api: str) -> None:
+    """Issue 43: a worker kept through a re-formation has torch's environment of its new group
+    (it kept RANK and WORLD_SIZE of the first: 'world 2 (env RANK 0 WORLD_SIZE 3)')."""
+    out = tmp_path / "job"
+    nodes = [start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.1", "--api", api, min_nodes=2,
+                        max_nodes=3) for _ in range(3)]
+    wait_until(lambda: len({r["rank"] for r in records(out) if r["world"] == 3}) == 3, "a step at world 3", nodes)
+    victim = nodes[2]
+    os.killpg(victim.pid, signal.SIGKILL)  # the node's agent and its worker: a machine dying
+    victim.wait()
+    outputs = finish(nodes[:2])
+    assert [n.returncode for n in nodes[:2]] == [0, 0], outputs[0][-3000:]
+    resized = [r for r in records(out) if r["world"] == 2]
+    assert {r["rank"] for r in resized} == {0, 1} and len({r["pid"] for r in resized}) == 2
+    assert {r["pid"] for r in resized} <= {r["pid"] for r in records(out) if r["world"] == 3}, "a survivor restarted"
+    for r in records(out):
+        # One worker per node: its rank is its node's rank, the world its nodes' count.
+        rank, world = str(r["rank"]), str(r["world"])
+        assert r["env"] | {"MASTER_ADDR": None, "MASTER_PORT": None} == {
+            "RANK": rank, "WORLD_SIZE": world, "ROLE_RANK": rank, "ROLE_WORLD_SIZE": world, "GROUP_RANK": rank,
+            "GROUP_WORLD_SIZE": world, "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": None,
+            "MASTER_PORT": None}, r
+    # Both survivors name the same store of their new group, not the first group's.
+    stores = {(r["env"]["MASTER_ADDR"], r["env"]["MASTER_PORT"]) for r in resized if r["step"] == resized[-1]["step"]}
+    assert len(stores) == 1 and stores != {(r["env"]["MASTER_ADDR"], r["env"]["MASTER_PORT"])
+                                           for r in records(out) if r["world"] == 3}
