@@ -11,6 +11,7 @@ where they do not.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -26,11 +27,44 @@ __all__ = ["build_parser", "check_run_flags", "etcd_options", "node_args", "prec
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that raises instead of printing usage and exiting, so errors stay one line."""
+    """argparse that raises instead of printing usage and exiting, so errors stay one line, and
+    that names the flag a mistyped one was probably meant to be (argparse's ``suggest_on_error``
+    arrives only with Python 3.14)."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
         # `run`'s script arguments are optional; argparse names them with the script.
         raise ConfigError(message.replace("required: script, script_args", "required: script"))
+
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        """See base class; unknown flags are reported with a suggestion from the flags of the
+        subcommand given (see :func:`_unrecognized`)."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            parser: argparse.ArgumentParser = self
+            for action in self._actions:
+                if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001 - no public handle
+                    parser = action.choices.get(getattr(parsed, action.dest, None) or "", self)
+            raise ConfigError(_unrecognized(extras, _flags_of(parser)))
+        return parsed
+
+
+def _flags_of(parser: argparse.ArgumentParser) -> list[str]:
+    """The long flags ``parser`` accepts (torchrun's spellings included, refused ones not)."""
+    return [option for action in parser._actions for option in action.option_strings  # noqa: SLF001
+            if option.startswith("--") and option not in _REFUSED_SPELLINGS]
+
+
+def _unrecognized(unknown: Sequence[str], flags: Sequence[str]) -> str:
+    """``unrecognized arguments: A B``, and for each unknown flag close to a known one (by
+    ``difflib``'s ratio): ``A: did you mean --flag?``."""
+    hints = []
+    for word in unknown:
+        name = word.partition("=")[0]
+        close = difflib.get_close_matches(name, flags, n=1, cutoff=0.75) if name.startswith("--") else []
+        if close:
+            hints.append(f"{name}: did you mean {close[0]}?")
+    return "; ".join([f"unrecognized arguments: {' '.join(unknown)}", *hints])
 
 
 def _env(dest: str, default: Any) -> Any:
@@ -407,7 +441,7 @@ def _check_run_arguments(run_parser: argparse.ArgumentParser, argv: Sequence[str
             # Guess: an unknown flag followed by a word that is not a script takes it as its value.
             index += 2 if (not eq and following and not following.startswith("-")
                            and not following.endswith(".py") and index + 2 < len(argv)) else 1
-    problems = ([f"unrecognized arguments: {' '.join(unknown)}"] if unknown else []) + refused
+    problems = ([_unrecognized(unknown, _flags_of(run_parser))] if unknown else []) + refused
     if problems:
         raise ConfigError("; ".join(problems))
 
