@@ -9,8 +9,9 @@ appending, so lines from several processes on one machine never interleave.
 Kinds written by elastictrain: ``rendezvous`` (round, world size, duration),
 ``membership_change`` (old -> new world size), ``spare`` (the round is full: this node
 waits to replace one that leaves), ``worker_failure``, ``hang``, ``recovery``, ``restart``,
-``stop_requested``, ``job_end``, and from the training session ``checkpoint_commit`` and
-``restore`` (rank 0; an async save reports ``checkpoint_save`` when copied).
+``stop_requested``, ``job_end``, and from the training session ``checkpoint_commit``,
+``checkpoint_abandoned`` (a save a re-formation abandoned: ``step``, ``reason``, ``next_step``)
+and ``restore`` (rank 0; an async save reports ``checkpoint_save`` when copied).
 torch's own agent events arrive as ``torch_agent``.
 """
 

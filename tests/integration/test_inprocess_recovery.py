@@ -594,3 +594,29 @@ def test_torchs_environment_follows_the_group_after_an_in_place_resize(etcd_serv
     stores = {(r["env"]["MASTER_ADDR"], r["env"]["MASTER_PORT"]) for r in resized if r["step"] == resized[-1]["step"]}
     assert len(stores) == 1 and stores != {(r["env"]["MASTER_ADDR"], r["env"]["MASTER_PORT"])
                                            for r in records(out) if r["world"] == 3}
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_abandoned_because_a_peer_died_during_its_save_says_so_once_with_the_next_one_due(
+        etcd_server: Any, run_id: str, tmp_path: Path) -> None:
+    """Issue 43: a worker killed during the save of a step: the survivors recovered, and no line said
+    that the step's checkpoint was not committed, nor when the next one comes."""
+    out = tmp_path / "job"
+    stalled = tmp_path / "stalled"
+    nodes = [start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.1", "--ckpt-every", "5",
+                        "--stall-save", f"0:{stalled}", min_nodes=1) for _ in range(2)]
+    wait_until(stalled.exists, "rank 0's checkpoint write stalled", nodes)
+    writer = int(stalled.read_text())
+    victim = next(n for n in nodes if writer in descendants(n.pid))
+    survivor = next(n for n in nodes if n is not victim)
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    (output,) = finish([survivor])
+    assert survivor.returncode == 0, output[-3000:]
+    abandoned = events(out, "checkpoint_abandoned")
+    assert [(e["step"], e["next_step"]) for e in abandoned] == [(5, 10)], abandoned
+    assert "CheckpointError" in abandoned[0]["reason"]
+    lines = [line for line in output.splitlines() if "checkpoint of step 5 was abandoned" in line]
+    assert len(lines) == 1 and "the next is due at step 10" in lines[0], output[-3000:]
+    committed = [e["step"] for e in events(out, "checkpoint_commit")]
+    assert 5 not in committed and 10 in committed, committed
