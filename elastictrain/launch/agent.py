@@ -27,6 +27,7 @@ from elastictrain.launch import failure_report
 from elastictrain.launch.run_state import RunPublisher
 from elastictrain.launch.worker_group import continue_stopped, exited_cleanly, finished_without_a_word
 from elastictrain.rendezvous.handler import Etcd3RendezvousHandler
+from elastictrain.rendezvous.records import describe_node
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +54,8 @@ def _membership_change(before: Any, after: Any) -> dict[str, list[str]]:
 
 
 def describe_change(change: dict[str, list[str]]) -> str:
-    """``; node(s) left: a; joined: b`` for a log line (empty if none)."""
-    parts = [f"{what}: {', '.join(change[key])}" for key, what in (("nodes_left", "node(s) left"),
+    """``; node(s) left: node2@127.0.0.1 (pid 42); joined: ...`` for a log line (empty if none)."""
+    parts = [f"{what}: {', '.join(map(describe_node, change[key]))}" for key, what in (("nodes_left", "node(s) left"),
                                                                    ("nodes_joined", "node(s) joined")) if key in change]
     return "".join(f"; {part}" for part in parts)
 
