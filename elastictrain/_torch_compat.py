@@ -44,6 +44,7 @@ __all__ = [
     "rebuild_ddp_buckets",
     "remaining_restarts",
     "set_local_rank_env",
+    "spare_restart",
     "worker_exit_codes",
     "worker_group",
     "worker_sentinels",
@@ -151,6 +152,12 @@ def import_ddp_modules() -> None:
 def remaining_restarts(agent: SimpleElasticAgent) -> int:
     """Restarts the agent may still make after worker failures."""
     return int(agent._remaining_restarts)  # noqa: SLF001 - checked above
+
+
+def spare_restart(agent: SimpleElasticAgent) -> None:
+    """Make the agent's next restart after a worker failure not count against ``max_restarts``
+    (its run loop takes one off before restarting)."""
+    agent._remaining_restarts += 1  # noqa: SLF001 - checked above
 
 
 def forgo_restarts(agent: SimpleElasticAgent) -> None:

@@ -158,14 +158,23 @@ class ElasticAgent(LocalElasticAgent):
                 result = RunResult(state=WorkerState.SUCCEEDED,
                                    return_values={w.global_rank: None for w in worker_group.workers})
         if result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
-            logger.info("%s", failure_cause(result.failures))
-            self._events.emit("worker_failure", failures={
+            peer_caused = failure_report.peer_caused(result.failures)
+            if peer_caused:
+                # A peer's failure broke this node's collectives: the job restarts, but the budget
+                # counts only this node's own failures (as under in-process recovery).
+                logger.info("%s, because a peer's failure broke its collectives: not this node's own failure, "
+                            "its restart budget is not spent", failure_cause(result.failures))
+            else:
+                logger.info("%s", failure_cause(result.failures))
+            self._events.emit("worker_failure", peer_caused=peer_caused, failures={
                 rank: {"exitcode": f.exitcode, "pid": f.pid, "signal": f.signal_name() if f.exitcode < 0 else None}
                 for rank, f in result.failures.items()
             })
             if final_failure(result.failures):
                 self._restarts_at_final_error = self.restarts
                 _torch_compat.forgo_restarts(self)
+            elif peer_caused:
+                _torch_compat.spare_restart(self)
         elif result.state == WorkerState.HEALTHY:
             return self._check_stop(worker_group) or result
         return result

@@ -263,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_switch(run, "--standalone", help="force a private etcd even if ELASTICTRAIN_ETCD is set")
     _add(run, "--run-id", "--rdzv-id", "--rdzv_id", default=None,
          help="job name shared by all its nodes; namespaces its etcd keys (required with --etcd)")
-    _add(run, "--max-restarts", "--max_restarts", default=3, type=_non_negative_int, help="failures of this node's own workers the job survives (within --restart-window; with --recovery restart, torch's group restarts)")
+    _add(run, "--max-restarts", "--max_restarts", default=3, type=_non_negative_int, help="failures of this node's own workers the job survives (within --restart-window; with --recovery restart, torch's group restarts); a worker that failed because a peer went away is not its node's failure")
     _add(run, "--recovery", default="in-process", choices=("in-process", "restart"), help="in-process: workers keep their processes through faults and resizes; restart: every worker restarts from the last checkpoint")
     _add(run, "--restart-window", default=3600.0, type=float, help="seconds over which --max-restarts counts this node's failures (in-process recovery)")
     _add(run, "--local-nodes", default=None, type=_positive_int, help="start this many node agents on this machine (a multi-node job without several hosts)")

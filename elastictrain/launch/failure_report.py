@@ -24,8 +24,8 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["OUTCOME_FILE_ENV", "WorkerFailure", "final_error", "from_process_failure", "job_line", "read_outcome",
-           "report", "root_cause", "write_outcome"]
+__all__ = ["OUTCOME_FILE_ENV", "WorkerFailure", "final_error", "from_process_failure", "job_line", "peer_caused",
+           "read_outcome", "report", "root_cause", "write_outcome"]
 
 OUTCOME_FILE_ENV = "ELASTICTRAIN_OUTCOME_FILE"
 """Set by a ``--local-nodes`` launcher for each node: where the node writes its outcome (JSON)
@@ -195,6 +195,15 @@ def final_error(failures: dict[int, Any]) -> tuple[int, str] | None:
         if name is not None:
             return rank, name
     return None
+
+
+def peer_caused(failures: dict[int, Any]) -> bool:
+    """Whether every one of torch's ``ProcessFailure`` records failed because a peer went away
+    (its recorded error says so: a collective or store call broken by the peer, see
+    ``_CONSEQUENTIAL``): a consequence of another node's failure, not this node's own. A worker
+    killed by a signal or that left no error recorded is its node's own failure."""
+    return bool(failures) and all(int(f.exitcode) > 0 and bool(_CONSEQUENTIAL.search(_recorded(f)[0]))
+                                  for f in failures.values())
 
 
 def _recorded(failure: Any) -> tuple[str, str]:
