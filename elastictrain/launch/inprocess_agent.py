@@ -28,6 +28,7 @@ from elastictrain import _torch_compat
 from elastictrain._control import Assignment, WorkerState as SlotState
 from elastictrain.errors import EtcdError
 from elastictrain.events import NODE_ENV
+from elastictrain.launch import failure_report
 from elastictrain.launch.agent import ElasticAgent, describe_change, failure_cause, final_failure
 from elastictrain.launch.worker_group import Channel, FailureBudget, HangDetector, WorkerProcesses
 
@@ -217,7 +218,11 @@ class InProcessAgent(ElasticAgent):
                     self._stop_workers(group)
                     group.state = WorkerState.FAILED
                     return result
-                backoff = self._budget.spend(now, trained=self._trained(group, result.failures))
+                peer_caused = failure_report.peer_caused(result.failures)  # not this node's failure: no spending
+                backoff = 0.0 if peer_caused else self._budget.spend(now, trained=self._trained(group, result.failures))
+                if peer_caused:
+                    logger.info("%s, because a peer's failure broke its collectives: not this node's own failure, "
+                                "its restart budget is not spent", failure_cause(result.failures))
                 if backoff is None:
                     logger.error("this node's workers failed %d times within %gs, more than --max-restarts %d "
                                  "allows: the job fails", self._budget.limit + 1, self._budget.window_s,
