@@ -11,7 +11,9 @@ Kinds written by elastictrain: ``rendezvous`` (round, world size, duration),
 waits to replace one that leaves), ``worker_failure``, ``hang``, ``recovery``, ``restart``,
 ``stop_requested``, ``job_end``, and from the training session ``checkpoint_commit``,
 ``checkpoint_abandoned`` (a save a re-formation abandoned: ``step``, ``reason``, ``next_step``)
-and ``restore`` (rank 0; an async save reports ``checkpoint_save`` when copied).
+``restore`` and ``session_end`` (the steps trained) (rank 0; an async save reports
+``checkpoint_save`` when copied). ``worker_failure`` gives each failed worker's recorded error,
+location, trimmed traceback and whether a peer's failure caused it (the run summary reads them).
 torch's own agent events arrive as ``torch_agent``.
 """
 

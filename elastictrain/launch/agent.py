@@ -31,7 +31,7 @@ from elastictrain.rendezvous.records import describe_node
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ElasticAgent", "describe_change", "failure_cause", "final_failure"]
+__all__ = ["ElasticAgent", "describe_change", "failure_cause", "failure_fields", "final_failure"]
 
 
 def failure_cause(failures: dict[int, Any]) -> str:
@@ -41,6 +41,19 @@ def failure_cause(failures: dict[int, Any]) -> str:
                                                 else f"exit code {f.exitcode}")
                     for rank, f in sorted(failures.items()))
     return f"worker(s) {', '.join(str(rank) for rank in sorted(failures))} failed ({how})"
+
+
+def failure_fields(failures: dict[int, Any], node: str) -> dict[int, dict[str, Any]]:
+    """A ``worker_failure`` event's ``failures``: by global rank, how each worker ended (exit code,
+    pid, signal) and, when it recorded one, its error, where in the user's code, its trimmed
+    traceback, and whether it failed because a peer went away (the run summary reads them)."""
+    out: dict[int, dict[str, Any]] = {}
+    for rank, f in failures.items():
+        found = failure_report.from_process_failure(rank, f, node)
+        out[rank] = {"exitcode": f.exitcode, "pid": f.pid, "signal": f.signal_name() if f.exitcode < 0 else None,
+                     "error": found.error, "location": found.location, "traceback": found.traceback,
+                     "consequential": found.consequential}
+    return out
 
 
 def _membership_change(before: Any, after: Any) -> dict[str, list[str]]:
@@ -166,10 +179,8 @@ class ElasticAgent(LocalElasticAgent):
                             "its restart budget is not spent", failure_cause(result.failures))
             else:
                 logger.info("%s", failure_cause(result.failures))
-            self._events.emit("worker_failure", peer_caused=peer_caused, failures={
-                rank: {"exitcode": f.exitcode, "pid": f.pid, "signal": f.signal_name() if f.exitcode < 0 else None}
-                for rank, f in result.failures.items()
-            })
+            self._events.emit("worker_failure", peer_caused=peer_caused,
+                              failures=failure_fields(result.failures, self._events.node))
             if final_failure(result.failures):
                 self._restarts_at_final_error = self.restarts
                 _torch_compat.forgo_restarts(self)

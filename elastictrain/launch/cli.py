@@ -170,7 +170,9 @@ def _run(args: argparse.Namespace) -> int:
             port = args.metrics_port
             return run_local_nodes(args.local_nodes, children,
                                    per_node=(lambda i: [f"--metrics-port={port + i}"]) if port else None,
-                                   log_dir=os.path.dirname(os.path.abspath(config.event_log)))
+                                   log_dir=os.path.dirname(os.path.abspath(config.event_log)),
+                                   summary=lambda since, seconds, finished: print_summary(
+                                       str(config.event_log), since=since, seconds=seconds, finished=finished))
         from elastictrain.launch import node_setup
 
         node_log = _node_log_path(config)
@@ -178,7 +180,7 @@ def _run(args: argparse.Namespace) -> int:
         if OUTCOME_FILE_ENV not in os.environ:  # a --local-nodes launcher names the logs once
             logger.info("this node's log (torch's own lines too; -v shows them here): %s", node_log)
 
-        started = time.monotonic()
+        started, started_at = time.monotonic(), time.time()
         node = node_setup.prepare(config)
         try:
             from elastictrain.launch.launcher import launch
@@ -187,11 +189,25 @@ def _run(args: argparse.Namespace) -> int:
         finally:
             node.close()
         elapsed = time.monotonic() - started
+        if OUTCOME_FILE_ENV not in os.environ:  # a --local-nodes launcher sums up its nodes once
+            print_summary(str(config.event_log), since=started_at, seconds=elapsed,
+                          finished=outcome.exit_code == 0)
         _report_outcome(outcome, elapsed)
         return outcome.exit_code
     finally:
         if server is not None:
             server.stop()
+
+
+def print_summary(event_log: str, *, since: float, seconds: float, finished: bool) -> None:
+    """The run summary (:mod:`elastictrain.launch.run_summary`) of the events since ``since``."""
+    from elastictrain.launch.run_summary import read_events, summarize
+
+    lines, traceback = summarize(read_events(event_log, since), seconds=seconds, finished=finished)
+    for line in lines:
+        logger.info("%s", line)
+    if traceback:
+        print(traceback, file=sys.stderr, flush=True)
 
 
 def _node_log_path(config: Any) -> str:

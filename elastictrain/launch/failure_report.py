@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 __all__ = ["OUTCOME_FILE_ENV", "WorkerFailure", "final_error", "from_process_failure", "job_line", "peer_caused",
-           "read_outcome", "report", "root_cause", "write_outcome"]
+           "read_outcome", "report", "root_cause", "strip_noise", "write_outcome"]
 
 OUTCOME_FILE_ENV = "ELASTICTRAIN_OUTCOME_FILE"
 """Set by a ``--local-nodes`` launcher for each node: where the node writes its outcome (JSON)
@@ -110,6 +110,14 @@ class WorkerFailure:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> WorkerFailure:
         return cls(**{name: data[name] for name in cls.__dataclass_fields__})  # type: ignore[attr-defined]
+
+
+def strip_noise(text: str) -> str:
+    """``text`` (an error, or a cause that quotes one) without gloo's source locations and advice."""
+    return _ADVICE_INLINE.sub("", _GLOO_SOURCE.sub("", text))
+
+
+_ADVICE_INLINE = re.compile(r"\s*This is typically caused by a remote worker[^)]*")
 
 
 def _clean(error: str) -> str:

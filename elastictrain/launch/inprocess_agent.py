@@ -29,7 +29,7 @@ from elastictrain._control import Assignment, WorkerState as SlotState
 from elastictrain.errors import EtcdError
 from elastictrain.events import NODE_ENV
 from elastictrain.launch import failure_report
-from elastictrain.launch.agent import ElasticAgent, describe_change, failure_cause, final_failure
+from elastictrain.launch.agent import ElasticAgent, describe_change, failure_cause, failure_fields, final_failure
 from elastictrain.launch.worker_group import Channel, FailureBudget, HangDetector, WorkerProcesses
 
 _LINGER_S = 30.0
@@ -175,9 +175,7 @@ class InProcessAgent(ElasticAgent):
             else:
                 self._finished.add(local_rank)
         if failures:
-            self._events.emit("worker_failure", failures={
-                rank: {"exitcode": f.exitcode, "pid": f.pid, "signal": f.signal_name() if f.exitcode < 0 else None}
-                for rank, f in failures.items()})
+            self._events.emit("worker_failure", failures=failure_fields(failures, self._events.node))
             return RunResult(state=WorkerState.FAILED, failures=failures)
         if len(self._finished) == len(worker_group.workers):
             return RunResult(state=WorkerState.SUCCEEDED,

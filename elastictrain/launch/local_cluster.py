@@ -29,7 +29,8 @@ __all__ = ["JobOutcome", "job_outcome", "run_local_nodes"]
 
 
 def run_local_nodes(count: int, node_args: Sequence[str], *, grace_seconds: float = 30.0,
-                    per_node: Callable[[int], list[str]] | None = None, log_dir: str | None = None) -> int:
+                    per_node: Callable[[int], list[str]] | None = None, log_dir: str | None = None,
+                    summary: Callable[[float, float, bool], None] | None = None) -> int:
     """Start ``count`` node agents with ``elastictrain run <node_args>`` and wait for all.
 
     Args:
@@ -38,6 +39,8 @@ def run_local_nodes(count: int, node_args: Sequence[str], *, grace_seconds: floa
         grace_seconds: After a signal, how long nodes get to stop before SIGKILL.
         per_node: Flags of node ``i`` alone (put before ``node_args``), e.g. its metrics port.
         log_dir: Where the nodes write their log files (``node0.log``, ...), named once here.
+        summary: Prints the run summary, given the job's start (unix seconds), its seconds and
+            whether it finished; called once, before the job's last line.
 
     Returns:
         0 if every node exited 0, else the first non-zero exit code seen.
@@ -53,6 +56,7 @@ def run_local_nodes(count: int, node_args: Sequence[str], *, grace_seconds: floa
                 proc.send_signal(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    started, started_at = time.monotonic(), time.time()
     try:
         for index in range(count):
             own = per_node(index) if per_node else []
@@ -82,6 +86,8 @@ def run_local_nodes(count: int, node_args: Sequence[str], *, grace_seconds: floa
                   "stopped", file=sys.stderr, flush=True)
             return 128 + received[0]
         outcome = job_outcome(codes)
+        if summary is not None:
+            summary(started_at, time.monotonic() - started, not outcome.failed_nodes and outcome.exit_code == 0)
         if outcome.failed_nodes:
             return _report(outcomes, count, outcome.exit_code)
         if outcome.why:  # said last: the job's outcome, and why a node's own code is not it

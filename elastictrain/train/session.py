@@ -332,6 +332,8 @@ class Session:
                 self.save()
             self.checkpoints.close()
         self.log.info("training finished after %d steps", self.step)
+        if self.context.rank == 0:
+            events.emit("session_end", step=self.step)  # the run summary's step count
         self.hooks.dispatch("on_end", step=self.step)
 
     def _fail(self, error: BaseException) -> None:
