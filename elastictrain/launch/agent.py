@@ -161,6 +161,12 @@ class ElasticAgent(LocalElasticAgent):
         return [Worker(local_rank=i, global_rank=first + i, role_rank=first + i, world_size=world,
                        role_world_size=world) for i in range(spec.local_world_size)]
 
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        started = super()._start_workers(worker_group)
+        # Their semaphores' names go once the workers hold them: none left behind if this agent is killed.
+        _torch_compat.release_semaphore_names(_torch_compat.process_context(self))
+        return started
+
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
         context = _torch_compat.process_context(self)

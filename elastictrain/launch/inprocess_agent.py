@@ -141,12 +141,14 @@ class InProcessAgent(ElasticAgent):
             self._logs[local_rank] = (self._worker_logs(local_rank) if self._worker_logs else DefaultLogsSpecs(
                 log_dir=os.path.join(self._log_root, f"local_rank_{local_rank}")))
         assert spec.entrypoint is not None  # noqa: S101 - set by the launcher
-        return start_processes(
+        context = start_processes(
             name=f"{spec.role}{local_rank}", entrypoint=spec.entrypoint,
             args={0: tuple(macros.substitute(list(spec.args), str(local_rank)))}, envs={0: env},
             logs_specs=self._logs[local_rank], start_method=self._start_method,
             # What --tee shows on the terminal: [node rank], as untee'd worker output (see _worker_boot).
             log_line_prefixes={0: f"[{os.environ.get(NODE_ENV) or socket.gethostname()} {worker.global_rank}] "})
+        _torch_compat.release_semaphore_names(context)  # none left behind if this agent is killed
+        return context
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self._publish_generation(worker_group, cause="start")
