@@ -135,6 +135,8 @@ class Session:
         self._log = get_logger(__name__, self.context)
         self._entered = False
         self._closed = False
+        self._in_flight: int | None = None
+        """The number of the step the caller's code is in, if it is in one."""
 
     # --- properties ----------------------------------------------------------------------------
 
@@ -342,7 +344,9 @@ class Session:
         if isinstance(error, JobEnded):  # the agent ended the group (stopped, or the job ended): no failure
             self.log.info("left the job at step %d: %s", self.step, error)
         else:
-            self.log.error("training failed at step %d: %s: %s", self.step, type(error).__name__, error)
+            where = (f"in step {self._in_flight} ({self.step} committed)" if self._in_flight is not None
+                     else f"after step {self.step}")
+            self.log.error("training failed %s: %s: %s", where, type(error).__name__, error)
         self.hooks.dispatch("on_failure", error=error)
         if self.checkpoints is not None:
             try:
@@ -387,7 +391,14 @@ class Session:
             SessionError: Used outside ``with``, or a step left incomplete.
         """
         self._require_entered()
-        yield from self._loop.run()
+        steps = self._loop.run()
+        try:
+            for step in steps:
+                self._in_flight = step.number  # what a failure names: the step the caller's code saw
+                yield step
+                self._in_flight = None
+        finally:
+            steps.close()
 
     def save(self) -> None:
         """Checkpoint the current state as step :attr:`step`; a collective (every rank calls it).
