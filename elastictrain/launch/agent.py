@@ -31,7 +31,7 @@ from elastictrain.rendezvous.records import describe_node
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ElasticAgent", "describe_change", "failure_cause", "failure_fields", "final_failure"]
+__all__ = ["ElasticAgent", "describe_change", "failure_cause", "failure_fields", "final_failure", "not_own_failure"]
 
 
 def failure_cause(failures: dict[int, Any]) -> str:
@@ -54,6 +54,15 @@ def failure_fields(failures: dict[int, Any], node: str) -> dict[int, dict[str, A
                      "error": found.error, "location": found.location, "traceback": found.traceback,
                      "consequential": found.consequential}
     return out
+
+
+def not_own_failure(worker_group: WorkerGroup, failures: dict[int, Any]) -> bool:
+    """Whether a failure is no failure of this node's own: its worker failed because a peer went
+    away (:func:`failure_report.peer_caused`), and that peer is on another node. Only a node with
+    one worker knows the latter: with several, a sibling may have failed first, and torch's agent
+    stops the others at the first failure it sees (often the sibling's peer, whose error came
+    sooner): the node's own failure would go uncounted, a crash loop unbounded."""
+    return worker_group.spec.local_world_size == 1 and failure_report.peer_caused(failures)
 
 
 def _membership_change(before: Any, after: Any) -> dict[str, list[str]]:
@@ -177,7 +186,7 @@ class ElasticAgent(LocalElasticAgent):
                 result = RunResult(state=WorkerState.SUCCEEDED,
                                    return_values={w.global_rank: None for w in worker_group.workers})
         if result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
-            peer_caused = failure_report.peer_caused(result.failures)
+            peer_caused = not_own_failure(worker_group, result.failures)
             if peer_caused:
                 # A peer's failure broke this node's collectives: the job restarts, but the budget
                 # counts only this node's own failures (as under in-process recovery).

@@ -28,8 +28,14 @@ from elastictrain import _torch_compat
 from elastictrain._control import Assignment, WorkerState as SlotState
 from elastictrain.errors import EtcdError
 from elastictrain.events import NODE_ENV
-from elastictrain.launch import failure_report
-from elastictrain.launch.agent import ElasticAgent, describe_change, failure_cause, failure_fields, final_failure
+from elastictrain.launch.agent import (
+    ElasticAgent,
+    describe_change,
+    failure_cause,
+    failure_fields,
+    final_failure,
+    not_own_failure,
+)
 from elastictrain.launch.worker_group import Channel, FailureBudget, HangDetector, WorkerProcesses
 
 _LINGER_S = 30.0
@@ -218,7 +224,7 @@ class InProcessAgent(ElasticAgent):
                     self._stop_workers(group)
                     group.state = WorkerState.FAILED
                     return result
-                peer_caused = failure_report.peer_caused(result.failures)  # not this node's failure: no spending
+                peer_caused = not_own_failure(group, result.failures)  # not this node's failure: no spending
                 backoff = 0.0 if peer_caused else self._budget.spend(now, trained=self._trained(group, result.failures))
                 if peer_caused:
                     logger.info("%s, because a peer's failure broke its collectives: not this node's own failure, "
