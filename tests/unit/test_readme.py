@@ -83,7 +83,11 @@ def test_the_session_conversion_example_runs_and_shows_what_a_real_loop_needs(tm
              "loss_fn = torch.nn.functional.mse_loss\n")
     script = stubs + converted.replace('"/shared/ckpt"', repr(str(tmp_path / "ckpt")))
     script = script.replace("max_steps=1000", "max_steps=4").replace("% 500 ==", "% 2 ==")
+    # A plain process, world 1: no launcher's variables (another test's process may have left some).
+    launcher = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"}
+    env = {k: v for k, v in os.environ.items() if k not in launcher and not k.startswith("ELASTICTRAIN_")}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90,
-                          env={**os.environ, "ELASTICTRAIN_PROGRESS": "0"})
+                          env={**env, "ELASTICTRAIN_PROGRESS": "0"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines() == ["step 2 at world size 1", "step 4 at world size 1"]
