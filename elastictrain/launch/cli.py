@@ -177,8 +177,6 @@ def _run(args: argparse.Namespace) -> int:
 
         node_log = _node_log_path(config)
         _logging.log_to_file(node_log)
-        if OUTCOME_FILE_ENV not in os.environ:  # a --local-nodes launcher names the logs once
-            logger.info("this node's log (torch's own lines too; -v shows them here): %s", node_log)
 
         started, started_at = time.monotonic(), time.time()
         node = node_setup.prepare(config)
@@ -191,7 +189,7 @@ def _run(args: argparse.Namespace) -> int:
         elapsed = time.monotonic() - started
         if OUTCOME_FILE_ENV not in os.environ:  # a --local-nodes launcher sums up its nodes once
             print_summary(str(config.event_log), since=started_at, seconds=elapsed,
-                          finished=outcome.exit_code == 0)
+                          finished=outcome.exit_code == 0, node_log=node_log)
         _report_outcome(outcome, elapsed)
         return outcome.exit_code
     finally:
@@ -199,11 +197,15 @@ def _run(args: argparse.Namespace) -> int:
             server.stop()
 
 
-def print_summary(event_log: str, *, since: float, seconds: float, finished: bool) -> None:
-    """The run summary (:mod:`elastictrain.launch.run_summary`) of the events since ``since``."""
+def print_summary(event_log: str, *, since: float, seconds: float, finished: bool,
+                  node_log: str | None = None) -> None:
+    """The run summary (:mod:`elastictrain.launch.run_summary`) of the events since ``since``,
+    and where this node's log is (a --local-nodes launcher names its nodes' logs as they start)."""
     from elastictrain.launch.run_summary import read_events, summarize
 
     lines, traceback = summarize(read_events(event_log, since), seconds=seconds, finished=finished)
+    if node_log:
+        lines.append(f"  this node's log (torch's own lines too; -v shows them here): {node_log}")
     for line in lines:
         logger.info("%s", line)
     if traceback:

@@ -6,8 +6,9 @@ for all its nodes) prints a summary from the run's events (:mod:`elastictrain.ev
 since the job started:
 
 - the steps trained (the session's ``session_end``) and the wall time;
-- each worker that failed on its own (not because a peer went away), hung, and each recovery
-  in place (its step, seconds, world sizes and cause);
+- each worker that failed on its own (not because a peer went away; in a job that finished:
+  a failed job's report names them), hung, and each recovery in place (its step, seconds,
+  world sizes and cause);
 - each checkpoint abandoned;
 - the traceback of the first user exception the job recovered from, once.
 
@@ -89,7 +90,8 @@ def summarize(events: list[dict[str, Any]], *, seconds: float, finished: bool) -
               f"{len(hangs)} hung worker(s)" if hangs else "",
               f"{len(abandoned)} checkpoint(s) abandoned" if abandoned else ""]
     lines = [head + ("; " + ", ".join(c for c in counts if c) if any(counts) else "; no fault")]
-    lines += [f"  rank {rank} on {node} {_how(fields)}" for rank, node, fields in failures]
+    if finished:  # a failed job's report names its failures, root cause first
+        lines += [f"  rank {rank} on {node} {_how(fields)}" for rank, node, fields in failures]
     lines += [f"  rank {e.get('rank', e.get('local_rank', '?'))} on {e.get('node', '?')} hung, killed" for e in hangs]
     lines += [f"  recovered in {float(e.get('seconds', 0)):.2f}s after step {e.get('step')} "
               f"(world size {e.get('old_world_size')} -> {e.get('world_size')}): {_short(e.get('cause', ''))}"

@@ -42,8 +42,9 @@ def test_faults_are_listed_own_failures_only_and_the_first_traceback_once() -> N
         "  the first exception recovered from, rank 1 on node1 (its traceback, once):",
     ]
     assert traceback == _RAISED["traceback"]
-    # A job that failed: its report gives the root cause's traceback, not the summary.
-    assert summarize(events, seconds=60, finished=False)[1] == ""
+    # A job that failed: its report names the failures and gives the root cause's traceback.
+    failed_lines, failed_traceback = summarize(events, seconds=60, finished=False)
+    assert failed_traceback == "" and not [line for line in failed_lines if " failed: " in line]
 
 
 def test_only_events_since_the_job_started_are_read(tmp_path: Path) -> None:
