@@ -136,3 +136,14 @@ def test_a_flag_close_to_none_gets_no_suggestion_and_a_refused_one_is_never_sugg
     assert cli.main(["run", "--bogus", "--master-adr", "h", "x.py"]) == 2
     err = capsys.readouterr().err
     assert "did you mean" not in err, err
+
+
+def test_verbose_falls_back_to_its_variable_and_reaches_local_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 43: -v/--verbose, like every flag, from ELASTICTRAIN_VERBOSE; a --local-nodes child gets it.
+    parser = arguments.build_parser()
+    assert parser.parse_args(["run", "x.py"]).verbose is False
+    monkeypatch.setenv("ELASTICTRAIN_VERBOSE", "1")
+    parser = arguments.build_parser()
+    args = parser.parse_args(["run", "--local-nodes", "2", "x.py"])
+    assert args.verbose is True
+    assert "--verbose" in arguments.node_args(args.run_parser, args, endpoint="127.0.0.1:1", run_id="r", local_addr=None)
