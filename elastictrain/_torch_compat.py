@@ -17,6 +17,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import multiprocessing.synchronize as _mp_synchronize
+import multiprocessing.util as _mp_util
+import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,8 +46,10 @@ __all__ = [
     "import_ddp_modules",
     "process_context",
     "rebuild_ddp_buckets",
+    "release_semaphore_names",
     "remaining_restarts",
     "set_local_rank_env",
+    "spare_restart",
     "worker_exit_codes",
     "worker_group",
     "worker_sentinels",
@@ -123,6 +129,9 @@ def _check() -> None:
         raise _fail("no longer decides on SimpleElasticAgent._remaining_restarts whether to restart failed workers")
     if "self._pcontext" not in inspect.getsource(LocalElasticAgent.__init__):
         raise _fail("no longer sets LocalElasticAgent._pcontext (its workers' process context)")
+    for attr in ("self._pc", "self._ret_vals", "self._worker_finished_event"):
+        if attr not in inspect.getsource(MultiprocessContext.__init__):
+            raise _fail(f"no longer sets MultiprocessContext.{attr[5:]} (its workers' process context and semaphores)")
     if "self._pc" not in inspect.getsource(MultiprocessContext.__init__):
         raise _fail("no longer sets MultiprocessContext._pc (its torch.multiprocessing ProcessContext)")
     if "self.processes" not in inspect.getsource(importlib.import_module("torch.multiprocessing.spawn").ProcessContext):
@@ -153,6 +162,12 @@ def remaining_restarts(agent: SimpleElasticAgent) -> int:
     return int(agent._remaining_restarts)  # noqa: SLF001 - checked above
 
 
+def spare_restart(agent: SimpleElasticAgent) -> None:
+    """Make the agent's next restart after a worker failure not count against ``max_restarts``
+    (its run loop takes one off before restarting)."""
+    agent._remaining_restarts += 1  # noqa: SLF001 - checked above
+
+
 def forgo_restarts(agent: SimpleElasticAgent) -> None:
     """Make the agent's run loop fail the job at the next worker failure instead of restarting."""
     agent._remaining_restarts = 0  # noqa: SLF001 - checked above
@@ -166,6 +181,68 @@ def worker_group(agent: SimpleElasticAgent) -> Any:
 def process_context(agent: LocalElasticAgent) -> Any:
     """The process context (``PContext``) of the agent's workers, or None before they start."""
     return agent._pcontext  # noqa: SLF001 - checked above
+
+
+def release_semaphore_names(context: Any, *, timeout: float = 5.0) -> None:
+    """Unlink the names of the POSIX semaphores of a torch ``MultiprocessContext`` once its workers
+    hold them, in a thread of their own (the agent goes on at once).
+
+    The context makes a ``SimpleQueue`` per worker and one ``Event`` for all (7 named semaphores
+    for one worker) under the forkserver start method, whose workers open them by name; their
+    names stay in ``/dev/shm`` for the workers' whole life. An agent killed by SIGKILL cannot
+    unlink them: its resource tracker did, with ``resource_tracker: There appear to be 7 leaked
+    semaphore objects`` on the terminal, and a tracker killed with it (``killpg``) left them in
+    ``/dev/shm`` for good. A worker opens them (maps ``/dev/shm/sem.NAME``) while it unpickles
+    its process object, before it runs anything: once every live worker has, the names are
+    unlinked through multiprocessing's own finalizer of each (it also tells the tracker), and the
+    open semaphores keep working. A worker that has not opened them within ``timeout`` seconds
+    (Linux's ``/proc`` missing) leaves them as before.
+    """
+    if not isinstance(context, MultiprocessContext) or context._pc is None:  # noqa: SLF001 - checked above
+        return
+    locks = [lock for queue in context._ret_vals.values()  # noqa: SLF001 - checked above
+             for lock in _semlocks(queue)] + _semlocks(context._worker_finished_event)  # noqa: SLF001
+    names = {str(lock._semlock.name) for lock in locks if lock._semlock.name}  # noqa: SLF001 - multiprocessing's
+    pids = list(context.pids().values())
+    if names:
+        threading.Thread(target=_unlink_when_open, args=(names, pids, timeout), daemon=True,
+                         name="elastictrain-semaphore-names").start()
+
+
+def _semlocks(obj: Any, depth: int = 0) -> list[Any]:
+    """The multiprocessing semaphores (``SemLock``) in ``obj`` (a queue, an event) and its parts."""
+    if isinstance(obj, _mp_synchronize.SemLock):
+        return [obj]
+    if depth >= 3 or not hasattr(obj, "__dict__"):
+        return []
+    return [lock for value in vars(obj).values() for lock in _semlocks(value, depth + 1)]
+
+
+def _unlink_when_open(names: set[str], pids: list[int], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    waiting = list(pids)
+    while waiting:
+        pid = waiting[0]
+        try:
+            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
+                mapped = maps.read()
+        except FileNotFoundError:  # ended: it needs nothing any more
+            waiting.pop(0)
+            continue
+        except OSError:
+            return
+        if all(f"/dev/shm/sem.{name.lstrip('/')}" in mapped for name in names):
+            waiting.pop(0)
+            continue
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.005)
+    for finalizer in list(_mp_util._finalizer_registry.values()):  # noqa: SLF001 - multiprocessing's own cleanup
+        if finalizer._callback is _mp_synchronize.SemLock._cleanup and finalizer._args[0] in names:  # noqa: SLF001
+            try:
+                finalizer()  # unlinks the name and tells the resource tracker; runs once
+            except OSError:
+                pass
 
 
 def _worker_processes(context: Any) -> list[Any] | None:

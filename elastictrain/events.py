@@ -9,10 +9,14 @@ appending, so lines from several processes on one machine never interleave.
 Kinds written by elastictrain: ``rendezvous`` (round, world size, duration),
 ``membership_change`` (old -> new world size), ``spare`` (the round is full: this node
 waits to replace one that leaves), ``worker_failure``, ``hang``, ``recovery``, ``restart``,
-``stop_requested``, ``job_end``, and from the training session ``checkpoint_commit`` and
-``restore`` (rank 0; an async save reports ``checkpoint_save`` when copied),
-``checkpoint_abandoned`` (a save that could not write: ``step``, ``reason``) and
-``checkpoint_skipped`` (a save due while the one in flight gets no answer from its storage).
+``stop_requested``, ``job_end``, and from the training session ``checkpoint_commit``,
+``restore`` and ``session_end`` (the steps trained) (rank 0; an async save reports
+``checkpoint_save`` when copied), ``checkpoint_abandoned`` (a save that could not write, or
+that a re-formation abandoned: ``step``, ``reason``, and ``next_step`` for the latter),
+``checkpoint_skipped`` (a save due while the one in flight gets no answer from its storage),
+``straggler``/``straggler_recovered``, ``slow_between_steps`` and ``cut_off``.
+``worker_failure`` gives each failed worker's recorded error, location, trimmed traceback and
+whether a peer's failure caused it (the run summary reads them).
 torch's own agent events arrive as ``torch_agent``.
 """
 

@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 
-__all__ = ["forget", "setup"]
+__all__ = ["VERBOSE_ENV", "forget", "log_to_file", "quiet_torch_cpp", "setup", "verbose"]
 
 
 class _WorkerFailureFilter(logging.Filter):
@@ -25,12 +25,41 @@ class _WorkerFailureFilter(logging.Filter):
 
 
 _OURS, _TORCH_ELASTIC, _EVENTS = "elastictrain", "torch.distributed.elastic", "elastictrain.events"
-_CONFIGURED = (_OURS, _TORCH_ELASTIC, _EVENTS)
+_TORCH_MP = "torch.multiprocessing"  # torch's agent stops workers through it: "Terminating process ..."
+_CONFIGURED = (_OURS, _TORCH_ELASTIC, _TORCH_MP, _EVENTS)
 """The loggers :func:`setup` configures (and :func:`forget` resets)."""
 
 
+VERBOSE_ENV = "ELASTICTRAIN_VERBOSE"
+"""``1`` (``run -v``): everything on the terminal. Set in the environment of a node's own
+processes by ``run``, so that its workers (and ``--local-nodes`` children) see it too."""
+
+_CPP_LOG_LEVEL_ENV = "TORCH_CPP_LOG_LEVEL"
+
+
+def verbose() -> bool:
+    """Whether ``-v``/``ELASTICTRAIN_VERBOSE`` asked for everything on the terminal."""
+    return os.environ.get(VERBOSE_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def quiet_torch_cpp() -> None:
+    """Keep torch's C++ warnings (``[W... socket.cpp] [c10d] waitForInput ... likely a timeout``,
+    two every 250 ms while a peer is stuck) off the terminal: errors only, unless ``-v``.
+
+    torch reads ``TORCH_CPP_LOG_LEVEL`` once, when it is imported; this process (the agent), its
+    workers' forkserver and, through it, every worker import it after this call. C++ writes
+    straight to the worker's stderr, so below ERROR the lines are dropped, not moved to the node's
+    log file. A level the user set stays."""
+    if not verbose():
+        os.environ.setdefault(_CPP_LOG_LEVEL_ENV, "ERROR")
+
+
 def setup(*, debug: bool = False, node: str | None = None) -> None:
-    """Send elastictrain's logs to stderr with a ``[elastictrain node=...]`` prefix."""
+    """Send elastictrain's logs to stderr with a ``[elastictrain node=...]`` prefix.
+
+    torch.elastic's own lines show on the terminal only from ERROR up, unless ``-v``
+    (``ELASTICTRAIN_VERBOSE``) or ``debug``: the others (``Closing process ... via signal
+    SIGTERM``) go to the node's log file, see :func:`log_to_file`."""
     level = logging.DEBUG if debug else getattr(logging, os.environ.get("ELASTICTRAIN_LOG_LEVEL", "INFO").upper(), logging.INFO)
     prefix = f"[elastictrain{' ' + node if node else ''}]"
     handler = logging.StreamHandler(sys.stderr)
@@ -43,16 +72,32 @@ def setup(*, debug: bool = False, node: str | None = None) -> None:
     # carries an exception, and torch's agent logs every worker failure that way:
     # measured 2.2-3.5 s before the agent even reacted to a crash. A plain formatter
     # on torch's elastic loggers says the same in microseconds.
-    elastic = logging.getLogger(_TORCH_ELASTIC)
     elastic_handler = logging.StreamHandler(sys.stderr)
-    elastic_handler.setFormatter(logging.Formatter("%(levelname).1s%(asctime)s %(process)d %(name)s] %(message)s"))
+    elastic_handler.setFormatter(_ELASTIC_FORMAT)
     if not debug:
         elastic_handler.addFilter(_WorkerFailureFilter())
-    elastic.handlers[:] = [elastic_handler]
-    elastic.propagate = False
+    if not (debug or verbose()):
+        elastic_handler.setLevel(logging.ERROR)
+    for name in (_TORCH_ELASTIC, _TORCH_MP):
+        torch_log = logging.getLogger(name)
+        torch_log.handlers[:] = [elastic_handler]
+        torch_log.propagate = False
     # Events go to the run's JSON-lines file; on the terminal they would drown the
     # log, so they show there only with --debug.
     logging.getLogger(_EVENTS).propagate = debug
+
+
+_ELASTIC_FORMAT = logging.Formatter("%(levelname).1s%(asctime)s %(process)d %(name)s] %(message)s")
+
+
+def log_to_file(path: str) -> None:
+    """Also write elastictrain's, torch.elastic's and torch.multiprocessing's log lines (every level their loggers
+    pass) to the node's log file ``path``, appended to: what the terminal leaves out without
+    ``-v`` is there."""
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in (_OURS, _TORCH_ELASTIC, _TORCH_MP):
+        logging.getLogger(name).handlers.append(handler)
 
 
 def forget() -> None:

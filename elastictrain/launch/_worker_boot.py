@@ -30,6 +30,7 @@ from typing import Any
 
 from elastictrain._process import die_with_parent, dying_with_us, set_process_title
 from elastictrain.events import NODE_ENV
+from elastictrain.train.rank_logging import PREFIXED_LINES_ENV
 
 _HOST = socket.gethostname()
 
@@ -128,6 +129,7 @@ def _prefix_output() -> None:
         sys.stdout = _PrefixedStream(sys.stdout, _line_prefix)
     if _shares_agent_stream(sys.stderr, agent_err):
         sys.stderr = _PrefixedStream(sys.stderr, _line_prefix)
+        os.environ[PREFIXED_LINES_ENV] = "1"  # the session's log lines need no [run= node= rank=] then
 
 
 def _set_title(script: str, args: tuple[str, ...]) -> None:

@@ -27,10 +27,11 @@ from elastictrain.launch import failure_report
 from elastictrain.launch.run_state import RunPublisher
 from elastictrain.launch.worker_group import continue_stopped, exited_cleanly, finished_without_a_word
 from elastictrain.rendezvous.handler import Etcd3RendezvousHandler
+from elastictrain.rendezvous.records import describe_node
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ElasticAgent", "describe_change", "failure_cause", "final_failure"]
+__all__ = ["ElasticAgent", "describe_change", "failure_cause", "failure_fields", "final_failure", "not_own_failure"]
 
 
 def failure_cause(failures: dict[int, Any]) -> str:
@@ -40,6 +41,28 @@ def failure_cause(failures: dict[int, Any]) -> str:
                                                 else f"exit code {f.exitcode}")
                     for rank, f in sorted(failures.items()))
     return f"worker(s) {', '.join(str(rank) for rank in sorted(failures))} failed ({how})"
+
+
+def failure_fields(failures: dict[int, Any], node: str) -> dict[int, dict[str, Any]]:
+    """A ``worker_failure`` event's ``failures``: by global rank, how each worker ended (exit code,
+    pid, signal) and, when it recorded one, its error, where in the user's code, its trimmed
+    traceback, and whether it failed because a peer went away (the run summary reads them)."""
+    out: dict[int, dict[str, Any]] = {}
+    for rank, f in failures.items():
+        found = failure_report.from_process_failure(rank, f, node)
+        out[rank] = {"exitcode": f.exitcode, "pid": f.pid, "signal": f.signal_name() if f.exitcode < 0 else None,
+                     "error": found.error, "location": found.location, "traceback": found.traceback,
+                     "consequential": found.consequential}
+    return out
+
+
+def not_own_failure(worker_group: WorkerGroup, failures: dict[int, Any]) -> bool:
+    """Whether a failure is no failure of this node's own: its worker failed because a peer went
+    away (:func:`failure_report.peer_caused`), and that peer is on another node. Only a node with
+    one worker knows the latter: with several, a sibling may have failed first, and torch's agent
+    stops the others at the first failure it sees (often the sibling's peer, whose error came
+    sooner): the node's own failure would go uncounted, a crash loop unbounded."""
+    return worker_group.spec.local_world_size == 1 and failure_report.peer_caused(failures)
 
 
 def _membership_change(before: Any, after: Any) -> dict[str, list[str]]:
@@ -53,8 +76,8 @@ def _membership_change(before: Any, after: Any) -> dict[str, list[str]]:
 
 
 def describe_change(change: dict[str, list[str]]) -> str:
-    """``; node(s) left: a; joined: b`` for a log line (empty if none)."""
-    parts = [f"{what}: {', '.join(change[key])}" for key, what in (("nodes_left", "node(s) left"),
+    """``; node(s) left: node2@127.0.0.1 (pid 42); joined: ...`` for a log line (empty if none)."""
+    parts = [f"{what}: {', '.join(map(describe_node, change[key]))}" for key, what in (("nodes_left", "node(s) left"),
                                                                    ("nodes_joined", "node(s) joined")) if key in change]
     return "".join(f"; {part}" for part in parts)
 
@@ -147,6 +170,12 @@ class ElasticAgent(LocalElasticAgent):
         return [Worker(local_rank=i, global_rank=first + i, role_rank=first + i, world_size=world,
                        role_world_size=world) for i in range(spec.local_world_size)]
 
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        started = super()._start_workers(worker_group)
+        # Their semaphores' names go once the workers hold them: none left behind if this agent is killed.
+        _torch_compat.release_semaphore_names(_torch_compat.process_context(self))
+        return started
+
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
         context = _torch_compat.process_context(self)
@@ -157,14 +186,21 @@ class ElasticAgent(LocalElasticAgent):
                 result = RunResult(state=WorkerState.SUCCEEDED,
                                    return_values={w.global_rank: None for w in worker_group.workers})
         if result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
-            logger.info("%s", failure_cause(result.failures))
-            self._events.emit("worker_failure", failures={
-                rank: {"exitcode": f.exitcode, "pid": f.pid, "signal": f.signal_name() if f.exitcode < 0 else None}
-                for rank, f in result.failures.items()
-            })
+            peer_caused = not_own_failure(worker_group, result.failures)
+            if peer_caused:
+                # A peer's failure broke this node's collectives: the job restarts, but the budget
+                # counts only this node's own failures (as under in-process recovery).
+                logger.info("%s, because a peer's failure broke its collectives: not this node's own failure, "
+                            "its restart budget is not spent", failure_cause(result.failures))
+            else:
+                logger.info("%s", failure_cause(result.failures))
+            self._events.emit("worker_failure", peer_caused=peer_caused,
+                              failures=failure_fields(result.failures, self._events.node))
             if final_failure(result.failures):
                 self._restarts_at_final_error = self.restarts
                 _torch_compat.forgo_restarts(self)
+            elif peer_caused:
+                _torch_compat.spare_restart(self)
         elif result.state == WorkerState.HEALTHY:
             return self._check_stop(worker_group) or result
         return result

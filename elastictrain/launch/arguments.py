@@ -11,6 +11,7 @@ where they do not.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -26,11 +27,44 @@ __all__ = ["build_parser", "check_run_flags", "etcd_options", "node_args", "prec
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that raises instead of printing usage and exiting, so errors stay one line."""
+    """argparse that raises instead of printing usage and exiting, so errors stay one line, and
+    that names the flag a mistyped one was probably meant to be (argparse's ``suggest_on_error``
+    arrives only with Python 3.14)."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
         # `run`'s script arguments are optional; argparse names them with the script.
         raise ConfigError(message.replace("required: script, script_args", "required: script"))
+
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        """See base class; unknown flags are reported with a suggestion from the flags of the
+        subcommand given (see :func:`_unrecognized`)."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            parser: argparse.ArgumentParser = self
+            for action in self._actions:
+                if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001 - no public handle
+                    parser = action.choices.get(getattr(parsed, action.dest, None) or "", self)
+            raise ConfigError(_unrecognized(extras, _flags_of(parser)))
+        return parsed
+
+
+def _flags_of(parser: argparse.ArgumentParser) -> list[str]:
+    """The long flags ``parser`` accepts (torchrun's spellings included, refused ones not)."""
+    return [option for action in parser._actions for option in action.option_strings  # noqa: SLF001
+            if option.startswith("--") and option not in _REFUSED_SPELLINGS]
+
+
+def _unrecognized(unknown: Sequence[str], flags: Sequence[str]) -> str:
+    """``unrecognized arguments: A B``, and for each unknown flag close to a known one (by
+    ``difflib``'s ratio): ``A: did you mean --flag?``."""
+    hints = []
+    for word in unknown:
+        name = word.partition("=")[0]
+        close = difflib.get_close_matches(name, flags, n=1, cutoff=0.75) if name.startswith("--") else []
+        if close:
+            hints.append(f"{name}: did you mean {close[0]}?")
+    return "; ".join([f"unrecognized arguments: {' '.join(unknown)}", *hints])
 
 
 def _env(dest: str, default: Any) -> Any:
@@ -58,9 +92,10 @@ def _add_switch(parser: argparse.ArgumentParser, flag: str, *aliases: str, help:
     """An on/off flag that ``ELASTICTRAIN_<FLAG>=1`` (or true/yes) also turns on."""
     dest = flag.lstrip("-").replace("-", "_")
     default = _env(dest, "").strip().lower() in {"1", "true", "yes", "on"}
-    parser.add_argument(flag, dest=dest, action="store_true", default=default,
+    short = [a for a in aliases if not a.startswith("--")]  # shown in --help: -v, --verbose
+    parser.add_argument(*short, flag, dest=dest, action="store_true", default=default,
                         help=f"{help} (env ELASTICTRAIN_{dest.upper()}=1)")
-    _add_aliases(parser, aliases, dest, action="store_true")
+    _add_aliases(parser, [a for a in aliases if a.startswith("--")], dest, action="store_true")
 
 
 # torchrun flags that have no meaning here, and why: refused in one line each.
@@ -211,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Launch this node's elastic agent (or several local ones) for SCRIPT.",
     )
     _add_switch(run, "--debug", help="show tracebacks and debug logs")
+    _add_switch(run, "--verbose", "-v", help="show everything on the terminal: torch's C++ warnings and "
+                "torch.elastic's own lines (otherwise in the node's log file, or dropped), and the long worker "
+                "log prefix")
     _add(run, "--nnodes", default=None, type=_nnodes, help="torchrun's spelling of the node counts: N, or "
          "MIN:MAX (same as --min-nodes MIN --max-nodes MAX)")
     _add(run, "--min-nodes", default=None, type=_positive_int,
@@ -225,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_switch(run, "--standalone", help="force a private etcd even if ELASTICTRAIN_ETCD is set")
     _add(run, "--run-id", "--rdzv-id", "--rdzv_id", default=None,
          help="job name shared by all its nodes; namespaces its etcd keys (required with --etcd)")
-    _add(run, "--max-restarts", "--max_restarts", default=3, type=_non_negative_int, help="failures of this node's own workers the job survives (within --restart-window; with --recovery restart, torch's group restarts)")
+    _add(run, "--max-restarts", "--max_restarts", default=3, type=_non_negative_int, help="failures of this node's own workers the job survives (within --restart-window; with --recovery restart, torch's group restarts); a worker that failed because a peer went away is not its node's failure")
     _add(run, "--recovery", default="in-process", choices=("in-process", "restart"), help="in-process: workers keep their processes through faults and resizes; restart: every worker restarts from the last checkpoint")
     _add(run, "--restart-window", default=3600.0, type=float, help="seconds over which --max-restarts counts this node's failures (in-process recovery)")
     _add(run, "--local-nodes", default=None, type=_positive_int, help="start this many node agents on this machine (a multi-node job without several hosts)")
@@ -403,7 +441,7 @@ def _check_run_arguments(run_parser: argparse.ArgumentParser, argv: Sequence[str
             # Guess: an unknown flag followed by a word that is not a script takes it as its value.
             index += 2 if (not eq and following and not following.startswith("-")
                            and not following.endswith(".py") and index + 2 < len(argv)) else 1
-    problems = ([f"unrecognized arguments: {' '.join(unknown)}"] if unknown else []) + refused
+    problems = ([_unrecognized(unknown, _flags_of(run_parser))] if unknown else []) + refused
     if problems:
         raise ConfigError("; ".join(problems))
 

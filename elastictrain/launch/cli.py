@@ -37,6 +37,7 @@ from elastictrain.launch.arguments import (
     run_config,
 )
 from elastictrain.launch.config import check_writable_dir, default_local_addr
+from elastictrain.launch.failure_report import OUTCOME_FILE_ENV
 from elastictrain.errors import ConfigError, ElasticTrainError
 from elastictrain.train.progress import PROGRESS_ENV
 
@@ -127,6 +128,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from elastictrain.etcd.server import EtcdServer
 
+    _logging.quiet_torch_cpp()  # before anything here imports torch
     resolve_torchrun_spellings(args)
     embedded = args.standalone or not args.etcd
     etcd = None if embedded else args.etcd
@@ -167,10 +169,16 @@ def _run(args: argparse.Namespace) -> int:
             children = node_args(args.run_parser, args, endpoint=endpoint, run_id=run_id, local_addr=local_addr)
             port = args.metrics_port
             return run_local_nodes(args.local_nodes, children,
-                                   per_node=(lambda i: [f"--metrics-port={port + i}"]) if port else None)
+                                   per_node=(lambda i: [f"--metrics-port={port + i}"]) if port else None,
+                                   log_dir=os.path.dirname(os.path.abspath(config.event_log)),
+                                   summary=lambda since, seconds, finished: print_summary(
+                                       str(config.event_log), since=since, seconds=seconds, finished=finished))
         from elastictrain.launch import node_setup
 
-        started = time.monotonic()
+        node_log = _node_log_path(config)
+        _logging.log_to_file(node_log)
+
+        started, started_at = time.monotonic(), time.time()
         node = node_setup.prepare(config)
         try:
             from elastictrain.launch.launcher import launch
@@ -179,11 +187,35 @@ def _run(args: argparse.Namespace) -> int:
         finally:
             node.close()
         elapsed = time.monotonic() - started
+        if OUTCOME_FILE_ENV not in os.environ:  # a --local-nodes launcher sums up its nodes once
+            print_summary(str(config.event_log), since=started_at, seconds=elapsed,
+                          finished=outcome.exit_code == 0, node_log=node_log)
         _report_outcome(outcome, elapsed)
         return outcome.exit_code
     finally:
         if server is not None:
             server.stop()
+
+
+def print_summary(event_log: str, *, since: float, seconds: float, finished: bool,
+                  node_log: str | None = None) -> None:
+    """The run summary (:mod:`elastictrain.launch.run_summary`) of the events since ``since``,
+    and where this node's log is (a --local-nodes launcher names its nodes' logs as they start)."""
+    from elastictrain.launch.run_summary import read_events, summarize
+
+    lines, traceback = summarize(read_events(event_log, since), seconds=seconds, finished=finished)
+    if node_log:
+        lines.append(f"  this node's log (torch's own lines too; -v shows them here): {node_log}")
+    for line in lines:
+        logger.info("%s", line)
+    if traceback:
+        print(traceback, file=sys.stderr, flush=True)
+
+
+def _node_log_path(config: Any) -> str:
+    """The node's log file: beside the run's event log, named for the node."""
+    name = config.node_name or socket.gethostname()
+    return os.path.join(os.path.dirname(os.path.abspath(config.event_log)), f"{name}.log")
 
 
 def _report_outcome(outcome: Any, elapsed: float) -> None:
@@ -369,6 +401,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         precheck(parser, argv)
         args = parser.parse_args(argv)
         debug = debug or args.debug
+        if getattr(args, "verbose", False):
+            os.environ[_logging.VERBOSE_ENV] = "1"  # the node's workers and --local-nodes children too
         _logging.setup(debug=debug, node=getattr(args, "node_name", None))
         code = _command(args)
         sys.stdout.flush()  # here, where a reader that went away is caught, not at exit

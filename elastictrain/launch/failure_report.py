@@ -24,8 +24,8 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["OUTCOME_FILE_ENV", "WorkerFailure", "final_error", "from_process_failure", "job_line", "read_outcome",
-           "report", "root_cause", "write_outcome"]
+__all__ = ["OUTCOME_FILE_ENV", "WorkerFailure", "final_error", "from_process_failure", "job_line", "peer_caused",
+           "read_outcome", "report", "root_cause", "strip_noise", "write_outcome"]
 
 OUTCOME_FILE_ENV = "ELASTICTRAIN_OUTCOME_FILE"
 """Set by a ``--local-nodes`` launcher for each node: where the node writes its outcome (JSON)
@@ -126,6 +126,14 @@ class WorkerFailure:
                       if name in data})
 
 
+def strip_noise(text: str) -> str:
+    """``text`` (an error, or a cause that quotes one) without gloo's source locations and advice."""
+    return _ADVICE_INLINE.sub("", _GLOO_SOURCE.sub("", text))
+
+
+_ADVICE_INLINE = re.compile(r"\s*This is typically caused by a remote worker[^)]*")
+
+
 def _clean(error: str, limit: int = _MAX_MESSAGE) -> str:
     """One line: gloo's source location and advice removed, cut at a sane length."""
     error = _ADVICE.sub("", _GLOO_SOURCE.sub("", error.strip()))
@@ -210,6 +218,15 @@ def final_error(failures: dict[int, Any]) -> tuple[int, str] | None:
         if name is not None:
             return rank, name
     return None
+
+
+def peer_caused(failures: dict[int, Any]) -> bool:
+    """Whether every one of torch's ``ProcessFailure`` records failed because a peer went away
+    (its recorded error says so: a collective or store call broken by the peer, see
+    ``_CONSEQUENTIAL``): a consequence of another node's failure, not this node's own. A worker
+    killed by a signal or that left no error recorded is its node's own failure."""
+    return bool(failures) and all(int(f.exitcode) > 0 and bool(_CONSEQUENTIAL.search(_recorded(f)[0]))
+                                  for f in failures.values())
 
 
 def _recorded(failure: Any) -> tuple[str, str]:

@@ -28,7 +28,14 @@ from elastictrain import _torch_compat
 from elastictrain._control import Assignment, Progress, Section, WorkerState as SlotState, stacks_path
 from elastictrain.errors import EtcdError
 from elastictrain.events import NODE_ENV
-from elastictrain.launch.agent import ElasticAgent, describe_change, failure_cause, final_failure
+from elastictrain.launch.agent import (
+    ElasticAgent,
+    describe_change,
+    failure_cause,
+    failure_fields,
+    final_failure,
+    not_own_failure,
+)
 from elastictrain.launch.hang_detector import HangDetector, Stacks, capture_stacks
 from elastictrain.launch.worker_group import Channel, FailureBudget, WorkerProcesses
 from elastictrain.rendezvous.reachability import is_cut_off
@@ -159,12 +166,14 @@ class InProcessAgent(ElasticAgent):
             self._logs[local_rank] = (self._worker_logs(local_rank) if self._worker_logs else DefaultLogsSpecs(
                 log_dir=os.path.join(self._log_root, f"local_rank_{local_rank}")))
         assert spec.entrypoint is not None  # noqa: S101 - set by the launcher
-        return start_processes(
+        context = start_processes(
             name=f"{spec.role}{local_rank}", entrypoint=spec.entrypoint,
             args={0: tuple(macros.substitute(list(spec.args), str(local_rank)))}, envs={0: env},
             logs_specs=self._logs[local_rank], start_method=self._start_method,
             # What --tee shows on the terminal: [node rank], as untee'd worker output (see _worker_boot).
             log_line_prefixes={0: f"[{os.environ.get(NODE_ENV) or socket.gethostname()} {worker.global_rank}] "})
+        _torch_compat.release_semaphore_names(context)  # none left behind if this agent is killed
+        return context
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self._publish_generation(worker_group, cause="start")
@@ -193,9 +202,7 @@ class InProcessAgent(ElasticAgent):
             else:
                 self._finished.add(local_rank)
         if failures:
-            self._events.emit("worker_failure", failures={
-                rank: {"exitcode": f.exitcode, "pid": f.pid, "signal": f.signal_name() if f.exitcode < 0 else None}
-                for rank, f in failures.items()})
+            self._events.emit("worker_failure", failures=failure_fields(failures, self._events.node))
             return RunResult(state=WorkerState.FAILED, failures=failures)
         if len(self._finished) == len(worker_group.workers):
             return RunResult(state=WorkerState.SUCCEEDED,
@@ -236,7 +243,11 @@ class InProcessAgent(ElasticAgent):
                     self._stop_workers(group)
                     group.state = WorkerState.FAILED
                     return result
-                backoff = self._budget.spend(now, trained=self._trained(group, result.failures))
+                peer_caused = not_own_failure(group, result.failures)  # not this node's failure: no spending
+                backoff = 0.0 if peer_caused else self._budget.spend(now, trained=self._trained(group, result.failures))
+                if peer_caused:
+                    logger.info("%s, because a peer's failure broke its collectives: not this node's own failure, "
+                                "its restart budget is not spent", failure_cause(result.failures))
                 if backoff is None:
                     logger.error("this node's workers failed %d times within %gs, more than --max-restarts %d "
                                  "allows: the job fails", self._budget.limit + 1, self._budget.window_s,

@@ -151,7 +151,8 @@ def _run_node(config: RunConfig, params: RendezvousParameters, events: EventLog,
         handler.leave()
         raise
     publisher = RunPublisher(handler.client, handler.keys, handler.run_lease, NodeRecord(
-        node_id=handler.node_id, host=this_host(), addr=config.local_addr or socket.getfqdn(), pid=os.getpid()))
+        node_id=handler.node_id, host=this_host(), addr=config.local_addr or socket.getfqdn(), pid=os.getpid(),
+        name=config.node_name or this_host()))
     publisher.publish_meta(**_job_signature(config))
     publisher.update(state="starting")
     spec = WorkerSpec(

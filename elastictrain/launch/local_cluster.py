@@ -3,7 +3,8 @@
 Each node is a separate ``elastictrain run`` process with its own agent, exactly
 as on separate hosts, so a multi-node job (and its failures) can be seen and
 tested on one machine. The launcher waits for every node, forwards Ctrl-C and
-SIGTERM to them, and exits with the first non-zero node exit code.
+SIGTERM to them, and exits with the job's outcome (see :func:`job_outcome`): 0 when the job
+finished, whatever happened to a node on the way; the root cause's code otherwise.
 """
 
 from __future__ import annotations
@@ -17,17 +18,19 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from elastictrain.launch import failure_report
 from elastictrain._process import dying_with_us
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["run_local_nodes"]
+__all__ = ["JobOutcome", "job_outcome", "run_local_nodes"]
 
 
 def run_local_nodes(count: int, node_args: Sequence[str], *, grace_seconds: float = 30.0,
-                    per_node: Callable[[int], list[str]] | None = None) -> int:
+                    per_node: Callable[[int], list[str]] | None = None, log_dir: str | None = None,
+                    summary: Callable[[float, float, bool], None] | None = None) -> int:
     """Start ``count`` node agents with ``elastictrain run <node_args>`` and wait for all.
 
     Args:
@@ -35,6 +38,9 @@ def run_local_nodes(count: int, node_args: Sequence[str], *, grace_seconds: floa
         node_args: Arguments of ``elastictrain run`` for each node (no ``--local-nodes``).
         grace_seconds: After a signal, how long nodes get to stop before SIGKILL.
         per_node: Flags of node ``i`` alone (put before ``node_args``), e.g. its metrics port.
+        log_dir: Where the nodes write their log files (``node0.log``, ...), named once here.
+        summary: Prints the run summary, given the job's start (unix seconds), its seconds and
+            whether it finished; called once, before the job's last line.
 
     Returns:
         0 if every node exited 0, else the first non-zero exit code seen.
@@ -50,6 +56,7 @@ def run_local_nodes(count: int, node_args: Sequence[str], *, grace_seconds: floa
                 proc.send_signal(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    started, started_at = time.monotonic(), time.time()
     try:
         for index in range(count):
             own = per_node(index) if per_node else []
@@ -57,8 +64,9 @@ def run_local_nodes(count: int, node_args: Sequence[str], *, grace_seconds: floa
             env = {**os.environ, failure_report.OUTCOME_FILE_ENV: os.path.join(outcomes, f"node{index}.json")}
             # A node outlives neither this launcher nor, through its own agent, its workers.
             procs.append(subprocess.Popen(dying_with_us(cmd), env=env))
-        logger.info("started %d local nodes: pids %s", count, [p.pid for p in procs])
-        first_failure = 0
+        logs = f"; their logs (torch's own lines too; -v shows them here): {log_dir}/node*.log" if log_dir else ""
+        logger.info("started %d local nodes: pids %s%s", count, [p.pid for p in procs], logs)
+        codes: dict[int, int] = {}  # node index -> exit code, in the order they ended
         pending = list(procs)
         signalled_at: float | None = None
         while pending:
@@ -66,8 +74,7 @@ def run_local_nodes(count: int, node_args: Sequence[str], *, grace_seconds: floa
                 code = proc.poll()
                 if code is not None:
                     pending.remove(proc)
-                    if code != 0 and first_failure == 0:
-                        first_failure = code if code > 0 else 128 - code
+                    codes[procs.index(proc)] = code
             if received and signalled_at is None:
                 signalled_at = time.monotonic()
             if signalled_at is not None and time.monotonic() - signalled_at > grace_seconds:
@@ -78,9 +85,14 @@ def run_local_nodes(count: int, node_args: Sequence[str], *, grace_seconds: floa
             print(f"elastictrain: stopped by {signal.Signals(received[0]).name}; the {count} local nodes were "
                   "stopped", file=sys.stderr, flush=True)
             return 128 + received[0]
-        if first_failure:
-            first_failure = _report(outcomes, count, first_failure)
-        return first_failure
+        outcome = job_outcome(codes)
+        if summary is not None:
+            summary(started_at, time.monotonic() - started, not outcome.failed_nodes and outcome.exit_code == 0)
+        if outcome.failed_nodes:
+            return _report(outcomes, count, outcome.exit_code)
+        if outcome.why:  # said last: the job's outcome, and why a node's own code is not it
+            logger.info("%s", outcome.why)
+        return outcome.exit_code
     finally:
         shutil.rmtree(outcomes, ignore_errors=True)
         for sig, handler in previous.items():
@@ -89,6 +101,55 @@ def run_local_nodes(count: int, node_args: Sequence[str], *, grace_seconds: floa
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+@dataclass(frozen=True, slots=True)
+class JobOutcome:
+    """How a ``--local-nodes`` job ended, decided from its nodes' exit codes alone."""
+
+    exit_code: int
+    """The job's: 0 when it finished; else a failed node's (its root cause's, once reported)."""
+
+    failed_nodes: tuple[int, ...] = ()
+    """Nodes that ended with a failure of their own (an exit code, not a signal that killed
+    the node's agent): their outcome files name the root cause."""
+
+    why: str = ""
+    """A line for the end of the output where a node's own code is not the job's; empty otherwise."""
+
+
+def job_outcome(codes: dict[int, int]) -> JobOutcome:
+    """The job's outcome from its nodes' exit codes (``subprocess`` codes: negative when a signal
+    killed the node's agent process itself), in the order the nodes ended.
+
+    A node whose agent was itself killed has no say: it could not tell how the job went. Its
+    peers do: the job finished when every other node exited 0 (the job trained to its end
+    without the killed node, or a stop closed it), else failed with the first failed peer's
+    code. With no peer left to say, the first killed node's 128+N is the job's.
+    """
+    killed = {node: -code for node, code in codes.items() if code < 0}
+    failed = tuple(node for node, code in codes.items() if code > 0)
+    said = [node for node in codes if node not in killed]
+    if failed:
+        return JobOutcome(exit_code=codes[failed[0]], failed_nodes=failed)
+    if killed and said:
+        names = ", ".join(f"node{n}'s by {_signal_name(sig)}" for n, sig in killed.items())
+        return JobOutcome(exit_code=0, why=(
+            f"job finished (exit code 0): {len(said)} of {len(codes)} nodes ended with success; a node agent was "
+            f"killed on the way ({names}), and a killed agent has no say in the job's outcome"))
+    if killed:
+        first, sig = next(iter(killed.items()))
+        return JobOutcome(exit_code=128 + sig, why=(
+            f"job failed (exit code {128 + sig}): every node's agent was killed, node{first}'s first, by "
+            f"{_signal_name(sig)}"))
+    return JobOutcome(exit_code=0)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _report(outcomes: str, count: int, first_failure: int) -> int:

@@ -64,6 +64,8 @@ class NodeRecord:
     host: str
     addr: str
     pid: int
+    name: str = ""
+    """The node's name as its own lines give it (``--local-nodes``' ``node2``; else the host name)."""
     state: str = "starting"
     round: int | None = None
     group_rank: int | None = None

@@ -45,6 +45,12 @@ _ENDED = ("succeeded", "failed")
 """States a node agent publishes as it exits (it then gives its lease back)."""
 
 
+def _name(record: dict[str, Any]) -> str:
+    """The node's name (``node2``), as its own lines say it; a record of an older version has none:
+    its host."""
+    return str(record.get("name") or record.get("host", "?"))
+
+
 def _lease(participant: dict[str, Any], record: dict[str, Any]) -> str:
     if not participant["alive"]:
         return "released" if record.get("state") in _ENDED else "expired"
@@ -83,16 +89,17 @@ def run_table(status: RunStatus, checkpoint: dict[str, Any] | None, checkpoint_d
         f"world size {world or '-'}, waiting to join: {len(status.waiting)}"
         + (f" ({spares} hot spare(s))" if spares else ""),
     ]
-    rows = [("RANK", "NODE", "ADDRESS", "PID", "LEASE", "STATE", "RESTARTS")]
+    rows = [("RANK", "NODE", "HOST", "ADDRESS", "PID", "LEASE", "STATE", "RESTARTS")]
     for p in status.participants:
         record = records.get(p["node_id"], {})
-        rows.append((str(p["rank"]), str(record.get("host", "?")), str(p["addr"] or "?"), str(p["pid"] or "?"),
-                     _lease(p, record), _state(record, p["alive"]), str(record.get("restarts", "?"))))
+        rows.append((str(p["rank"]), _name(record), str(record.get("host", "?")), str(p["addr"] or "?"),
+                     str(p["pid"] or "?"), _lease(p, record), _state(record, p["alive"]),
+                     str(record.get("restarts", "?"))))
     participant_ids = {p["node_id"] for p in status.participants}
     for node_id, record in records.items():
         if node_id not in participant_ids:
             waiting = node_id in status.waiting
-            rows.append(("-", str(record.get("host", "?")), str(record.get("addr", "?")),
+            rows.append(("-", _name(record), str(record.get("host", "?")), str(record.get("addr", "?")),
                          str(record.get("pid", "?")), "held" if waiting else "-",
                          ("spare" if record.get("state") == "spare" else "waiting") if waiting else (
                              _state(record, False) if not record.get("alive", True)

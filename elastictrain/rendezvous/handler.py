@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import socket
 import threading
 import time
@@ -45,6 +44,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from elastictrain.etcd.conf import etcd_settings_from
+from elastictrain.events import NODE_ENV
 from elastictrain.rendezvous.config import RendezvousConfig
 from elastictrain.errors import ConfigError, EtcdError
 from elastictrain.etcd import kv
@@ -55,7 +55,7 @@ from elastictrain.rendezvous import BACKEND_NAME
 from elastictrain.rendezvous.keys import RunKeys
 from elastictrain.rendezvous.membership import Closer, ControlView, RoundWatch, close_rendezvous, is_open, read_members
 from elastictrain.rendezvous.ready import ReadyWord
-from elastictrain.rendezvous.records import FINISHED, CloserRecord, MemberRecord, RoundRecord, encode
+from elastictrain.rendezvous.records import FINISHED, CloserRecord, MemberRecord, RoundRecord, encode, node_id_for
 from elastictrain.rendezvous.store import Etcd3Store
 
 logger = logging.getLogger(__name__)
@@ -102,8 +102,8 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         self._min, self._max = min_nodes, max_nodes
         self._addr = local_addr or socket.getfqdn()
         self._nproc = nproc
-        self.node_id = f"{self._addr}_{os.getpid()}_{secrets.token_hex(3)}"
-        """This node's id in the rendezvous (``addr_pid_random``)."""
+        self.node_id = node_id_for(os.environ.get(NODE_ENV) or socket.gethostname(), self._addr)
+        """This node's id in the rendezvous (``name@addr_pid_random``, see :func:`node_id_for`)."""
         self._alive = KeptLease(client, config.liveness_ttl, interval=config.keep_alive_interval,
                                 name="liveness lease", on_lost=self._on_lease_lost)
         self.run_lease = RunLease(client, config.state_ttl, key=self.keys.lease)

@@ -49,6 +49,7 @@ from elastictrain.rendezvous.records import (
     MemberRecord,
     RoundRecord,
     decode,
+    describe_node,
     encode,
 )
 
@@ -405,7 +406,8 @@ class Closer:
             what="forming a rendezvous round"))
         if result.succeeded:
             logger.info("formed round %d of run '%s' with %d node(s): %s", record.round, keys.run_id,
-                        len(record.nodes), ", ".join(record.nodes[:8]) + (" ..." if len(record.nodes) > 8 else ""))
+                        len(record.nodes), ", ".join(map(describe_node, record.nodes[:8]))
+                        + (" ..." if len(record.nodes) > 8 else ""))
             self._control.apply_own_write(result.ranges[0][0])
         # Otherwise something changed under us; the watches say what, and step() runs again.
 

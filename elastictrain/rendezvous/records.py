@@ -11,6 +11,8 @@ names the key.
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import time
 from dataclasses import MISSING, asdict, dataclass, field
 from typing import Any, TypeVar
@@ -18,11 +20,26 @@ from typing import Any, TypeVar
 from elastictrain import errors
 
 __all__ = ["FINISHED", "AllReadyRecord", "ClosedRecord", "CloserRecord", "MemberRecord", "ReadyRecord", "RoundRecord",
-           "decode", "encode"]
+           "decode", "describe_node", "encode", "node_id_for"]
 
 SCHEMA = 1
 
 _R = TypeVar("_R")
+
+
+def node_id_for(name: str, addr: str) -> str:
+    """A node's id in the rendezvous, unique per handler: ``name@addr_pid_random``. It starts with
+    the node's name (``--local-nodes``' ``node2``, else the host name) and address, so that a lost
+    node is named the way its own lines name it (see :func:`describe_node`)."""
+    return f"{name}@{addr}_{os.getpid()}_{secrets.token_hex(3)}"
+
+
+def describe_node(node_id: str) -> str:
+    """A node id for people: ``node2@127.0.0.1 (pid 5995)``; an id of another form as it is."""
+    parts = node_id.rsplit("_", 2)
+    if len(parts) != 3 or not parts[1].isdigit() or "@" not in parts[0]:
+        return node_id
+    return f"{parts[0]} (pid {parts[1]})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +49,7 @@ class MemberRecord:
     kind = "member"
 
     node: str
-    """The node id: ``addr_pid_n``, unique per handler."""
+    """The node id: ``name@addr_pid_random``, unique per handler (see :func:`node_id_for`)."""
     addr: str
     """Where other nodes reach this node (``--local-addr``)."""
     host: str

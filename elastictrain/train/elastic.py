@@ -28,6 +28,7 @@ holding the process group) inside ``train``.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -46,6 +47,7 @@ from elastictrain.train.recovery import (
     describe,
     is_collective_failure,
     join_generation,
+    torch_env,
     wait_for_generation,
 )
 from elastictrain.train.state_transfer import agree, transfer
@@ -171,6 +173,8 @@ def run_elastic(train: Callable[[ElasticState], _T], state: ElasticState, *, res
             placement, state.context, assignment = join_generation(
                 state.context, control, assignment, backend=backend, timeout=timeout,
                 recovery_timeout=recovery_timeout)
+            if assignment is not None:  # this process outlives the environment it was started with
+                os.environ.update(torch_env(state.context, assignment))
             try:
                 _form(state, holds=holds, restore=restore, placement=placement)
                 holds = True  # restored, received or its own: not before (a fresh rank's state is no step's)

@@ -169,9 +169,12 @@ class Generation:
             for buffer in module.buffers():
                 dist.broadcast(buffer, src=0, group=self.group)
 
-    def leave(self, log: logging.LoggerAdapter[Any]) -> None:
+    def leave(self) -> CheckpointError | None:
         """Drop the group and what was built on it, without a collective (peers may be dead):
         a checkpoint save in flight fails at its barrier, so nothing commits.
+
+        Returns:
+            Why an asynchronous save in flight was abandoned, if one was.
 
         The training groups' connections are severed first (:func:`~elastictrain.train.peer_connections.sever`):
         a peer blocked on this rank in a collective, or a DDP bucket still queued here, fails at
@@ -184,7 +187,7 @@ class Generation:
             if checkpoints is not None:
                 checkpoints.close()
         except CheckpointError as exc:
-            log.info("checkpoint save abandoned by the re-formation: %s", exc)
+            return exc
         finally:
             if self._checkpoint_group is not None:
                 peer_connections.sever(self._checkpoint_group)  # a peer whose save still waits on this rank fails now

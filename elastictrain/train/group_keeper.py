@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 from collections.abc import Callable
 
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 from elastictrain import events
 from elastictrain._control import Assignment, WorkerState
-from elastictrain.errors import CheckpointWriteError
+from elastictrain.errors import CheckpointError, CheckpointWriteError
 from elastictrain.train.hooks import HookDispatcher
 from elastictrain.train.rank_logging import RankLoggerAdapter, follow_context, get_logger
 from elastictrain.train import process_group as pg
@@ -35,6 +36,7 @@ from elastictrain.train.recovery import (
     describe,
     is_collective_failure,
     join_generation,
+    torch_env,
     wait_for_generation,
 )
 from elastictrain.train.session_config import SessionConfig
@@ -196,6 +198,9 @@ class GroupKeeper:
         self._set_context(context_for(self.context, assignment))
 
     def _set_context(self, context: WorkerContext) -> None:
+        if self._assignment is not None:
+            # In-process, this process outlives the environment the agent started it with.
+            os.environ.update(torch_env(context, self._assignment))
         if context is not self.context:
             self.context = context
             self.log = get_logger(__name__, context)
@@ -276,13 +281,14 @@ class GroupKeeper:
         old_world = self.context.world_size
         self._due_since = None
         phases = dict.fromkeys(RECOVERY_PHASES, 0.0)
+        abandoned: tuple[int, str] | None = None
         while True:
             assert self.generation is not None  # noqa: S101 - private invariant
             # Said before leaving, which waits for a save in flight: the agent re-forms meanwhile.
             control.set_state(WorkerState.RECOVERING)
             control.on_stuck(None)  # this group's: the next one arms its own
             mark = time.perf_counter()
-            self.generation.leave(self.log)
+            abandoned = self._abandoned_save(self.generation.leave(), cause) or abandoned
             self._adopt(wait_for_generation(control, self.config.recovery_timeout.total_seconds()))
             phases["wait_s"] += time.perf_counter() - mark
             mark = time.perf_counter()
@@ -311,6 +317,8 @@ class GroupKeeper:
             events.emit("recovery", cause=cause, generation=control.generation, seconds=round(seconds, 4),
                         old_world_size=old_world, world_size=self.context.world_size, step=step,
                         **{name: round(value, 4) for name, value in phases.items()})
+        if abandoned is not None and self.context.rank == 0:
+            self._say_abandoned(*abandoned)
         if holds_state:
             self.hooks.dispatch("on_recovery", step=step, cause=cause, generation=control.generation,
                                 world_size=self.context.world_size, seconds=seconds)
@@ -318,6 +326,27 @@ class GroupKeeper:
                 self.hooks.dispatch("on_world_change", old_world_size=old_world,
                                     new_world_size=self.context.world_size)
         return received
+
+    def _abandoned_save(self, in_flight: CheckpointError | None, cause: str) -> tuple[int, str] | None:
+        """The step and reason of a checkpoint the re-formation after ``cause`` abandoned: an
+        asynchronous save that was in flight (``in_flight``: why it failed), or the save due at the
+        committed step, which did not commit (a peer died during it, or before it began)."""
+        state, every = self._state, self.config.checkpoint_every
+        if in_flight is not None and state.saved_step is not None:
+            return state.saved_step, describe(in_flight)
+        if every and state.step > 0 and state.step % every == 0 and state.saved_step != state.step:
+            return state.step, cause
+        return None
+
+    def _say_abandoned(self, step: int, reason: str) -> None:
+        """One line and a ``checkpoint_abandoned`` event (rank 0): a checkpoint that was not
+        committed, why, and when the next one is due (an abandoned save is not retried)."""
+        every = self.config.checkpoint_every
+        assert every is not None  # noqa: S101 - only a periodic save is abandoned
+        next_step = (self._state.step // every + 1) * every
+        self.log.warning("the checkpoint of step %d was abandoned, nothing of it committed (%s); the next is due "
+                         "at step %d", step, reason, next_step)
+        events.emit("checkpoint_abandoned", step=step, reason=reason, next_step=next_step)
 
     def close(self) -> None:
         """Drop the group (destroyed if the session formed it) and the control channel."""

@@ -25,11 +25,17 @@ from typing import Any, TextIO
 
 from elastictrain.train.worker import WorkerContext
 
-__all__ = ["JSON_ENV", "RankLoggerAdapter", "follow_context", "format_prefix", "get_logger", "setup_logging"]
+__all__ = ["JSON_ENV", "PREFIXED_LINES_ENV", "RankLoggerAdapter", "follow_context", "format_prefix", "get_logger",
+           "setup_logging", "terminal_is_prefixed"]
 
 JSON_ENV = "ELASTICTRAIN_LOG_JSON"
 """Set to ``1`` to make :func:`setup_logging` (and the session's automatic set-up) write JSON lines."""
 
+PREFIXED_LINES_ENV = "ELASTICTRAIN_PREFIXED_LINES"
+"""``1`` in a worker whose stderr the launcher prefixes with ``[node rank]`` (set by the worker's
+boot): a log line there needs no ``[run= node= rank=]`` of its own."""
+
+_VERBOSE_ENV = "ELASTICTRAIN_VERBOSE"  # run -v: the long prefix everywhere
 _LEVEL_ENV = "ELASTICTRAIN_LOG_LEVEL"
 _EVENTS = "elastictrain.events"
 _ATTR = "elastictrain"  # record attribute: the context fields, and whether the message is prefixed
@@ -139,16 +145,34 @@ def follow_context(context: WorkerContext) -> None:
         rank_filter.follow(context)
 
 
-class _Formatter(logging.Formatter):
-    """Text (``time level name: [prefix] message``) or one JSON object per line."""
+def terminal_is_prefixed() -> bool:
+    """Whether this worker's stderr lines already start with ``[node rank]`` and ``-v`` did
+    not ask for everything: the session's own log lines are then brief (see ``setup_logging``)."""
+    def on(name: str) -> bool:
+        return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
-    def __init__(self, json_lines: bool) -> None:
+    return on(PREFIXED_LINES_ENV) and not on(_VERBOSE_ENV)
+
+
+class _Formatter(logging.Formatter):
+    """Text (``time level name: [prefix] message``), brief text (``time message``; level and
+    logger from WARNING up) or one JSON object per line."""
+
+    def __init__(self, json_lines: bool, brief: bool = False) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
         self._json = json_lines
+        self._brief = brief and not json_lines
 
     def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
         """See base class. Prefixes records that did not come through an adapter."""
         info = getattr(record, _ATTR, None)
+        if self._brief:
+            message = record.message
+            if info is not None and info["prefixed"] and message.startswith(info["prefix"]):
+                message = message[len(info["prefix"]):].lstrip()
+            if record.levelno < logging.WARNING:
+                return f"{record.asctime} {message}"
+            return f"{record.asctime} {record.levelname} {record.name}: {message}"
         if info is None or info["prefixed"]:
             return super().formatMessage(record)
         values = {**record.__dict__, "message": f"{info['prefix']} {record.message}"}
@@ -187,6 +211,7 @@ def setup_logging(
     logger: str = "",
     stream: TextIO | None = None,
     all_ranks: bool = False,
+    brief: bool = False,
 ) -> logging.Handler:
     """Install a rank-aware handler in this worker process.
 
@@ -201,6 +226,9 @@ def setup_logging(
         logger: Name of the logger to configure (``""``: root).
         stream: Where to write; default ``sys.stderr``.
         all_ranks: Pass info records from every rank, not only rank 0.
+        brief: Text lines as ``time message`` (level and logger from WARNING up), no
+            ``[run= node= rank=]``: for a stream whose lines the launcher already starts with
+            ``[node rank]`` (the session's automatic set-up, see :func:`terminal_is_prefixed`).
 
     Returns:
         The installed handler.
@@ -218,7 +246,7 @@ def setup_logging(
     rank_filter = _RankFilter(context, all_ranks, json_lines)
     _installed.add(rank_filter)
     handler.addFilter(rank_filter)
-    handler.setFormatter(_Formatter(json_lines))
+    handler.setFormatter(_Formatter(json_lines, brief))
     target = logging.getLogger(logger)
     target.handlers[:] = [handler]
     target.setLevel(level)

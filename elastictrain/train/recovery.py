@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "BoundaryFlag", "abort_default_group", "context_for", "describe", "is_collective_failure", "join_generation",
-    "wait_for_generation", "wrap_in_ddp",
+    "torch_env", "wait_for_generation", "wrap_in_ddp",
 ]
 
 # What gloo and NCCL say when a peer or the network is gone, besides torch's DistError types.
@@ -253,6 +253,29 @@ def context_for(context: WorkerContext, assignment: Assignment) -> WorkerContext
                            f"{context.local_rank}")
     return dataclasses.replace(context, rank=rank, world_size=assignment.world_size, node_rank=assignment.group_rank,
                                master_addr=assignment.master_addr, master_port=assignment.master_port)
+
+
+def torch_env(context: WorkerContext, assignment: Assignment) -> dict[str, str]:
+    """torch's environment variables of a worker at ``context`` in ``assignment``'s generation:
+    what the agent would give a worker it started into that generation. A worker kept through
+    a re-formation (in-process recovery) writes them into its ``os.environ``, so that a script or
+    library reading ``RANK``/``WORLD_SIZE`` sees the group it trains in.
+
+    ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` do not change in place (a node keeps its workers);
+    ``TORCHELASTIC_RESTART_COUNT`` counts the agent's restarts of its whole worker group, which
+    an in-place re-formation is not. One role per job: its role rank and size are the global ones.
+    """
+    return {
+        "RANK": str(context.rank),
+        "WORLD_SIZE": str(context.world_size),
+        "ROLE_RANK": str(context.rank),
+        "ROLE_WORLD_SIZE": str(context.world_size),
+        "GROUP_RANK": str(assignment.group_rank),
+        "GROUP_WORLD_SIZE": str(assignment.group_world_size),
+        "LOCAL_WORLD_SIZE": str(context.local_world_size),
+        "MASTER_ADDR": assignment.master_addr,
+        "MASTER_PORT": str(assignment.master_port),
+    }
 
 
 FORMATION_ATTEMPTS = 3

@@ -48,7 +48,7 @@ from elastictrain.errors import CheckpointWriteError, ConfigError, SessionError
 from elastictrain.train.hooks import HookDispatcher
 from elastictrain.train.precision import MixedPrecision
 from elastictrain.train.progress import ProgressHook, progress_wanted
-from elastictrain.train.rank_logging import RankLoggerAdapter, get_logger, setup_logging
+from elastictrain.train.rank_logging import RankLoggerAdapter, get_logger, setup_logging, terminal_is_prefixed
 from elastictrain.train.sampler import ElasticSampler
 from elastictrain.train import process_group as pg
 from elastictrain.train.control import JobEnded
@@ -144,6 +144,8 @@ class Session:
         self._log = get_logger(__name__, self.context)
         self._entered = False
         self._closed = False
+        self._in_flight: int | None = None
+        """The number of the step the caller's code is in, if it is in one."""
 
     # --- properties ----------------------------------------------------------------------------
 
@@ -293,7 +295,7 @@ class Session:
         config, state, keeper = self.config, self._state, self._keeper
         if not logging.getLogger().handlers and not logging.getLogger("elastictrain").handlers:
             # Nobody configured logging in this worker: show ours (prefixed, rank 0's info only).
-            setup_logging(self.context, logger="elastictrain")
+            setup_logging(self.context, logger="elastictrain", brief=terminal_is_prefixed())
             logging.getLogger("elastictrain").propagate = False
         self.hooks.dispatch("on_start", context=self.context)
         keeper.open()
@@ -321,9 +323,9 @@ class Session:
                                 generation=keeper.control.generation, world_size=self.context.world_size,
                                 seconds=0.0)
         self.log.info(
-            "session started: world size %d, device %s, backend %s, precision %s, global batch %d "
+            "session started: run %r, world size %d, device %s, backend %s, precision %s, global batch %d "
             "(%d micro-batch(es) per step), %s, %s recovery",
-            self.context.world_size, device, self.placement.backend or "none", state.precision.precision,
+            self.context.run_id, self.context.world_size, device, self.placement.backend or "none", state.precision.precision,
             config.global_batch_size, self._micro_count(),
             "state from a live peer at step %d" % state.step if received else (
                 f"resumed at step {state.step}" if state.restored else "fresh start"),
@@ -363,6 +365,8 @@ class Session:
                 self.save()
             self.checkpoints.close()
         self.log.info("training finished after %d steps", self.step)
+        if self.context.rank == 0:
+            events.emit("session_end", step=self.step)  # the run summary's step count
         self.hooks.dispatch("on_end", step=self.step)
 
     def _fail(self, error: BaseException) -> None:
@@ -371,7 +375,9 @@ class Session:
         if isinstance(error, JobEnded):  # the agent ended the group (stopped, or the job ended): no failure
             self.log.info("left the job at step %d: %s", self.step, error)
         else:
-            self.log.error("training failed at step %d: %s: %s", self.step, type(error).__name__, error)
+            where = (f"in step {self._in_flight} ({self.step} committed)" if self._in_flight is not None
+                     else f"after step {self.step}")
+            self.log.error("training failed %s: %s: %s", where, type(error).__name__, error)
         self.hooks.dispatch("on_failure", error=error)
         if self.checkpoints is not None:
             try:
@@ -416,7 +422,14 @@ class Session:
             SessionError: Used outside ``with``, or a step left incomplete.
         """
         self._require_entered()
-        yield from self._loop.run()
+        steps = self._loop.run()
+        try:
+            for step in steps:
+                self._in_flight = step.number  # what a failure names: the step the caller's code saw
+                yield step
+                self._in_flight = None
+        finally:
+            steps.close()
 
     def _save_due(self) -> None:
         """The save every ``checkpoint_every`` steps. One that cannot write (a full disk, an I/O

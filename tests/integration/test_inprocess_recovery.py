@@ -586,3 +586,60 @@ def test_only_this_nodes_own_failures_spend_its_budget(etcd_server: Any, run_id:
     assert not [e for e in failures if e["pid"] == node_a.pid], "node A saw a failure of its own"
     failed_workers = {f["pid"] for e in failures if e["pid"] == node_b.pid for f in e["failures"].values()}
     assert len(failed_workers) == 3, f"node B's worker failed in {len(failed_workers)} processes, not 3"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("api", ["session", "elastic"])
+def test_torchs_environment_follows_the_group_after_an_in_place_resize(etcd_server: Any, run_id: str,
+                                                                       tmp_path: Path, api: str) -> None:
+    """Issue 43: a worker kept through a re-formation has torch's environment of its new group
+    (it kept RANK and WORLD_SIZE of the first: 'world 2 (env RANK 0 WORLD_SIZE 3)')."""
+    out = tmp_path / "job"
+    nodes = [start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.1", "--api", api, min_nodes=2,
+                        max_nodes=3) for _ in range(3)]
+    wait_until(lambda: len({r["rank"] for r in records(out) if r["world"] == 3}) == 3, "a step at world 3", nodes)
+    victim = nodes[2]
+    os.killpg(victim.pid, signal.SIGKILL)  # the node's agent and its worker: a machine dying
+    victim.wait()
+    outputs = finish(nodes[:2])
+    assert [n.returncode for n in nodes[:2]] == [0, 0], outputs[0][-3000:]
+    resized = [r for r in records(out) if r["world"] == 2]
+    assert {r["rank"] for r in resized} == {0, 1} and len({r["pid"] for r in resized}) == 2
+    assert {r["pid"] for r in resized} <= {r["pid"] for r in records(out) if r["world"] == 3}, "a survivor restarted"
+    for r in records(out):
+        # One worker per node: its rank is its node's rank, the world its nodes' count.
+        rank, world = str(r["rank"]), str(r["world"])
+        assert r["env"] | {"MASTER_ADDR": None, "MASTER_PORT": None} == {
+            "RANK": rank, "WORLD_SIZE": world, "ROLE_RANK": rank, "ROLE_WORLD_SIZE": world, "GROUP_RANK": rank,
+            "GROUP_WORLD_SIZE": world, "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": None,
+            "MASTER_PORT": None}, r
+    # Both survivors name the same store of their new group, not the first group's.
+    stores = {(r["env"]["MASTER_ADDR"], r["env"]["MASTER_PORT"]) for r in resized if r["step"] == resized[-1]["step"]}
+    assert len(stores) == 1 and stores != {(r["env"]["MASTER_ADDR"], r["env"]["MASTER_PORT"])
+                                           for r in records(out) if r["world"] == 3}
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_abandoned_because_a_peer_died_during_its_save_says_so_once_with_the_next_one_due(
+        etcd_server: Any, run_id: str, tmp_path: Path) -> None:
+    """Issue 43: a worker killed during the save of a step: the survivors recovered, and no line said
+    that the step's checkpoint was not committed, nor when the next one comes."""
+    out = tmp_path / "job"
+    stalled = tmp_path / "stalled"
+    nodes = [start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.1", "--ckpt-every", "5",
+                        "--stall-save", f"0:{stalled}", min_nodes=1) for _ in range(2)]
+    wait_until(stalled.exists, "rank 0's checkpoint write stalled", nodes)
+    writer = int(stalled.read_text())
+    victim = next(n for n in nodes if writer in descendants(n.pid))
+    survivor = next(n for n in nodes if n is not victim)
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    (output,) = finish([survivor])
+    assert survivor.returncode == 0, output[-3000:]
+    abandoned = events(out, "checkpoint_abandoned")
+    assert [(e["step"], e["next_step"]) for e in abandoned] == [(5, 10)], abandoned
+    assert "CheckpointError" in abandoned[0]["reason"]
+    lines = [line for line in output.splitlines() if "checkpoint of step 5 was abandoned" in line]
+    assert len(lines) == 1 and "the next is due at step 10" in lines[0], output[-3000:]
+    committed = [e["step"] for e in events(out, "checkpoint_commit")]
+    assert 5 not in committed and 10 in committed, committed

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO_ROOT, run_reporting_hangs, subprocess_env
+from tests.conftest import REPO_ROOT, communicate_reporting_hangs, hang_reporting_env, run_reporting_hangs, subprocess_env
 
 SCRIPT = str(REPO_ROOT / "tests" / "scripts" / "ddp_steps.py")
 
@@ -405,3 +405,88 @@ def test_no_python_runs_a_program(tmp_path: Path) -> None:
     result = elastictrain("run", "--no-python", "sh", "-c", "echo from-$RANK; exit 5")
     assert result.returncode == 5 and "from-0" in result.stdout
     assert "rank 0 on " in result.stderr and "exited with code 5" in result.stderr
+
+
+INPROCESS_JOB = str(REPO_ROOT / "tests" / "scripts" / "inprocess_job.py")
+
+
+def _child_with(parent: int, word: str) -> int:
+    """The pid of ``parent``'s child whose command line has ``word`` (a local node by its name)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and word.encode() in cmdline:
+            return int(stat.parent.name)
+    raise AssertionError(f"no child of {parent} with {word!r} in its command line")
+
+
+@pytest.mark.timeout(200)
+def test_a_local_job_that_finished_after_a_node_agent_was_killed_exits_zero_and_says_why(tmp_path: Path) -> None:
+    """Issue 43: 3 local nodes, one node's agent SIGKILLed mid-run, the other two train to the end:
+    the job finished, so the command exits 0 (it exited 137, the killed node's code, without a word)."""
+    out, release = tmp_path / "out", tmp_path / "release"
+    out.mkdir()
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "elastictrain", "run", "--local-nodes", "3", "--min-nodes", "2", "--max-nodes", "3",
+         INPROCESS_JOB, str(out), "--steps", "12", "--hold-before", f"5:{release}"],
+        env=hang_reporting_env(subprocess_env(OMP_NUM_THREADS="1")), cwd=tmp_path, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.glob("release.held-*"))) < 3:  # every rank waits inside step 5
+        assert launcher.poll() is None and time.monotonic() < deadline, "the job never reached step 5"
+        time.sleep(0.1)
+    os.kill(_child_with(launcher.pid, "node2"), signal.SIGKILL)
+    release.touch()
+    [(_, err)] = communicate_reporting_hangs([launcher], timeout=150)
+    assert launcher.returncode == 0, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert "job finished (exit code 0)" in last and "node2" in last and "SIGKILL" in last, err[-3000:]
+    # The killed agent's workers held their semaphores by then, and their names were gone: its resource
+    # tracker found none to clean up ('There appear to be 7 leaked semaphore objects').
+    assert "leaked semaphore" not in err, err[-3000:]
+    # The survivors name the lost node as its own lines did, with its address (not 127.0.0.1_5995_154fbb).
+    assert "node(s) left: node2@127.0.0.1 (pid " in err, err[-3000:]
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert max(s["step"] for s in steps) == 12 and steps[-1]["world"] == 2
+
+
+_LEAVES_ONCE = """
+import os, pathlib, sys, time
+import torch, torch.distributed as dist
+marker = pathlib.Path(sys.argv[1])
+dist.init_process_group("gloo")
+for step in range(20):
+    if step == 5 and dist.get_rank() == 1 and not marker.exists():
+        marker.touch()
+        dist.destroy_process_group()  # rank 0's all_reduce fails now, long before this worker ends
+        time.sleep(3)
+        raise RuntimeError("raised once, on rank 1")
+    dist.all_reduce(torch.ones(1))
+    time.sleep(0.05)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("recovery", ["restart", "in-process"])
+def test_a_peers_failure_spends_no_budget_of_the_node_it_broke(tmp_path: Path, recovery: str) -> None:
+    """Issue 43: a plain script; rank 0's worker failed only because rank 1 went away, and its
+    node's restart budget was spent for it ('failure 2 of 3 in the window'). Rank 1 closes its
+    connections seconds before it fails, so that rank 0's failure is seen first, every time."""
+    script = tmp_path / "leaves_once.py"
+    script.write_text(_LEAVES_ONCE)
+    result = run_reporting_hangs(
+        [sys.executable, "-m", "elastictrain", "run", "--local-nodes", "2", "--recovery", recovery,
+         "--max-restarts", "1", str(script), str(tmp_path / "left")],
+        timeout=120, env=subprocess_env(OMP_NUM_THREADS="1"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    events = [json.loads(line) for line in (tmp_path / "elastictrain-runs" / "local" / "events.jsonl").open()]
+    rendezvous = [e for e in events if e["kind"] == "rendezvous"]
+    rank_0_node = next(e["pid"] for e in rendezvous if e["round"] == 0 and e["group_rank"] == 0)
+    failed = [e for e in events if e["kind"] == "worker_failure" and e["pid"] == rank_0_node]
+    assert failed, events  # rank 0's worker failed (a peer's failure), not stopped for a membership change
+    assert [e["restarts"] for e in rendezvous if e["pid"] == rank_0_node][-1] == 0, events
+    assert "because a peer's failure broke its collectives: not this node's own failure" in result.stderr

@@ -3,7 +3,7 @@
 Usage: inprocess_job.py OUT_DIR [--steps N] [--step-sleep S] [--fail-at RANK:STEP] [--api session|elastic]
 
 Every rank appends one line per applied step to ``OUT_DIR/steps.jsonl`` (rank, pid,
-step, world size, time) and, at the end, saves its parameters to ``final-<rank>.pt``.
+step, world size, time, torch's environment variables as the step saw them) and, at the end, saves its parameters to ``final-<rank>.pt``.
 ``--step-sleep`` slows each step down so that a test can inject a fault mid-run;
 ``--fast-at-world W`` stops slowing the steps down once the world size is W or more.
 ``--fail-at RANK:STEP`` makes RANK raise before STEP in every process that reaches
@@ -50,6 +50,11 @@ def _triple(text: str) -> tuple[int, int, float]:
 def _step_and_path(text: str) -> tuple[int, str]:
     step, _, path = text.partition(":")
     return int(step), path
+
+
+TORCH_ENV = ("RANK", "WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+             "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""torch's environment variables, recorded with each step (``env``): they follow a re-formation."""
 
 
 def _append(path: Path, record: dict) -> None:
@@ -104,7 +109,8 @@ def with_session(args: argparse.Namespace, out: Path) -> None:
             if step.discarded:  # a peer died during it: it runs again in the re-formed group
                 continue
             _append(out / "steps.jsonl", {"rank": s.rank, "pid": os.getpid(), "step": step.number,
-                                          "world": s.world_size, "t": time.time()})
+                                          "world": s.world_size, "t": time.time(),
+                                          "env": {name: os.environ.get(name) for name in TORCH_ENV}})
             if args.between_sleep and (s.rank, step.number) == args.between_sleep[:2]:
                 time.sleep(args.between_sleep[2])
     torch.save(model.state_dict(), out / f"final-{session.rank}.pt")
@@ -135,7 +141,8 @@ def with_run_elastic(args: argparse.Namespace, out: Path) -> None:
             state.optimizer.zero_grad()
             state.commit()
             _append(out / "steps.jsonl", {"rank": state.rank, "pid": os.getpid(), "step": state.step,
-                                          "world": state.world_size, "t": time.time()})
+                                          "world": state.world_size, "t": time.time(),
+                                          "env": {name: os.environ.get(name) for name in TORCH_ENV}})
 
     elastictrain.run_elastic(train, state)
     torch.save(model.state_dict(), out / f"final-{state.rank}.pt")

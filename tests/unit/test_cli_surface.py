@@ -17,6 +17,7 @@ EXPECTED = {
                    "--last-call-timeout", "--local-addr", "--local-nodes", "--log-dir", "--max-nodes",
                    "--max-restarts", "--min-nodes", "--monitor-interval", "--no-progress", "--node-name", "--nproc-per-node",
                    "--rdzv-conf", "--recovery", "--restart-window", "--run-id", "--standalone",
+                   "--verbose",  # issue 43: torch's own lines and the long worker prefix on the terminal
                    # torchrun's spellings (issue 17): same meaning, or refused in one line saying why
                    "--nnodes", "--nproc_per_node", "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-id", "--rdzv_id",
                    "--rdzv-backend", "--rdzv_backend", "--rdzv_conf", "--max_restarts", "--monitor_interval",
@@ -54,4 +55,4 @@ def test_torchrun_short_flags_are_accepted() -> None:
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     short = sorted(o for a in sub.choices["run"]._actions for o in a.option_strings if not o.startswith("--"))
-    assert short == ["-h", "-m", "-r", "-t"]
+    assert short == ["-h", "-m", "-r", "-t", "-v"]

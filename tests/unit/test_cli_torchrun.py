@@ -116,3 +116,34 @@ def test_local_nodes_alone_is_a_job_of_that_many_nodes(script: str) -> None:
 def test_nnodes_with_an_explicit_min_nodes_of_one_is_refused(script: str) -> None:
     with pytest.raises(ConfigError, match="say the same thing"):
         _config("--nnodes", "2", "--min-nodes", "1", script)
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["run", "--max-node", "3", "x.py"], "unrecognized arguments: --max-node; --max-node: did you mean --max-nodes?"),
+    (["run", "--verbos", "--bogus", "x.py"], "unrecognized arguments: --verbos --bogus; --verbos: did you mean --verbose?"),
+    (["status", "--run-di", "x"], "unrecognized arguments: --run-di x; --run-di: did you mean --run-id?"),
+    (["etcd", "--prot=3"], "unrecognized arguments: --prot=3; --prot: did you mean --port?"),
+])
+def test_a_mistyped_flag_gets_a_did_you_mean(argv: list[str], expected: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    # Issue 43: argparse's suggest_on_error is Python 3.14's; one line, exit 2, as every bad flag.
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == f"elastictrain: error: {expected}\n"
+
+
+def test_a_flag_close_to_none_gets_no_suggestion_and_a_refused_one_is_never_suggested(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["run", "--bogus", "--master-adr", "h", "x.py"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean" not in err, err
+
+
+def test_verbose_falls_back_to_its_variable_and_reaches_local_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 43: -v/--verbose, like every flag, from ELASTICTRAIN_VERBOSE; a --local-nodes child gets it.
+    parser = arguments.build_parser()
+    assert parser.parse_args(["run", "x.py"]).verbose is False
+    monkeypatch.setenv("ELASTICTRAIN_VERBOSE", "1")
+    parser = arguments.build_parser()
+    args = parser.parse_args(["run", "--local-nodes", "2", "x.py"])
+    assert args.verbose is True
+    assert "--verbose" in arguments.node_args(args.run_parser, args, endpoint="127.0.0.1:1", run_id="r", local_addr=None)

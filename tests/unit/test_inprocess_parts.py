@@ -793,8 +793,6 @@ def test_commit_outside_the_loop_run_elastic_runs_is_refused(monkeypatch: pytest
 
 
 def _leaving_worker(rank: int, port: int, results: Any) -> None:
-    import logging
-
     from elastictrain.train import process_group as pg
     from elastictrain.train.generation import Generation
     from elastictrain.train.worker import WorkerContext
@@ -814,7 +812,7 @@ def _leaving_worker(rank: int, port: int, results: Any) -> None:
         return
     queued = dist.all_reduce(waiting, async_op=True)  # a collective its peer never joins (a DDP bucket)
     time.sleep(0.5)
-    generation.leave(logging.LoggerAdapter(logging.getLogger("test"), {}))
+    generation.leave()
     try:
         queued.wait()
         results.put((rank, "the queued all-reduce returned"))

@@ -5,11 +5,19 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
 from collections.abc import Iterator
 
 import pytest
 
-from elastictrain.train.rank_logging import RankLoggerAdapter, format_prefix, get_logger, setup_logging
+from elastictrain.train.rank_logging import (
+    PREFIXED_LINES_ENV,
+    RankLoggerAdapter,
+    format_prefix,
+    get_logger,
+    setup_logging,
+    terminal_is_prefixed,
+)
 from elastictrain.train.worker import WorkerContext
 
 pytestmark = pytest.mark.timeout(10)
@@ -106,3 +114,21 @@ def test_the_record_points_at_the_caller_not_the_adapter(stream: io.StringIO) ->
     handler.setFormatter(logging.Formatter("%(filename)s"))
     get_logger("test.caller", context(0)).info("here")
     assert stream.getvalue().strip() == "test_rank_logging.py"
+
+
+def test_brief_lines_are_time_and_message_with_level_and_logger_from_warning_up(stream: io.StringIO) -> None:
+    # The session's own lines on a terminal that already says [node rank] (issue 43).
+    setup_logging(context(0), stream=stream, json_lines=False, brief=True)
+    get_logger("elastictrain.train.session", context(0)).info("step %d", 10)
+    logging.getLogger("elastictrain.train.sampler").warning("odd %s", "thing")
+    first, second = stream.getvalue().splitlines()
+    assert re.fullmatch(r"\d\d:\d\d:\d\d step 10", first), first
+    assert re.fullmatch(r"\d\d:\d\d:\d\d WARNING elastictrain.train.sampler: odd thing", second), second
+
+
+@pytest.mark.parametrize(("prefixed", "verbose", "brief"), [("1", "", True), ("1", "1", False), ("", "", False)])
+def test_lines_are_brief_only_where_the_launcher_prefixes_them_and_not_verbose(
+        monkeypatch: pytest.MonkeyPatch, prefixed: str, verbose: str, brief: bool) -> None:
+    monkeypatch.setenv(PREFIXED_LINES_ENV, prefixed)
+    monkeypatch.setenv("ELASTICTRAIN_VERBOSE", verbose)
+    assert terminal_is_prefixed() is brief

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 from elastictrain.launch.arguments import build_parser
 from tests.conftest import REPO_ROOT
@@ -62,3 +66,28 @@ def test_readme_and_session_docs_say_what_restore_step_means_and_that_hooks_take
     for text in (README, session):
         assert "`info.step` is the step number you passed to `save`" in text
     assert "`hooks=` takes a list" in README and "`hooks=` takes a list" in session
+
+
+def test_the_session_conversion_example_runs_and_shows_what_a_real_loop_needs(tmp_path: Path) -> None:
+    """Issue 43: the README's DDP-to-Session example shows stopping after N steps, the step
+    number, rank and world size and the log interval, by their real names: it runs as written."""
+    section = README.split("## The training session: from a DDP script to an elastic one", 1)[1]
+    diff = section.split("```diff", 1)[1].split("```", 1)[0]
+    converted = "\n".join(line[1:] for line in diff.splitlines() if line[:1] in (" ", "+"))
+    for name in ("max_steps=", "log_every=", "step.number", "session.rank", "session.world_size"):
+        assert name in converted, name
+    stubs = ("import torch\n"
+             "from torch.utils.data import TensorDataset\n"
+             "def build_model():\n    return torch.nn.Linear(4, 1)\n"
+             "dataset = TensorDataset(torch.randn(128, 4), torch.randn(128, 1))\n"
+             "loss_fn = torch.nn.functional.mse_loss\n")
+    script = stubs + converted.replace('"/shared/ckpt"', repr(str(tmp_path / "ckpt")))
+    script = script.replace("max_steps=1000", "max_steps=4").replace("% 500 ==", "% 2 ==")
+    # A plain process, world 1: no launcher's variables (another test's process may have left some).
+    launcher = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"}
+    env = {k: v for k, v in os.environ.items() if k not in launcher and not k.startswith("ELASTICTRAIN_")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90,
+                          env={**env, "ELASTICTRAIN_PROGRESS": "0"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["step 2 at world size 1", "step 4 at world size 1"]

@@ -460,3 +460,19 @@ def test_skipped_fp16_updates_are_said_and_a_run_of_them_warned_of(caplog: pytes
     warned = [r for r in caplog.records if r.levelno == logging.WARNING and "were all skipped" in r.getMessage()]
     assert len(said) == 9 and "] step 1: update skipped" in said[0].getMessage()
     assert len(warned) == 1 and "last 10 steps (to step 10)" in warned[0].getMessage()
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_a_raise_inside_a_step_is_said_to_fail_in_that_step(caplog: pytest.LogCaptureFixture) -> None:
+    # Issue 43: a raise inside step 50 was logged "training failed at step 49".
+    model = make_model()
+    with caplog.at_level(logging.INFO, logger="elastictrain"), pytest.raises(RuntimeError):
+        with elastictrain.Session(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset(),
+                                  global_batch_size=8, log_every=None) as session:
+            for step in session.steps():
+                if step.number == 3:
+                    raise RuntimeError("boom")
+                for micro in step:
+                    x, y = micro.batch
+                    micro.backward(torch.nn.functional.mse_loss(session.model(x), y))
+    assert "training failed in step 3 (2 committed): RuntimeError: boom" in caplog.text, caplog.text
