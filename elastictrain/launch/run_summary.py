@@ -97,7 +97,8 @@ def summarize(events: list[dict[str, Any]], *, seconds: float, finished: bool) -
               f"(world size {e.get('old_world_size')} -> {e.get('world_size')}): {_short(e.get('cause', ''))}"
               for e in recoveries]
     lines += [f"  checkpoint of step {e.get('step')} abandoned ({_short(e.get('reason', ''))}); the next was due "
-              f"at step {e.get('next_step')}" for e in abandoned]
+              + (f"at step {e['next_step']}" if e.get("next_step") is not None else "at the end of the run")
+              for e in abandoned]
     first = next(((rank, node, f) for rank, node, f in failures if f.get("traceback")), None)
     traceback = ""
     if first is not None and finished:

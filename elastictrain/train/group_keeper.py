@@ -341,11 +341,9 @@ class GroupKeeper:
     def _say_abandoned(self, step: int, reason: str) -> None:
         """One line and a ``checkpoint_abandoned`` event (rank 0): a checkpoint that was not
         committed, why, and when the next one is due (an abandoned save is not retried)."""
-        every = self.config.checkpoint_every
-        assert every is not None  # noqa: S101 - only a periodic save is abandoned
-        next_step = (self._state.step // every + 1) * every
-        self.log.warning("the checkpoint of step %d was abandoned, nothing of it committed (%s); the next is due "
-                         "at step %d", step, reason, next_step)
+        next_step = self.config.next_save(self._state.step)
+        self.log.warning("the checkpoint of step %d was abandoned, nothing of it committed (%s); the next is due %s",
+                         step, reason, "at the end of the run" if next_step is None else f"at step {next_step}")
         events.emit("checkpoint_abandoned", step=step, reason=reason, next_step=next_step)
 
     def close(self) -> None:

@@ -471,9 +471,8 @@ class Session:
         return float(tensor.item())
 
     def _next_save(self, step: int) -> str:
-        every, last = self.config.checkpoint_every, self.config.max_steps
-        due = None if every is None else (step // every + 1) * every
-        return "at the end of the run" if due is None or (last is not None and due >= last) else f"at step {due}"
+        due = self.config.next_save(step)
+        return "at the end of the run" if due is None else f"at step {due}"
 
     def _write_failed(self, step: int, error: CheckpointWriteError) -> None:
         """Say that the save of ``step`` could not write (``on_write_failure``; maybe on the save's
@@ -482,7 +481,7 @@ class Session:
             self.log.debug("save of step %d could not write: %s", step, error)
             return
         self.log.warning("%s; training continues, the next save is %s", error, self._next_save(step))
-        events.emit("checkpoint_abandoned", step=step, reason=str(error),
+        events.emit("checkpoint_abandoned", step=step, reason=str(error), next_step=self.config.next_save(step),
                     directory=self.checkpoints.location if self.checkpoints is not None else None)
 
     def save(self) -> None:

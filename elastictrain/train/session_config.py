@@ -120,6 +120,12 @@ class SessionConfig:
     save) before its agent takes it for hung, captures its stacks and replaces it (see
     :class:`~elastictrain.train.hang_bounds.HangBounds`; ``Session.long_call`` widens it)."""
 
+    def next_save(self, step: int) -> int | None:
+        """The step of the periodic save after ``step``, or None when the next is the run's last save."""
+        every = self.checkpoint_every
+        due = None if every is None else (step // every + 1) * every
+        return None if due is None or (self.max_steps is not None and due >= self.max_steps) else due
+
     def __post_init__(self) -> None:
         _positive("global_batch_size", self.global_batch_size)
         _positive("micro_batch_size", self.micro_batch_size, allow_none=True)

@@ -505,7 +505,8 @@ def test_a_worker_stopped_while_its_group_forms_is_killed_and_replaced_and_the_j
     outputs = finish(nodes)
     assert [n.returncode for n in nodes] == [0, 0, 0], "\n".join(o[-2000:] for o in outputs)
     assert stopped[0] not in {r["pid"] for r in records(out)}
-    assert re.search(rf"\(rank \d+, pid {stopped[0]}\) is hung: its process is stopped \(state T\) while it "
+    assert re.search(rf"rank \d+ on node \S+ \(local worker \d+, pid {stopped[0]}\) is hung: its process is stopped "
+                     r"\(state T\) while it "
                      r"(starts|forms a group)", outputs[2]), outputs[2][-3000:]
     assert [e["pid"] for e in events(out, "hang")] == [stopped[0]]
 
