@@ -15,15 +15,14 @@ with its defaults, a private etcd) of ``benchmarks/_train_session.py`` paced at 
 - ``first_step``: every rank's first step takes 20 s more.
   For these four: ``replaced`` (workers found hung and killed, from the run's ``hang`` events;
   expected 0) and ``named`` (the straggler's ``straggler`` event).
-- ``link_cut`` (root, ``--link-cut``): ``elastictrain chaos --netns`` with 3 nodes, one cut off
-  its peers but not off etcd (``link_cut``); ``regained_s`` is the harness's recovery time: from
-  the cut to the first step of the group formed without it.
+- ``link_cut`` (root, ``--link-cut``), ``kill_in_save`` and ``disk_full`` (root, ``--storage``):
+  through the chaos harness, see :func:`chaos_trial`; ``regained_s`` is the harness's recovery time.
 
 ``--torchrun`` adds one trial of each hang under stock ``torchrun`` (c10d rendezvous, tuned as
 in ``benchmarks/recovery.py``), where the hung rank is found only by its peer's collective
 timeout (the Session's 60 s) and every worker restarts from the last checkpoint.
 
-    python benchmarks/hangs.py --reps 3 --link-cut --torchrun --out benchmarks/results/hangs.json
+    python benchmarks/hangs.py --reps 3 --link-cut --storage --torchrun --out benchmarks/results/hangs.json
 
 Prints the JSON line on stdout and a markdown table on stderr (and beside ``--out`` as ``.md``).
 Run it alone: its numbers are wall-clock times.
@@ -133,20 +132,29 @@ def run_trial(case: str, launcher: str, args: argparse.Namespace, endpoint: str,
     return record
 
 
-def link_cut_trial(args: argparse.Namespace, index: int) -> dict[str, Any]:
+def chaos_trial(case: str, args: argparse.Namespace, index: int) -> dict[str, Any]:
+    """One fault through the chaos harness (``elastictrain.chaos``, the demo job at ``--step-ms``):
+    ``link_cut`` (3 nodes in network namespaces, one cut off its peers for 20 s), ``kill_in_save``
+    (2 nodes, ``--save-mb`` of state: a worker SIGKILLed the moment it saves) or ``disk_full``
+    (2 nodes, the checkpoints on a 1 GB tmpfs filled for 5 s). ``regained_s`` is the harness's
+    recovery time (to the first step of the group formed after it; for ``disk_full``, to the
+    first step after a save it could not write, which it waits for); ``lost`` counts steps redone."""
     from elastictrain.chaos import ChaosConfig, parse_schedule, run_chaos
 
-    run_dir = Path(tempfile.mkdtemp(prefix="bench-linkcut-")) / "run"
+    run_dir = Path(tempfile.mkdtemp(prefix=f"bench-{case}-")) / "run"
+    nodes = 3 if case == "link_cut" else 2
+    ballast = ("--ballast-mb", f"{args.save_mb:g}") if case == "kill_in_save" else ()
     result = run_chaos(ChaosConfig(
         script=str(Path(__file__).resolve().parent.parent / "elastictrain" / "chaos" / "_demo_job.py"),
         script_args=("--ckpt", "{run_dir}/ckpt", "--samples", "192", "--epochs", "2", "--ckpt-every", "2",
-                     "--step-time", str(args.step_ms / 1000)),
-        run_dir=str(run_dir), nodes=3, min_nodes=2, max_nodes=3, schedule=tuple(parse_schedule("link_cut@6")),
-        seed=index, netns=True, partition=20, reference=False,
+                     "--step-time", str(args.step_ms / 1000), *ballast),
+        run_dir=str(run_dir), nodes=nodes, min_nodes=2, max_nodes=nodes,
+        schedule=tuple(parse_schedule(f"{case}@6")), seed=index, netns=case == "link_cut", partition=20,
+        checkpoint_disk_mb=1024 if case == "disk_full" else 0, reference=False,
     ))
     fault = result.report["faults"][0]
-    return {"case": "link_cut", "launcher": "elastictrain", "regained_s": fault["recovery_s"],
-            "note": fault["note"], "ok": result.ok, "work": str(run_dir)}
+    return {"case": case, "launcher": "elastictrain", "regained_s": fault["recovery_s"], "note": fault["note"],
+            "lost": fault.get("steps_redone"), "ok": result.ok, "work": str(run_dir)}
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -175,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trial-timeout", type=float, default=240.0)
     parser.add_argument("--torchrun", action="store_true", help="one trial of each hang under stock torchrun")
     parser.add_argument("--link-cut", action="store_true", help="(root) link_cut trials through the chaos harness")
+    parser.add_argument("--storage", action="store_true", help="(root) kill_in_save and disk_full trials through "
+                        "the chaos harness")
+    parser.add_argument("--save-mb", type=float, default=60.0, help="state kill_in_save's job saves, MB")
+    parser.add_argument("--skip-loop", action="store_true", help="only the chaos-harness trials")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -184,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     trials: list[dict[str, Any]] = []
     server = EtcdServer().start()
     try:
-        for case in args.cases.split(","):
+        for case in ([] if args.skip_loop else args.cases.split(",")):
             for index in range(args.reps if case in HANGS else args.slow_reps):
                 trials.append(run_trial(case, "elastictrain", args, server.endpoint, index))
                 print(f"{case}: {trials[-1]}", file=sys.stderr, flush=True)
@@ -193,10 +205,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{case} (torchrun): {trials[-1]}", file=sys.stderr, flush=True)
     finally:
         server.stop()
-    if args.link_cut:
+    chaos_cases = (["link_cut"] if args.link_cut else []) + (["kill_in_save", "disk_full"] if args.storage else [])
+    for case in chaos_cases:
         for index in range(args.reps):
-            trials.append(link_cut_trial(args, index))
-            print(f"link_cut: {trials[-1]}", file=sys.stderr, flush=True)
+            trials.append(chaos_trial(case, args, index))
+            print(f"{case}: {trials[-1]}", file=sys.stderr, flush=True)
     summary: dict[str, Any] = {}
     for key in dict.fromkeys(f"{t['case']}/{t['launcher']}" for t in trials):
         group = [t for t in trials if f"{t['case']}/{t['launcher']}" == key]

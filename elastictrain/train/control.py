@@ -162,13 +162,16 @@ class WorkerControl:
 
     def _check_stuck(self) -> None:
         callback = self._on_stuck
+        # A checkpoint save waits for its peers in collectives of its own (its barrier, its broadcasts).
+        saving = self.section == Section.SAVE
         if callback is None or self.state != WorkerState.TRAINING or (self._stuck_in_collective_only
-                                                                      and not self._in_collective):
+                                                                      and not (self._in_collective or saving)):
             return
         current = self._assignments.current()
         # In flight for several typical steps, not a slow step: since the last step ended, or
-        # since the collective began (the first step after a re-formation or a save).
-        since = max(self.step_at, self._collective_at if self._stuck_in_collective_only else 0.0) or now()
+        # since the collective (or the save) began (the first step after a re-formation or a save).
+        began = self._collective_at if self._in_collective else self._section_at
+        since = max(self.step_at, began if self._stuck_in_collective_only else 0.0) or now()
         stalled = now() - since > max(self._stuck_after, _STUCK_STEPS * self.step_s)
         # A generation that only adds nodes keeps every peer: none is gone, whatever the wait.
         joined = current is not None and current.joined and current.generation == self.generation + 1
@@ -185,7 +188,7 @@ class WorkerControl:
         published a newer generation (not one that only adds nodes), and no step finished for
         ``after`` seconds (and :data:`_STUCK_STEPS` of its typical steps; with
         ``in_collective_only``, counted from the collective's start too): a collective waits
-        for a peer that is gone.
+        for a peer that is gone. A checkpoint save counts as a collective: it waits for its peers.
         The callback makes it fail now (NCCL's abort, gloo's connections shut down). With
         ``in_collective_only``, only while the worker waits in a step's own collectives (see
         :meth:`collective`): gloo's block the calling thread there, where NCCL's are

@@ -152,8 +152,10 @@ class Generation:
             elif backend == "gloo":
                 # This group's connections: the callback runs on another thread, maybe once
                 # this rank has formed the next group (which it must not touch).
-                control.on_stuck(functools.partial(_shut_down_stuck, peer_connections.on_record(None)),
-                                 in_collective_only=True)
+                # The checkpoint group's too: a save in flight waits there for a peer that is gone.
+                connections = peer_connections.on_record(None) + (
+                    peer_connections.on_record(self._checkpoint_group) if self._checkpoint_group is not None else ())
+                control.on_stuck(functools.partial(_shut_down_stuck, connections), in_collective_only=True)
 
     def _count_forward(self, *_: Any) -> None:
         self.forwards += 1

@@ -231,3 +231,34 @@ def test_a_slow_fault_slows_each_of_its_steps() -> None:
     for step in range(1, 7):
         injector.at_step(0, step)
     assert time.monotonic() - started >= 0.4
+
+
+@pytest.mark.parametrize(("section", "fires"), [(Section.SAVE, True), (Section.BETWEEN, False)])
+def test_a_save_stuck_on_a_peer_that_is_gone_is_cut_like_a_stuck_collective(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, section: int, fires: bool) -> None:
+    # A link cut while the ranks saved: the survivors waited in the save's broadcast until the
+    # link came back (20 s), as the stuck-collective callback only counted a step's collectives.
+    from elastictrain._control import Assignment, write_assignment
+    from elastictrain.train import control as control_module
+
+    ProgressTable(tmp_path, 1, create=True).close()
+    assignment = Assignment(generation=1, round=0, world_size=2, master_addr="127.0.0.1", master_port=1,
+                            ranks={"0": 0})
+    write_assignment(tmp_path, assignment)
+    clock = [100.0]
+    monkeypatch.setattr(control_module, "now", lambda: clock[0])
+    control = WorkerControl(str(tmp_path), 0, 1, hang_bounds=BOUNDS)
+    stuck: list[bool] = []
+    try:
+        control.on_stuck(lambda: stuck.append(True), after=1.0, in_collective_only=True)
+        control.set_state(WorkerState.TRAINING)
+        control.step_done(6)
+        control.enter(section)
+        clock[0] += 5.0
+        # The agent published the next generation (a node left): the peer this rank waits for is gone.
+        write_assignment(tmp_path, Assignment(generation=2, round=1, world_size=1, master_addr="127.0.0.1",
+                                              master_port=1, ranks={"0": 0}))
+        control._check_stuck()  # noqa: SLF001 - what the liveness thread runs every 0.2 s
+        assert stuck == ([True] if fires else [])
+    finally:
+        control.close()
