@@ -259,12 +259,20 @@ class _InLoopFault(_WorkerFault):
     spec: ClassVar[str]
     """The injector's kind and what follows the step (``x25+0.5``: for 25 steps, 0.5 s more)."""
 
+    step = 0
+    """The step the fault strikes in (once injected)."""
+
     def inject(self, now: float) -> bool:
         pid = self._target_worker()
         if pid is None:
             return False
+        # The first step no worker may have started: past the job's newest step and past the gate (an
+        # earlier fault may have opened it further); the gate then lets the job reach that step.
+        harness = self.harness
+        self.step = max(harness.progress.step, harness.gate) + 1
         kind, _, extra = self.spec.partition("@")
-        self.harness.place_in_loop(f"{kind}@pid{pid}:{self.harness.progress.step + 1}{extra}")
+        harness.place_in_loop(f"{kind}@pid{pid}:{self.step}{extra}")
+        harness.set_gate(self.step)
         self.record.ended = now
         return True
 
@@ -303,7 +311,7 @@ class Straggler(_InLoopFault):
     def inject(self, now: float) -> bool:
         if not super().inject(now):
             return False
-        self.harness.set_gate(self.harness.progress.step + STRAGGLER_STEPS + 1)
+        self.harness.set_gate(self.step + STRAGGLER_STEPS)
         return True
 
     @classmethod

@@ -34,7 +34,8 @@ pytestmark = pytest.mark.soak
 
 def _soak(run_dir: Path, *, faults: int, seed: int, kinds: tuple[FaultKind, ...], nodes: int, min_nodes: int,
           max_nodes: int, etcd_members: int) -> None:
-    steps_needed = faults * 7 + 12  # a gap of up to 5 steps, and steps redone
+    # A gap of up to 5 steps and steps redone, and a straggler trains through 25 slow steps.
+    steps_needed = faults * 7 + 12 + (faults * 25 if FaultKind.STRAGGLER in kinds else 0)
     result = run_chaos(ChaosConfig(
         script=JOB, run_dir=str(run_dir), nodes=nodes, min_nodes=min_nodes, max_nodes=max_nodes,
         etcd_members=etcd_members,
