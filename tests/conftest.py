@@ -233,3 +233,16 @@ def _restore_elastictrain_logging() -> Iterator[None]:
         logger.handlers[:] = handlers
         logger.setLevel(level)
         logger.propagate = propagate
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment() -> Iterator[None]:
+    """Code under test sets this process's environment as it does a real worker's or node's:
+    the CLI run in-process (ELASTICTRAIN_NODE, the event log, the control channel), a group
+    keeper after a re-formation (RANK, WORLD_SIZE, MASTER_PORT, ...). Undo it, so that a later
+    test's subprocesses do not inherit a job that is gone (seen: a rendezvous at 127.0.0.1:1)."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
