@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import NoReturn
 
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
@@ -57,6 +58,7 @@ from elastictrain.rendezvous.membership import Closer, ControlView, RoundWatch, 
 from elastictrain.rendezvous.ready import ReadyWord
 from elastictrain.rendezvous.records import FINISHED, CloserRecord, MemberRecord, RoundRecord, encode, node_id_for
 from elastictrain.rendezvous.store import Etcd3Store
+from elastictrain.rendezvous.waiting import Ending, Look, Me, decide, give_up
 
 logger = logging.getLogger(__name__)
 
@@ -171,8 +173,12 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                 f"node {self.node_id} left the rendezvous of run '{self.keys.run_id}'") from exc
 
     def _wait_for_round(self) -> RendezvousInfo:
+        """Join the rendezvous and wait until a round takes this node in: look at the control view,
+        let :func:`~elastictrain.rendezvous.waiting.decide` choose, do what it says, wait for the
+        next change (or the closer's next deadline, or a second)."""
         started = time.monotonic()
-        deadline = started + self._config.join_timeout.total_seconds()
+        join_timeout = self._config.join_timeout.total_seconds()
+        deadline = started + join_timeout
         for_joiners, self._for_joiners = self._for_joiners, False
         self._leave_round()
         if self._withdrawn:
@@ -184,89 +190,80 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         control = self._control
         open_at_last_look = False
         while True:
-            if self._alive.lost:  # etcd dropped this node while it waited (a stall, a cut link)
+            with control.cond:
+                seen = control.version
+                look = self._look()
+                current_kv = control.round_kv
+            me = Me(self.node_id, after, self._registered, self._alive.id, lease_lost=self._alive.lost,
+                    spare=self._spare, closing=self._closer is not None)
+            decision = decide(look, me)
+            if decision.register_again:
                 logger.warning("node %s lost its lease while waiting; registering again", self.node_id)
                 self._release_closer()
                 self.connect()
                 self._join(after, for_joiners=for_joiners)
-            left_out = None
-            full_without_me = None  # the current round, when it is full and this node not in it
-            with control.cond:
-                seen = control.version
-                if control.problem is not None:
-                    raise control.problem
-                if control.stopped:  # left (leave() or shutdown() from another thread)
-                    self._release_closer()
-                    raise RendezvousClosedError(f"node {self.node_id} left the rendezvous of run '{self.keys.run_id}'")
-                current, current_kv = control.round, control.round_kv
-                if control.closed is not None:
-                    self._release_closer()
-                    if self._spare:
-                        raise RendezvousGracefulExitError(
-                            f"run '{self.keys.run_id}' ended while this node waited as a spare")
-                    raise RendezvousClosedError(f"the rendezvous of run '{self.keys.run_id}' is closed")
-                if current is not None and current.round > after and current.rank_of(self.node_id) is not None:
-                    break
-                if (current is not None and current.rank_of(self.node_id) is None
-                        and len(current.nodes) >= current.max_nodes):
-                    full_without_me = current
-                if (current is not None and current.round > after and current.rank_of(self.node_id) is None
-                        and current.snapshot >= self._registered):
-                    # A round decided with this node's key in view left it out (for want of
-                    # room): ask for the round after it, or no later round would count this
-                    # node among those waiting (see membership.waiting).
-                    left_out = current.round
-                closer_free = control.closer is None
-                mine = control.closer == self.node_id
-                key = control.closer_kv  # this node's own, on its current lease (see below)
-                held_key = key if mine and key is not None and key.lease == self._alive.id else None
-            if full_without_me is not None and not self._spare and self._round_stands(full_without_me):
-                # The round is full without this node and its members train: a newcomer, or a
-                # member that re-entered once a spare had taken its seat. It waits as a spare
-                # (and past the join timeout). A full round whose members are gone (the job
-                # launched again after they all died) only waits to be re-formed.
+                continue
+            if decision.ending is Ending.ENTER:
+                break
+            if decision.ending is not None:
+                self._end_wait(decision.ending, look)
+            if decision.spare_if_full is not None and self._round_stands(decision.spare_if_full):
                 self._spare = True
-                self._announce_spare(len(full_without_me.nodes))
-            if left_out is not None:
-                after = left_out
+                self._announce_spare(len(decision.spare_if_full.nodes))
+            if decision.join_after is not None:
+                after = decision.join_after
                 self._join(after)
                 continue
-            if self._closer is not None and not mine:
-                self._release_closer()  # it formed a round, or lost the key
-            if held_key is not None and self._closer is None:
-                # The key is this node's, but it has no closer (it let it go on a view that an
-                # older event had made wrong): no other node can take the key while it lives.
+            if decision.release_closer:
+                self._release_closer()
+            if decision.resume_closer is not None:
                 logger.info("node %s holds the closer key of run '%s': gathering the round again", self.node_id,
                             self.keys.run_id)
-                self._become_closer(held_key.create_revision)
-            if closer_free and self._closer is None:
+                self._become_closer(decision.resume_closer)
+            if decision.try_to_close:
                 self._try_to_close()
             wake = self._closer.step(time.monotonic()) if self._closer is not None else None
             now = time.monotonic()
-            if now >= deadline and self._spare and current is not None:
-                # A spare waits for a seat, not for a round to form: it waits as long as the job
-                # trains (one etcd read per join timeout), since timing out would end the run. It
-                # gives up only once a round that lost a member has not re-formed for that long.
-                stands = self._round_stands(current)
-                if stands or not open_at_last_look:
-                    open_at_last_look = not stands
-                    deadline = now + self._config.join_timeout.total_seconds()
-            if now >= deadline:
+            timing = give_up(now, deadline, join_timeout=join_timeout, spare=self._spare,
+                             has_round=look.round is not None, open_at_last_look=open_at_last_look,
+                             stands=lambda: look.round is not None and self._round_stands(look.round))
+            deadline, open_at_last_look = timing.deadline, timing.open_at_last_look
+            if timing.timed_out:
                 self._release_closer()
                 raise RendezvousTimeoutError(
                     f"the rendezvous of run '{self.keys.run_id}' did not complete within "
-                    f"{self._config.join_timeout.total_seconds():g}s ({self._progress()})")
+                    f"{join_timeout:g}s ({self._progress()})")
             if now - logged >= _LOG_EVERY:
                 logged = now
-                timeout_s = "" if self._spare else f"; join timeout {self._config.join_timeout.total_seconds():g} s"
+                timeout_s = "" if self._spare else f"; join timeout {join_timeout:g} s"
                 logger.info("%s for %.0f s%s (round %d of run '%s')", self._waiting_for(), now - started, timeout_s,
                             after + 1, self.keys.run_id)
             timeout = min(1.0, deadline - now, (wake - now) if wake is not None else 1.0)
             with control.cond:
                 control.cond.wait_for(lambda: control.version != seen, max(0.0, timeout))
         self._release_closer()
-        assert current_kv is not None  # noqa: S101 - it holds current
-        return self._enter_round(current, current_kv.mod_revision)
+        assert look.round is not None and current_kv is not None  # noqa: S101 - decide() entered it
+        return self._enter_round(look.round, current_kv.mod_revision)
+
+    def _look(self) -> Look:
+        """The control view as one :class:`~elastictrain.rendezvous.waiting.Look` (under its lock)."""
+        control = self._control
+        key = control.closer_kv
+        return Look(control.round, control.closer, key.lease if key is not None else None,
+                    key.create_revision if key is not None else 0, closed=control.closed is not None,
+                    problem=control.problem, stopped=control.stopped)
+
+    def _end_wait(self, ending: Ending, look: Look) -> NoReturn:
+        """Raise what ends the wait for ``ending`` (all but entering a round)."""
+        self._release_closer()
+        if ending is Ending.PROBLEM:
+            assert look.problem is not None  # noqa: S101 - decide() saw it
+            raise look.problem
+        if ending is Ending.LEFT:
+            raise RendezvousClosedError(f"node {self.node_id} left the rendezvous of run '{self.keys.run_id}'")
+        if ending is Ending.CLOSED_AS_SPARE:
+            raise RendezvousGracefulExitError(f"run '{self.keys.run_id}' ended while this node waited as a spare")
+        raise RendezvousClosedError(f"the rendezvous of run '{self.keys.run_id}' is closed")
 
     def is_closed(self) -> bool:
         """See base class."""

@@ -55,8 +55,8 @@ from elastictrain.rendezvous.records import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["STORES_KEPT", "Closer", "ControlView", "Member", "RoundWatch", "absent_members", "choose_members",
-           "close_rendezvous", "is_open", "member_of", "read_members", "waiting"]
+__all__ = ["STORES_KEPT", "Closer", "Closing", "ControlView", "Member", "RoundWatch", "absent_members",
+           "choose_members", "close_rendezvous", "closing", "is_open", "member_of", "read_members", "waiting"]
 
 STORES_KEPT = 3
 """Rounds whose store keys stay: the newest and the two before it (an agent may still be starting
@@ -135,6 +135,43 @@ def choose_members(candidates: list[Member], current: RoundRecord | None, max_no
     previous = set(current.nodes) if current is not None else set()
     chosen = sorted(candidates, key=lambda m: (m.record.node not in previous, m.created))[:max_nodes]
     return sorted(chosen, key=lambda m: m.created)
+
+
+@dataclass(frozen=True, slots=True)
+class Closing:
+    """The closer's verdict at one look (:func:`closing`)."""
+
+    chosen: list[Member] | None
+    """The members of the round to form now, in rank order (``None``: not now)."""
+    wake: float | None
+    """When to look again at the latest (the last call's end), or ``None``: only an etcd event
+    can change the verdict."""
+    quorum_since: float | None
+    """Since when ``min_nodes`` have waited (the last call counts from then)."""
+
+
+def closing(members: dict[str, Member], current: RoundRecord | None, *, now: float, quorum_since: float | None,
+            min_nodes: int, max_nodes: int, last_call: float) -> Closing:
+    """Whether the closer forms the next round at ``now`` (the module's rules): the current round
+    is open, ``min_nodes`` wait, and either ``max_nodes`` wait and no live member of the current
+    round is still to ask, or the last call is over, or every live node is in."""
+    if not is_open(members, current):
+        return Closing(None, None, None)
+    candidates = waiting(members, current)
+    if len(candidates) < min_nodes:
+        return Closing(None, None, None)
+    since = now if quorum_since is None else quorum_since
+    due = since + last_call
+    # A re-formation does not wait for nodes nobody knows of once every live node is in
+    # (survivors train again at once). The first round does, as torch's does, and so does
+    # a round with no survivor in it (the job launched again after all its nodes died):
+    # nodes start at slightly different times, and one a moment late would otherwise wait
+    # for a round that forms only when the others next re-enter (a join, or a restart).
+    survivors = current is not None and not set(current.nodes).isdisjoint(m.record.node for m in candidates)
+    everyone_in = survivors and len(candidates) == len(members)
+    if not everyone_in and now < due and (len(candidates) < max_nodes or absent_members(members, current, candidates)):
+        return Closing(None, due, since)
+    return Closing(choose_members(candidates, current, max_nodes), None, since)
 
 
 class ControlView:
@@ -350,28 +387,12 @@ class Closer:
         current, current_kv = self._control.round, self._control.round_kv
         with self._lock:
             members, snapshot = dict(self._members), self._revision
-        if not is_open(members, current):
-            self._quorum_since = None
-            return None
-        candidates = waiting(members, current)
-        if len(candidates) < self._min:
-            self._quorum_since = None
-            return None
-        if self._quorum_since is None:
-            self._quorum_since = now
-        due = self._quorum_since + self._last_call
-        # A re-formation does not wait for nodes nobody knows of once every live node is in
-        # (survivors train again at once). The first round does, as torch's does, and so does
-        # a round with no survivor in it (the job launched again after all its nodes died):
-        # nodes start at slightly different times, and one a moment late would otherwise wait
-        # for a round that forms only when the others next re-enter (a join, or a restart).
-        survivors = current is not None and not set(current.nodes).isdisjoint(m.record.node for m in candidates)
-        everyone_in = survivors and len(candidates) == len(members)
-        if not everyone_in and now < due and (
-                len(candidates) < self._max or absent_members(members, current, candidates)):
-            return due
-        self._form(choose_members(candidates, current, self._max), current, current_kv, snapshot)
-        return None
+        verdict = closing(members, current, now=now, quorum_since=self._quorum_since, min_nodes=self._min,
+                          max_nodes=self._max, last_call=self._last_call)
+        self._quorum_since = verdict.quorum_since
+        if verdict.chosen is not None:
+            self._form(verdict.chosen, current, current_kv, snapshot)
+        return verdict.wake
 
     def _form(self, chosen: list[Member], current: RoundRecord | None, current_kv: kv.KeyValue | None,
               snapshot: int) -> None:
