@@ -505,7 +505,8 @@ def test_a_worker_stopped_while_its_group_forms_is_killed_and_replaced_and_the_j
     outputs = finish(nodes)
     assert [n.returncode for n in nodes] == [0, 0, 0], "\n".join(o[-2000:] for o in outputs)
     assert stopped[0] not in {r["pid"] for r in records(out)}
-    assert re.search(rf"rank \d+ on node \S+ \(local worker \d+, pid {stopped[0]}\) is hung: its process is stopped "
+    assert re.search(rf"rank \d+ on \S+ \(node rank \d+\) \(local worker \d+, pid {stopped[0]}\) is hung: "
+                     r"its process is stopped "
                      r"\(state T\) while it "
                      r"(starts|forms a group)", outputs[2]), outputs[2][-3000:]
     assert [e["pid"] for e in events(out, "hang")] == [stopped[0]]
@@ -644,3 +645,4 @@ def test_a_checkpoint_abandoned_because_a_peer_died_during_its_save_says_so_once
     assert len(lines) == 1 and "the next is due at step 10" in lines[0], output[-3000:]
     committed = [e["step"] for e in events(out, "checkpoint_commit")]
     assert 5 not in committed and 10 in committed, committed
+
