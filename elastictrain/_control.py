@@ -129,6 +129,9 @@ class Assignment:
     """The job is over (stopped, or the rendezvous closed): leave."""
     joined: bool = False
     """Nodes joined and none left: every peer of the previous generation lives on in this one."""
+    fault: dict[str, Any] = field(default_factory=dict)
+    """The fault that caused this re-formation, as the node that saw it said it
+    (:meth:`elastictrain._fault.Fault.to_json`); empty when none is known."""
 
     def rank_of(self, local_rank: int) -> int | None:
         return self.ranks.get(str(local_rank))

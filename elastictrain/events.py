@@ -14,7 +14,10 @@ waits to replace one that leaves), ``worker_failure``, ``hang``, ``recovery``, `
 ``checkpoint_save`` when copied), ``checkpoint_abandoned`` (a save that could not write, or
 that a re-formation abandoned: ``step``, ``reason``, and ``next_step`` for the latter),
 ``checkpoint_skipped`` (a save due while the one in flight gets no answer from its storage),
-``straggler``/``straggler_recovered``, ``slow_between_steps`` and ``cut_off``.
+``straggler``/``straggler_recovered``, ``slow_between_steps``, ``cut_off`` and ``session_failed``
+(each rank whose session failed: its committed step, for the steps a restart redoes). A
+``recovery`` or ``restart`` event whose cause another node saw carries it as ``fault`` (rank,
+node name, node rank, how it ended; :class:`elastictrain._fault.Fault`).
 ``worker_failure`` gives each failed worker's recorded error, location, trimmed traceback and
 whether a peer's failure caused it (the run summary reads them).
 torch's own agent events arrive as ``torch_agent``.

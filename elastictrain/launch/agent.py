@@ -21,6 +21,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, Worker, Worker
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from elastictrain import _torch_compat
+from elastictrain._fault import Fault, node_label
 from elastictrain.errors import ElasticTrainError, EtcdError
 from elastictrain.events import EventLog
 from elastictrain.launch import failure_report
@@ -31,7 +32,46 @@ from elastictrain.rendezvous.records import describe_node
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ElasticAgent", "describe_change", "failure_cause", "failure_fields", "final_failure", "not_own_failure"]
+__all__ = ["ElasticAgent", "describe_change", "failure_cause", "failure_fields", "final_failure", "not_own_failure",
+           "own_fault", "peer_faults", "round_fault", "tell_fault"]
+
+
+def own_fault(failures: dict[int, Any], node: str, node_rank: int | None, *, hung: frozenset[int] = frozenset()
+              ) -> Fault | None:
+    """The fault this node saw among its failed workers (torch's ``ProcessFailure`` records by
+    global rank): the root cause (:func:`failure_report.root_cause`), how it ended (a worker whose
+    pid is in ``hung`` was killed by its agent as hung), on node ``node`` of node rank
+    ``node_rank``. What its next request for a round tells the other nodes."""
+    found = [failure_report.from_process_failure(rank, f, node) for rank, f in failures.items()]
+    root = failure_report.root_cause(found)
+    if root is None:
+        return None
+    how = f"hung and was killed by its agent ({root.signal})" if root.pid in hung and root.signal else root.how()
+    return Fault(rank=root.rank, node=node, node_rank=node_rank, how=how)
+
+
+def tell_fault(handler: Any, fault: Fault | None) -> None:
+    """Have this node's next request for a round state ``fault`` (our rendezvous only)."""
+    if fault is not None and fault.rank is not None and isinstance(handler, Etcd3RendezvousHandler):
+        handler.say_fault(fault.rank, fault.how)
+
+
+def peer_faults(handler: Any) -> list[Fault]:
+    """The faults the other members of this node's round said or were seen to meet (our
+    rendezvous only; see :meth:`Etcd3RendezvousHandler.seen_faults`)."""
+    return handler.seen_faults() if isinstance(handler, Etcd3RendezvousHandler) else []
+
+
+def round_fault(handler: Any) -> Fault | None:
+    """The first worker failure a member said as it asked for the round just formed (our
+    rendezvous only; an etcd error leaves the cause as this node saw it, with a warning)."""
+    if not isinstance(handler, Etcd3RendezvousHandler):
+        return None
+    try:
+        return next(iter(handler.round_faults()), None)
+    except EtcdError as exc:
+        logger.warning("could not read what the round's members said of its cause: %s", exc)
+        return None
 
 
 def failure_cause(failures: dict[int, Any]) -> str:
@@ -75,10 +115,16 @@ def _membership_change(before: Any, after: Any) -> dict[str, list[str]]:
     return {k: v for k, v in change.items() if v}
 
 
-def describe_change(change: dict[str, list[str]]) -> str:
-    """``; node(s) left: node2@127.0.0.1 (pid 42); joined: ...`` for a log line (empty if none)."""
-    parts = [f"{what}: {', '.join(map(describe_node, change[key]))}" for key, what in (("nodes_left", "node(s) left"),
-                                                                   ("nodes_joined", "node(s) joined")) if key in change]
+def describe_change(before: Any, after: Any) -> str:
+    """``; node(s) left: node2@127.0.0.1 (node rank 1, pid 42); joined: ...`` for a log line: the
+    nodes that left and joined between two round records, each by name, address, node rank (in the
+    round it left, or joined) and pid (:func:`describe_node`), never by its id alone; empty if none."""
+    if before is None or after is None:
+        return ""
+    left = [describe_node(n, rank) for rank, n in enumerate(before.nodes) if n not in after.nodes]
+    joined = [describe_node(n, rank) for rank, n in enumerate(after.nodes) if n not in before.nodes]
+    parts = [f"{what}: {', '.join(nodes)}" for what, nodes in (("node(s) left", left), ("node(s) joined", joined))
+             if nodes]
     return "".join(f"; {part}" for part in parts)
 
 
@@ -111,6 +157,10 @@ class ElasticAgent(LocalElasticAgent):
         self._restarts_at_final_error: int | None = None
         self._last_change: dict[str, list[str]] = {}
         """The node ids that left and joined at this node's last rendezvous (see :func:`_membership_change`)."""
+        self._last_change_said = ""
+        """The same for a log line (:func:`describe_change`)."""
+        self._peer_caused = False
+        """Whether this node's last worker failure was a peer's doing (:func:`not_own_failure`)."""
         self.stopped_by_request = False
 
     @property
@@ -140,7 +190,9 @@ class ElasticAgent(LocalElasticAgent):
         before = getattr(handler, "joined", None)
         super()._rendezvous(worker_group)
         duration = time.monotonic() - started
-        self._last_change = _membership_change(before, getattr(handler, "joined", None))
+        after = getattr(handler, "joined", None)
+        self._last_change = _membership_change(before, after)
+        self._last_change_said = describe_change(before, after)
         world_size = worker_group.workers[0].world_size if worker_group.workers else None
         fields = {"round": getattr(handler, "round", None), "group_rank": worker_group.group_rank,
                   "nodes": worker_group.group_world_size, "world_size": world_size}
@@ -154,7 +206,7 @@ class ElasticAgent(LocalElasticAgent):
         logger.info(
             "rendezvous round %s complete in %.3fs: node rank %s of %s nodes, world size %s, restart %s%s",
             fields["round"], duration, worker_group.group_rank, worker_group.group_world_size,
-            world_size, self.restarts, describe_change(self._last_change),
+            world_size, self.restarts, self._last_change_said,
         )
 
     def _assign_worker_ranks(self, store: Any, group_rank: int, group_world_size: int,
@@ -186,7 +238,7 @@ class ElasticAgent(LocalElasticAgent):
                 result = RunResult(state=WorkerState.SUCCEEDED,
                                    return_values={w.global_rank: None for w in worker_group.workers})
         if result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
-            peer_caused = not_own_failure(worker_group, result.failures)
+            peer_caused = self._peer_caused = not_own_failure(worker_group, result.failures)
             if peer_caused:
                 # A peer's failure broke this node's collectives: the job restarts, but the budget
                 # counts only this node's own failures (as under in-process recovery).
@@ -194,13 +246,17 @@ class ElasticAgent(LocalElasticAgent):
                             "its restart budget is not spent", failure_cause(result.failures))
             else:
                 logger.info("%s", failure_cause(result.failures))
-            self._events.emit("worker_failure", peer_caused=peer_caused,
-                              failures=failure_fields(result.failures, self._events.node))
+            node = node_label(self._events.node, worker_group.group_rank)
+            self._events.emit("worker_failure", peer_caused=peer_caused, node_rank=worker_group.group_rank,
+                              failures=failure_fields(result.failures, node))
             if final_failure(result.failures):
                 self._restarts_at_final_error = self.restarts
                 _torch_compat.forgo_restarts(self)
             elif peer_caused:
                 _torch_compat.spare_restart(self)
+            else:  # the other nodes state this cause when they restart theirs
+                tell_fault(worker_group.spec.rdzv_handler,
+                           own_fault(result.failures, self._events.node, worker_group.group_rank))
         elif result.state == WorkerState.HEALTHY:
             return self._check_stop(worker_group) or result
         return result
@@ -246,6 +302,10 @@ class ElasticAgent(LocalElasticAgent):
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         failed = worker_group.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}
         reason = "worker_failure" if failed else "membership_change"
-        self._events.emit("restart", reason=reason, restarts=self.restarts)
+        faults = [] if failed and not self._peer_caused else peer_faults(worker_group.spec.rdzv_handler)
+        if faults:  # the cause the other nodes said: what made this node restart its workers
+            logger.info("restarting this node's workers: %s", "; ".join(f.describe() for f in faults))
+        self._events.emit("restart", reason=reason, restarts=self.restarts,
+                          **({"fault": faults[0].to_json()} if faults else {}))
         self._publish(state="restarting", restarts=self.restarts)
         super()._restart_workers(worker_group)

@@ -75,7 +75,8 @@ class WorkerFailure:
     """Global rank."""
 
     node: str
-    """The node (``--local-nodes`` name, or host name) that ran it."""
+    """The node that ran it: its name (``--local-nodes``' ``node1``, or the host name) and its node
+    rank then (``node1 (node rank 0)``, :func:`~elastictrain._fault.node_label`)."""
 
     pid: int
     exit_code: int
@@ -108,14 +109,18 @@ class WorkerFailure:
     message says what is wrong, and the report shows no traceback for it."""
 
     def describe(self) -> str:
-        """``rank 1 on node1 failed: ValueError: bad batch (train.py:42)``."""
-        who = f"rank {self.rank} on {self.node}"
+        """``rank 1 on node1 (node rank 0) failed: ValueError: bad batch (train.py:42)``."""
+        return f"rank {self.rank} on {self.node} {self.how()}"
+
+    def how(self) -> str:
+        """How it ended: ``was killed by SIGKILL``, ``failed: ValueError: bad batch (train.py:42)``,
+        ``exited with code 3``."""
         if self.signal:
-            return f"{who} was killed by {self.signal}"
+            return f"was killed by {self.signal}"
         if self.error:
             where = f" ({self.location})" if self.location else ""
-            return f"{who} failed: {self.error}{where}"
-        return f"{who} exited with code {self.exit_code}"
+            return f"failed: {self.error}{where}"
+        return f"exited with code {self.exit_code}"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -28,17 +28,22 @@ from elastictrain import _torch_compat
 from elastictrain._control import Assignment, Progress, Section, WorkerState as SlotState, stacks_path
 from elastictrain.errors import EtcdError
 from elastictrain.events import NODE_ENV
+from elastictrain._fault import Fault, node_label
 from elastictrain.launch.agent import (
     ElasticAgent,
-    describe_change,
     failure_cause,
     failure_fields,
     final_failure,
     not_own_failure,
+    own_fault,
+    peer_faults,
+    round_fault,
+    tell_fault,
 )
 from elastictrain.launch.hang_detector import HangDetector, Stacks, capture_stacks
 from elastictrain.launch.worker_group import Channel, FailureBudget, WorkerProcesses
 from elastictrain.rendezvous.reachability import is_cut_off
+from elastictrain.rendezvous.records import describe_node
 
 _LINGER_S = 30.0
 """How long a node's workers may run after the job finished on its other nodes before it says so."""
@@ -202,7 +207,8 @@ class InProcessAgent(ElasticAgent):
             else:
                 self._finished.add(local_rank)
         if failures:
-            self._events.emit("worker_failure", failures=failure_fields(failures, self._events.node))
+            self._events.emit("worker_failure", node_rank=worker_group.group_rank,
+                              failures=failure_fields(failures, node_label(self._events.node, worker_group.group_rank)))
             return RunResult(state=WorkerState.FAILED, failures=failures)
         if len(self._finished) == len(worker_group.workers):
             return RunResult(state=WorkerState.SUCCEEDED,
@@ -238,6 +244,7 @@ class InProcessAgent(ElasticAgent):
                 return result
             now = time.monotonic()
             cause = None
+            fault: Fault | None = None
             if result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
                 if final_failure(result.failures):
                     self._stop_workers(group)
@@ -256,6 +263,13 @@ class InProcessAgent(ElasticAgent):
                     group.state = WorkerState.FAILED
                     return result
                 cause = failure_cause(result.failures)
+                if not peer_caused:  # said in this node's request for a round: the others state it
+                    fault = own_fault(result.failures, self._node, group.group_rank,
+                                      hung=frozenset(self._killed_hung))
+                    tell_fault(spec.rdzv_handler, fault)
+                else:
+                    said, fault = self._peers_cause("")
+                    cause += f", after {said}" if said else ""
                 if backoff:
                     logger.warning("%s: waiting %.0fs before replacing (failure %d of %d in the window)", cause,
                                    backoff, self._budget.used(now), self._budget.limit)
@@ -278,19 +292,29 @@ class InProcessAgent(ElasticAgent):
             self._say_ready(group)
             if cause is None and any(p.state == SlotState.RECOVERING and p.generation == self._generation
                                      and p.pid for p in progress):
-                cause = "a worker's collective failed (a peer is gone)"
+                cause, fault = self._peers_cause("a worker's collective failed (a peer is gone)")
             joins = False
             if cause is None:
                 waiting = spec.rdzv_handler.num_nodes_waiting()
                 if waiting > 0:
-                    cause = f"membership change ({waiting} node(s) waiting, gone or re-joining)"
+                    cause, fault = self._peers_cause(
+                        f"membership change ({waiting} node(s) waiting, gone or re-joining)")
                     joins = bool(getattr(spec.rdzv_handler, "only_nodes_joining", lambda: False)())
             held = self._held
             if held is not None and (cause is not None or self._joiners_ready(group, held, now)):
                 # Only nodes joined unless something else happened meanwhile (a peer may be gone).
                 self._publish_recovery(group, held.cause, held.started, held_since=held.formed, joined=cause is None)
             if cause is not None:
-                self._recover(group, cause, joins=joins)
+                self._recover(group, cause, joins=joins, fault=fault)
+
+    def _peers_cause(self, seen: str) -> tuple[str, Fault | None]:
+        """The cause of a re-formation this node did not start: what the other members said or
+        were seen to meet (``rank 1 on node2 (node rank 1) was killed by SIGKILL``), the first of
+        them as the fault its workers are told; ``seen`` (what this node saw) when none said."""
+        faults = peer_faults(_torch_compat.worker_group(self).spec.rdzv_handler)
+        if not faults:
+            return seen, None
+        return "; ".join(f.describe() for f in faults), faults[0]
 
     def _kill_hung(self, group: WorkerGroup, progress: list[Progress], now: float, live: dict[int, int]) -> None:
         """Kill each hung worker, once, after capturing its stacks (its replacement follows as for
@@ -300,9 +324,10 @@ class InProcessAgent(ElasticAgent):
         for slot in self._hangs.overdue(progress, now, live):
             p = progress[slot]
             stacks = capture_stacks(live[slot], stacks_path(self._channel.directory, slot))
-            logger.warning("rank %s on node %s has run its own code between steps %d and %d for %.0fs (no collective "
+            logger.warning("rank %s on %s has run its own code between steps %d and %d for %.0fs (no collective "
                            "of its peers waits for it yet; they will wait in the next one)%s", ranks.get(slot),
-                           self._node, p.step, p.step + 1, now - p.section_at, _said(stacks))
+                           node_label(self._node, group.group_rank), p.step, p.step + 1, now - p.section_at,
+                           _said(stacks))
             self._events.emit("slow_between_steps", rank=ranks.get(slot), local_rank=slot, pid=live[slot], step=p.step,
                               seconds=round(now - p.section_at, 3),
                               stack=stacks.main_thread() if stacks is not None else None)
@@ -315,10 +340,10 @@ class InProcessAgent(ElasticAgent):
             written = p.pid == pid
             stacks = capture_stacks(pid, stacks_path(self._channel.directory, slot)) if written else None
             kept = self._keep_stacks(stacks, ranks.get(slot), pid)
-            logger.warning("rank %s on node %s (local worker %d, pid %d) is hung: %s: killing it%s%s", ranks.get(slot),
-                           self._node, slot, pid, self._hangs.reason(slot), _said(stacks),
+            logger.warning("rank %s on %s (local worker %d, pid %d) is hung: %s: killing it%s%s", ranks.get(slot),
+                           node_label(self._node, group.group_rank), slot, pid, self._hangs.reason(slot), _said(stacks),
                            f"\n    (every thread's stack: {kept})" if kept else "")
-            self._events.emit("hang", rank=ranks.get(slot), local_rank=slot, pid=pid,
+            self._events.emit("hang", rank=ranks.get(slot), local_rank=slot, pid=pid, node_rank=group.group_rank,
                               frozen_s=round(now - p.alive_at, 3) if written else None,
                               step=p.step if written else None, reason=self._hangs.reason(slot),
                               waited_s=round(now - p.section_at, 3) if written and p.section else None,
@@ -360,14 +385,16 @@ class InProcessAgent(ElasticAgent):
         if not is_cut_off(handler.node_id, reached):
             return None
         unreached = sorted(node for node, ok in reached.items() if not ok)
-        logger.warning("node %s reaches %d of the %d other node(s) of its round (not %s) while etcd still hears from "
+        named = ", ".join(map(describe_node, unreached))
+        logger.warning("%s reaches %d of the %d other node(s) of its round (not %s) while etcd still hears from "
                        "it, and its workers have waited %.1fs in a collective: its link to its peers is cut. It leaves "
                        "the round, so that the others train on without it, and rejoins once it reaches them again",
-                       self._node, len(reached) - len(unreached), len(reached), ", ".join(unreached), max(waiting))
+                       node_label(self._node, _torch_compat.worker_group(self).group_rank),
+                       len(reached) - len(unreached), len(reached), named, max(waiting))
         self._events.emit("cut_off", unreached=unreached, reached=len(reached) - len(unreached),
                           waited_s=round(max(waiting), 3))
         handler.withdraw()
-        return f"this node cannot reach {len(unreached)} of its {len(reached)} peer(s): {', '.join(unreached)}"
+        return f"this node cannot reach {len(unreached)} of its {len(reached)} peer(s): {named}"
 
     def _tick(self, interval: float) -> float:
         """How long the next wait for a change may last: ``interval``, or shorter while a worker
@@ -435,7 +462,7 @@ class InProcessAgent(ElasticAgent):
             return False
         return ready >= (group.group_world_size or 1)
 
-    def _recover(self, group: WorkerGroup, cause: str, *, joins: bool = False) -> None:
+    def _recover(self, group: WorkerGroup, cause: str, *, joins: bool = False, fault: Fault | None = None) -> None:
         """Re-form the group: re-rendezvous, then publish the next generation to the workers
         and replace the dead ones.
 
@@ -470,15 +497,18 @@ class InProcessAgent(ElasticAgent):
             logger.info("round %s formed for a joining node: training on until its workers are ready",
                         getattr(group.spec.rdzv_handler, "round", None))
             return
-        self._publish_recovery(group, cause, started)
+        if fault is None:  # a member may have said its cause as it asked for this round
+            fault = round_fault(group.spec.rdzv_handler)
+            cause += f": {fault.describe()}" if fault is not None else ""
+        self._publish_recovery(group, cause, started, fault=fault)
 
     def _publish_recovery(self, group: WorkerGroup, cause: str, started: float, *,
-                          held_since: float | None = None, joined: bool = False) -> None:
+                          held_since: float | None = None, joined: bool = False, fault: Fault | None = None) -> None:
         """Publish the next generation, start the dead workers' replacements, and report it.
         A generation held for a join since ``held_since`` is published as it was formed: a
         worker that died since is replaced by the recovery that follows."""
         self._held = None
-        self._publish_generation(group, cause=cause, joined=joined)
+        self._publish_generation(group, cause=cause, joined=joined, fault=fault)
         dead = sorted(self._dead) if held_since is None else []
         for local_rank in dead:
             del self._dead[local_rank]
@@ -492,18 +522,21 @@ class InProcessAgent(ElasticAgent):
         trained_on = now - held_since if held_since is not None else 0.0
         duration = now - started - trained_on
         extra = {"trained_on_s": round(trained_on, 3)} if held_since is not None else {}
+        if fault is not None:
+            extra["fault"] = fault.to_json()
         self._events.emit("recovery", cause=cause, generation=self._generation, duration_s=round(duration, 3),
                           replaced_local_ranks=dead, world_size=group.workers[0].world_size if group.workers else None,
-                          **self._last_change, **extra)
+                          node_rank=group.group_rank, **self._last_change, **extra)
         self._publish(state="running", generation=self._generation, last_recovery=cause,
                       restarts=self.restarts)
         logger.info("generation %d ready in %.3fs (%s%s)%s%s", self._generation, duration, cause,
-                    describe_change(self._last_change),
+                    self._last_change_said,
                     f"; replaced local worker(s) {dead}" if dead else "; every worker kept its process",
                     f"; the workers trained on for {trained_on:.3f}s until the joining node(s) were ready"
                     if held_since is not None else "")
 
-    def _publish_generation(self, group: WorkerGroup, *, cause: str, joined: bool = False) -> None:
+    def _publish_generation(self, group: WorkerGroup, *, cause: str, joined: bool = False,
+                            fault: Fault | None = None) -> None:
         self._generation += 1
         handler = group.spec.rdzv_handler
         self._channel.publish(Assignment(
@@ -511,4 +544,5 @@ class InProcessAgent(ElasticAgent):
             world_size=group.workers[0].world_size if group.workers else 0,
             master_addr=group.master_addr or "", master_port=int(group.master_port or 0),
             ranks={str(w.local_rank): w.global_rank for w in group.workers},
-            group_rank=group.group_rank or 0, group_world_size=group.group_world_size or 1, cause=cause, joined=joined))
+            group_rank=group.group_rank or 0, group_world_size=group.group_world_size or 1, cause=cause, joined=joined,
+            fault=fault.to_json() if fault is not None else {}))

@@ -26,6 +26,8 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
+from elastictrain import _torch_compat
+from elastictrain._fault import node_label
 from elastictrain.launch import node_setup
 from elastictrain.launch._worker_boot import run_script
 from elastictrain.launch.agent import ElasticAgent
@@ -260,7 +262,9 @@ def _agent_outcome(agent: ElasticAgent, handler: Etcd3RendezvousHandler, config:
         return JobOutcome(0, f"run {config.run_id!r} ended while this node waited as a spare "
                              f"(it had --max-nodes {config.max_nodes} already)")
     if result.is_failed():
-        return _failure_outcome(result.failures, agent.restarts, config.node_name or this_host())
+        group_rank = _torch_compat.worker_group(agent).group_rank
+        node = node_label(config.node_name or this_host(), group_rank)
+        return _failure_outcome(result.failures, agent.restarts, node)
     if agent.stopped_by_request:
         return JobOutcome(0, f"run {config.run_id!r} was stopped by `elastictrain stop`")
     return JobOutcome(0, f"run {config.run_id!r} finished")

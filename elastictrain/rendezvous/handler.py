@@ -44,6 +44,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
+from elastictrain._fault import MAX_HOW, Fault, node_name_of
 from elastictrain.etcd.conf import etcd_settings_from
 from elastictrain.events import NODE_ENV
 from elastictrain.rendezvous.config import RendezvousConfig
@@ -129,6 +130,10 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         self._probe: PeerProbe | None = None
         self._withdrawn = False
         """This node left its round because it cannot reach its peers (:meth:`withdraw`)."""
+        self._previous: RoundRecord | None = None
+        """The round this node was in before :attr:`_joined` (its members' node ranks name a fault)."""
+        self._fault: tuple[int, str] | None = None
+        """This node's worker failure that its next request for a round states (:meth:`say_fault`)."""
 
     # --- torch's interface --------------------------------------------------------------------
 
@@ -323,6 +328,47 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             return False
         return watch.only_joins()
 
+    def say_fault(self, rank: int, how: str) -> None:
+        """Say, in this node's next request for a round, that its worker of global ``rank`` failed
+        and ``how`` (``was killed by SIGKILL``): the other members then state that cause
+        (:meth:`seen_faults`) rather than a membership change. Said once: the request after it
+        states nothing unless this is called again."""
+        self._fault = (rank, " ".join(how.split())[:MAX_HOW])
+
+    def seen_faults(self) -> list[Fault]:
+        """The faults that made members of this node's round leave it or ask for a new one, as
+        they said them (a worker's failure) or as seen (a member gone), each with the node's name
+        and its node rank in that round; empty when none is known. No etcd request."""
+        self.num_nodes_waiting()  # starts the round's watch on first use
+        watch = self._round_watch
+        return watch.seen_faults() if watch is not None else []
+
+    def round_faults(self) -> list[Fault]:
+        """The worker failures that members of this node's new round said as they asked for it
+        (their member records, read once: a fault said just before the round formed, which this
+        node's watch of its previous round may not have delivered yet), each named by the node's
+        name and its node rank in the previous round. Empty when this node was in no round before.
+
+        Raises:
+            EtcdError: etcd failed.
+        """
+        joined, before = self._joined, self._previous
+        if joined is None or before is None:
+            return []
+        members = read_members(self.client, self.keys)
+        found = []
+        for node in joined.nodes:
+            member = members.get(node)
+            if member is None or member.record.fault_rank < 0 or not member.record.fault_how:
+                continue
+            if member.record.after != before.round:  # said for another round than this one
+                continue
+            rank = before.rank_of(node)
+            found.append(Fault(rank=member.record.fault_rank, node=node_name_of(node),
+                               node_rank=rank if rank is not None else joined.rank_of(node),
+                               how=member.record.fault_how))
+        return found
+
     def reenter_for_joiners(self) -> None:
         """Say that this node's next :meth:`next_rendezvous` only takes in nodes that wait to join
         (:meth:`only_nodes_joining`, and nothing failed on this node): its member key says so,
@@ -471,9 +517,12 @@ class Etcd3RendezvousHandler(RendezvousHandler):
     def _join(self, after: int, *, for_joiners: bool = False) -> None:
         """Say that this node wants a round newer than ``after``; take the closer key if free."""
         keys = self.keys
+        fault, self._fault = self._fault, None
         record = MemberRecord(node=self.node_id, addr=self._addr, host=socket.gethostname(), pid=os.getpid(),
                               nproc=self._nproc, port=_free_port(), after=after, for_joiners=for_joiners,
-                              probe_port=self._probe.port if self._probe is not None else 0)
+                              probe_port=self._probe.port if self._probe is not None else 0,
+                              fault_rank=fault[0] if fault is not None else -1,
+                              fault_how=fault[1] if fault is not None else "")
         for attempt in range(2):
             lease = self._alive.id or self._alive.grant()
             try:
@@ -568,6 +617,8 @@ class Etcd3RendezvousHandler(RendezvousHandler):
     def _enter_round(self, current: RoundRecord, revision: int) -> RendezvousInfo:
         rank = current.rank_of(self.node_id)
         assert rank is not None  # noqa: S101 - checked by the caller
+        if self._joined is not None and self._joined.round != current.round:
+            self._previous = self._joined
         self._joined, self._joined_revision, self._spare = current, revision, False
         store = Etcd3Store(self.client, self.keys.store(self._control.incarnation, current.round), self.run_lease,
                            timeout=self._config.join_timeout)

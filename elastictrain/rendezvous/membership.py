@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from elastictrain import errors
+from elastictrain._fault import Fault, node_name_of
 from elastictrain.etcd import kv
 from elastictrain.etcd.client import EtcdClient
 from elastictrain.etcd.lease import RunLease
@@ -51,6 +52,7 @@ from elastictrain.rendezvous.records import (
     decode,
     describe_node,
     encode,
+    node_where,
 )
 
 logger = logging.getLogger(__name__)
@@ -427,7 +429,8 @@ class Closer:
             what="forming a rendezvous round"))
         if result.succeeded:
             logger.info("formed round %d of run '%s' with %d node(s): %s", record.round, keys.run_id,
-                        len(record.nodes), ", ".join(map(describe_node, record.nodes[:8]))
+                        len(record.nodes),
+                        ", ".join(describe_node(node, rank) for rank, node in enumerate(record.nodes[:8]))
                         + (" ..." if len(record.nodes) > 8 else ""))
             self._control.apply_own_write(result.ranges[0][0])
         # Otherwise something changed under us; the watches say what, and step() runs again.
@@ -463,6 +466,9 @@ class RoundWatch:
         self.taking_in: set[str] = set()
         """Members that re-entered only to take in joining nodes (:attr:`MemberRecord.for_joiners`)."""
         self.joiners: set[str] = set()
+        self.faults: dict[str, tuple[int, str]] = {}
+        """The worker failure each rejoining member said made it ask for a new round: its global rank
+        and how it ended (:attr:`MemberRecord.fault_rank`, :attr:`MemberRecord.fault_how`)."""
         self._watch = Watch(client, keys.members, prefix=True, start_revision=joined.snapshot + 1,
                             on_events=self._on_events, name="round-watch")
         self._watch.start()
@@ -484,6 +490,8 @@ class RoundWatch:
                 if node in self._members:
                     if record.after >= self._joined.round:
                         (self.taking_in if record.for_joiners else self.rejoining).add(node)
+                        if record.fault_rank >= 0 and record.fault_how:
+                            self.faults[node] = (record.fault_rank, record.fault_how)
                 else:
                     self.joiners.add(node)
             triggered = self._waiting_locked() > 0
@@ -502,6 +510,21 @@ class RoundWatch:
         wait to join and fit under ``max_nodes``."""
         with self._lock:
             return self._waiting_locked()
+
+    def seen_faults(self) -> list[Fault]:
+        """What made the members that left or asked for a new round do so, as far as they said:
+        a rejoining member's worker failure, a lost member as lost. Named by name and node rank in
+        this round."""
+        with self._lock:
+            faults, lost = dict(self.faults), set(self.lost)
+        nodes = self._joined.nodes
+        found = [Fault(rank=rank, node=node_name_of(node), node_rank=nodes.index(node), how=how)
+                 for node, (rank, how) in faults.items()]
+        found += [Fault(rank=None, node=node_name_of(node), node_rank=nodes.index(node),
+                        how=" ".join(filter(None, (node_where(node),
+                                                   "is gone: its agent stopped or lost its etcd lease"))))
+                  for node in sorted(lost, key=nodes.index)]
+        return found
 
     def only_joins(self) -> bool:
         """Whether there are reasons to re-form the round and every one of them is a node

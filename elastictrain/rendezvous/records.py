@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from elastictrain import errors
 
 __all__ = ["FINISHED", "AllReadyRecord", "ClosedRecord", "CloserRecord", "MemberRecord", "ReadyRecord", "RoundRecord",
-           "decode", "describe_node", "encode", "node_id_for"]
+           "decode", "describe_node", "encode", "node_id_for", "node_where"]
 
 SCHEMA = 1
 
@@ -34,12 +34,22 @@ def node_id_for(name: str, addr: str) -> str:
     return f"{name}@{addr}_{os.getpid()}_{secrets.token_hex(3)}"
 
 
-def describe_node(node_id: str) -> str:
-    """A node id for people: ``node2@127.0.0.1 (pid 5995)``; an id of another form as it is."""
+def describe_node(node_id: str, node_rank: int | None = None) -> str:
+    """A node id for people: ``node2@127.0.0.1 (node rank 1, pid 5995)`` (its name and address,
+    its node rank in the round at hand when given, its agent's pid); an id of another form as it is."""
+    parts = node_id.rsplit("_", 2)
+    rank = f"node rank {node_rank}, " if node_rank is not None else ""
+    if len(parts) != 3 or not parts[1].isdigit() or "@" not in parts[0]:
+        return f"{node_id} ({rank[:-2]})" if rank else node_id
+    return f"{parts[0]} ({rank}pid {parts[1]})"
+
+
+def node_where(node_id: str) -> str:
+    """Where a node id's agent ran, for people: ``at 127.0.0.1 (pid 5995)``; empty for an id of another form."""
     parts = node_id.rsplit("_", 2)
     if len(parts) != 3 or not parts[1].isdigit() or "@" not in parts[0]:
-        return node_id
-    return f"{parts[0]} (pid {parts[1]})"
+        return ""
+    return f"at {parts[0].partition('@')[2]} (pid {parts[1]})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +79,12 @@ class MemberRecord:
     probe_port: int = 0
     """Where this node answers its peers' reachability probes (0: it does not;
     :mod:`~elastictrain.rendezvous.reachability`)."""
+    fault_rank: int = -1
+    """The global rank of this node's worker whose failure made it ask for a new round (-1: none
+    it knows of); the other members state it as the cause (:class:`~elastictrain._fault.Fault`)."""
+    fault_how: str = ""
+    """How that worker ended (``was killed by SIGKILL``), at most :data:`~elastictrain._fault.MAX_HOW`
+    characters."""
 
 
 @dataclass(frozen=True, slots=True)

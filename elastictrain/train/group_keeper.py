@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from elastictrain import events
+from elastictrain._fault import Fault
 from elastictrain._control import Assignment, WorkerState
 from elastictrain.errors import CheckpointError, CheckpointWriteError
 from elastictrain.train.hooks import HookDispatcher
@@ -311,11 +312,15 @@ class GroupKeeper:
         self.recoveries += 1
         seconds = time.perf_counter() - started
         step = self._state.step
-        self.log.info("recovered in %.2fs (%s): generation %d, world size %d -> %d, step %d (%s)", seconds, cause,
-                      control.generation, old_world, self.context.world_size, step, describe_phases(phases))
+        # What the node that saw the fault said of it (the agent's word): this rank saw only its effect.
+        fault = Fault.from_json(self._assignment.fault) if self._assignment is not None else None
+        said = f"{fault.describe()}; here: " if fault is not None else ""
+        self.log.info("recovered in %.2fs (%s%s): generation %d, world size %d -> %d, step %d (%s)", seconds, said,
+                      cause, control.generation, old_world, self.context.world_size, step, describe_phases(phases))
         if self.context.rank == 0:
             events.emit("recovery", cause=cause, generation=control.generation, seconds=round(seconds, 4),
-                        old_world_size=old_world, world_size=self.context.world_size, step=step,
+                        old_world_size=old_world, world_size=self.context.world_size, step=step, steps_redone=0,
+                        **({"fault": fault.to_json()} if fault is not None else {}),
                         **{name: round(value, 4) for name, value in phases.items()})
         if abandoned is not None and self.context.rank == 0:
             self._say_abandoned(*abandoned)

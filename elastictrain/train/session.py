@@ -378,6 +378,10 @@ class Session:
             where = (f"in step {self._in_flight} ({self.step} committed)" if self._in_flight is not None
                      else f"after step {self.step}")
             self.log.error("training failed %s: %s: %s", where, type(error).__name__, error)
+            # Every rank that lives to say it: the steps a restart from a checkpoint trains again
+            # are those past the checkpoint up to the newest step any rank had committed.
+            events.emit("session_failed", rank=self.context.rank, step=self.step, in_step=self._in_flight,
+                        error=type(error).__name__)
         self.hooks.dispatch("on_failure", error=error)
         if self.checkpoints is not None:
             try:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from elastictrain import events
+from elastictrain._fault import node_label
 from elastictrain._control import Section
 from elastictrain.train.hooks import HookDispatcher
 from elastictrain.train.injector import FaultInjector
@@ -281,16 +282,18 @@ class StepLoop:
         node = os.environ.get(events.NODE_ENV) or socket.gethostname()
         first = self._state.step - watch.window + 1
         if verdict.change == "started":
-            self._log().warning("rank %d on node %s is a straggler: its steps %d-%d computed %.1fx as long as its "
+            self._log().warning("rank %d on %s is a straggler: its steps %d-%d computed %.1fx as long as its "
                                 "peers' (%.3f s a step against %.3f s); the job trains at its pace",
-                                context.rank, node, first, self._state.step, verdict.factor, verdict.compute_s,
-                                verdict.peers_s)
+                                context.rank, node_label(node, context.node_rank), first, self._state.step,
+                                verdict.factor, verdict.compute_s, verdict.peers_s)
         else:
-            self._log().warning("rank %d on node %s no longer straggles: %.1fx its peers' compute time over steps "
-                                "%d-%d", context.rank, node, verdict.factor, first, self._state.step)
+            self._log().warning("rank %d on %s no longer straggles: %.1fx its peers' compute time over steps "
+                                "%d-%d", context.rank, node_label(node, context.node_rank), verdict.factor, first,
+                                self._state.step)
         events.emit("straggler" if verdict.change == "started" else "straggler_recovered", rank=context.rank,
-                    node=node, step=self._state.step, factor=round(verdict.factor, 3),
-                    compute_s=round(verdict.compute_s, 4), peers_s=round(verdict.peers_s, 4))
+                    node=node, node_rank=context.node_rank, first_step=first, step=self._state.step,
+                    factor=round(verdict.factor, 3), compute_s=round(verdict.compute_s, 4),
+                    peers_s=round(verdict.peers_s, 4))
 
     def _say_if_skipped(self, skipped: bool) -> None:
         """Say that fp16's GradScaler skipped this step's update (its gradients held inf or NaN),

@@ -20,8 +20,10 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 
+from elastictrain._fault import Fault
 from elastictrain.errors import EtcdError
 from elastictrain.etcd import kv
+from elastictrain.events import NODE_ENV
 from elastictrain.launch import launcher
 from elastictrain.launch.agent import ElasticAgent
 from elastictrain.launch.config import RunConfig
@@ -851,3 +853,56 @@ def test_a_node_that_took_the_closer_key_keeps_its_role_when_older_events_of_tha
         _shutdown(lagging, late)
     finally:
         pool.shutdown(wait=False)
+
+
+def _named_handlers(endpoint: str, run_id: str, names: list[str], monkeypatch: pytest.MonkeyPatch,
+                    **conf: Any) -> list[Etcd3RendezvousHandler]:
+    handlers = []
+    for name in names:
+        monkeypatch.setenv(NODE_ENV, name)  # what `--node-name` sets for a node agent
+        handlers.append(create_handler(_params(endpoint, run_id, 2, len(names), **conf)))
+    return handlers
+
+
+def test_members_state_the_fault_a_member_said_as_it_asked_for_a_new_round_by_name_and_node_rank(
+        etcd_server: Any, run_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 43: the survivors said 'membership change (1 node(s) waiting, gone or re-joining)'."""
+    handlers = _named_handlers(etcd_server.endpoint, run_id, ["node0", "node1", "node2"], monkeypatch, **ALL_IN_FIRST)
+    _join_all(handlers)
+    failing, others = handlers[1], [handlers[0], handlers[2]]
+    node_rank = failing.joined.rank_of(failing.node_id)
+    failing.say_fault(4, "was killed by SIGKILL")
+    again = ThreadPoolExecutor(1).submit(failing.next_rendezvous)
+    _eventually(lambda: all(h.seen_faults() for h in others), 10, "the others read the fault it said")
+    said = Fault(rank=4, node="node1", node_rank=node_rank, how="was killed by SIGKILL")
+    assert [h.seen_faults() for h in others] == [[said], [said]]
+    _join_all(others)
+    again.result(timeout=10)
+    # Read back from the round's members too (a watch may not have delivered it yet).
+    assert [h.round_faults() for h in others] == [[said], [said]]
+    # Said once: the next request for a round states nothing.
+    again = ThreadPoolExecutor(1).submit(failing.next_rendezvous)
+    _eventually(lambda: all(h.num_nodes_waiting() >= 1 for h in others), 10, "the others see it again")
+    assert [h.seen_faults() for h in others] == [[], []]
+    _join_all(others)
+    again.result(timeout=10)
+    assert [h.round_faults() for h in others] == [[], []]
+    _shutdown(*handlers)
+
+
+def test_a_lost_member_is_stated_by_its_name_node_rank_and_host(etcd_server: Any, run_id: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    handlers = _named_handlers(etcd_server.endpoint, run_id, ["node0", "node1", "node2"], monkeypatch,
+                               **SHORT_LEASE, **ALL_IN_FIRST)
+    _join_all(handlers)
+    dead = handlers[2]
+    node_rank = dead.joined.rank_of(dead.node_id)
+    dead._alive.close()  # noqa: SLF001 - as if killed: no more keep-alives, no goodbye
+    _eventually(lambda: all(h.seen_faults() for h in handlers[:2]), 10, "the survivors see it gone")
+    for handler in handlers[:2]:
+        (fault,) = handler.seen_faults()
+        assert (fault.rank, fault.node, fault.node_rank) == (None, "node2", node_rank)
+        assert fault.describe().startswith(f"node2 (node rank {node_rank}) at 127.0.0.1 (pid "), fault.describe()
+    _join_all(handlers[:2])
+    _shutdown(*handlers[:2])
+    dead.leave()

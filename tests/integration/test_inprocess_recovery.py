@@ -505,7 +505,8 @@ def test_a_worker_stopped_while_its_group_forms_is_killed_and_replaced_and_the_j
     outputs = finish(nodes)
     assert [n.returncode for n in nodes] == [0, 0, 0], "\n".join(o[-2000:] for o in outputs)
     assert stopped[0] not in {r["pid"] for r in records(out)}
-    assert re.search(rf"rank \d+ on node \S+ \(local worker \d+, pid {stopped[0]}\) is hung: its process is stopped "
+    assert re.search(rf"rank \d+ on \S+ \(node rank \d+\) \(local worker \d+, pid {stopped[0]}\) is hung: "
+                     r"its process is stopped "
                      r"\(state T\) while it "
                      r"(starts|forms a group)", outputs[2]), outputs[2][-3000:]
     assert [e["pid"] for e in events(out, "hang")] == [stopped[0]]
@@ -644,3 +645,34 @@ def test_a_checkpoint_abandoned_because_a_peer_died_during_its_save_says_so_once
     assert len(lines) == 1 and "the next is due at step 10" in lines[0], output[-3000:]
     committed = [e["step"] for e in events(out, "checkpoint_commit")]
     assert 5 not in committed and 10 in committed, committed
+
+
+@pytest.mark.timeout(120)
+def test_an_async_save_abandoned_by_a_re_formation_says_so_once_with_its_step_and_the_next_one_due(
+        etcd_server: Any, run_id: str, tmp_path: Path) -> None:
+    """Issue 43, under ``async_save``: the save of step 5 runs in the background while the ranks train
+    on; its writer's node is killed while the write is in flight. The survivor abandons the save as
+    the group re-forms: one line and one ``checkpoint_abandoned`` event with the step, the reason and
+    the next step due (the steps after it trained on, so that is the next multiple of 5 after the
+    step it recovered at)."""
+    out = tmp_path / "job"
+    stalled = tmp_path / "stalled"
+    nodes = [start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.1", "--ckpt-every", "5", "--async-save",
+                        "--stall-save", f"0:{stalled}", min_nodes=1) for _ in range(2)]
+    wait_until(stalled.exists, "rank 0's background checkpoint write stalled", nodes, timeout=60)
+    writer = int(stalled.read_text())
+    victim = next(n for n in nodes if writer in descendants(n.pid))
+    survivor = next(n for n in nodes if n is not victim)
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    (output,) = finish([survivor], timeout=90)
+    assert survivor.returncode == 0, output[-3000:]
+    (recovered,) = [e for e in events(out, "recovery") if "step" in e]
+    due = (recovered["step"] // 5 + 1) * 5
+    abandoned = events(out, "checkpoint_abandoned")
+    assert [(e["step"], e["next_step"]) for e in abandoned] == [(5, due)], abandoned
+    assert "CheckpointError" in abandoned[0]["reason"]
+    lines = [line for line in output.splitlines() if "checkpoint of step 5 was abandoned" in line]
+    assert len(lines) == 1 and f"the next is due at step {due}" in lines[0], output[-3000:]
+    committed = [e["step"] for e in events(out, "checkpoint_commit")]
+    assert 5 not in committed, committed

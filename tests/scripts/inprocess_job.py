@@ -12,7 +12,7 @@ exists, writing ``FILE.held-RANK`` as it starts to wait (a test then changes the
 a known step). ``--wait-before-session FILE`` makes the worker wait for FILE after building its
 model (a slow model build or data load). ``--stall-save RANK:FILE`` makes RANK's first
 checkpoint write at world size 2 stall for good, writing its pid to ``FILE`` (a test then kills
-its node while its peers wait for its files).
+its node while its peers wait for its files); ``--async-save`` saves asynchronously.
 ``--api elastic`` trains through ``run_elastic`` instead of a Session.
 ``--hang-floor S`` sets the session's ``HangBounds(step_floor=S)``. Work that must not be taken
 for a hang: ``--first-step-sleep S`` (every rank's first step takes S seconds more, as a
@@ -83,6 +83,7 @@ def with_session(args: argparse.Namespace, out: Path) -> None:
     session = elastictrain.Session(model, optimizer, TensorDataset(x, y), global_batch_size=32, micro_batch_size=8,
                                    epochs=100, max_steps=args.steps, seed=7, log_every=None,
                                    checkpoint_dir=str(out / "ckpt"), checkpoint_every=args.ckpt_every,
+                                   async_save=args.async_save,
                                    hang_bounds=elastictrain.HangBounds(step_floor=timedelta(seconds=args.hang_floor)))
     first = True
     with session as s:
@@ -160,6 +161,7 @@ def main() -> None:
     parser.add_argument("--hold-before", type=_step_and_path, default=None)
     parser.add_argument("--wait-before-session", default=None)
     parser.add_argument("--stall-save", type=_step_and_path, default=None)
+    parser.add_argument("--async-save", action="store_true")
     parser.add_argument("--api", choices=("session", "elastic"), default="session")
     parser.add_argument("--hang-floor", type=float, default=5.0)
     parser.add_argument("--first-step-sleep", type=float, default=0.0)
