@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from elastictrain._fault import Fault, node_label
+from elastictrain._fault import Fault, node_label, node_name_of
 from elastictrain.launch.failure_report import strip_noise
 
 __all__ = ["read_events", "summarize"]
@@ -98,7 +98,7 @@ def _recoveries(events: list[dict[str, Any]]) -> list[str]:
     """A line per recovery, in order: each in place (rank 0's ``recovery`` event) and each restart
     from a checkpoint (a ``restore`` after a failure), with the steps redone and the cause: the
     fault the recovery event carries (said by the node that saw it), else the last fault seen
-    before it (a worker's own failure, a hang)."""
+    before it (a worker's own failure, a hang, else a node that left)."""
     lines: list[str] = []
     seen: Fault | None = None
     failed_at: int | None = None  # the newest step committed by a rank whose session failed
@@ -107,6 +107,10 @@ def _recoveries(events: list[dict[str, Any]]) -> list[str]:
         kind = event.get("kind")
         if kind in ("worker_failure", "hang"):
             seen = _fault_seen(event) or seen
+        elif kind == "membership_change" and event.get("nodes_left") and seen is None:
+            # A node lost as a whole (its agent killed, its host gone): no failure event says so.
+            names = ", ".join(dict.fromkeys(node_name_of(str(n)) for n in event["nodes_left"]))
+            seen = Fault(rank=None, node=names, node_rank=None, how="left the job")
         elif kind == "session_failed" and isinstance(event.get("step"), int):
             failed_at = max(failed_at or 0, event["step"])
         elif kind == "recovery" and "step" in event:  # the session's, rank 0

@@ -99,3 +99,20 @@ def test_each_straggler_is_listed_once_with_its_worst_factor_and_steps() -> None
                      "step 40",
                      "  rank 2 on node2 (node rank 0) straggled: up to 2.0x its peers' compute time, from step 41 to "
                      "the end of the run"]
+
+
+def test_a_recovery_after_a_node_was_lost_names_the_node() -> None:
+    """A node agent killed: no failure event names it, and the survivors' line said only that a
+    collective failed; the agents' membership change names the node that left."""
+    events = [
+        {"kind": "membership_change", "node": "node0", "old_world_size": 3, "new_world_size": 2,
+         "nodes_left": ["node2@127.0.0.1_23763_5528e6"]},
+        {"kind": "membership_change", "node": "node1", "old_world_size": 3, "new_world_size": 2,
+         "nodes_left": ["node2@127.0.0.1_23763_5528e6"]},
+        {"kind": "recovery", "step": 165, "seconds": 1.05, "old_world_size": 3, "world_size": 2,
+         "cause": "a collective failed in step 166 (RuntimeError: Connection closed by peer)"},
+        {"kind": "session_end", "step": 300},
+    ]
+    lines, _ = summarize(events, seconds=40, finished=True)
+    assert lines[1] == ("  recovered in place in 1.05s after step 165 (world size 3 -> 2), 0 step(s) redone: "
+                        "node2 left the job; a collective failed in step 166 (RuntimeError: Connection closed by peer)")
