@@ -9,6 +9,15 @@ Layout under the checkpoint directory::
         rank_00001.pt
     step_00000124.tmp-3f9a0c1e/     a save in progress, or left by a crash: never read
 
+In an object store (no atomic rename) the files stay where the ranks wrote them, and the
+manifest, written last and create-only, is the commit; its ``data`` names their prefix::
+
+    step_00000123/MANIFEST.json     the commit: {"data": "step_00000123.data-3f9a0c1e", ...}
+    step_00000123.data-3f9a0c1e/    replicated.pt, rank_00000.pt, ...: read only through a manifest
+
+The manifest's ``files`` maps each file's name (relative to where the files are) to its size
+and SHA-256, whichever rank wrote it: the per-rank shards of a sharded format fit it as they are.
+
 A checkpoint directory is trusted only if its manifest parses, names this step and
 format, and every file it lists exists with the recorded size and SHA-256. Checking the
 sizes is cheap (one ``stat`` per file); the SHA-256 reads every byte, so each rank checks
@@ -45,6 +54,9 @@ __all__ = [
     "rank_file",
     "step_dir",
     "staging_dir",
+    "data_dir",
+    "is_data_dir",
+    "files_dir",
     "parse_step_dir",
     "is_staging_dir",
     "write_file",
@@ -64,6 +76,7 @@ REPLICATED = "replicated.pt"
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _STAGING_RE = re.compile(r"^step_\d+\.tmp-.+$")
+_DATA_RE = re.compile(r"^step_(\d+)\.data-[0-9a-z-]+$")
 _CHUNK = 8 << 20
 _RELISTS = 20
 """How many times ``find`` lists again when checkpoints vanish under it (each time, retention
@@ -92,6 +105,33 @@ def step_dir(step: int) -> str:
 def staging_dir(step: int, nonce: str) -> str:
     """Return the name of a staging directory for ``step``; ``nonce`` tells attempts apart."""
     return f"{step_dir(step)}.tmp-{nonce}"
+
+
+def data_dir(step: int, nonce: str) -> str:
+    """Return the name of the prefix an object store's save of ``step`` writes its files under."""
+    return f"{step_dir(step)}.data-{nonce}"
+
+
+def is_data_dir(name: str) -> bool:
+    """Return whether ``name`` is an object store's data prefix (committed if a manifest names it)."""
+    return _DATA_RE.match(name) is not None
+
+
+def files_dir(directory: str, manifest: dict[str, Any]) -> str:
+    """Where the files of the checkpoint whose manifest is in ``directory`` are: ``directory``
+    itself, or (an object store's) the data prefix beside it that the manifest names.
+
+    Raises:
+        CorruptCheckpointError: ``data`` is not the data prefix of the manifest's step.
+    """
+    data = manifest.get("data")
+    if data is None:
+        return directory
+    match = _DATA_RE.match(data) if isinstance(data, str) else None
+    if match is None or int(match.group(1)) != manifest.get("step"):
+        raise CorruptCheckpointError(f"checkpoint {directory} has a malformed {MANIFEST}: data={data!r}")
+    parent = directory.rpartition("/")[0] if "/" in directory else ""
+    return join(parent, data)
 
 
 def parse_step_dir(name: str) -> int | None:
@@ -186,11 +226,16 @@ def write_file(
 
 def write_manifest(
     storage: Storage, directory: str, *, step: int, world_size: int, saved_at: float, files: list[FileEntry],
-    fence: int | None = None,
+    fence: int | None = None, data: str | None = None,
 ) -> None:
-    """Write the manifest of a checkpoint into ``directory`` (durably).
+    """Write the manifest of a checkpoint into ``directory`` (durably; create-only).
+
+    Args:
+        data: The data prefix beside ``directory`` that holds the files (an object store's
+            commit); ``None``: they are in ``directory``.
 
     Raises:
+        FileExistsError: ``directory`` has a manifest already.
         OSError: Writing failed.
     """
     manifest = {
@@ -202,6 +247,8 @@ def write_manifest(
         "fence": fence,
         "files": {f.name: {"size": f.size, "sha256": f.sha256} for f in sorted(files, key=lambda f: f.name)},
     }
+    if data is not None:
+        manifest["data"] = data
     with storage.open_write(join(directory, MANIFEST)) as f:
         f.write(json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n")
 
@@ -242,8 +289,9 @@ def verify(storage: Storage, directory: str, step: int, *, checksums: bool = Tru
     missing = ({REPLICATED} | {rank_file(r) for r in range(world_size)}) - files.keys()
     if missing:
         raise CorruptCheckpointError(f"checkpoint {where}: manifest does not list {sorted(missing)}")
+    files_at = files_dir(directory, manifest)
     for entry in entries:
-        _verify_file(storage, directory, entry, where, checksums=checksums)
+        _verify_file(storage, directory, entry, where, checksums=checksums, files_at=files_at)
     return manifest
 
 
@@ -266,15 +314,18 @@ def newest_listed(storage: Storage, prefix: str) -> int | None:
     return max((s for n in names if (s := parse_step_dir(n)) is not None), default=None)
 
 
-def verify_file(storage: Storage, directory: str, entry: FileEntry) -> None:
+def verify_file(storage: Storage, directory: str, entry: FileEntry, files_at: str | None = None) -> None:
     """Check one file of a checkpoint: its size and SHA-256 against ``entry`` (reads it once).
+
+    Args:
+        files_at: Where the checkpoint's files are (``files_dir``); ``None``: ``directory``.
 
     Raises:
         VanishedCheckpointError: The checkpoint directory was deleted meanwhile.
         CorruptCheckpointError: The file is missing, or its size or checksum differ.
         OSError: The storage failed.
     """
-    _verify_file(storage, directory, entry, storage.location(directory), checksums=True)
+    _verify_file(storage, directory, entry, storage.location(directory), checksums=True, files_at=files_at)
 
 
 def find(
@@ -347,8 +398,9 @@ def _verify_readable(storage: Storage, prefix: str, step: int, checksums: bool) 
         raise CorruptCheckpointError(f"checkpoint {storage.location(directory)} cannot be read: {exc}") from exc
 
 
-def _verify_file(storage: Storage, directory: str, entry: FileEntry, where: str, *, checksums: bool) -> None:
-    path = join(directory, entry.name)
+def _verify_file(storage: Storage, directory: str, entry: FileEntry, where: str, *, checksums: bool,
+                 files_at: str | None = None) -> None:
+    path = join(files_at if files_at is not None else directory, entry.name)
     try:
         size = storage.size(path)
         if size != entry.size:

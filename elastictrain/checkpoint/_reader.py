@@ -175,10 +175,12 @@ class CheckpointReader:
         names = [fmt.REPLICATED] + ([fmt.rank_file(rank)] if rank < manifest["world_size"] else [])
         try:
             loaded: list[Any] = []
+            files_at = fmt.files_dir(directory, manifest)
             for name in names:
                 entry = manifest["files"][name]
-                fmt.verify_file(self._storage, directory, fmt.FileEntry(name, int(entry["size"]), str(entry["sha256"])))
-                loaded.append(self._load(directory, name))
+                fmt.verify_file(self._storage, directory, fmt.FileEntry(name, int(entry["size"]), str(entry["sha256"])),
+                                files_at)
+                loaded.append(self._load(directory, name, files_at))
         except fmt.VanishedCheckpointError as exc:
             return None, ("vanished", str(exc))
         except _NotPlainData as exc:
@@ -192,8 +194,8 @@ class CheckpointReader:
             return None, ("fatal", f"{self._storage.location(directory)}: {fmt.REPLICATED} has no state")
         return (content, loaded[1] if len(loaded) > 1 else None), None
 
-    def _load(self, directory: str, name: str) -> Any:
-        path = fmt.join(directory, name)
+    def _load(self, directory: str, name: str, files_at: str) -> Any:
+        path = fmt.join(files_at, name)
         try:
             with self._storage.open_read(path) as f:
                 # weights_only: a checkpoint file must never be a way to run code.

@@ -16,7 +16,7 @@ from elastictrain.errors import CheckpointDirectoryError, CheckpointError
 from . import _fence
 from . import _manifest as fmt
 from .coordinator import Coordinator
-from .storage import Storage, delete_quietly
+from .storage import ObjectStore, Storage, delete_quietly
 
 __all__ = ["check"]
 
@@ -65,6 +65,11 @@ def check(storage: Storage, prefix: str, coord: Coordinator, *, host: str, claim
     if blind:
         hosts = ", ".join(sorted({host for _, host in blind}))
         ranks = ", ".join(str(rank) for rank, _ in blind)
+        if isinstance(storage, ObjectStore):
+            raise CheckpointDirectoryError(
+                f"checkpoint location {location} is not the same for all ranks: host(s) {hosts} (rank(s) {ranks}) "
+                f"cannot read the object rank 0 (host {views[0][1]}) wrote there; every node must reach the same "
+                "endpoint (AWS_ENDPOINT_URL) with credentials that may read the bucket")
         raise CheckpointDirectoryError(
             f"checkpoint directory {location} is not on a filesystem shared by all ranks: host(s) {hosts} "
             f"(rank(s) {ranks}) cannot see the file rank 0 (host {views[0][1]}) wrote there; mount one shared "

@@ -21,11 +21,18 @@ One save, called by every rank with the same step:
 6. Rank 0 broadcasts the outcome (every rank fails or succeeds together), then
    deletes checkpoints beyond ``keep_last`` and stale staging dirs.
 
+In an object store (an ``ObjectStore``: no atomic rename) the ranks write into
+``step_<N>.data-<nonce>`` instead, and rank 0 commits by writing ``step_<N>/MANIFEST.json``
+last, create-only, naming that prefix: the create is the commit point. Retention then
+deletes a retired checkpoint's manifest before its data, and every data prefix no
+manifest names (a crashed or refused save's), and aborts unfinished uploads.
+
 Restoring is :mod:`._reader`'s: the newest committed checkpoint that verifies on every rank.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -49,7 +56,7 @@ from ._bounded import BoundedCalls
 from ._overlap import Overlap, SnapshotCopy
 from ._reader import CheckpointReader, RestoreInfo
 from .coordinator import Coordinator, default_coordinator
-from .storage import LocalStorage, Storage, delete_quietly
+from .storage import ObjectStore, Storage, delete_quietly, storage_for
 
 __all__ = ["CheckpointManager", "RestoreInfo", "Stateful"]
 
@@ -110,7 +117,8 @@ class CheckpointManager:
             ``wait_snapshot()`` first. ``restore`` allocates the copy memory in
             the background once every saved optimizer has stepped, so that the
             first save copies into warm memory too.
-        storage: Where bytes go; ``None`` uses ``LocalStorage(directory)``. With
+        storage: Where bytes go; ``None``: an ``S3Storage`` for ``directory="s3://bucket/prefix"``
+            (the ``[s3]`` extra), else ``LocalStorage(directory)``. With
             more than one rank it must be shared by all of them: the constructor
             checks that every rank sees a file rank 0 writes there.
         coordinator: How ranks agree; ``None`` uses a dedicated gloo group when
@@ -167,7 +175,10 @@ class CheckpointManager:
         if overlap and not async_save:
             raise ConfigError("overlap=True needs async_save=True: a synchronous save has nothing to overlap")
         if storage is None:
-            storage, self._prefix = LocalStorage(directory), ""
+            try:
+                storage, self._prefix = storage_for(directory)
+            except (ValueError, ImportError) as exc:
+                raise ConfigError(f"checkpoint directory {os.fspath(directory)!r}: {exc}") from exc
         else:
             self._prefix = fmt.join(os.fspath(directory))
         self._storage = storage
@@ -188,6 +199,7 @@ class CheckpointManager:
         self._on_write_failure = on_write_failure
         self._superseded = superseded
         self._host = socket.gethostname()
+        self._object_store = isinstance(storage, ObjectStore)
         self._fence: int | None = None
         try:
             self._fence = shared_directory.check(self._storage, self._prefix, self._coord, host=self._host,
@@ -464,7 +476,7 @@ class CheckpointManager:
         if stuck:
             raise CheckpointWriteError(f"the save of step {step} was skipped, so that no second write blocks: "
                                        + "; ".join(stuck))
-        staging = fmt.join(self._prefix, fmt.staging_dir(step, nonce))
+        staging = fmt.join(self._prefix, (fmt.data_dir if self._object_store else fmt.staging_dir)(step, nonce))
 
         written: list[tuple[str, int, str]] = []
         error: str | None = None
@@ -564,6 +576,9 @@ class CheckpointManager:
                 pass
 
         def look() -> tuple[set[str], int]:
+            if isinstance(self._storage, ObjectStore):  # one listing, no request per file
+                sizes = self._storage.list_sizes(staging)
+                return set(sizes), sum(size for name, size in sizes.items() if not name.startswith("."))
             names = set(self._storage.list_dir(staging))
             return names, sum(self._storage.size(fmt.join(staging, n)) for n in names if not n.startswith("."))
 
@@ -628,6 +643,9 @@ class CheckpointManager:
         if self._coord.world_size > 1:
             for rank in range(self._coord.world_size):
                 self._storage.delete(fmt.join(staging, _written_mark(rank)))
+        if self._object_store:
+            self._commit_manifest(step, staging, entries)
+            return
         fmt.write_manifest(
             self._storage, staging, step=step, world_size=self._coord.world_size, saved_at=time.time(), files=entries,
             fence=self._fence,
@@ -644,6 +662,40 @@ class CheckpointManager:
             logger.warning("replacing the existing checkpoint of step %d", step)
             self._storage.rename(final, fmt.join(self._prefix, fmt.staging_dir(step, f"{nonce}-replaced")))
         self._storage.rename(staging, final)
+        self._fault("after_commit")
+
+    def _commit_manifest(self, step: int, data: str, entries: list[fmt.FileEntry]) -> None:
+        """Commit in an object store: the manifest, written last and create-only, names ``data``."""
+        assert self._fence is not None  # noqa: S101 - claimed before the commit
+        _fence.check(self._storage, self._prefix, self._fence, what=f"the commit of step {step}")
+        final = fmt.join(self._prefix, fmt.step_dir(step))
+        try:
+            with self._storage.open_read(fmt.join(final, fmt.MANIFEST)) as f:
+                existing = json.loads(f.read()).get("fence")
+        except FileNotFoundError:
+            pass
+        except (ValueError, AttributeError):  # a torn manifest: not a checkpoint, replace it
+            existing = None
+        else:
+            if isinstance(existing, int) and existing > self._fence:
+                raise _fence.FencedError(
+                    f"the commit of step {step} refused: another writer committed {self._storage.location(final)} "
+                    f"first, a newer world (fencing token {existing}; this world's is {self._fence})")
+            # Saving a step again (after restoring to it): uncommit the old one first; its data
+            # is then garbage that retention deletes. A crash in between leaves the older checkpoints.
+            logger.warning("replacing the existing checkpoint of step %d", step)
+            self._storage.delete(final)
+        # The commit point: no check above can see a world that commits this step from here on;
+        # the create-only write refuses to replace its manifest.
+        self._fault("before_commit")
+        try:
+            fmt.write_manifest(self._storage, final, step=step, world_size=self._coord.world_size,
+                               saved_at=time.time(), files=entries, fence=self._fence,
+                               data=data.rpartition("/")[2])
+        except FileExistsError as exc:
+            raise _fence.FencedError(
+                f"the commit of step {step} refused: another writer committed {self._storage.location(final)} "
+                f"first (its manifest is create-only); this world (token {self._fence}) is likely stale") from exc
         self._fault("after_commit")
 
     def _retain(self, committed: int) -> None:
@@ -672,8 +724,40 @@ class CheckpointManager:
             logger.warning("checkpoints of later steps exist (%s); restore prefers the highest step", others[0])
         # Every staging dir is stale here: at most one save is in flight, and it just committed.
         doomed = [fmt.step_dir(s) for s in others[self._keep_last - 1 :]] + [n for n in names if fmt.is_staging_dir(n)]
+        if isinstance(self._storage, ObjectStore):
+            self._retain_objects(self._storage, names, [committed] + others[: self._keep_last - 1], doomed)
+            return
         for name in doomed:
             delete_quietly(self._storage, fmt.join(self._prefix, name))
+
+    def _retain_objects(self, storage: ObjectStore, names: list[str], kept: list[int], doomed: list[str]) -> None:
+        """Retention in an object store: a retired checkpoint's manifest goes first (a reader then
+        finds it gone, not torn), then every data prefix that no kept manifest names (retired,
+        replaced, or left by a crashed or refused save), then unfinished uploads (a crash mid-file)."""
+        for name in doomed:
+            delete_quietly(storage, fmt.join(self._prefix, name))
+        referenced: set[str] = set()
+        for step in kept:
+            try:
+                with storage.open_read(fmt.join(self._prefix, fmt.step_dir(step), fmt.MANIFEST)) as f:
+                    data = json.loads(f.read()).get("data")
+            except (OSError, ValueError, AttributeError) as exc:
+                # Without every kept checkpoint's data prefix, none is safe to call garbage.
+                logger.warning("retention kept unreferenced data: cannot read the manifest of step %d: %s", step, exc)
+                return
+            if isinstance(data, str):
+                referenced.add(data)
+        for name in names:
+            if fmt.is_data_dir(name) and name not in referenced:
+                delete_quietly(storage, fmt.join(self._prefix, name))
+        try:
+            # Every upload of this writer has finished: one still open was left by a crash.
+            aborted = storage.abort_uploads(self._prefix, started_before=time.time())
+        except OSError as exc:
+            logger.warning("could not abort unfinished uploads in %s: %s", self.location, exc)
+            return
+        if aborted:
+            logger.info("aborted %d unfinished upload(s) in %s (left by a crashed save)", aborted, self.location)
 
 
 def _written_mark(rank: int) -> str:

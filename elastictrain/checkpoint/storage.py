@@ -7,8 +7,8 @@ root and use ``/`` as the separator.
 The one property the manager relies on is that ``rename`` publishes a staging
 directory atomically: an observer listing the parent sees either the staging name
 or the final name, never a half-populated final directory. A POSIX filesystem
-gives this for free; an object store has to emulate it (e.g. by writing a commit
-marker object last and listing only prefixes that carry one).
+gives this for free. An object store has no atomic rename: an :class:`ObjectStore`
+tells the manager to commit by writing the manifest last, create-only, instead.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO, Protocol, runtime_checkable
 
-__all__ = ["Storage", "LocalStorage", "delete_quietly"]
+__all__ = ["Storage", "ObjectStore", "LocalStorage", "delete_quietly", "storage_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,45 @@ class Storage(Protocol):
     def delete(self, path: str) -> None:
         """Remove file or directory ``path`` recursively; a missing path is fine."""
         ...
+
+
+@runtime_checkable
+class ObjectStore(Storage, Protocol):
+    """A ``Storage`` without atomic rename (S3 and compatibles), whose ``open_write`` is a
+    create-only conditional write.
+
+    The manager commits a checkpoint there without ``rename``: each rank writes its files under
+    a prefix of that save's own (``step_N.data-<nonce>/``), and the manifest, written last and
+    create-only at ``step_N/MANIFEST.json``, is the commit; it names the prefix its files are in.
+    ``rename`` may raise.
+    """
+
+    def list_sizes(self, path: str) -> dict[str, int]:
+        """Return every file under directory ``path`` (recursively, by path relative to it) with
+        its size, in one listing; ``{}`` when there is none."""
+        ...
+
+    def abort_uploads(self, path: str, *, started_before: float) -> int:
+        """Abort the unfinished uploads under directory ``path`` started before ``started_before``
+        (a ``time.time()``), left by a writer that crashed; return how many."""
+        ...
+
+
+def storage_for(directory: str | os.PathLike[str]) -> tuple[Storage, str]:
+    """The storage a checkpoint location names, and the path of the checkpoints in it.
+
+    ``s3://bucket/prefix``: an :class:`~elastictrain.checkpoint.s3.S3Storage` (needs the
+    ``[s3]`` extra); anything else a local directory.
+
+    Raises:
+        ValueError: An ``s3://`` URL without a bucket.
+        ImportError: ``s3://`` without boto3 installed.
+    """
+    from . import s3  # boto3 is imported only for an s3:// location
+
+    if s3.is_url(directory):
+        return s3.S3Storage.from_url(str(directory)), ""
+    return LocalStorage(directory), ""
 
 
 class LocalStorage:

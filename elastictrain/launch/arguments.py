@@ -302,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Show what etcd knows about a run (or, with --all, list runs).")
     _add_etcd_client(status)
     _add_switch(status, "--all", help="list every run id on this etcd")
-    _add(status, "--checkpoint-dir", default=None, help="also show the newest committed checkpoint in this directory (its manifest and file sizes checked)")
+    _add(status, "--checkpoint-dir", default=None, help="also show the newest committed checkpoint in this directory or s3://bucket/prefix (its manifest and file sizes checked)")
     _add_switch(status, "--verify-checksums", help="with --checkpoint-dir: also check the sha256 of every file of that checkpoint (reads every byte)")
     _add_switch(status, "--json", help="print JSON instead of a table")
 

@@ -265,7 +265,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         raise ConfigError(f"--all lists every run: pass --run-id {args.run_id} without --all to show that run")
     if args.all and args.checkpoint_dir:
         raise ConfigError("--checkpoint-dir goes with --run-id, not --all")
-    if args.checkpoint_dir and not os.path.isdir(args.checkpoint_dir):
+    if args.checkpoint_dir and not args.checkpoint_dir.startswith("s3://") and not os.path.isdir(args.checkpoint_dir):
         raise ConfigError(f"--checkpoint-dir {args.checkpoint_dir!r} is not a directory")
     client = _client_for(args)
     if args.all:

@@ -12,7 +12,8 @@ __all__ = ["newest_checkpoint", "run_table", "runs_table"]
 
 
 def newest_checkpoint(directory: str, *, checksums: bool = False) -> dict[str, Any] | None:
-    """Step, time, world size and path of the newest checkpoint in ``directory`` that verifies.
+    """Step, time, world size and path of the newest checkpoint in ``directory`` (a directory, or
+    ``s3://bucket/prefix``) that verifies.
 
     A status call runs while the trainer writes and retires checkpoints: by default it
     checks each candidate's manifest and file sizes (a few ``stat`` calls, whatever
@@ -26,15 +27,22 @@ def newest_checkpoint(directory: str, *, checksums: bool = False) -> dict[str, A
         CheckpointError: The directory cannot be read, or no checkpoint in it verifies.
     """
     from elastictrain.checkpoint import _manifest
-    from elastictrain.checkpoint.storage import LocalStorage
+    from elastictrain.checkpoint.storage import storage_for
+    from elastictrain.errors import CheckpointError, ConfigError
 
-    storage = LocalStorage(directory)
-    found = _manifest.find(storage, "", None, checksums=checksums)
+    try:
+        storage, prefix = storage_for(directory)  # s3://bucket/prefix, or a directory
+    except (ValueError, ImportError) as exc:
+        raise ConfigError(f"--checkpoint-dir {directory!r}: {exc}") from exc
+    try:
+        found = _manifest.find(storage, prefix, None, checksums=checksums)
+    except OSError as exc:  # an object store's bucket or credentials (a directory's are CheckpointErrors)
+        raise CheckpointError(f"cannot read checkpoints in {storage.location(prefix)}: {exc}") from exc
     if found is None:
         return None
     step, manifest = found
     return {"step": step, "time": manifest["time"], "world_size": manifest["world_size"],
-            "path": storage.location(_manifest.step_dir(step)), "checksums_verified": checksums}
+            "path": storage.location(_manifest.join(prefix, _manifest.step_dir(step))), "checksums_verified": checksums}
 
 
 def _age(seconds: float | None) -> str:

@@ -51,7 +51,9 @@ class SessionConfig:
     """Skip an epoch's last ``len % global_batch_size`` samples instead of a short last step."""
 
     checkpoint_dir: str | None = None
-    """Where checkpoints go, on storage every node shares. None: no checkpoints (a restart starts over)."""
+    """Where checkpoints go, on storage every node shares: a directory (a shared filesystem) or
+    ``s3://bucket/prefix`` (S3 or a compatible store; the ``[s3]`` extra). None: no checkpoints
+    (a restart starts over)."""
 
     checkpoint_every: int | None = None
     """Save after every this many optimizer steps; None: only at the end.
