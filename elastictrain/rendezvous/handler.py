@@ -46,7 +46,7 @@ from torch.distributed.elastic.rendezvous import (
 from elastictrain.etcd.conf import etcd_settings_from
 from elastictrain.events import NODE_ENV
 from elastictrain.rendezvous.config import RendezvousConfig
-from elastictrain.errors import ConfigError, EtcdError
+from elastictrain.errors import ConfigError, EtcdError, EtcdLeaseNotFoundError
 from elastictrain.etcd import kv
 from elastictrain.etcd.client import EtcdClient
 from elastictrain.etcd.lease import KeptLease, RunLease
@@ -490,8 +490,8 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                     what="joining the rendezvous",
                 )
                 break
-            except EtcdError as exc:
-                if "lease not found" not in str(exc) or attempt:
+            except EtcdLeaseNotFoundError:
+                if attempt:
                     raise
                 self._alive.grant()  # etcd expired it while we were away: register anew
         self._registered = result.revision  # the member key's write: both branches make it
@@ -508,9 +508,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                             [kv.put(self.keys.closer, encode(CloserRecord(self.node_id)), lease),
                              kv.get(self.keys.closer)],
                             what="taking the closer role")
-        except EtcdError as exc:
-            if "lease not found" not in str(exc):
-                raise
+        except EtcdLeaseNotFoundError:
             self._alive.mark_lost()  # etcd expired it: the waiting loop registers anew
             return
         if result.succeeded:

@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elastictrain.train import process_group as pg
 from elastictrain._control import Assignment, WorkerState
+from elastictrain._torch_compat import is_collective_failure
 from elastictrain.errors import SessionError
 from elastictrain.train.control import WorkerControl
 from elastictrain.train.worker import WorkerContext
@@ -48,25 +49,8 @@ __all__ = [
     "BoundaryFlag", "abort_default_group", "context_for", "describe", "is_collective_failure", "join_generation",
     "torch_env", "wait_for_generation", "wrap_in_ddp",
 ]
-
-# What gloo and NCCL say when a peer or the network is gone, besides torch's DistError types.
-_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe", "connection refused",
-            "closed by peer")
-
-
-def is_collective_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what caused it) is a failed collective: a peer died or hung, the
-    network broke, the communicator was aborted."""
-    seen: set[int] = set()
-    err: BaseException | None = exc
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, dist.DistError):
-            return True
-        if isinstance(err, RuntimeError) and any(m in str(err).lower() for m in _MARKERS):
-            return True
-        err = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
-    return False
+# is_collective_failure is defined in elastictrain._torch_compat, with torch's exception types it
+# reads; the train side imports it from here.
 
 
 def describe(error: BaseException) -> str:

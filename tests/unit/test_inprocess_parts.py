@@ -25,7 +25,7 @@ from elastictrain._control import (
 from elastictrain._process import proc_stat
 from elastictrain.train.control import JobEnded, WorkerControl
 from elastictrain.errors import SessionError
-from elastictrain.train.recovery import describe, is_collective_failure
+from elastictrain.train.recovery import describe
 from elastictrain.launch.hang_detector import HangDetector
 from elastictrain.launch.worker_group import Channel, FailureBudget
 
@@ -321,23 +321,6 @@ def test_only_a_crash_loop_backs_off_a_worker_that_trained_is_replaced_at_once()
     assert budget.spend(6.0, trained=True) == 0.0  # one trained again: the loop is over
     assert budget.spend(7.0) == 1.0
     assert budget.used(7.0) == 8  # every failure spends the budget all the same
-
-
-def test_a_collective_failure_is_told_from_a_bug() -> None:
-    assert is_collective_failure(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error"))
-    assert is_collective_failure(dist.DistNetworkError("Connection closed by peer [127.0.0.1]:1234"))
-    wrapped = ValueError("save failed")
-    wrapped.__cause__ = RuntimeError("Connection reset by peer")
-    assert is_collective_failure(wrapped)
-    assert not is_collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 4x5)"))
-    assert not is_collective_failure(KeyError("gloo"))
-    try:  # an error its raiser declared unrelated to the failed collective it was handling
-        try:
-            raise dist.DistNetworkError("Connection closed by peer")
-        except dist.DistNetworkError:
-            raise ValueError("the model does not fit the checkpoint") from None
-    except ValueError as exc:
-        assert not is_collective_failure(exc)
 
 
 def _free_port() -> int:
