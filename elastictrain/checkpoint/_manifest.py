@@ -50,7 +50,7 @@ __all__ = [
     "write_file",
     "write_manifest",
     "verify",
-    "find",
+    "find_checkpoint",
     "verify_file",
     "newest_listed",
     "VanishedCheckpointError",
@@ -277,7 +277,7 @@ def verify_file(storage: Storage, directory: str, entry: FileEntry) -> None:
     _verify_file(storage, directory, entry, storage.location(directory), checksums=True)
 
 
-def find(
+def find_checkpoint(
     storage: Storage, prefix: str, step: int | None, *, checksums: bool = True, skip: frozenset[int] = frozenset()
 ) -> tuple[int, dict[str, Any]] | None:
     """Return (step, manifest) of the checkpoint to restore: ``step``, or the newest that verifies.

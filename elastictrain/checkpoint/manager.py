@@ -400,7 +400,7 @@ class CheckpointManager:
             kind, value = ("extras", obj) if isinstance(obj, dict) else ("stateful", obj.state_dict())
             where = f"state[{name!r}]"
             if not rank0:
-                snap.validate(value, where=where)
+                snap.validate_state(value, where=where)
             elif self._overlap is not None:
                 content[kind][name], found = snap.capture(value, pool=self._pool, where=where)
                 references += found

@@ -25,16 +25,16 @@ def newest_checkpoint(directory: str, *, checksums: bool = False) -> dict[str, A
     Raises:
         CheckpointError: The directory cannot be read, or no checkpoint in it verifies.
     """
-    from elastictrain.checkpoint import _manifest
+    from elastictrain.checkpoint import find_checkpoint, step_dir
     from elastictrain.checkpoint.storage import LocalStorage
 
     storage = LocalStorage(directory)
-    found = _manifest.find(storage, "", None, checksums=checksums)
+    found = find_checkpoint(storage, "", None, checksums=checksums)
     if found is None:
         return None
     step, manifest = found
     return {"step": step, "time": manifest["time"], "world_size": manifest["world_size"],
-            "path": storage.location(_manifest.step_dir(step)), "checksums_verified": checksums}
+            "path": storage.location(step_dir(step)), "checksums_verified": checksums}
 
 
 def _age(seconds: float | None) -> str:

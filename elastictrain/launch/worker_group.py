@@ -7,7 +7,8 @@ needs the opposite, and this module gives it:
 - :class:`WorkerProcesses`: one torch process context per local worker, so that a
   dead worker is replaced alone and its healthy siblings keep their processes.
 - :class:`Channel`: the agent's end of :mod:`elastictrain._control`: it publishes
-  each generation's assignment and reads the workers' progress slots.
+  each generation's :class:`Assignment` and reads the workers' progress slots; a worker finds
+  its channel's directory in the environment variable :data:`CONTROL_DIR_ENV`.
 - :class:`FailureBudget`: how many of this node's own worker failures a job survives
   within a time window, and how long to back off before replacing one.
 """
@@ -25,14 +26,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from elastictrain._control import CONTROL_PREFIX, Assignment, Doorbell, Progress, ProgressTable, write_assignment
+from elastictrain._control import (
+    CONTROL_DIR_ENV,
+    CONTROL_PREFIX,
+    Assignment,
+    Doorbell,
+    Progress,
+    ProgressTable,
+    write_assignment,
+)
 from elastictrain._process import proc_stat
 from elastictrain.launch.hang_detector import STOPPED
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Channel", "FailureBudget", "WorkerProcesses", "continue_stopped", "exited_cleanly",
-           "finished_without_a_word"]
+__all__ = ["CONTROL_DIR_ENV", "Assignment", "Channel", "FailureBudget", "WorkerProcesses", "continue_stopped",
+           "exited_cleanly", "finished_without_a_word"]
 
 
 def exited_cleanly(context: Any) -> bool:
