@@ -27,6 +27,7 @@ from elastictrain.launch import failure_report
 from elastictrain.launch.run_state import RunPublisher
 from elastictrain.launch.worker_group import continue_stopped, exited_cleanly, finished_without_a_word
 from elastictrain.rendezvous.handler import Etcd3RendezvousHandler
+from elastictrain.rendezvous.protocol import agent_handler
 from elastictrain.rendezvous.records import describe_node
 
 logger = logging.getLogger(__name__)
@@ -136,13 +137,13 @@ class ElasticAgent(LocalElasticAgent):
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         self._publish(state="rendezvous")
         started = time.monotonic()
-        handler = worker_group.spec.rdzv_handler
-        before = getattr(handler, "joined", None)
+        handler = agent_handler(worker_group.spec.rdzv_handler)
+        before = handler.joined
         super()._rendezvous(worker_group)
         duration = time.monotonic() - started
-        self._last_change = _membership_change(before, getattr(handler, "joined", None))
+        self._last_change = _membership_change(before, handler.joined)
         world_size = worker_group.workers[0].world_size if worker_group.workers else None
-        fields = {"round": getattr(handler, "round", None), "group_rank": worker_group.group_rank,
+        fields = {"round": handler.round, "group_rank": worker_group.group_rank,
                   "nodes": worker_group.group_world_size, "world_size": world_size}
         self._events.emit("rendezvous", duration_s=round(duration, 3), restarts=self.restarts, **fields,
                           **self._last_change)
@@ -207,7 +208,7 @@ class ElasticAgent(LocalElasticAgent):
 
     def _check_stop(self, worker_group: WorkerGroup) -> RunResult | None:
         """A run closed by ``elastictrain stop``: stop the workers and succeed."""
-        if not (getattr(worker_group.spec.rdzv_handler, "closed_seen", False) and self._stop_requested()):
+        if not (agent_handler(worker_group.spec.rdzv_handler).closed_seen and self._stop_requested()):
             return None
         logger.info("run closed by `elastictrain stop`: stopping workers")
         self._events.emit("stop_requested")

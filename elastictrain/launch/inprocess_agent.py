@@ -38,6 +38,7 @@ from elastictrain.launch.agent import (
 )
 from elastictrain.launch.hang_detector import HangDetector, Stacks, capture_stacks
 from elastictrain.launch.worker_group import Channel, FailureBudget, WorkerProcesses
+from elastictrain.rendezvous.protocol import AgentRendezvousHandler, agent_handler
 from elastictrain.rendezvous.reachability import is_cut_off
 
 _LINGER_S = 30.0
@@ -225,9 +226,8 @@ class InProcessAgent(ElasticAgent):
         group = _torch_compat.worker_group(self)
         spec = group.spec
         self._initialize_workers(group)
-        wake_on_change = getattr(spec.rdzv_handler, "wake_on_change", None)
-        if wake_on_change is not None:
-            wake_on_change(self._channel.doorbell.ring)
+        handler = agent_handler(spec.rdzv_handler)
+        handler.wake_on_change(self._channel.doorbell.ring)
         while True:
             # A tick, or sooner: a worker's slot changed, a worker ended, or the rendezvous changed.
             self._channel.wait(self._tick(spec.monitor_interval), self._workers.ends())
@@ -264,9 +264,9 @@ class InProcessAgent(ElasticAgent):
             live = self._workers.pids()
             self._kill_hung(group, progress, now, live)
             if cause is None:
-                cause = self._leave_if_cut_off(spec.rdzv_handler, progress, now)
-            self._say_if_lingering(spec.rdzv_handler, now)
-            if (getattr(spec.rdzv_handler, "closed_seen", False) and not self._stop_requested()
+                cause = self._leave_if_cut_off(handler, progress, now)
+            self._say_if_lingering(handler, now)
+            if (handler.closed_seen and not self._stop_requested()
                     and any(p.pid and p.state in _FORMING for p in progress)):
                 # Another node ended the job (it finished, or its budget ran out) while ours
                 # start or re-form and wait for peers that will not come: end now rather than
@@ -281,10 +281,10 @@ class InProcessAgent(ElasticAgent):
                 cause = "a worker's collective failed (a peer is gone)"
             joins = False
             if cause is None:
-                waiting = spec.rdzv_handler.num_nodes_waiting()
+                waiting = handler.num_nodes_waiting()
                 if waiting > 0:
                     cause = f"membership change ({waiting} node(s) waiting, gone or re-joining)"
-                    joins = bool(getattr(spec.rdzv_handler, "only_nodes_joining", lambda: False)())
+                    joins = handler.only_nodes_joining()
             held = self._held
             if held is not None and (cause is not None or self._joiners_ready(group, held, now)):
                 # Only nodes joined unless something else happened meanwhile (a peer may be gone).
@@ -339,7 +339,7 @@ class InProcessAgent(ElasticAgent):
             return None
         return path
 
-    def _leave_if_cut_off(self, handler: Any, progress: list[Progress], now: float) -> str | None:
+    def _leave_if_cut_off(self, handler: AgentRendezvousHandler, progress: list[Progress], now: float) -> str | None:
         """When a worker has waited in a step's collective or a checkpoint save for :data:`_PROBE_AFTER_S`, ask (every
         :data:`_PROBE_EVERY_S` while it lasts) whether this node still reaches the other members of
         its round. If it is the one cut off (:func:`~elastictrain.rendezvous.reachability.is_cut_off`)
@@ -348,12 +348,11 @@ class InProcessAgent(ElasticAgent):
         since = [p.collective_at or (p.section_at if p.section == Section.SAVE else 0.0)  # a save waits for peers too
                  for p in progress if p.pid and p.state == SlotState.TRAINING]
         waiting = [now - at for at in since if at and now - at > _PROBE_AFTER_S]
-        peers_reached = getattr(handler, "peers_reached", None)
-        if not waiting or peers_reached is None or now - self._probed_at < _PROBE_EVERY_S:
+        if not waiting or now - self._probed_at < _PROBE_EVERY_S:
             return None
         self._probed_at = now
         try:
-            reached = peers_reached()
+            reached = handler.peers_reached()
         except EtcdError as exc:
             logger.warning("could not read the round's members to probe them: %s", exc)
             return None
@@ -379,10 +378,10 @@ class InProcessAgent(ElasticAgent):
         self._ending_tick = min(interval, 2 * self._ending_tick if self._ending_tick else _ENDING_TICK)
         return self._ending_tick
 
-    def _say_if_lingering(self, handler: Any, now: float) -> None:
+    def _say_if_lingering(self, handler: AgentRendezvousHandler, now: float) -> None:
         """Say once if this node's workers still run long after the job finished on other nodes:
         a final save on rank 0 takes a while, but a worker may also hang on its way out."""
-        if not getattr(handler, "finished_seen", False) or self._lingering_said:
+        if not handler.finished_seen or self._lingering_said:
             return
         if self._finished_elsewhere_at is None:
             self._finished_elsewhere_at = now
@@ -409,9 +408,9 @@ class InProcessAgent(ElasticAgent):
         """Say once per round, in etcd, that this node's workers can form the round's group:
         they train (and stop at their next step when told), or they were started and wait for
         their peers. Nodes that train on while a node joins wait for every node to say it."""
-        handler = group.spec.rdzv_handler
-        round_ = getattr(handler, "round", None)
-        if round_ is None or round_ == self._ready_round or not hasattr(handler, "say_ready"):
+        handler = agent_handler(group.spec.rdzv_handler)
+        round_ = handler.round
+        if round_ is None or round_ == self._ready_round:
             return
         if not self._in_process_capable(group):
             return
@@ -429,7 +428,7 @@ class InProcessAgent(ElasticAgent):
                            "the group without waiting longer", _HOLD_S)
             return True
         try:
-            ready = group.spec.rdzv_handler.ready_nodes()
+            ready = agent_handler(group.spec.rdzv_handler).ready_nodes()
         except EtcdError as exc:
             logger.warning("could not read which nodes are ready: %s", exc)
             return False
@@ -458,7 +457,7 @@ class InProcessAgent(ElasticAgent):
         started = time.monotonic()
         hold = joins and not self._dead  # only our handler says a change is nodes joining
         if hold:
-            group.spec.rdzv_handler.reenter_for_joiners()  # the other members hold the round too
+            agent_handler(group.spec.rdzv_handler).reenter_for_joiners()  # the other members hold the round too
         else:
             self._channel.mark_pending(cause)
         alive = {w.local_rank: w.id for w in group.workers if w.local_rank not in self._dead}
@@ -468,7 +467,7 @@ class InProcessAgent(ElasticAgent):
         if hold:
             self._held = _Held(cause, started, time.monotonic())
             logger.info("round %s formed for a joining node: training on until its workers are ready",
-                        getattr(group.spec.rdzv_handler, "round", None))
+                        agent_handler(group.spec.rdzv_handler).round)
             return
         self._publish_recovery(group, cause, started)
 
@@ -505,9 +504,9 @@ class InProcessAgent(ElasticAgent):
 
     def _publish_generation(self, group: WorkerGroup, *, cause: str, joined: bool = False) -> None:
         self._generation += 1
-        handler = group.spec.rdzv_handler
+        handler = agent_handler(group.spec.rdzv_handler)
         self._channel.publish(Assignment(
-            generation=self._generation, round=getattr(handler, "round", None) or 0,
+            generation=self._generation, round=handler.round or 0,
             world_size=group.workers[0].world_size if group.workers else 0,
             master_addr=group.master_addr or "", master_port=int(group.master_port or 0),
             ranks={str(w.local_rank): w.global_rank for w in group.workers},
