@@ -17,6 +17,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerState
@@ -41,10 +42,10 @@ from elastictrain.launch.worker_group import Channel, FailureBudget, WorkerProce
 from elastictrain.rendezvous.protocol import AgentRendezvousHandler, agent_handler
 from elastictrain.rendezvous.reachability import is_cut_off
 
-_LINGER_S = 30.0
+_LINGER = timedelta(seconds=30)
 """How long a node's workers may run after the job finished on its other nodes before it says so."""
 
-_HOLD_S = 60.0
+_HOLD = timedelta(seconds=60)
 """How long the nodes of a job train on after a node joined the rendezvous, waiting for its
 workers to be ready, before they re-form the group anyway."""
 
@@ -54,11 +55,11 @@ up to the monitor interval: the worker hands its return value over when its scri
 process context keeps it until the agent reads it), and nothing rings for that. A script may
 go on for a while after its session closed (an evaluation, a final save): the ticks get longer."""
 
-_PROBE_AFTER_S = 2.0
+_PROBE_AFTER = timedelta(seconds=2)
 """How long a worker waits in a step's collective before its agent asks whether this node still
 reaches its peers (a peer merely slower, or hung and about to be replaced, answers the probe)."""
 
-_PROBE_EVERY_S = 2.0
+_PROBE_EVERY = timedelta(seconds=2)
 """How often the agent asks again while the wait lasts."""
 
 _FORMING = frozenset({SlotState.STARTING, SlotState.RECOVERING, SlotState.BUSY})
@@ -340,15 +341,15 @@ class InProcessAgent(ElasticAgent):
         return path
 
     def _leave_if_cut_off(self, handler: AgentRendezvousHandler, progress: list[Progress], now: float) -> str | None:
-        """When a worker has waited in a step's collective or a checkpoint save for :data:`_PROBE_AFTER_S`, ask (every
-        :data:`_PROBE_EVERY_S` while it lasts) whether this node still reaches the other members of
+        """When a worker has waited in a step's collective or a checkpoint save for :data:`_PROBE_AFTER`, ask (every
+        :data:`_PROBE_EVERY` while it lasts) whether this node still reaches the other members of
         its round. If it is the one cut off (:func:`~elastictrain.rendezvous.reachability.is_cut_off`)
         while etcd hears from it, it leaves the round so that the others re-form without it at
         once, and rejoins once it reaches them; returns the cause of that re-formation."""
         since = [p.collective_at or (p.section_at if p.section == Section.SAVE else 0.0)  # a save waits for peers too
                  for p in progress if p.pid and p.state == SlotState.TRAINING]
-        waiting = [now - at for at in since if at and now - at > _PROBE_AFTER_S]
-        if not waiting or now - self._probed_at < _PROBE_EVERY_S:
+        waiting = [now - at for at in since if at and now - at > _PROBE_AFTER.total_seconds()]
+        if not waiting or now - self._probed_at < _PROBE_EVERY.total_seconds():
             return None
         self._probed_at = now
         try:
@@ -385,7 +386,7 @@ class InProcessAgent(ElasticAgent):
             return
         if self._finished_elsewhere_at is None:
             self._finished_elsewhere_at = now
-        elif now - self._finished_elsewhere_at > _LINGER_S:
+        elif now - self._finished_elsewhere_at > _LINGER.total_seconds():
             self._lingering_said = True
             logger.warning("the job finished on its other nodes %.0fs ago and this node's workers (pids %s) still "
                            "run; one that hangs in destroy_process_group, or as its process group is torn down, may be "
@@ -423,9 +424,9 @@ class InProcessAgent(ElasticAgent):
     def _joiners_ready(self, group: WorkerGroup, held: _Held, now: float) -> bool:
         """Whether every node of the round formed for a join said its workers are ready (or the
         wait for them is over)."""
-        if now - held.formed > _HOLD_S:
+        if now - held.formed > _HOLD.total_seconds():
             logger.warning("the joining node(s)' workers were not ready %.0fs after their rendezvous: re-forming "
-                           "the group without waiting longer", _HOLD_S)
+                           "the group without waiting longer", _HOLD.total_seconds())
             return True
         try:
             ready = agent_handler(group.spec.rdzv_handler).ready_nodes()

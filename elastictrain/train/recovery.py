@@ -214,15 +214,15 @@ def abort_default_group() -> None:
         group.abort()
 
 
-def wait_for_generation(control: WorkerControl, timeout: float) -> Assignment:
+def wait_for_generation(control: WorkerControl, timeout: timedelta) -> Assignment:
     """Say this worker is recovering and wait for its agent's next generation.
 
     Raises:
         JobEnded: The agent closed the group.
-        TimeoutError: No generation came within ``timeout`` seconds.
+        TimeoutError: No generation came within ``timeout``.
     """
     control.set_state(WorkerState.RECOVERING)
-    return control.wait_for_next(timeout)
+    return control.wait_for_next(timeout.total_seconds())
 
 
 def context_for(context: WorkerContext, assignment: Assignment) -> WorkerContext:
@@ -268,7 +268,7 @@ FORMATION_ATTEMPTS = 3
 
 def join_generation(context: WorkerContext, control: WorkerControl | None, assignment: Assignment | None, *,
                     backend: str | None, timeout: timedelta | float | None, device: Any = None,
-                    recovery_timeout: float) -> tuple[pg.Placement, WorkerContext, Assignment | None]:
+                    recovery_timeout: timedelta) -> tuple[pg.Placement, WorkerContext, Assignment | None]:
     """Form the process group of ``assignment``, following the agent to a newer generation
     announced while it forms (two generations in quick succession: the peers went on).
 

@@ -9,6 +9,7 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -170,7 +171,7 @@ def test_when_no_node_said_all_are_ready_each_counts_the_ready_keys_now_and_then
     # The node that completed the count may have failed to write the all-ready key (etcd
     # went away, the node died just after): the others count the keys themselves, seldom,
     # and the first to find them all says so for everyone.
-    monkeypatch.setattr(ready_module, "RECOUNT_S", 0.5)
+    monkeypatch.setattr(ready_module, "RECOUNT", timedelta(seconds=0.5))
     nodes = _handlers(private_etcd.endpoint, run_id, 2, 2, 2)
     _join_all(nodes)
     keys, round_ = nodes[0].keys, nodes[0].round

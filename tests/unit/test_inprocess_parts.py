@@ -552,7 +552,7 @@ def test_workers_still_running_long_after_the_job_finished_elsewhere_are_reporte
     import logging
     import types
 
-    from elastictrain.launch.inprocess_agent import _LINGER_S, InProcessAgent
+    from elastictrain.launch.inprocess_agent import _LINGER, InProcessAgent
     from elastictrain.launch.worker_group import WorkerProcesses
 
     agent = object.__new__(InProcessAgent)  # only the state this check reads
@@ -563,9 +563,9 @@ def test_workers_still_running_long_after_the_job_finished_elsewhere_are_reporte
     with caplog.at_level(logging.WARNING, logger="elastictrain.launch.inprocess_agent"):
         agent._say_if_lingering(training, 0.0)
         agent._say_if_lingering(finished, 10.0)
-        agent._say_if_lingering(finished, 10.0 + _LINGER_S / 2)
+        agent._say_if_lingering(finished, 10.0 + _LINGER.total_seconds() / 2)
         assert not caplog.records
-        for now in (11.0 + _LINGER_S, 20.0 + _LINGER_S):
+        for now in (11.0 + _LINGER.total_seconds(), 20.0 + _LINGER.total_seconds()):
             agent._say_if_lingering(finished, now)
     assert len(caplog.records) == 1 and "destroy_process_group" in caplog.records[0].getMessage()
 
@@ -721,7 +721,7 @@ def _save_in_flight_worker(rank: int, port: int, control: str, ckpt: str, port2:
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
     # One save in flight only (no checkpoint_every): later saves, slow on busy cores, would
-    # rightly keep the ranks training on too, for up to group_keeper.SAVE_GRACE_S.
+    # rightly keep the ranks training on too, for up to group_keeper.SAVE_GRACE.
     with elastictrain.Session(model, torch.optim.SGD(model.parameters(), lr=0.1), data, global_batch_size=8,
                               seed=0, max_steps=40, log_every=None, checkpoint_dir=ckpt,
                               async_save=True, hooks=[recoveries]) as session:
@@ -1004,3 +1004,14 @@ def test_a_worker_whose_groups_keep_failing_to_form_fails_after_a_few(tmp_path: 
         proc.join(timeout=30)
         if proc.is_alive():
             proc.kill()
+
+
+def test_run_elastic_takes_its_recovery_timeout_as_a_timedelta() -> None:
+    import inspect
+    from datetime import timedelta
+
+    from elastictrain.errors import ConfigError
+
+    assert inspect.signature(elastictrain.run_elastic).parameters["recovery_timeout"].default == timedelta(seconds=600)
+    with pytest.raises(ConfigError, match=r"recovery_timeout must be a datetime.timedelta, got 30.0"):
+        elastictrain.run_elastic(lambda state: None, elastictrain.ElasticState(), recovery_timeout=30.0)  # type: ignore[arg-type]
