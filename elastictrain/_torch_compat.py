@@ -172,7 +172,7 @@ def _check() -> None:
     for attr in _AGENT_STATE:
         if f"self.{attr}" not in init:
             raise _fail(f"no longer sets SimpleElasticAgent.{attr}")
-    if "if self._remaining_restarts > 0:" not in inspect.getsource(SimpleElasticAgent._invoke_run):
+    if "if self._remaining_restarts > 0:" not in inspect.getsource(SimpleElasticAgent._invoke_run):  # noqa: SLF001
         raise _fail("no longer decides on SimpleElasticAgent._remaining_restarts whether to restart failed workers")
     if "self._pcontext" not in inspect.getsource(LocalElasticAgent.__init__):
         raise _fail("no longer sets LocalElasticAgent._pcontext (its workers' process context)")
@@ -278,7 +278,7 @@ def _unlink_when_open(names: set[str], pids: list[int], timeout: float) -> None:
             continue
         except OSError:
             return
-        if all(f"/dev/shm/sem.{name.lstrip('/')}" in mapped for name in names):
+        if all(f"/dev/shm/sem.{name.lstrip('/')}" in mapped for name in names):  # noqa: S108 - a path we read
             waiting.pop(0)
             continue
         if time.monotonic() > deadline:

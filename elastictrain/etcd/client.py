@@ -495,7 +495,7 @@ def _warn_plaintext_password(settings: EtcdSettings) -> None:
 def _close_quietly(client: Any) -> None:
     try:
         client.close()
-    except Exception:  # noqa: BLE001 - closing a dead channel must not mask the real error
+    except Exception:
         logger.debug("closing an etcd channel failed", exc_info=True)
 
 

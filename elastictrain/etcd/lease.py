@@ -259,7 +259,7 @@ class KeptLease:
         if self._on_lost is not None:
             try:
                 self._on_lost()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 logger.exception("%s: lost-lease callback failed", self._name)
 
 

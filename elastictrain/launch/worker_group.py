@@ -57,7 +57,7 @@ def exited_cleanly(context: Any) -> bool:
     that value forever (stock torchrun runs a script as a plain child process, with no such wait):
     the caller takes them as finished (:func:`finished_without_a_word`).
     """
-    from elastictrain import _torch_compat  # noqa: PLC0415 - imports torch, and the CLI imports this module before it
+    from elastictrain import _torch_compat
 
     codes = _torch_compat.worker_exit_codes(context)
     return bool(codes) and all(code == 0 for code in codes)
@@ -112,7 +112,7 @@ class WorkerProcesses:
     def ends(self) -> dict[int, int]:
         """For each running worker, by pid, a file descriptor that becomes readable once its end
         is known (see :meth:`Channel.wait`)."""
-        from elastictrain import _torch_compat  # noqa: PLC0415 - imports torch (see exited_cleanly)
+        from elastictrain import _torch_compat
 
         return {pid: fd for context in self.contexts.values()
                 for pid, fd in _torch_compat.worker_sentinels(context).items()}
@@ -126,7 +126,7 @@ class WorkerProcesses:
                 result = context.wait(0)  # one that returned just before: its value (see exited_cleanly)
                 if result is None:
                     # Imported here: the CLI imports this module (node_setup) before torch.
-                    from torch.distributed.elastic.multiprocessing import RunProcsResult  # noqa: PLC0415
+                    from torch.distributed.elastic.multiprocessing import RunProcsResult
 
                     finished_without_a_word(context)
                     result = RunProcsResult(return_values={0: None})

@@ -727,7 +727,7 @@ def _save_in_flight_worker(rank: int, port: int, control: str, ckpt: str, port2:
                               async_save=True, hooks=[recoveries]) as session:
         for step in session.steps():
             if step.number == 1:
-                session.checkpoints._fault_hook = slow_write  # noqa: SLF001 - the manager's test seam
+                session.checkpoints._fault_hook = slow_write
             if step.number == 5:  # a node joins while the save of step 4 is being written
                 session.save()
                 write_assignment(control, Assignment(generation=2, round=1, world_size=2, master_addr="127.0.0.1",

@@ -28,9 +28,8 @@ def _called_on_the_handler(path: Path) -> set[str]:
         if not isinstance(node, ast.Attribute):
             continue
         owner = node.value
-        if isinstance(owner, ast.Name) and owner.id == "handler":
-            used.add(node.attr)
-        elif isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "agent_handler":
+        if (isinstance(owner, ast.Name) and owner.id == "handler") or (
+                isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "agent_handler"):
             used.add(node.attr)
     return used
 
