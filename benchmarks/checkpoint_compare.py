@@ -67,14 +67,14 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
-from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from benchmarks._common import emit, free_port, machine, summarize  # noqa: E402
-from benchmarks.checkpoint_stall import WIDTH, build_state  # noqa: E402
-from elastictrain.checkpoint import CheckpointManager  # noqa: E402
+from benchmarks._common import emit, free_port, machine, summarize
+from benchmarks.checkpoint_stall import WIDTH, build_state
+from elastictrain.checkpoint import CheckpointManager
 
 MEASURES = ("torch_save", "torch_save_fsync", "sync_save", "async_stall", "async_total",
             "dcp_save", "dcp_async_stall", "dcp_async_total")

@@ -24,7 +24,6 @@ a network: on real S3 the put is bound by the link, and parallel parts help more
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import signal
 import socket
@@ -39,12 +38,12 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-from benchmarks._common import emit, free_port, machine, ratio, summarize  # noqa: E402
-from benchmarks.checkpoint_stall import build_state  # noqa: E402
-from elastictrain.checkpoint import CheckpointManager  # noqa: E402
-from elastictrain.checkpoint.s3 import S3Storage  # noqa: E402
+from benchmarks._common import emit, free_port, machine, ratio, summarize
+from benchmarks.checkpoint_stall import build_state
+from elastictrain.checkpoint import CheckpointManager
+from elastictrain.checkpoint.s3 import S3Storage
 
 _WRITE = 64 << 20
 

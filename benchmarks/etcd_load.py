@@ -30,8 +30,8 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import emit, machine  # noqa: E402
-from benchmarks.recovery import Scenario, TrialSetup, _elastictrain_has_join, private_etcd, run_trial  # noqa: E402
+from benchmarks._common import emit, machine
+from benchmarks.recovery import Scenario, TrialSetup, _elastictrain_has_join, private_etcd, run_trial
 
 
 def measure(nodes: int, window: float, workroot: Path, timeout: float = 240.0) -> dict[str, Any]:

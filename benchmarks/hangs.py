@@ -41,7 +41,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import (  # noqa: E402 - after the path fix
+from benchmarks._common import (
     BENCH_DIR,
     BIN_DIR,
     NODE_ENV,

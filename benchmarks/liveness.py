@@ -32,7 +32,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import emit, machine  # noqa: E402
+from benchmarks._common import emit, machine
 
 BACKENDS = ("etcd3", "etcd3-dynamic")
 _BURN = "while True: pass"

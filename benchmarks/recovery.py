@@ -103,7 +103,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import (  # noqa: E402
+from benchmarks._common import (
     BENCH_DIR, BIN_DIR, NODE_ENV, TRIAL_ENV, EventLog, Proc, emit, free_port, kill_pids, machine,
     metrics_delta, processes_of, ratio, scrape_metrics, summarize, wait_until,
 )

@@ -41,7 +41,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import emit, free_port, machine, metrics_delta, ratio, scrape_metrics, summarize  # noqa: E402
+from benchmarks._common import emit, free_port, machine, metrics_delta, ratio, scrape_metrics, summarize
 
 BACKENDS = ("etcd3", "etcd3-dynamic", "c10d")
 ETCD_BACKENDS = ("etcd3", "etcd3-dynamic")
@@ -57,7 +57,7 @@ def _import(backend: str) -> None:
     import torch.distributed.elastic.rendezvous  # noqa: F401
 
     if backend == "etcd3":
-        import elastictrain.rendezvous.handler  # noqa: F401
+        import elastictrain.rendezvous.handler
     elif backend == "etcd3-dynamic":
         import elastictrain.rendezvous.dynamic  # noqa: F401
 

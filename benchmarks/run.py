@@ -40,8 +40,8 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import _report, etcd_load, recovery, rendezvous_scale  # noqa: E402
-from benchmarks._common import BENCH_DIR, machine, summarize  # noqa: E402
+from benchmarks import _report, etcd_load, recovery, rendezvous_scale
+from benchmarks._common import BENCH_DIR, machine, summarize
 
 SECTIONS = ("recovery", "rendezvous_scale", "checkpoint", "step_overhead", "etcd_load")
 

@@ -25,7 +25,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import emit, machine, summarize  # noqa: E402
+from benchmarks._common import emit, machine, summarize
 
 _REPO = Path(__file__).resolve().parent.parent
 

@@ -101,23 +101,24 @@ def _session(name: str, dataset: Any, global_batch: int, steps: int) -> Iterator
 def _session_inprocess(name: str, dataset: Any, global_batch: int, steps: int) -> Iterator[None]:
     import torch.distributed as dist
 
-    from elastictrain._control import CONTROL_DIR_ENV, Assignment, ProgressTable, write_assignment
+    from elastictrain.launch.worker_group import CONTROL_DIR_ENV, Assignment, Channel
 
-    # What an in-process agent prepares for its worker: a control directory with the
-    # current generation's assignment and a progress table. The session finds it when
-    # it starts (at the first step), and keeps its channel open until it ends.
-    with tempfile.TemporaryDirectory() as directory:
-        ProgressTable(directory, 1, create=True).close()
-        write_assignment(directory, Assignment(generation=1, round=0, world_size=dist.get_world_size(),
-                                               master_addr="127.0.0.1", master_port=1,
-                                               ranks={"0": dist.get_rank()}))
-        os.environ[CONTROL_DIR_ENV] = directory
+    # What an in-process agent prepares for its worker: a control channel with the current
+    # generation's assignment and a progress table (the agent's own Channel). The session
+    # finds it when it starts (at the first step), and keeps it open until it ends.
+    channel = Channel(1)
+    try:
+        channel.publish(Assignment(generation=1, round=0, world_size=dist.get_world_size(),
+                                   master_addr="127.0.0.1", master_port=1, ranks={"0": dist.get_rank()}))
+        os.environ[CONTROL_DIR_ENV] = channel.directory
         try:
             steps_of = _session(name, dataset, global_batch, steps)
             yield next(steps_of)
         finally:
             del os.environ[CONTROL_DIR_ENV]
         yield from steps_of
+    finally:
+        channel.close()
 
 
 KINDS = {"hand": _hand, "session": _session, "inprocess": _session_inprocess}

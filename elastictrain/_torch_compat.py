@@ -24,6 +24,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.events import handlers as _event_handlers
@@ -42,8 +43,10 @@ __all__ = [
     "DYNAMIC_STATE_GLOBALS",
     "LOCAL_AGENT_OVERRIDES",
     "PINNED_TORCH",
+    "COLLECTIVE_ERRORS",
     "event_log_handlers",
     "import_ddp_modules",
+    "is_collective_failure",
     "process_context",
     "rebuild_ddp_buckets",
     "release_semaphore_names",
@@ -99,6 +102,50 @@ DDP_MODULES = ("torch.nn.parallel", "torch._dynamo")
 forkserver imports them once (:mod:`elastictrain.launch._worker_preload`) instead of every worker."""
 
 
+COLLECTIVE_ERRORS: tuple[type[BaseException], ...] = (
+    dist.DistBackendError, dist.DistNetworkError, dist.DistStoreError, dist.DistError)
+"""torch's exception types of a failed collective, process group or store (a peer died or hung,
+the network broke, a communicator was aborted). In torch 2.13 the first three subclass
+``DistError``: NCCL raises ``DistBackendError``, the ``TCPStore`` of a group ``DistNetworkError``
+("Broken pipe" once its host is gone, a timeout trying to connect) and ``DistStoreError`` (a key
+that never came). gloo's transport raises none of them (see :data:`_UNTYPED_MARKERS`)."""
+
+_UNTYPED_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe", "connection refused",
+                    "closed by peer")
+"""Words of a failed collective in a plain ``RuntimeError``, for the failures torch does not type.
+
+Seen with torch 2.13 (a 2-process gloo group on CPU, ``tests/unit/test_collective_failure.py``):
+every failure of gloo's TCP transport is a plain ``RuntimeError`` whose message starts with gloo's
+source path (``[.../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer
+[127.0.0.1]:port``, ``pair.cc:537] Read error [...]: Connection reset by peer`` for a peer killed
+mid-transfer, ``unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation`` for a hung
+one): "gloo" is the word that tells them. "nccl": a plain ``RuntimeError`` naming NCCL (NCCL's
+own errors are ``DistBackendError``; no GPU here to see one). The socket words were not seen
+without "gloo" or a ``DistError`` in torch 2.13; they stay so that classifying errors does not
+change (issue 42 moved this list here unchanged) and may go when torch older than 2.13's
+messages no longer matter."""
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is a failed collective: a peer died or hung, the
+    network broke, the communicator was aborted.
+
+    By type (:data:`COLLECTIVE_ERRORS`) where torch gives one, else by the words of gloo's plain
+    ``RuntimeError`` s (:data:`_UNTYPED_MARKERS`). The chain of causes is followed, except past an
+    error its raiser declared unrelated (``raise ... from None``).
+    """
+    seen: set[int] = set()
+    err: BaseException | None = exc
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, COLLECTIVE_ERRORS):
+            return True
+        if isinstance(err, RuntimeError) and any(m in str(err).lower() for m in _UNTYPED_MARKERS):
+            return True
+        err = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
+    return False
+
+
 def _fail(what: str) -> TorchCompatError:
     return TorchCompatError(
         f"elastictrain needs torch {PINNED_TORCH}.*: torch {torch.__version__} {what}; "
@@ -125,7 +172,7 @@ def _check() -> None:
     for attr in _AGENT_STATE:
         if f"self.{attr}" not in init:
             raise _fail(f"no longer sets SimpleElasticAgent.{attr}")
-    if "if self._remaining_restarts > 0:" not in inspect.getsource(SimpleElasticAgent._invoke_run):
+    if "if self._remaining_restarts > 0:" not in inspect.getsource(SimpleElasticAgent._invoke_run):  # noqa: SLF001
         raise _fail("no longer decides on SimpleElasticAgent._remaining_restarts whether to restart failed workers")
     if "self._pcontext" not in inspect.getsource(LocalElasticAgent.__init__):
         raise _fail("no longer sets LocalElasticAgent._pcontext (its workers' process context)")
@@ -231,7 +278,7 @@ def _unlink_when_open(names: set[str], pids: list[int], timeout: float) -> None:
             continue
         except OSError:
             return
-        if all(f"/dev/shm/sem.{name.lstrip('/')}" in mapped for name in names):
+        if all(f"/dev/shm/sem.{name.lstrip('/')}" in mapped for name in names):  # noqa: S108 - a path we read
             waiting.pop(0)
             continue
         if time.monotonic() > deadline:

@@ -1,4 +1,5 @@
-"""The ``ElasticTrainError`` hierarchy: the only home of elastictrain's exception types.
+"""The ``ElasticTrainError`` hierarchy: the only home of elastictrain's exception types (those that
+subclass torch's are defined in :mod:`elastictrain._torch_errors` and re-exported here).
 
 Every error a user can cause or meet (bad input, an unreachable etcd, a corrupt
 checkpoint) is one of these, so the CLI can print a single line for it instead
@@ -8,7 +9,7 @@ family, so torch's elastic agent handles them unchanged.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __all__ = [
     "ElasticTrainError",
@@ -18,6 +19,7 @@ __all__ = [
     "EtcdError",
     "EtcdUnavailableError",
     "EtcdIndeterminateError",
+    "EtcdLeaseNotFoundError",
     "EtcdAuthError",
     "EtcdServerError",
     "RendezvousBackendError",
@@ -112,44 +114,28 @@ class SessionError(ElasticTrainError, RuntimeError):
 
 
 # The errors of the rendezvous subclass torch's RendezvousError family (torch's agent handles
-# them unchanged), so defining them imports torch. They are made on first use (PEP 562):
-# `elastictrain --help`, `status` and `stop` never need torch unless such an error is raised.
-_TORCH_FAMILY = ("EtcdUnavailableError", "EtcdIndeterminateError", "EtcdAuthError", "RendezvousBackendError",
-                 "CorruptRendezvousStateError")
+# them unchanged), so defining them imports torch. They are defined in elastictrain._torch_errors and
+# imported from there on first use (PEP 562): `elastictrain --help`, `status` and `stop` never need
+# torch unless such an error is raised.
+_TORCH_FAMILY = ("EtcdUnavailableError", "EtcdIndeterminateError", "EtcdLeaseNotFoundError", "EtcdAuthError",
+                 "RendezvousBackendError", "CorruptRendezvousStateError")
 
-
-def _define_torch_family() -> dict[str, type]:
-    from torch.distributed.elastic.rendezvous.api import (
-        RendezvousConnectionError,
-        RendezvousError,
-        RendezvousStateError,
+if TYPE_CHECKING:
+    from elastictrain._torch_errors import (
+        CorruptRendezvousStateError,
+        EtcdAuthError,
+        EtcdIndeterminateError,
+        EtcdLeaseNotFoundError,
+        EtcdUnavailableError,
+        RendezvousBackendError,
     )
-
-    class EtcdUnavailableError(EtcdError, RendezvousConnectionError):
-        """No etcd endpoint answered within the retry deadline."""
-
-    class EtcdIndeterminateError(EtcdUnavailableError):
-        """A request's reply was lost: etcd may or may not have applied it (never retried blindly)."""
-
-    class EtcdAuthError(EtcdError, RendezvousConnectionError):
-        """etcd refused our credentials or TLS setup; retrying would not help."""
-
-    class RendezvousBackendError(ElasticTrainError, RendezvousError):
-        """Base for rendezvous failures that are ours rather than etcd's."""
-
-    class CorruptRendezvousStateError(RendezvousBackendError, RendezvousStateError):
-        """The rendezvous key holds bytes that elastictrain did not write (see
-        :class:`UnreadableRecordError`)."""
-
-    classes = [EtcdUnavailableError, EtcdIndeterminateError, EtcdAuthError, RendezvousBackendError,
-               CorruptRendezvousStateError]
-    for cls in classes:
-        cls.__qualname__ = cls.__name__  # importable (and picklable) as elastictrain.errors.<name>
-    return {cls.__name__: cls for cls in classes}
 
 
 def __getattr__(name: str) -> Any:
     if name in _TORCH_FAMILY:
-        globals().update(_define_torch_family())
-        return globals()[name]
+        from elastictrain import _torch_errors
+
+        value = getattr(_torch_errors, name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'elastictrain.errors' has no attribute {name!r}")

@@ -72,12 +72,12 @@ class EventLog:
             if self._fd is not None:
                 with self._lock:
                     os.write(self._fd, line.encode())
-        except Exception:  # noqa: BLE001 - a full disk must not stop the job
+        except Exception:
             logger.debug("could not write event %s", kind, exc_info=True)
         for listener in self._listeners:
             try:
                 listener(event)
-            except Exception:  # noqa: BLE001 - nor a listener (metrics) that fails
+            except Exception:
                 logger.debug("event listener failed on %s", kind, exc_info=True)
         return event
 

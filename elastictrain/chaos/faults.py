@@ -394,7 +394,7 @@ def _progress_slot(pid: int) -> tuple[ProgressTable, int] | None:
 
 class DiskFull(Fault):
     """Fill the checkpoint directory's filesystem (a tmpfs the harness mounted for the run,
-    ``checkpoint_disk``) for :data:`DISK_FULL_S`, then free it: the saves meanwhile meet a real
+    ``checkpoint_disk``) for :data:`DISK_FULL`, then free it: the saves meanwhile meet a real
     ENOSPC. Training must go on, each save that could not write is reported
     (``checkpoint_abandoned``), the committed checkpoints stay intact, and a save after the
     space is back commits. The gate lets the job train through it."""
@@ -406,7 +406,7 @@ class DiskFull(Fault):
     @classmethod
     def duration(cls, config: ChaosConfig) -> timedelta:
         """See base class."""
-        return timedelta(seconds=DISK_FULL_S)
+        return DISK_FULL
 
     def inject(self, now: float) -> bool:
         harness = self.harness
@@ -427,7 +427,7 @@ class DiskFull(Fault):
             ballast.unlink(missing_ok=True)
             self.record.ended = time.time()
 
-        harness.later(timedelta(seconds=DISK_FULL_S), free)
+        harness.later(DISK_FULL, free)
         return True
 
     def recovered(self, *, final: bool = False) -> bool:
@@ -449,7 +449,7 @@ class DiskFull(Fault):
         return super().recovered(final=final)
 
 
-DISK_FULL_S = 5.0
+DISK_FULL = timedelta(seconds=5)
 """How long :class:`DiskFull` keeps the checkpoint filesystem full."""
 
 

@@ -74,7 +74,7 @@ class FaultKind(str, enum.Enum):
     @property
     def fault_class(self) -> type[Fault]:
         """The class that knows everything about this kind (:mod:`~elastictrain.chaos.faults`)."""
-        from elastictrain.chaos.faults import fault_class  # noqa: PLC0415 - faults imports this module
+        from elastictrain.chaos.faults import fault_class
 
         return fault_class(self)
 

@@ -1,5 +1,18 @@
-"""Barrier-consistent checkpoints: save on every rank, commit atomically, restore the newest that verifies."""
+"""Barrier-consistent checkpoints: save on every rank, commit atomically, restore the newest that verifies.
 
+Besides the manager, the pieces other packages use (the in-process state transfer and training
+state of :mod:`elastictrain.train`, ``elastictrain status``) are public here:
+
+- :func:`check_state`, :func:`validate_state`: check a ``state`` mapping, and that an object
+  holds only what ``torch.load(weights_only=True)`` reads back;
+- :func:`map_tensors`: a copy of such an object with each tensor replaced;
+- :func:`load_state_into`: load a checkpoint's entries into live objects (all checked first);
+- :func:`find_checkpoint`, :func:`step_dir`: the newest committed checkpoint that verifies in a
+  storage, and the directory of a step's checkpoint.
+"""
+
+from ._manifest import find_checkpoint, step_dir
+from ._snapshot import check_state, load_state_into, map_tensors, validate_state
 from .coordinator import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
 from .manager import CheckpointManager, RestoreInfo, Stateful
 from .storage import LocalStorage, Storage
@@ -13,4 +26,10 @@ __all__ = [
     "Coordinator",
     "SingleProcessCoordinator",
     "TorchDistributedCoordinator",
+    "check_state",
+    "find_checkpoint",
+    "load_state_into",
+    "map_tensors",
+    "step_dir",
+    "validate_state",
 ]

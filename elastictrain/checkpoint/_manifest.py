@@ -62,7 +62,7 @@ __all__ = [
     "write_file",
     "write_manifest",
     "verify",
-    "find",
+    "find_checkpoint",
     "verify_file",
     "newest_listed",
     "VanishedCheckpointError",
@@ -328,7 +328,7 @@ def verify_file(storage: Storage, directory: str, entry: FileEntry, files_at: st
     _verify_file(storage, directory, entry, storage.location(directory), checksums=True, files_at=files_at)
 
 
-def find(
+def find_checkpoint(
     storage: Storage, prefix: str, step: int | None, *, checksums: bool = True, skip: frozenset[int] = frozenset()
 ) -> tuple[int, dict[str, Any]] | None:
     """Return (step, manifest) of the checkpoint to restore: ``step``, or the newest that verifies.

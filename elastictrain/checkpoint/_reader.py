@@ -99,7 +99,7 @@ class CheckpointReader:
         step = chosen
         assert loaded is not None  # noqa: S101 - no problem reported on this rank
         content, rng = loaded
-        snap.load_into(state, content["stateful"], content["extras"], step)
+        snap.load_state_into(state, content["stateful"], content["extras"], step)
         self._restore_rng(rng, manifest, step)
         info = RestoreInfo(
             step=step,
@@ -125,7 +125,7 @@ class CheckpointReader:
             found: tuple[int, dict[str, Any]] | CheckpointError | None = None
             if self._coord.rank == 0:
                 try:
-                    found = fmt.find(self._storage, self._prefix, step, checksums=False, skip=skip)
+                    found = fmt.find_checkpoint(self._storage, self._prefix, step, checksums=False, skip=skip)
                 except CheckpointError as exc:
                     found = exc
             listed: int | None | str

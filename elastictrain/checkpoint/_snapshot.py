@@ -30,12 +30,12 @@ __all__ = [
     "check_step",
     "deferred",
     "first_non_finite",
-    "load_into",
+    "load_state_into",
     "materialize",
     "snapshot",
     "storage_key",
     "tensors",
-    "validate",
+    "validate_state",
     "capture_rng",
     "restore_rng",
     "seed_rng",
@@ -178,7 +178,7 @@ def snapshot(obj: Any, *, copy: bool, pool: CopyPool, where: str = "state") -> A
     return _walk(obj, where, lambda tensor: _to_cpu(tensor, pool, copy))
 
 
-def validate(obj: Any, *, where: str = "state") -> None:
+def validate_state(obj: Any, *, where: str = "state") -> None:
     """Check ``obj`` like ``snapshot`` does, without copying anything.
 
     Raises:
@@ -478,7 +478,7 @@ def check_state(state: Mapping[str, Any]) -> None:
             )
 
 
-def load_into(state: Mapping[str, Any], stateful: dict[str, Any], extras: dict[str, Any], step: int) -> None:
+def load_state_into(state: Mapping[str, Any], stateful: dict[str, Any], extras: dict[str, Any], step: int) -> None:
     """Load a checkpoint's entries into ``state``'s objects; dicts are updated in place.
 
     Raises:

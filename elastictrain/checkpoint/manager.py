@@ -412,7 +412,7 @@ class CheckpointManager:
             kind, value = ("extras", obj) if isinstance(obj, dict) else ("stateful", obj.state_dict())
             where = f"state[{name!r}]"
             if not rank0:
-                snap.validate(value, where=where)
+                snap.validate_state(value, where=where)
             elif self._overlap is not None:
                 content[kind][name], found = snap.capture(value, pool=self._pool, where=where)
                 references += found
@@ -430,7 +430,7 @@ class CheckpointManager:
     def _save_in_background(self, payload: _Payload) -> None:
         try:
             self._write_and_commit(payload)
-        except Exception as exc:  # reported by wait(): nothing may escape a thread silently
+        except Exception as exc:  # noqa: BLE001 - reported by wait(): nothing may escape a thread silently
             if isinstance(exc, CheckpointWriteError):
                 self._say_write_failure(payload.step, exc)
             else:
@@ -443,7 +443,7 @@ class CheckpointManager:
             return
         try:
             self._on_write_failure(step, exc)
-        except Exception:  # noqa: BLE001 - a failing report must not turn into a failed save
+        except Exception:
             logger.exception("on_write_failure failed")
 
     def _write_and_commit(self, payload: _Payload) -> None:
@@ -489,7 +489,7 @@ class CheckpointManager:
             written = self._calls.run(f"the write of step {step}", lambda: self._write_part(staging, payload),
                                       cancelled=self._superseded)
             self._fault("before_barrier")
-        except Exception as exc:  # any failure must reach the barrier, or the others hang
+        except Exception as exc:  # noqa: BLE001 - any failure must reach the barrier, or the others hang
             # Said once, by whoever reports the save's failure: it names every rank's error.
             logger.debug("rank %d could not write its part of step %d: %s", rank, step, exc)
             storage_failed = isinstance(exc, OSError)
@@ -511,7 +511,7 @@ class CheckpointManager:
                                     timeout=self._commit_bound)
             except OSError as exc:  # ENOSPC writing the manifest, say, or a blocked rename
                 outcome = (True, str(exc))
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - the outcome carries it to the other ranks
                 outcome = (False, str(exc))
             if outcome is not None:
                 self._delete_quietly(staging)  # the torn staging directory goes at once

@@ -293,7 +293,7 @@ class S3Storage:
             upload.abort()
             raise
 
-    def _put(self, key: str, body: bytes | memoryview) -> None:
+    def _put(self, key: str, body: bytes | bytearray | memoryview) -> None:
         self._call("writing", key, "put_object", Key=key, Body=bytes(body), IfNoneMatch="*")
 
     @contextlib.contextmanager

@@ -276,12 +276,12 @@ class EtcdClient:
         closed), as it does for a server that is restarting: ask the server directly.
         """
         endpoint = self._settings.endpoints[index]
-        text = _describe(exc).lower()
         timeout = min(2.0, self._settings.request_timeout.total_seconds())
-        if self._settings.ca_cert and "handshake" in text and _serves_plaintext_etcd(endpoint, timeout):
+        if (self._settings.ca_cert and _grpc_says(exc, _TLS_HANDSHAKE_UNANSWERED)
+                and _serves_plaintext_etcd(endpoint, timeout)):
             return errors.EtcdAuthError(f"etcd at {endpoint} serves plain text, not TLS: drop --etcd-ca-cert, --etcd-cert "
                                  "and --etcd-key, or serve etcd with TLS")
-        if not self._settings.ca_cert and "socket closed" in text and _serves_tls(endpoint, timeout):
+        if not self._settings.ca_cert and _grpc_says(exc, _PLAINTEXT_REFUSED) and _serves_tls(endpoint, timeout):
             return errors.EtcdAuthError(f"etcd at {endpoint} serves TLS: pass --etcd-ca-cert with the CA that signed "
                                  "its certificate")
         return None
@@ -308,6 +308,8 @@ class EtcdClient:
                 may or may not have applied it.
             errors.EtcdUnavailableError: No endpoint answered within ``retry_deadline`` (or ``deadline``).
             errors.EtcdAuthError: etcd refused our credentials or TLS setup.
+            errors.EtcdLeaseNotFoundError: The request named a lease etcd does not know (it
+                expired or was revoked).
         """
         if self._closed:
             raise errors.EtcdError(f"cannot send {what}: this etcd client was closed (its node left the run)")
@@ -376,6 +378,12 @@ class EtcdClient:
                 within = (f"after {retry_s:g}s" if self._goodbyes_end is None
                           else "within the time this node's goodbyes share")
                 raise errors.EtcdUnavailableError(f"etcd unreachable for {what} {within}: {tried}") from exc
+            if _grpc_code_name(exc) == "NOT_FOUND":
+                # etcd's KV, lease and transaction services answer NOT_FOUND only for a lease it
+                # does not know (ErrGRPCLeaseNotFound); etcd3 0.12 passes the gRPC error through.
+                raise errors.EtcdLeaseNotFoundError(
+                    f"etcd at {self.current_endpoint} failed {what}: {_describe(exc)}"
+                ) from exc
             if isinstance(exc, self._etcd3.exceptions.Etcd3Exception) or _grpc_code_name(exc):
                 raise errors.EtcdUnavailableError(
                     f"etcd at {self.current_endpoint} failed {what}: {_describe(exc)}"
@@ -397,15 +405,37 @@ class EtcdClient:
             _close_quietly(client)
 
 
-# What gRPC says when TLS itself is misconfigured (wrong CA, refused client
-# certificate). A handshake cut short by a server that is starting or stopping
-# says "Handshake read failed" instead, and stays transient.
-_TLS_FAILURE_MARKERS = ("ssl_error_ssl", "tsi_protocol_failure", "certificate_verify_failed")
+# Some failures reach us only as words. gRPC reports every TLS problem with StatusCode.UNAVAILABLE,
+# the code of a server that is down or restarting: grpc.RpcError has no subclass or status detail for
+# TLS, and its debug_error_string() is the same text. etcd answers a wrong password and an expired
+# auth token with codes it also uses for other refusals (INVALID_ARGUMENT, UNAUTHENTICATED). The
+# words are read by _grpc_says alone; each list says what its words mean.
+_TLS_REFUSED = ("ssl_error_ssl", "tsi_protocol_failure", "certificate_verify_failed")
+"""TLS itself is misconfigured (a wrong CA, a refused client certificate): retrying cannot help. A
+handshake cut short by a server that is starting or stopping says "Handshake read failed" instead,
+and stays transient."""
+_TLS_HANDSHAKE_UNANSWERED = ("handshake",)
+"""Our TLS handshake got no TLS answer: a server restarting, or one that serves plain text (asked
+directly, see :meth:`EtcdClient._tls_mismatch`)."""
+_PLAINTEXT_REFUSED = ("socket closed",)
+"""The server closed our plain-text connection: a server restarting, or one that serves TLS (asked
+directly)."""
+_AUTH_REFUSED = ("authentication failed", "user name is empty")
+"""etcd's INVALID_ARGUMENT for a wrong user or password."""
+_TOKEN_EXPIRED = ("invalid auth token",)
+"""etcd's UNAUTHENTICATED for a token it forgot (its TTL passed, or etcd restarted)."""
+
+
+def _grpc_says(exc: BaseException, words: tuple[str, ...]) -> bool:
+    """Whether gRPC's (or etcd's) description of ``exc`` holds one of ``words``: for the failures
+    that have no status code or type of their own (see above)."""
+    text = _describe(exc).lower()
+    return any(word in text for word in words)
 
 
 def _is_expired_token(exc: BaseException) -> bool:
     """etcd forgot our auth token (its TTL passed, or etcd restarted): log in again."""
-    return "invalid auth token" in _describe(exc).lower()
+    return _grpc_says(exc, _TOKEN_EXPIRED)
 
 
 def _is_auth_failure(exc: BaseException) -> bool:
@@ -414,12 +444,11 @@ def _is_auth_failure(exc: BaseException) -> bool:
         if err is None:
             continue
         code = _grpc_code_name(err)
-        text = _describe(err).lower()
         if code in {"UNAUTHENTICATED", "PERMISSION_DENIED"} and not _is_expired_token(err):
             return True
-        if code == "INVALID_ARGUMENT" and ("authentication failed" in text or "user name is empty" in text):
+        if code == "INVALID_ARGUMENT" and _grpc_says(err, _AUTH_REFUSED):
             return True
-        if code == "UNAVAILABLE" and any(marker in text for marker in _TLS_FAILURE_MARKERS):
+        if code == "UNAVAILABLE" and _grpc_says(err, _TLS_REFUSED):
             return True
     return False
 
@@ -466,7 +495,7 @@ def _warn_plaintext_password(settings: EtcdSettings) -> None:
 def _close_quietly(client: Any) -> None:
     try:
         client.close()
-    except Exception:  # noqa: BLE001 - closing a dead channel must not mask the real error
+    except Exception:
         logger.debug("closing an etcd channel failed", exc_info=True)
 
 

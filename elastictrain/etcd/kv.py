@@ -200,7 +200,8 @@ def range_pages(client: EtcdClient, prefix: str | bytes, *, page: int, what: str
     """
     rpc = _rpc()
     start, end = _b(prefix), prefix_end(prefix)
-    revision, found = 0, []
+    revision = 0
+    found: list[KeyValue] = []
     while True:
         request = rpc.RangeRequest(key=start, range_end=end, limit=page, revision=revision)
         response = _range(client, rpc.RequestOp(request_range=request), what)

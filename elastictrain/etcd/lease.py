@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, TypeVar
 
+from elastictrain import errors
 from elastictrain.errors import ConfigError, EtcdError
 from elastictrain.etcd import kv
 from elastictrain.etcd.client import EtcdClient, import_etcd3
@@ -230,7 +231,7 @@ class KeptLease:
                 self._client.call(lambda c: c.revoke_lease(lease_id), what=f"revoking the {self._name}",
                                   deadline=_REVOKE_DEADLINE)
             except EtcdError as exc:  # it expires on its own
-                if "lease not found" in str(exc):  # it has already
+                if isinstance(exc, errors.EtcdLeaseNotFoundError):  # it has already
                     logger.debug("the %s (%x) was already gone: %s", self._name, lease_id, exc)
                     return
                 logger.warning("could not revoke the %s (%x): %s; etcd expires it within its TTL (%d s)",
@@ -258,7 +259,7 @@ class KeptLease:
         if self._on_lost is not None:
             try:
                 self._on_lost()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 logger.exception("%s: lost-lease callback failed", self._name)
 
 
@@ -326,9 +327,7 @@ class RunLease:
         """
         try:
             return operation(self.id())
-        except EtcdError as exc:
-            if "lease not found" not in str(exc):
-                raise
+        except errors.EtcdLeaseNotFoundError as exc:
             logger.warning("etcd lost the run lease (%s); acquiring a new one", exc)
             self.forget()
             return operation(self.id())

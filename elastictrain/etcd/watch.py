@@ -107,7 +107,7 @@ class Watch:
         self.next_revision = fresh[-1].revision + 1
         try:
             self._on_events(fresh, revision)
-        except Exception:  # noqa: BLE001 - a failing consumer must not end the watch
+        except Exception:
             logger.exception("%s: event handler failed", self.name)
 
     def compacted(self, compact_revision: int) -> None:
@@ -117,7 +117,7 @@ class Watch:
             return
         try:
             self.next_revision = self._on_compacted() + 1
-        except Exception:  # noqa: BLE001 - the hub re-creates the watch and tries again
+        except Exception:
             logger.exception("%s: re-reading after a compaction failed", self.name)
 
 

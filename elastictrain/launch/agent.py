@@ -28,6 +28,7 @@ from elastictrain.launch import failure_report
 from elastictrain.launch.run_state import RunPublisher
 from elastictrain.launch.worker_group import continue_stopped, exited_cleanly, finished_without_a_word
 from elastictrain.rendezvous.handler import Etcd3RendezvousHandler
+from elastictrain.rendezvous.protocol import agent_handler
 from elastictrain.rendezvous.records import describe_node
 
 logger = logging.getLogger(__name__)
@@ -51,24 +52,22 @@ def own_fault(failures: dict[int, Any], node: str, node_rank: int | None, *, hun
 
 
 def tell_fault(handler: Any, fault: Fault | None) -> None:
-    """Have this node's next request for a round state ``fault`` (our rendezvous only)."""
-    if fault is not None and fault.rank is not None and isinstance(handler, Etcd3RendezvousHandler):
-        handler.say_fault(fault.rank, fault.how)
+    """Have this node's next request for a round state ``fault``."""
+    if fault is not None and fault.rank is not None:
+        agent_handler(handler).say_fault(fault.rank, fault.how)
 
 
 def peer_faults(handler: Any) -> list[Fault]:
-    """The faults the other members of this node's round said or were seen to meet (our
-    rendezvous only; see :meth:`Etcd3RendezvousHandler.seen_faults`)."""
-    return handler.seen_faults() if isinstance(handler, Etcd3RendezvousHandler) else []
+    """The faults the other members of this node's round said or were seen to meet (see
+    :meth:`Etcd3RendezvousHandler.seen_faults`)."""
+    return agent_handler(handler).seen_faults()
 
 
 def round_fault(handler: Any) -> Fault | None:
-    """The first worker failure a member said as it asked for the round just formed (our
-    rendezvous only; an etcd error leaves the cause as this node saw it, with a warning)."""
-    if not isinstance(handler, Etcd3RendezvousHandler):
-        return None
+    """The first worker failure a member said as it asked for the round just formed (an etcd
+    error leaves the cause as this node saw it, with a warning)."""
     try:
-        return next(iter(handler.round_faults()), None)
+        return next(iter(agent_handler(handler).round_faults()), None)
     except EtcdError as exc:
         logger.warning("could not read what the round's members said of its cause: %s", exc)
         return None
@@ -186,15 +185,15 @@ class ElasticAgent(LocalElasticAgent):
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         self._publish(state="rendezvous")
         started = time.monotonic()
-        handler = worker_group.spec.rdzv_handler
-        before = getattr(handler, "joined", None)
+        handler = agent_handler(worker_group.spec.rdzv_handler)
+        before = handler.joined
         super()._rendezvous(worker_group)
         duration = time.monotonic() - started
-        after = getattr(handler, "joined", None)
+        after = handler.joined
         self._last_change = _membership_change(before, after)
         self._last_change_said = describe_change(before, after)
         world_size = worker_group.workers[0].world_size if worker_group.workers else None
-        fields = {"round": getattr(handler, "round", None), "group_rank": worker_group.group_rank,
+        fields = {"round": handler.round, "group_rank": worker_group.group_rank,
                   "nodes": worker_group.group_world_size, "world_size": world_size}
         self._events.emit("rendezvous", duration_s=round(duration, 3), restarts=self.restarts, **fields,
                           **self._last_change)
@@ -263,7 +262,7 @@ class ElasticAgent(LocalElasticAgent):
 
     def _check_stop(self, worker_group: WorkerGroup) -> RunResult | None:
         """A run closed by ``elastictrain stop``: stop the workers and succeed."""
-        if not (getattr(worker_group.spec.rdzv_handler, "closed_seen", False) and self._stop_requested()):
+        if not (agent_handler(worker_group.spec.rdzv_handler).closed_seen and self._stop_requested()):
             return None
         logger.info("run closed by `elastictrain stop`: stopping workers")
         self._events.emit("stop_requested")

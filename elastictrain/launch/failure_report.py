@@ -127,7 +127,7 @@ class WorkerFailure:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> WorkerFailure:
-        return cls(**{name: data[name] for name in cls.__dataclass_fields__  # type: ignore[attr-defined]
+        return cls(**{name: data[name] for name in cls.__dataclass_fields__
                       if name in data})
 
 

@@ -17,6 +17,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerState
@@ -42,13 +43,14 @@ from elastictrain.launch.agent import (
 )
 from elastictrain.launch.hang_detector import HangDetector, Stacks, capture_stacks
 from elastictrain.launch.worker_group import Channel, FailureBudget, WorkerProcesses
+from elastictrain.rendezvous.protocol import AgentRendezvousHandler, agent_handler
 from elastictrain.rendezvous.reachability import is_cut_off
 from elastictrain.rendezvous.records import describe_node
 
-_LINGER_S = 30.0
+_LINGER = timedelta(seconds=30)
 """How long a node's workers may run after the job finished on its other nodes before it says so."""
 
-_HOLD_S = 60.0
+_HOLD = timedelta(seconds=60)
 """How long the nodes of a job train on after a node joined the rendezvous, waiting for its
 workers to be ready, before they re-form the group anyway."""
 
@@ -58,11 +60,11 @@ up to the monitor interval: the worker hands its return value over when its scri
 process context keeps it until the agent reads it), and nothing rings for that. A script may
 go on for a while after its session closed (an evaluation, a final save): the ticks get longer."""
 
-_PROBE_AFTER_S = 2.0
+_PROBE_AFTER = timedelta(seconds=2)
 """How long a worker waits in a step's collective before its agent asks whether this node still
 reaches its peers (a peer merely slower, or hung and about to be replaced, answers the probe)."""
 
-_PROBE_EVERY_S = 2.0
+_PROBE_EVERY = timedelta(seconds=2)
 """How often the agent asks again while the wait lasts."""
 
 _FORMING = frozenset({SlotState.STARTING, SlotState.RECOVERING, SlotState.BUSY})
@@ -231,9 +233,8 @@ class InProcessAgent(ElasticAgent):
         group = _torch_compat.worker_group(self)
         spec = group.spec
         self._initialize_workers(group)
-        wake_on_change = getattr(spec.rdzv_handler, "wake_on_change", None)
-        if wake_on_change is not None:
-            wake_on_change(self._channel.doorbell.ring)
+        handler = agent_handler(spec.rdzv_handler)
+        handler.wake_on_change(self._channel.doorbell.ring)
         while True:
             # A tick, or sooner: a worker's slot changed, a worker ended, or the rendezvous changed.
             self._channel.wait(self._tick(spec.monitor_interval), self._workers.ends())
@@ -278,9 +279,9 @@ class InProcessAgent(ElasticAgent):
             live = self._workers.pids()
             self._kill_hung(group, progress, now, live)
             if cause is None:
-                cause = self._leave_if_cut_off(spec.rdzv_handler, progress, now)
-            self._say_if_lingering(spec.rdzv_handler, now)
-            if (getattr(spec.rdzv_handler, "closed_seen", False) and not self._stop_requested()
+                cause = self._leave_if_cut_off(handler, progress, now)
+            self._say_if_lingering(handler, now)
+            if (handler.closed_seen and not self._stop_requested()
                     and any(p.pid and p.state in _FORMING for p in progress)):
                 # Another node ended the job (it finished, or its budget ran out) while ours
                 # start or re-form and wait for peers that will not come: end now rather than
@@ -295,11 +296,11 @@ class InProcessAgent(ElasticAgent):
                 cause, fault = self._peers_cause("a worker's collective failed (a peer is gone)")
             joins = False
             if cause is None:
-                waiting = spec.rdzv_handler.num_nodes_waiting()
+                waiting = handler.num_nodes_waiting()
                 if waiting > 0:
                     cause, fault = self._peers_cause(
                         f"membership change ({waiting} node(s) waiting, gone or re-joining)")
-                    joins = bool(getattr(spec.rdzv_handler, "only_nodes_joining", lambda: False)())
+                    joins = handler.only_nodes_joining()
             held = self._held
             if held is not None and (cause is not None or self._joiners_ready(group, held, now)):
                 # Only nodes joined unless something else happened meanwhile (a peer may be gone).
@@ -364,21 +365,20 @@ class InProcessAgent(ElasticAgent):
             return None
         return path
 
-    def _leave_if_cut_off(self, handler: Any, progress: list[Progress], now: float) -> str | None:
-        """When a worker has waited in a step's collective or a checkpoint save for :data:`_PROBE_AFTER_S`, ask (every
-        :data:`_PROBE_EVERY_S` while it lasts) whether this node still reaches the other members of
+    def _leave_if_cut_off(self, handler: AgentRendezvousHandler, progress: list[Progress], now: float) -> str | None:
+        """When a worker has waited in a step's collective or a checkpoint save for :data:`_PROBE_AFTER`, ask (every
+        :data:`_PROBE_EVERY` while it lasts) whether this node still reaches the other members of
         its round. If it is the one cut off (:func:`~elastictrain.rendezvous.reachability.is_cut_off`)
         while etcd hears from it, it leaves the round so that the others re-form without it at
         once, and rejoins once it reaches them; returns the cause of that re-formation."""
         since = [p.collective_at or (p.section_at if p.section == Section.SAVE else 0.0)  # a save waits for peers too
                  for p in progress if p.pid and p.state == SlotState.TRAINING]
-        waiting = [now - at for at in since if at and now - at > _PROBE_AFTER_S]
-        peers_reached = getattr(handler, "peers_reached", None)
-        if not waiting or peers_reached is None or now - self._probed_at < _PROBE_EVERY_S:
+        waiting = [now - at for at in since if at and now - at > _PROBE_AFTER.total_seconds()]
+        if not waiting or now - self._probed_at < _PROBE_EVERY.total_seconds():
             return None
         self._probed_at = now
         try:
-            reached = peers_reached()
+            reached = handler.peers_reached()
         except EtcdError as exc:
             logger.warning("could not read the round's members to probe them: %s", exc)
             return None
@@ -406,14 +406,14 @@ class InProcessAgent(ElasticAgent):
         self._ending_tick = min(interval, 2 * self._ending_tick if self._ending_tick else _ENDING_TICK)
         return self._ending_tick
 
-    def _say_if_lingering(self, handler: Any, now: float) -> None:
+    def _say_if_lingering(self, handler: AgentRendezvousHandler, now: float) -> None:
         """Say once if this node's workers still run long after the job finished on other nodes:
         a final save on rank 0 takes a while, but a worker may also hang on its way out."""
-        if not getattr(handler, "finished_seen", False) or self._lingering_said:
+        if not handler.finished_seen or self._lingering_said:
             return
         if self._finished_elsewhere_at is None:
             self._finished_elsewhere_at = now
-        elif now - self._finished_elsewhere_at > _LINGER_S:
+        elif now - self._finished_elsewhere_at > _LINGER.total_seconds():
             self._lingering_said = True
             logger.warning("the job finished on its other nodes %.0fs ago and this node's workers (pids %s) still "
                            "run; one that hangs in destroy_process_group, or as its process group is torn down, may be "
@@ -436,9 +436,9 @@ class InProcessAgent(ElasticAgent):
         """Say once per round, in etcd, that this node's workers can form the round's group:
         they train (and stop at their next step when told), or they were started and wait for
         their peers. Nodes that train on while a node joins wait for every node to say it."""
-        handler = group.spec.rdzv_handler
-        round_ = getattr(handler, "round", None)
-        if round_ is None or round_ == self._ready_round or not hasattr(handler, "say_ready"):
+        handler = agent_handler(group.spec.rdzv_handler)
+        round_ = handler.round
+        if round_ is None or round_ == self._ready_round:
             return
         if not self._in_process_capable(group):
             return
@@ -451,12 +451,12 @@ class InProcessAgent(ElasticAgent):
     def _joiners_ready(self, group: WorkerGroup, held: _Held, now: float) -> bool:
         """Whether every node of the round formed for a join said its workers are ready (or the
         wait for them is over)."""
-        if now - held.formed > _HOLD_S:
+        if now - held.formed > _HOLD.total_seconds():
             logger.warning("the joining node(s)' workers were not ready %.0fs after their rendezvous: re-forming "
-                           "the group without waiting longer", _HOLD_S)
+                           "the group without waiting longer", _HOLD.total_seconds())
             return True
         try:
-            ready = group.spec.rdzv_handler.ready_nodes()
+            ready = agent_handler(group.spec.rdzv_handler).ready_nodes()
         except EtcdError as exc:
             logger.warning("could not read which nodes are ready: %s", exc)
             return False
@@ -485,7 +485,7 @@ class InProcessAgent(ElasticAgent):
         started = time.monotonic()
         hold = joins and not self._dead  # only our handler says a change is nodes joining
         if hold:
-            group.spec.rdzv_handler.reenter_for_joiners()  # the other members hold the round too
+            agent_handler(group.spec.rdzv_handler).reenter_for_joiners()  # the other members hold the round too
         else:
             self._channel.mark_pending(cause)
         alive = {w.local_rank: w.id for w in group.workers if w.local_rank not in self._dead}
@@ -495,7 +495,7 @@ class InProcessAgent(ElasticAgent):
         if hold:
             self._held = _Held(cause, started, time.monotonic())
             logger.info("round %s formed for a joining node: training on until its workers are ready",
-                        getattr(group.spec.rdzv_handler, "round", None))
+                        agent_handler(group.spec.rdzv_handler).round)
             return
         if fault is None:  # a member may have said its cause as it asked for this round
             fault = round_fault(group.spec.rdzv_handler)
@@ -521,7 +521,7 @@ class InProcessAgent(ElasticAgent):
         now = time.monotonic()
         trained_on = now - held_since if held_since is not None else 0.0
         duration = now - started - trained_on
-        extra = {"trained_on_s": round(trained_on, 3)} if held_since is not None else {}
+        extra: dict[str, Any] = {"trained_on_s": round(trained_on, 3)} if held_since is not None else {}
         if fault is not None:
             extra["fault"] = fault.to_json()
         self._events.emit("recovery", cause=cause, generation=self._generation, duration_s=round(duration, 3),
@@ -538,9 +538,9 @@ class InProcessAgent(ElasticAgent):
     def _publish_generation(self, group: WorkerGroup, *, cause: str, joined: bool = False,
                             fault: Fault | None = None) -> None:
         self._generation += 1
-        handler = group.spec.rdzv_handler
+        handler = agent_handler(group.spec.rdzv_handler)
         self._channel.publish(Assignment(
-            generation=self._generation, round=getattr(handler, "round", None) or 0,
+            generation=self._generation, round=handler.round or 0,
             world_size=group.workers[0].world_size if group.workers else 0,
             master_addr=group.master_addr or "", master_port=int(group.master_port or 0),
             ranks={str(w.local_rank): w.global_rank for w in group.workers},

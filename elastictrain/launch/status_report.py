@@ -26,7 +26,7 @@ def newest_checkpoint(directory: str, *, checksums: bool = False) -> dict[str, A
     Raises:
         CheckpointError: The directory cannot be read, or no checkpoint in it verifies.
     """
-    from elastictrain.checkpoint import _manifest
+    from elastictrain.checkpoint import find_checkpoint, step_dir
     from elastictrain.checkpoint.storage import storage_for
     from elastictrain.errors import CheckpointError, ConfigError
 
@@ -35,14 +35,15 @@ def newest_checkpoint(directory: str, *, checksums: bool = False) -> dict[str, A
     except (ValueError, ImportError) as exc:
         raise ConfigError(f"--checkpoint-dir {directory!r}: {exc}") from exc
     try:
-        found = _manifest.find(storage, prefix, None, checksums=checksums)
+        found = find_checkpoint(storage, prefix, None, checksums=checksums)
     except OSError as exc:  # an object store's bucket or credentials (a directory's are CheckpointErrors)
         raise CheckpointError(f"cannot read checkpoints in {storage.location(prefix)}: {exc}") from exc
     if found is None:
         return None
     step, manifest = found
     return {"step": step, "time": manifest["time"], "world_size": manifest["world_size"],
-            "path": storage.location(_manifest.join(prefix, _manifest.step_dir(step))), "checksums_verified": checksums}
+            "path": storage.location(f"{prefix}/{step_dir(step)}" if prefix else step_dir(step)),
+            "checksums_verified": checksums}
 
 
 def _age(seconds: float | None) -> str:

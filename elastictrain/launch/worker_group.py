@@ -7,7 +7,8 @@ needs the opposite, and this module gives it:
 - :class:`WorkerProcesses`: one torch process context per local worker, so that a
   dead worker is replaced alone and its healthy siblings keep their processes.
 - :class:`Channel`: the agent's end of :mod:`elastictrain._control`: it publishes
-  each generation's assignment and reads the workers' progress slots.
+  each generation's :class:`Assignment` and reads the workers' progress slots; a worker finds
+  its channel's directory in the environment variable :data:`CONTROL_DIR_ENV`.
 - :class:`FailureBudget`: how many of this node's own worker failures a job survives
   within a time window, and how long to back off before replacing one.
 """
@@ -25,14 +26,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from elastictrain._control import CONTROL_PREFIX, Assignment, Doorbell, Progress, ProgressTable, write_assignment
+from elastictrain._control import (
+    CONTROL_DIR_ENV,
+    CONTROL_PREFIX,
+    Assignment,
+    Doorbell,
+    Progress,
+    ProgressTable,
+    write_assignment,
+)
 from elastictrain._process import proc_stat
 from elastictrain.launch.hang_detector import STOPPED
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Channel", "FailureBudget", "WorkerProcesses", "continue_stopped", "exited_cleanly",
-           "finished_without_a_word"]
+__all__ = ["CONTROL_DIR_ENV", "Assignment", "Channel", "FailureBudget", "WorkerProcesses", "continue_stopped",
+           "exited_cleanly", "finished_without_a_word"]
 
 
 def exited_cleanly(context: Any) -> bool:
@@ -48,7 +57,7 @@ def exited_cleanly(context: Any) -> bool:
     that value forever (stock torchrun runs a script as a plain child process, with no such wait):
     the caller takes them as finished (:func:`finished_without_a_word`).
     """
-    from elastictrain import _torch_compat  # noqa: PLC0415 - imports torch, and the CLI imports this module before it
+    from elastictrain import _torch_compat
 
     codes = _torch_compat.worker_exit_codes(context)
     return bool(codes) and all(code == 0 for code in codes)
@@ -103,7 +112,7 @@ class WorkerProcesses:
     def ends(self) -> dict[int, int]:
         """For each running worker, by pid, a file descriptor that becomes readable once its end
         is known (see :meth:`Channel.wait`)."""
-        from elastictrain import _torch_compat  # noqa: PLC0415 - imports torch (see exited_cleanly)
+        from elastictrain import _torch_compat
 
         return {pid: fd for context in self.contexts.values()
                 for pid, fd in _torch_compat.worker_sentinels(context).items()}
@@ -117,7 +126,7 @@ class WorkerProcesses:
                 result = context.wait(0)  # one that returned just before: its value (see exited_cleanly)
                 if result is None:
                     # Imported here: the CLI imports this module (node_setup) before torch.
-                    from torch.distributed.elastic.multiprocessing import RunProcsResult  # noqa: PLC0415
+                    from torch.distributed.elastic.multiprocessing import RunProcsResult
 
                     finished_without_a_word(context)
                     result = RunProcsResult(return_values={0: None})

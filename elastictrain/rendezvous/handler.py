@@ -25,6 +25,7 @@ The protocol's rules live in :mod:`elastictrain.rendezvous.membership`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -48,7 +49,7 @@ from elastictrain._fault import MAX_HOW, Fault, node_name_of
 from elastictrain.etcd.conf import etcd_settings_from
 from elastictrain.events import NODE_ENV
 from elastictrain.rendezvous.config import RendezvousConfig
-from elastictrain.errors import ConfigError, EtcdError
+from elastictrain.errors import ConfigError, EtcdError, EtcdLeaseNotFoundError
 from elastictrain.etcd import kv
 from elastictrain.etcd.client import EtcdClient
 from elastictrain.etcd.lease import KeptLease, RunLease
@@ -231,7 +232,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             now = time.monotonic()
             timing = give_up(now, deadline, join_timeout=join_timeout, spare=self._spare,
                              has_round=look.round is not None, open_at_last_look=open_at_last_look,
-                             stands=lambda: look.round is not None and self._round_stands(look.round))
+                             stands=functools.partial(self._round_stands, look.round))
             deadline, open_at_last_look = timing.deadline, timing.open_at_last_look
             if timing.timed_out:
                 self._release_closer()
@@ -245,7 +246,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                             after + 1, self.keys.run_id)
             timeout = min(1.0, deadline - now, (wake - now) if wake is not None else 1.0)
             with control.cond:
-                control.cond.wait_for(lambda: control.version != seen, max(0.0, timeout))
+                control.cond.wait_for(functools.partial(control.moved_since, seen), max(0.0, timeout))
         self._release_closer()
         assert look.round is not None and current_kv is not None  # noqa: S101 - decide() entered it
         return self._enter_round(look.round, current_kv.mod_revision)
@@ -536,8 +537,8 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                     what="joining the rendezvous",
                 )
                 break
-            except EtcdError as exc:
-                if "lease not found" not in str(exc) or attempt:
+            except EtcdLeaseNotFoundError:
+                if attempt:
                     raise
                 self._alive.grant()  # etcd expired it while we were away: register anew
         self._registered = result.revision  # the member key's write: both branches make it
@@ -554,9 +555,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                             [kv.put(self.keys.closer, encode(CloserRecord(self.node_id)), lease),
                              kv.get(self.keys.closer)],
                             what="taking the closer role")
-        except EtcdError as exc:
-            if "lease not found" not in str(exc):
-                raise
+        except EtcdLeaseNotFoundError:
             self._alive.mark_lost()  # etcd expired it: the waiting loop registers anew
             return
         if result.succeeded:
@@ -583,12 +582,13 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         if self.on_spare is not None:
             try:
                 self.on_spare(nodes)
-            except Exception:  # noqa: BLE001 - a report must not end the wait
+            except Exception:  # a report must not end the wait
                 logger.warning("reporting this node as a spare failed", exc_info=True)
 
-    def _round_stands(self, current: RoundRecord) -> bool:
-        """Whether every member of ``current`` is alive and none asked for a new round (one etcd read)."""
-        return not is_open(read_members(self.client, self.keys), current)
+    def _round_stands(self, current: RoundRecord | None) -> bool:
+        """Whether every member of ``current`` is alive and none asked for a new round (one etcd read;
+        none when there is no round: it does not stand)."""
+        return current is not None and not is_open(read_members(self.client, self.keys), current)
 
     def _waiting_for(self) -> str:
         """``waiting for 1 more node (1 of 2)``, as far as this node knows (the closer counts)."""

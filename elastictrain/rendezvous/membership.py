@@ -218,6 +218,10 @@ class ControlView:
         if self.on_change is not None:
             self.on_change()
 
+    def moved_since(self, version: int) -> bool:
+        """Whether the view changed since it was at ``version`` (call it holding :attr:`cond`)."""
+        return self.version != version
+
     def touch(self) -> None:
         """Wake every waiter: something it depends on (not a control key) changed."""
         with self._update():

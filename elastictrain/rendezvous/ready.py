@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import timedelta
 
 from elastictrain.etcd import kv
 from elastictrain.etcd.client import EtcdClient
@@ -27,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ReadyWord"]
 
-RECOUNT_S = 5.0
+RECOUNT = timedelta(seconds=5)
 """How often :meth:`ReadyWord.count` counts the ready keys itself while the all-ready key does
 not name its round: only if the node that completed the count failed to write that key (each
 node asks at every monitor tick while a node joins)."""
@@ -81,7 +82,7 @@ class ReadyWord:
     def count(self, joined: RoundRecord, revision: int) -> int:
         """How many nodes of ``joined`` said their workers can form its group: all of them once the
         all-ready key names the round (from the control watch: no etcd request), else the count
-        this node last made (again every :data:`RECOUNT_S`).
+        this node last made (again every :data:`RECOUNT`).
 
         Raises:
             EtcdError: etcd is unreachable or refused us.
@@ -94,7 +95,7 @@ class ReadyWord:
         if last is None or last[0] != joined.round:
             self._counted = (joined.round, 0, now)  # the first count waits too: the key may come
             return 0
-        if now - last[2] < RECOUNT_S:
+        if now - last[2] < RECOUNT.total_seconds():
             return last[1]
         count = kv.count(self._client, self._keys.ready(joined.round), what="reading how many nodes are ready")
         self._counted = (joined.round, count, now)

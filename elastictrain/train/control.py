@@ -179,7 +179,7 @@ class WorkerControl:
             self._on_stuck = None  # once per generation; set again when training resumes
             try:
                 callback()
-            except Exception:  # noqa: BLE001 - the liveness thread must live on
+            except Exception:
                 logger.exception("the stuck-collective callback failed")
 
     def on_stuck(self, callback: Callable[[], None] | None, *, after: float = 1.0,

@@ -143,7 +143,7 @@ class ElasticState:
 
 def run_elastic(train: Callable[[ElasticState], _T], state: ElasticState, *, restore: Callable[[], None] | None = None,
         backend: str | None = None, timeout: timedelta | float | None = None,
-        recovery_timeout: float = 600.0) -> _T:
+        recovery_timeout: timedelta = timedelta(seconds=600)) -> _T:
     """Form the process group, then run ``train(state)``, re-forming in place after faults.
 
     Args:
@@ -152,15 +152,20 @@ def run_elastic(train: Callable[[ElasticState], _T], state: ElasticState, *, res
         restore: Called on every rank when no live rank holds state (the job starts or
             restarts as a whole): read a checkpoint into ``state`` here.
         backend: Process-group backend (default as :func:`elastictrain.init_process_group`).
-        timeout: Collective timeout.
+        timeout: Collective timeout (a number is seconds, as :func:`elastictrain.init_process_group`
+            takes it).
         recovery_timeout: How long to wait for the agent's next generation.
 
     Returns:
         What ``train`` returned.
 
     Raises:
+        ConfigError: ``recovery_timeout`` is not a ``timedelta``.
         Whatever ``train`` raises that is not a failed collective.
     """
+    if not isinstance(recovery_timeout, timedelta):
+        raise ConfigError(f"recovery_timeout must be a datetime.timedelta, got {recovery_timeout!r} "
+                          f"(for seconds: timedelta(seconds={recovery_timeout!r}))")
     state.context = WorkerContext.from_env()
     state._control = WorkerControl.from_env(state.context.local_rank, state.context.local_world_size)  # noqa: SLF001
     control = state._control  # noqa: SLF001

@@ -18,6 +18,7 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -47,7 +48,7 @@ from elastictrain.train.worker import WorkerContext
 
 __all__ = ["GroupKeeper"]
 
-SAVE_GRACE_S = 10.0
+SAVE_GRACE = timedelta(seconds=10)
 """How long the ranks train on, when their agents want the group re-formed, while a checkpoint
 save is in flight (re-forming would wait for it to be written)."""
 
@@ -148,7 +149,7 @@ class GroupKeeper:
     def votes_to_reform(self) -> bool:
         """This rank's vote for the step about to run: stop after it and re-form the group,
         because the agent wants a new generation. While a checkpoint save is in flight the
-        rank trains on instead (for up to :data:`SAVE_GRACE_S`): re-forming
+        rank trains on instead (for up to :data:`SAVE_GRACE`): re-forming
         would first wait for the save to be written, and the peers (a joining node's workers
         waiting for the group) would wait with it; once it is written the re-formation costs
         only itself."""
@@ -163,7 +164,7 @@ class GroupKeeper:
         now = time.monotonic()
         if self._due_since is None:
             self._due_since = now
-        return now - self._due_since > SAVE_GRACE_S
+        return now - self._due_since > SAVE_GRACE.total_seconds()
 
     def cause_due(self) -> str:
         """Why the agent re-forms the group (its word, once the flag said to stop)."""
@@ -184,7 +185,7 @@ class GroupKeeper:
             return
         placement, context, self._assignment = join_generation(
             self.context, self.control, self._assignment, backend=config.backend, timeout=config.timeout,
-            device=config.device, recovery_timeout=config.recovery_timeout.total_seconds())
+            device=config.device, recovery_timeout=config.recovery_timeout)
         self._set_context(context)
         if placement.distributed and (placement.rank, placement.world_size) != (
                 self.context.rank, self.context.world_size):
@@ -290,7 +291,7 @@ class GroupKeeper:
             control.on_stuck(None)  # this group's: the next one arms its own
             mark = time.perf_counter()
             abandoned = self._abandoned_save(self.generation.leave(), cause) or abandoned
-            self._adopt(wait_for_generation(control, self.config.recovery_timeout.total_seconds()))
+            self._adopt(wait_for_generation(control, self.config.recovery_timeout))
             phases["wait_s"] += time.perf_counter() - mark
             mark = time.perf_counter()
             try:

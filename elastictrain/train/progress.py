@@ -116,20 +116,20 @@ class ProgressHook:
             return
         self._printer = printer = _LinePrinter(self._stream, self)
         if sys.stderr is self._stream:
-            sys.stderr = printer  # type: ignore[assignment]
+            sys.stderr = printer
         loggers = [logging.getLogger(), *(logger for logger in logging.root.manager.loggerDict.values()
                                           if isinstance(logger, logging.Logger))]
         for logger in loggers:
             for handler in logger.handlers:
                 if isinstance(handler, logging.StreamHandler) and handler.stream is self._stream:
-                    handler.setStream(printer)  # type: ignore[arg-type]
+                    handler.setStream(printer)
 
     def _release_the_line(self) -> None:
         printer, self._printer = self._printer, None
         if printer is None:
             return
         if sys.stderr is printer:
-            sys.stderr = self._stream  # type: ignore[assignment]
+            sys.stderr = self._stream
         loggers = [logging.getLogger(), *(logger for logger in logging.root.manager.loggerDict.values()
                                           if isinstance(logger, logging.Logger))]
         for logger in loggers:

@@ -56,7 +56,7 @@ def _rank_passes(context: WorkerContext, level: int, all_ranks: bool) -> bool:
     return all_ranks or context.rank == 0 or level >= logging.WARNING
 
 
-class RankLoggerAdapter(logging.LoggerAdapter):  # type: ignore[type-arg]
+class RankLoggerAdapter(logging.LoggerAdapter):
     """A logger that says which worker is talking, and keeps info to rank 0.
 
     Args:
@@ -176,7 +176,7 @@ class _Formatter(logging.Formatter):
         if info is None or info["prefixed"]:
             return super().formatMessage(record)
         values = {**record.__dict__, "message": f"{info['prefix']} {record.message}"}
-        return self._fmt % values  # type: ignore[operator] - our own %-style format
+        return self._fmt % values  # type: ignore[operator]  # our own %-style format
 
     def format(self, record: logging.LogRecord) -> str:
         """See base class."""

@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elastictrain.train import process_group as pg
 from elastictrain._control import Assignment, WorkerState
+from elastictrain._torch_compat import is_collective_failure
 from elastictrain.errors import SessionError
 from elastictrain.train.control import WorkerControl
 from elastictrain.train.worker import WorkerContext
@@ -48,25 +49,8 @@ __all__ = [
     "BoundaryFlag", "abort_default_group", "context_for", "describe", "is_collective_failure", "join_generation",
     "torch_env", "wait_for_generation", "wrap_in_ddp",
 ]
-
-# What gloo and NCCL say when a peer or the network is gone, besides torch's DistError types.
-_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe", "connection refused",
-            "closed by peer")
-
-
-def is_collective_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what caused it) is a failed collective: a peer died or hung, the
-    network broke, the communicator was aborted."""
-    seen: set[int] = set()
-    err: BaseException | None = exc
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, dist.DistError):
-            return True
-        if isinstance(err, RuntimeError) and any(m in str(err).lower() for m in _MARKERS):
-            return True
-        err = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
-    return False
+# is_collective_failure is defined in elastictrain._torch_compat, with torch's exception types it
+# reads; the train side imports it from here.
 
 
 def describe(error: BaseException) -> str:
@@ -230,15 +214,15 @@ def abort_default_group() -> None:
         group.abort()
 
 
-def wait_for_generation(control: WorkerControl, timeout: float) -> Assignment:
+def wait_for_generation(control: WorkerControl, timeout: timedelta) -> Assignment:
     """Say this worker is recovering and wait for its agent's next generation.
 
     Raises:
         JobEnded: The agent closed the group.
-        TimeoutError: No generation came within ``timeout`` seconds.
+        TimeoutError: No generation came within ``timeout``.
     """
     control.set_state(WorkerState.RECOVERING)
-    return control.wait_for_next(timeout)
+    return control.wait_for_next(timeout.total_seconds())
 
 
 def context_for(context: WorkerContext, assignment: Assignment) -> WorkerContext:
@@ -284,7 +268,7 @@ FORMATION_ATTEMPTS = 3
 
 def join_generation(context: WorkerContext, control: WorkerControl | None, assignment: Assignment | None, *,
                     backend: str | None, timeout: timedelta | float | None, device: Any = None,
-                    recovery_timeout: float) -> tuple[pg.Placement, WorkerContext, Assignment | None]:
+                    recovery_timeout: timedelta) -> tuple[pg.Placement, WorkerContext, Assignment | None]:
     """Form the process group of ``assignment``, following the agent to a newer generation
     announced while it forms (two generations in quick succession: the peers went on).
 

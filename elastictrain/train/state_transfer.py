@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastictrain.checkpoint import _snapshot as snap
+from elastictrain.checkpoint import load_state_into, map_tensors
 from elastictrain.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ def _encode(state: Mapping[str, Any], step: int) -> tuple[torch.Tensor, list[tor
         return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
 
     skeleton = io.BytesIO()
-    torch.save(snap.map_tensors(_content(state, step), placeholder), skeleton)
+    torch.save(map_tensors(_content(state, step), placeholder), skeleton)
     head = skeleton.getbuffer()
     offset = _aligned(16 + head.nbytes)
     spans = []
@@ -181,7 +181,7 @@ def _decode(payload: torch.Tensor) -> tuple[dict[str, Any], list[torch.Tensor]]:
             return torch.empty(placeholder.shape, dtype=placeholder.dtype)
         return payload[start:start + nbytes].view(placeholder.dtype).view(placeholder.shape).clone()
 
-    return snap.map_tensors(skeleton, fill), direct
+    return map_tensors(skeleton, fill), direct
 
 
 def _aligned(offset: int) -> int:
@@ -251,7 +251,7 @@ def transfer(group: Any, agreement: Agreement, state: Mapping[str, Any], *, step
     works = [dist.irecv(tensor, peer, group=group, tag=tag) for tag, tensor in enumerate(direct, start=2)]
     for work in works:
         work.wait()
-    snap.load_into(state, content["stateful"], content["extras"], int(content["step"]))
+    load_state_into(state, content["stateful"], content["extras"], int(content["step"]))
     logger.debug("received step %d from rank %d (%d bytes)", content["step"], src,
                  payload.numel() + sum(_nbytes(tensor) for tensor in direct))
     return True

@@ -187,7 +187,7 @@ class StepLoop:
         pin = self._config.pin_memory
         return self.device.type == "cuda" if pin is None else pin
 
-    def _loader(self, feed: PlanFeed) -> DataLoader:  # type: ignore[type-arg]
+    def _loader(self, feed: PlanFeed) -> DataLoader:
         sampler = self._state.sampler
         assert sampler is not None  # noqa: S101 - private invariant
         workers = self._config.num_workers

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from elastictrain.checkpoint import RestoreInfo
-from elastictrain.checkpoint import _snapshot as snap
+from elastictrain.checkpoint import check_state, validate_state
 from elastictrain.errors import ConfigError
 from elastictrain.train.precision import MixedPrecision
 from elastictrain.train.sampler import ElasticSampler
@@ -83,9 +83,9 @@ class TrainingState:
         if clash:
             raise ConfigError(f"extra_state names {clash} are reserved ({', '.join(RESERVED)})")
         # Now, not at the first save (checkpoint_every steps of training later).
-        snap.check_state(extra)
+        check_state(extra)
         for name, obj in extra.items():
-            snap.validate(obj if isinstance(obj, dict) else obj.state_dict(), where=f"extra_state[{name!r}]")
+            validate_state(obj if isinstance(obj, dict) else obj.state_dict(), where=f"extra_state[{name!r}]")
         self.module = model
         self.optimizer = optimizer
         self.scheduler = scheduler

@@ -5,7 +5,6 @@ port, and a proxy in front of it for throttling, denial and stalls. No client ca
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,13 +17,13 @@ import torch
 
 pytest.importorskip("boto3", reason="the [test] extra installs boto3 and moto")
 
-from elastictrain.checkpoint import CheckpointManager  # noqa: E402
-from elastictrain.checkpoint.s3 import S3Storage  # noqa: E402
-from elastictrain.errors import CheckpointDirectoryError, CheckpointError, CheckpointWriteError  # noqa: E402
-from elastictrain.launch import status_report  # noqa: E402
-from tests.conftest import REPO_ROOT, subprocess_env  # noqa: E402
-from tests.support.s3_server import CREDENTIALS, FaultProxy, client, moto_server, new_bucket  # noqa: E402
-from tests.unit.test_checkpoint_distributed import ThreadCoordinator, run_ranks  # noqa: E402
+from elastictrain.checkpoint import CheckpointManager
+from elastictrain.checkpoint.s3 import S3Storage
+from elastictrain.errors import CheckpointDirectoryError, CheckpointError, CheckpointWriteError
+from elastictrain.launch import status_report
+from tests.conftest import REPO_ROOT, subprocess_env
+from tests.support.s3_server import CREDENTIALS, FaultProxy, client, moto_server, new_bucket
+from tests.unit.test_checkpoint_distributed import ThreadCoordinator, run_ranks
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -9,6 +9,7 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -138,7 +139,7 @@ def _kv_requests(endpoint: str) -> float:
 def test_a_waiting_node_polls_nothing_it_is_woken_by_a_watch(private_etcd: Any, run_id: str) -> None:
     first, second = _handlers(private_etcd.endpoint, run_id, 2, 2, 2)
     waiting = ThreadPoolExecutor(1).submit(first.next_rendezvous)
-    _eventually(lambda: first._closer is not None, 10, "the first node takes the closer role")  # noqa: SLF001
+    _eventually(lambda: first._closer is not None, 10, "the first node takes the closer role")
     before = _kv_requests(private_etcd.endpoint)
     time.sleep(3)  # three of the old poll periods
     assert _kv_requests(private_etcd.endpoint) == before, "the waiting node sent key-value requests"
@@ -172,7 +173,7 @@ def test_when_no_node_said_all_are_ready_each_counts_the_ready_keys_now_and_then
     # The node that completed the count may have failed to write the all-ready key (etcd
     # went away, the node died just after): the others count the keys themselves, seldom,
     # and the first to find them all says so for everyone.
-    monkeypatch.setattr(ready_module, "RECOUNT_S", 0.5)
+    monkeypatch.setattr(ready_module, "RECOUNT", timedelta(seconds=0.5))
     nodes = _handlers(private_etcd.endpoint, run_id, 2, 2, 2)
     _join_all(nodes)
     keys, round_ = nodes[0].keys, nodes[0].round
@@ -335,7 +336,7 @@ def test_a_lost_member_is_seen_from_its_lease_and_the_survivors_re_form(etcd_ser
     handlers = _handlers(etcd_server.endpoint, run_id, 3, 2, 3, **SHORT_LEASE, **ALL_IN_FIRST)
     _join_all(handlers)
     dead = handlers[2]
-    dead._alive.close()  # noqa: SLF001 - as if killed: no more keep-alives, no goodbye
+    dead._alive.close()
     started = time.monotonic()
     _eventually(lambda: all(h.num_nodes_waiting() >= 1 for h in handlers[:2]), 10,
                 "the survivors see the dead member once etcd expires its lease")
@@ -355,7 +356,7 @@ def test_a_dead_member_whose_lease_runs_on_is_not_taken_into_later_rounds(etcd_s
                          **ALL_IN_FIRST)
     _join_all(handlers)
     dead = handlers[2]
-    dead._alive.close()  # noqa: SLF001 - as if killed: no more keep-alives, no goodbye; 30 s of lease left
+    dead._alive.close()
     survivors = handlers[:2]
     for _ in range(2):
         infos = _join_all(survivors)
@@ -478,11 +479,11 @@ def test_a_node_that_dies_while_gathering_does_not_block_the_next_ones(etcd_serv
     gathering = threading.Thread(target=lambda: pytest.raises(RendezvousClosedError, dying.next_rendezvous),
                                  daemon=True)
     gathering.start()
-    _eventually(lambda: dying._closer is not None, 10, "the first node takes the closer role")  # noqa: SLF001
-    dying._alive.close()  # noqa: SLF001 - killed: its lease runs out
-    dying._control.close()  # noqa: SLF001 - and nothing of it acts any more: its waiting loop ends
+    _eventually(lambda: dying._closer is not None, 10, "the first node takes the closer role")
+    dying._alive.close()
+    dying._control.close()
     gathering.join(10)
-    assert not gathering.is_alive() and dying._closer is None  # noqa: SLF001
+    assert not gathering.is_alive() and dying._closer is None
     later = _handlers(etcd_server.endpoint, run_id, 2, 2, 2, **SHORT_LEASE)
     infos = _join_all(later)
     assert {i.world_size for i in infos} == {2}
@@ -510,7 +511,7 @@ def test_a_node_that_takes_the_closer_role_while_its_watch_lags_keeps_it_and_for
     pool = ThreadPoolExecutor(3)
     try:
         leaving = pool.submit(first.next_rendezvous)
-        _eventually(lambda: first._closer is not None, 10, "the first node takes the closer role")  # noqa: SLF001
+        _eventually(lambda: first._closer is not None, 10, "the first node takes the closer role")
         joining = [pool.submit(h.next_rendezvous) for h in later]
         _eventually(lambda: len(read_members(first.client, first.keys)) == 3, 10, "the others registered")
         first.leave()
@@ -550,7 +551,7 @@ def test_a_node_whose_lease_expired_learns_it_and_rejoins(etcd_server: Any, run_
     handlers = _handlers(etcd_server.endpoint, run_id, 2, 2, 2, **SHORT_LEASE)
     _join_all(handlers)
     cut = handlers[1]
-    lease_id = cut._alive.id  # noqa: SLF001
+    lease_id = cut._alive.id
     etcd_client.call(lambda c: c.revoke_lease(lease_id))
     _eventually(lambda: handlers[0].num_nodes_waiting() >= 1, 10, "the other node sees it gone")
     _eventually(lambda: cut.num_nodes_waiting() >= 1, 10, "the node learns that its lease expired")
@@ -648,7 +649,7 @@ def test_a_node_whose_job_failed_while_etcd_is_down_says_goodbye_within_seconds(
 
     private_etcd.kill()
     started = time.monotonic()
-    outcome = launcher._run_agent(FailedAgent(), ending, RunConfig(script=__file__, run_id=run_id))  # type: ignore[arg-type]  # noqa: SLF001
+    outcome = launcher._run_agent(FailedAgent(), ending, RunConfig(script=__file__, run_id=run_id))  # type: ignore[arg-type]
     took = time.monotonic() - started
     assert outcome.exit_code == 1 and "timed out" in outcome.summary
     assert took < 8, f"the goodbyes took {took:.1f}s with etcd down (they share 5 s)"
@@ -700,9 +701,9 @@ def test_a_node_whose_lease_expires_while_it_waits_registers_again(etcd_server: 
 
     waiting = ThreadPoolExecutor(1).submit(first.next_rendezvous)
     _eventually(registered, 10, "the first node registers")
-    old_lease = first._alive.id  # noqa: SLF001
+    old_lease = first._alive.id
     etcd_client.call(lambda c: c.revoke_lease(old_lease))  # as if etcd had expired it
-    _eventually(lambda: registered() and first._alive.id != old_lease, 10,  # noqa: SLF001
+    _eventually(lambda: registered() and first._alive.id != old_lease, 10,
                 "the waiting node registers again under a new lease")
     infos = [second.next_rendezvous(), waiting.result(timeout=10)]
     assert {i.world_size for i in infos} == {2}
@@ -766,7 +767,7 @@ def _leave_while_the_waiting_thread_registers(alone: Etcd3RendezvousHandler, etc
         waiting = pool.submit(wait)
         _eventually(lambda: alone.node_id in read_members(etcd_client, alone.keys), 10, "it registered")
         alone.client.call = call  # type: ignore[method-assign]
-        lease_id = alone._alive.id  # noqa: SLF001
+        lease_id = alone._alive.id
         etcd_client.call(lambda c: c.revoke_lease(lease_id))  # it registers anew: a request
         assert held.wait(10), "the waiting thread made no request"
         alone.leave()
@@ -806,7 +807,7 @@ def test_a_node_that_took_the_closer_key_keeps_its_role_when_older_events_of_tha
     keys = RunKeys.of(run_id)
     kv.txn(etcd_client, [], [kv.put(keys.closer, encode(CloserRecord("gone_1")))], what="test")
     [lagging] = _handlers(etcd_server.endpoint, run_id, 1, 2, 2, join_timeout=15)
-    view = lagging._control  # noqa: SLF001
+    view = lagging._control
     deliver = ControlView._on_events
     held: list[tuple[Any, int]] = []
     until: list[int | None] = [None]  # deliver events up to this revision; hold the later ones
@@ -836,12 +837,12 @@ def test_a_node_that_took_the_closer_key_keeps_its_role_when_older_events_of_tha
         with lock:
             until[0] = deleted
         lagging_watch(view, [], deleted)  # the lagging node sees the first deletion only
-        _eventually(lambda: lagging._closer is not None, 10, "the lagging node takes the free key")  # noqa: SLF001
+        _eventually(lambda: lagging._closer is not None, 10, "the lagging node takes the free key")
         with lock:
             until[0] = taken
         lagging_watch(view, [], taken)  # then, one at a time, the older events
         deadline = time.monotonic() + 1.5
-        while time.monotonic() < deadline and lagging._closer is not None:  # noqa: SLF001 - its loop looks
+        while time.monotonic() < deadline and lagging._closer is not None:
             time.sleep(0.05)
         with lock:
             until[0] = 1 << 62
@@ -897,7 +898,7 @@ def test_a_lost_member_is_stated_by_its_name_node_rank_and_host(etcd_server: Any
     _join_all(handlers)
     dead = handlers[2]
     node_rank = dead.joined.rank_of(dead.node_id)
-    dead._alive.close()  # noqa: SLF001 - as if killed: no more keep-alives, no goodbye
+    dead._alive.close()
     _eventually(lambda: all(h.seen_faults() for h in handlers[:2]), 10, "the survivors see it gone")
     for handler in handlers[:2]:
         (fault,) = handler.seen_faults()

@@ -139,7 +139,7 @@ def test_a_starting_node_checks_its_run_id_without_reading_the_nodes_records_or_
     monkeypatch.setattr(kv.KeyValue, "from_pb", classmethod(lambda cls, pb: (read.append(pb.key.decode()),
                                                                               from_pb(pb))[1]))
     with pytest.raises(RunIdInUseError, match="is live: round 1 trains with 2 node"):
-        launcher._check_run_id(types.SimpleNamespace(client=etcd_client),  # type: ignore[arg-type]  # noqa: SLF001
+        launcher._check_run_id(types.SimpleNamespace(client=etcd_client),  # type: ignore[arg-type]
                                RunConfig(script=__file__, run_id=run_id))
     assert keys.round in read and keys.meta in read
     assert not [key for key in read if key.startswith((keys.records, keys.prefix + "store/"))], read

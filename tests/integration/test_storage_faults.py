@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(180)
 SCRIPT = """\
 import contextlib, os, sys, threading, time, torch, elastictrain
 from torch.utils.data import TensorDataset
-from elastictrain.checkpoint import LocalStorage, manager
+from elastictrain.checkpoint import LocalStorage, storage
 
 directory, fault = sys.argv[1], sys.argv[2]
 
@@ -34,7 +34,7 @@ class BlockingStorage(LocalStorage):
 
 
 if fault == "block" and os.environ["RANK"] == "1":
-    manager.LocalStorage = BlockingStorage
+    storage.LocalStorage = BlockingStorage  # what the session's manager writes through (storage_for)
 blob = {"x": torch.zeros(4)}
 
 

@@ -95,7 +95,7 @@ def with_session(args: argparse.Namespace, out: Path) -> None:
                 with s.long_call(timedelta(seconds=10 * args.long_call[2])):
                     time.sleep(args.long_call[2])
             if args.stall_save and s.rank == args.stall_save[0] and s.world_size == 2 and s.checkpoints is not None:
-                s.checkpoints._fault_hook = lambda stage: _stall(stage, args.stall_save[1])  # noqa: SLF001
+                s.checkpoints._fault_hook = lambda stage: _stall(stage, args.stall_save[1])
             if args.fail_at and (s.rank, step.number) == args.fail_at:
                 raise RuntimeError(f"injected failure on rank {s.rank} before step {step.number}")
             if args.hold_before and step.number == args.hold_before[0]:

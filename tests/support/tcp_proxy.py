@@ -61,7 +61,7 @@ class _Link:
                 data = source.recv(_CHUNK)
             except OSError:
                 data = _EOF
-            if data and from_server and self._proxy._take_drop():  # noqa: SLF001
+            if data and from_server and self._proxy._take_drop():
                 # Not cut at once: a server may send a ping or window update before its
                 # reply, and a connection cut then would cancel the request too.
                 threading.Timer(_DROP_LINGER_S, self.close).start()

@@ -258,7 +258,7 @@ def test_a_save_stuck_on_a_peer_that_is_gone_is_cut_like_a_stuck_collective(
         # The agent published the next generation (a node left): the peer this rank waits for is gone.
         write_assignment(tmp_path, Assignment(generation=2, round=1, world_size=1, master_addr="127.0.0.1",
                                               master_port=1, ranks={"0": 0}))
-        control._check_stuck()  # noqa: SLF001 - what the liveness thread runs every 0.2 s
+        control._check_stuck()
         assert stuck == ([True] if fires else [])
     finally:
         control.close()

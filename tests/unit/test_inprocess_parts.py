@@ -25,7 +25,7 @@ from elastictrain._control import (
 from elastictrain._process import proc_stat
 from elastictrain.train.control import JobEnded, WorkerControl
 from elastictrain.errors import SessionError
-from elastictrain.train.recovery import describe, is_collective_failure
+from elastictrain.train.recovery import describe
 from elastictrain.launch.hang_detector import HangDetector
 from elastictrain.launch.worker_group import Channel, FailureBudget
 
@@ -323,23 +323,6 @@ def test_only_a_crash_loop_backs_off_a_worker_that_trained_is_replaced_at_once()
     assert budget.used(7.0) == 8  # every failure spends the budget all the same
 
 
-def test_a_collective_failure_is_told_from_a_bug() -> None:
-    assert is_collective_failure(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error"))
-    assert is_collective_failure(dist.DistNetworkError("Connection closed by peer [127.0.0.1]:1234"))
-    wrapped = ValueError("save failed")
-    wrapped.__cause__ = RuntimeError("Connection reset by peer")
-    assert is_collective_failure(wrapped)
-    assert not is_collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 4x5)"))
-    assert not is_collective_failure(KeyError("gloo"))
-    try:  # an error its raiser declared unrelated to the failed collective it was handling
-        try:
-            raise dist.DistNetworkError("Connection closed by peer")
-        except dist.DistNetworkError:
-            raise ValueError("the model does not fit the checkpoint") from None
-    except ValueError as exc:
-        assert not is_collective_failure(exc)
-
-
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -569,7 +552,7 @@ def test_workers_still_running_long_after_the_job_finished_elsewhere_are_reporte
     import logging
     import types
 
-    from elastictrain.launch.inprocess_agent import _LINGER_S, InProcessAgent
+    from elastictrain.launch.inprocess_agent import _LINGER, InProcessAgent
     from elastictrain.launch.worker_group import WorkerProcesses
 
     agent = object.__new__(InProcessAgent)  # only the state this check reads
@@ -580,9 +563,9 @@ def test_workers_still_running_long_after_the_job_finished_elsewhere_are_reporte
     with caplog.at_level(logging.WARNING, logger="elastictrain.launch.inprocess_agent"):
         agent._say_if_lingering(training, 0.0)
         agent._say_if_lingering(finished, 10.0)
-        agent._say_if_lingering(finished, 10.0 + _LINGER_S / 2)
+        agent._say_if_lingering(finished, 10.0 + _LINGER.total_seconds() / 2)
         assert not caplog.records
-        for now in (11.0 + _LINGER_S, 20.0 + _LINGER_S):
+        for now in (11.0 + _LINGER.total_seconds(), 20.0 + _LINGER.total_seconds()):
             agent._say_if_lingering(finished, now)
     assert len(caplog.records) == 1 and "destroy_process_group" in caplog.records[0].getMessage()
 
@@ -738,13 +721,13 @@ def _save_in_flight_worker(rank: int, port: int, control: str, ckpt: str, port2:
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
     # One save in flight only (no checkpoint_every): later saves, slow on busy cores, would
-    # rightly keep the ranks training on too, for up to group_keeper.SAVE_GRACE_S.
+    # rightly keep the ranks training on too, for up to group_keeper.SAVE_GRACE.
     with elastictrain.Session(model, torch.optim.SGD(model.parameters(), lr=0.1), data, global_batch_size=8,
                               seed=0, max_steps=40, log_every=None, checkpoint_dir=ckpt,
                               async_save=True, hooks=[recoveries]) as session:
         for step in session.steps():
             if step.number == 1:
-                session.checkpoints._fault_hook = slow_write  # noqa: SLF001 - the manager's test seam
+                session.checkpoints._fault_hook = slow_write
             if step.number == 5:  # a node joins while the save of step 4 is being written
                 session.save()
                 write_assignment(control, Assignment(generation=2, round=1, world_size=2, master_addr="127.0.0.1",
@@ -1021,3 +1004,14 @@ def test_a_worker_whose_groups_keep_failing_to_form_fails_after_a_few(tmp_path: 
         proc.join(timeout=30)
         if proc.is_alive():
             proc.kill()
+
+
+def test_run_elastic_takes_its_recovery_timeout_as_a_timedelta() -> None:
+    import inspect
+    from datetime import timedelta
+
+    from elastictrain.errors import ConfigError
+
+    assert inspect.signature(elastictrain.run_elastic).parameters["recovery_timeout"].default == timedelta(seconds=600)
+    with pytest.raises(ConfigError, match=r"recovery_timeout must be a datetime.timedelta, got 30.0"):
+        elastictrain.run_elastic(lambda state: None, elastictrain.ElasticState(), recovery_timeout=30.0)  # type: ignore[arg-type]

@@ -123,10 +123,10 @@ def test_an_agent_holding_the_cuda_driver_open_is_not_forked(tmp_path: Path) -> 
     fds.mkdir()
     os.symlink("/dev/null", fds / "3")
     os.symlink("/dev/nvidiactl", fds / "4")  # NVML opens this one too: no sign of cuInit
-    assert not node_setup._cuda_driver_open(str(fds))  # noqa: SLF001
+    assert not node_setup._cuda_driver_open(str(fds))
     os.symlink("/dev/nvidia-uvm", fds / "5")
-    assert node_setup._cuda_driver_open(str(fds))  # noqa: SLF001
-    assert not node_setup._cuda_driver_open()  # noqa: SLF001 - this machine has no GPU
+    assert node_setup._cuda_driver_open(str(fds))
+    assert not node_setup._cuda_driver_open()
 
 
 def test_an_agent_whose_stdout_is_gone_still_starts_its_forkserver() -> None:

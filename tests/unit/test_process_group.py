@@ -124,7 +124,7 @@ def test_a_group_formed_elsewhere_is_used_and_left_alone() -> None:
 
 def test_an_exit_handler_destroys_a_group_left_open() -> None:
     placement = pg.init_process_group(launched())
-    assert placement.owned and pg._atexit_registered  # noqa: SLF001
+    assert placement.owned and pg._atexit_registered
     pg.destroy_process_group()  # what atexit runs
     assert not dist.is_initialized()
 

@@ -78,7 +78,7 @@ def test_a_re_formed_group_gives_the_module_loggers_the_workers_new_rank(stream:
     setup_logging(context(2), stream=stream, json_lines=False)
     keeper = GroupKeeper(SessionConfig(global_batch_size=8), HookDispatcher([]), context(2), None, state=None,  # type: ignore[arg-type]
                          restore=lambda: None)
-    keeper._adopt(Assignment(generation=1, round=1, world_size=2, master_addr="127.0.0.1", master_port=1,  # noqa: SLF001
+    keeper._adopt(Assignment(generation=1, round=1, world_size=2, master_addr="127.0.0.1", master_port=1,
                              ranks={"0": 0}, group_rank=0, group_world_size=1))
     logging.getLogger("elastictrain.train.sampler").info("resharded")
     assert stream.getvalue().splitlines()[-1].endswith(

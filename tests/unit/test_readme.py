@@ -22,8 +22,8 @@ def _kubernetes_recipe() -> str:
 
 def _run_flag_variables() -> set[str]:
     parser = build_parser()
-    run = next(a for a in parser._actions if hasattr(a, "choices") and a.choices and "run" in a.choices).choices["run"]  # noqa: SLF001
-    return {f"ELASTICTRAIN_{a.dest.upper()}" for a in run._actions if a.option_strings}  # noqa: SLF001
+    run = next(a for a in parser._actions if hasattr(a, "choices") and a.choices and "run" in a.choices).choices["run"]
+    return {f"ELASTICTRAIN_{a.dest.upper()}" for a in run._actions if a.option_strings}
 
 
 def test_kubernetes_recipe_sets_only_real_variables_and_a_user_with_the_password() -> None:

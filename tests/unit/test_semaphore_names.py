@@ -18,9 +18,9 @@ pytestmark = pytest.mark.timeout(90)
 def test_the_names_go_once_the_worker_holds_them_and_its_return_value_still_comes_back(tmp_path: Path) -> None:
     context = start_processes(name="probe", entrypoint=os.getpid, args={0: ()}, envs={0: {}},
                               logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)), start_method="forkserver")
-    names = {lock._semlock.name.lstrip("/") for queue in context._ret_vals.values()  # noqa: SLF001
-             for lock in _torch_compat._semlocks(queue)}  # noqa: SLF001
-    names |= {lock._semlock.name.lstrip("/") for lock in _torch_compat._semlocks(context._worker_finished_event)}  # noqa: SLF001
+    names = {lock._semlock.name.lstrip("/") for queue in context._ret_vals.values()
+             for lock in _torch_compat._semlocks(queue)}
+    names |= {lock._semlock.name.lstrip("/") for lock in _torch_compat._semlocks(context._worker_finished_event)}
     assert len(names) == 7 and all(Path(f"/dev/shm/sem.{name}").exists() for name in names)
     _torch_compat.release_semaphore_names(context)
     deadline = time.monotonic() + 30

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import elastictrain
-from elastictrain.checkpoint import LocalStorage, manager
+from elastictrain.checkpoint import LocalStorage, storage
 from tests.support.small_disk import small_disk
 from tests.unit.test_session import dataset, make_model, no_launcher, train, world_of_one  # noqa: F401 - fixtures
 
@@ -115,7 +115,7 @@ def test_a_storage_error_during_a_save_is_said_once_and_training_goes_on(
         tmp_path: Path, mode: str, error: int, caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(FaultyStorage, "error", error)
-    monkeypatch.setattr(manager, "LocalStorage", FaultyStorage)  # what the session's manager writes through
+    monkeypatch.setattr(storage, "LocalStorage", FaultyStorage)  # what the session's manager writes through
     with caplog.at_level(logging.INFO):
         session = _run(tmp_path / "ckpt", **MODES[mode])
     _check_the_full_disk_run(tmp_path / "ckpt", session, caplog, os.strerror(error))
@@ -141,7 +141,7 @@ class BlockingStorage(LocalStorage):
 def blocking_storage(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[BlockingStorage]]:
     monkeypatch.setattr(BlockingStorage, "release", threading.Event())
     monkeypatch.setattr(BlockingStorage, "writes", [])
-    monkeypatch.setattr(manager, "LocalStorage", BlockingStorage)
+    monkeypatch.setattr(storage, "LocalStorage", BlockingStorage)
     yield BlockingStorage
     BlockingStorage.release.set()
 

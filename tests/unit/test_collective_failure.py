@@ -1,0 +1,116 @@
+"""What torch 2.13 raises when a collective's peer dies, and that
+:func:`elastictrain._torch_compat.is_collective_failure` tells it from a bug.
+
+Real 2-process gloo groups on CPU: the classification was written from what these show (see
+``_torch_compat._UNTYPED_MARKERS``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import socket
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from elastictrain._torch_compat import COLLECTIVE_ERRORS, is_collective_failure
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _report(results: Any, exc: BaseException) -> None:
+    results.put((type(exc).__name__, isinstance(exc, COLLECTIVE_ERRORS), str(exc)[:300],
+                 is_collective_failure(exc)))
+
+
+def _peer_dies_in_all_reduce(rank: int, port: int, results: Any) -> None:
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=20))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=20))
+    tensor = torch.ones(1000)
+    dist.all_reduce(tensor)
+    if rank == 1:
+        time.sleep(0.3)
+        os._exit(1)  # a worker that dies: no goodbye to its peer
+    try:
+        for _ in range(1_000_000):
+            dist.all_reduce(tensor)
+    except RuntimeError as exc:
+        _report(results, exc)
+    time.sleep(0.5)  # the queue's feeder thread sends the report
+    os._exit(0)
+
+
+def _store_host_dies(rank: int, port: int, results: Any) -> None:
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=20))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=20))
+    dist.all_reduce(torch.ones(1))
+    if rank == 0:
+        time.sleep(0.3)
+        os._exit(1)  # rank 0 hosts the group's store
+    time.sleep(1.0)
+    try:
+        store.get("never-set")
+    except RuntimeError as exc:
+        _report(results, exc)
+    time.sleep(0.5)
+    os._exit(0)
+
+
+def _run(target: Any) -> tuple[str, bool, str, bool]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=target, args=(rank, port, results)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    try:
+        return results.get(timeout=60)
+    finally:
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+
+
+def test_gloo_raises_a_plain_runtime_error_naming_gloo_when_a_peer_dies_and_it_is_a_collective_failure() -> None:
+    name, typed, message, classified = _run(_peer_dies_in_all_reduce)
+    # torch 2.13's gloo gives no DistError: only its words tell (hence _UNTYPED_MARKERS' "gloo").
+    assert name == "RuntimeError" and not typed, (name, message)
+    assert "gloo" in message.lower(), message
+    assert classified, message
+
+
+def test_a_group_whose_store_host_died_raises_a_typed_dist_error_and_it_is_a_collective_failure() -> None:
+    name, typed, message, classified = _run(_store_host_dies)
+    assert typed, (name, message)  # DistNetworkError ("Broken pipe")
+    assert classified, (name, message)
+
+
+def test_a_collective_failure_is_told_from_a_bug() -> None:
+    assert is_collective_failure(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error"))
+    assert is_collective_failure(dist.DistNetworkError("Connection closed by peer [127.0.0.1]:1234"))
+    assert is_collective_failure(dist.DistBackendError("NCCL communicator was aborted"))
+    assert is_collective_failure(dist.DistStoreError("wait timeout"))
+    wrapped = ValueError("save failed")
+    wrapped.__cause__ = RuntimeError("Connection reset by peer")
+    assert is_collective_failure(wrapped)
+    assert not is_collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 4x5)"))
+    assert not is_collective_failure(KeyError("gloo"))
+    try:  # an error its raiser declared unrelated to the failed collective it was handling
+        try:
+            raise dist.DistNetworkError("Connection closed by peer")
+        except dist.DistNetworkError:
+            raise ValueError("the model does not fit the checkpoint") from None
+    except ValueError as exc:
+        assert not is_collective_failure(exc)
