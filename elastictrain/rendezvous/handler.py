@@ -417,7 +417,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
 
     def peers_reached(self) -> dict[str, bool]:
         """Whether this node reaches each other member of the round it joined (a probe each, at
-        once, each for at most :data:`~elastictrain.rendezvous.reachability.PROBE_TIMEOUT_S`).
+        once, each for at most :data:`~elastictrain.rendezvous.reachability.PROBE_TIMEOUT`).
         Members that publish no probe port, or have left, are not counted.
 
         Raises:

@@ -18,12 +18,13 @@ import socket
 import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["PeerProbe", "is_cut_off", "reach_all", "reaches"]
 
-PROBE_TIMEOUT_S = 1.0
+PROBE_TIMEOUT = timedelta(seconds=1)
 """How long a probe waits for a peer's answer (a peer on a cut link never answers)."""
 
 
@@ -57,16 +58,16 @@ class PeerProbe:
         self._socket.close()
 
 
-def reaches(addr: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> bool:
-    """Whether a TCP connection to ``addr``:``port`` is accepted within ``timeout`` seconds."""
+def reaches(addr: str, port: int, timeout: timedelta = PROBE_TIMEOUT) -> bool:
+    """Whether a TCP connection to ``addr``:``port`` is accepted within ``timeout``."""
     try:
-        with socket.create_connection((addr.strip("[]"), port), timeout=timeout):
+        with socket.create_connection((addr.strip("[]"), port), timeout=timeout.total_seconds()):
             return True
     except OSError:
         return False
 
 
-def reach_all(peers: Mapping[str, tuple[str, int]], timeout: float = PROBE_TIMEOUT_S) -> dict[str, bool]:
+def reach_all(peers: Mapping[str, tuple[str, int]], timeout: timedelta = PROBE_TIMEOUT) -> dict[str, bool]:
     """Probe every peer (``node: (addr, port)``) at once; whether each answered."""
     if not peers:
         return {}

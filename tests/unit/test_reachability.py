@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from datetime import timedelta
 
 import pytest
 
@@ -33,7 +34,7 @@ def test_a_probe_reaches_a_listening_peer_and_not_a_closed_one() -> None:
         assert reaches("127.0.0.1", probe.port)  # accepted and closed each time: it answers again
     finally:
         probe.close()
-    assert not reaches("127.0.0.1", probe.port, timeout=0.5)
+    assert not reaches("127.0.0.1", probe.port, timeout=timedelta(seconds=0.5))
 
 
 @pytest.mark.timeout(30)
@@ -54,7 +55,7 @@ def test_peers_are_probed_at_once_and_one_that_never_answers_counts_as_unreached
                 pass
             fillers.append(filler)
         reached = reach_all({"up": ("127.0.0.1", probe.port), "cut": ("127.0.0.1", silent.getsockname()[1])},
-                            timeout=0.5)
+                            timeout=timedelta(seconds=0.5))
         assert reached == {"up": True, "cut": False}
     finally:
         for filler in fillers:
