@@ -37,21 +37,8 @@ _OPT_IN = {
 }
 
 
-_ONE_WORKER = ("tests/chaos/", "tests/integration/test_etcd_security.py", "tests/integration/test_session_elastic.py",
-               "tests/integration/test_checkpoint_s3.py")
-"""Tests that stay on one xdist worker (``--dist loadgroup``): modules whose module-scoped
-fixture is costly (a resized job, a TLS etcd cluster, an S3 server) and the chaos runs (network
-namespaces, mounts, several etcd members each). Every other test goes to whichever worker is
-free: whole modules (``--dist loadscope``) left one worker idle for minutes at the end."""
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``soak`` or ``slow`` run only when the marker expression names them; the
-    tests of :data:`_ONE_WORKER` are grouped by file."""
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        if path.startswith(_ONE_WORKER):
-            item.add_marker(pytest.mark.xdist_group(path))
+    """Tests marked ``soak`` or ``slow`` run only when the marker expression names them."""
     chosen = config.getoption("markexpr") or ""
     for marker, reason in _OPT_IN.items():
         if marker in chosen:
