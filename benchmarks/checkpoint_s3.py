@@ -59,7 +59,7 @@ def _start_moto(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
                 return proc, f"http://127.0.0.1:{port}"
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("moto server did not start (pip install 'moto[server]')") from None
+                raise SystemExit("moto server did not start (pip install 'moto[s3]' flask flask-cors)") from None
             time.sleep(0.05)
 
 
