@@ -37,29 +37,8 @@ _OPT_IN = {
 }
 
 
-_LONGEST_FIRST = ("tests/chaos/test_chaos_faults.py", "tests/integration/test_inprocess_recovery.py",
-                  "tests/integration/test_etcd3_rendezvous.py", "tests/integration/test_launch.py",
-                  "tests/integration/test_checkpoint_s3.py", "tests/integration/test_distant_etcd.py",
-                  "tests/integration/test_hangs.py")
-"""The files whose tests take longest in all (minutes each on the 2-core CI machine), longest first.
-
-``--dist loadscope`` hands whole files to the two xdist workers in collection order, as each
-becomes free: a long file handed out last left the other worker idle for minutes. These go
-first, then the other integration and chaos files, then the unit tests (many short files that
-fill in at the end): the longest-first rule that keeps the two workers' ends close."""
-
-
-def _schedule_rank(item: pytest.Item) -> int:
-    path = item.nodeid.split("::")[0]
-    if path in _LONGEST_FIRST:
-        return _LONGEST_FIRST.index(path)
-    return len(_LONGEST_FIRST) + path.startswith("tests/unit/")
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``soak`` or ``slow`` run only when the marker expression names them; the
-    files are ordered for the xdist workers (:data:`_LONGEST_FIRST`; a file's tests keep their order)."""
-    items.sort(key=_schedule_rank)
+    """Tests marked ``soak`` or ``slow`` run only when the marker expression names them."""
     chosen = config.getoption("markexpr") or ""
     for marker, reason in _OPT_IN.items():
         if marker in chosen:
