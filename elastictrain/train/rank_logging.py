@@ -211,7 +211,7 @@ def setup_logging(
     logger: str = "",
     stream: TextIO | None = None,
     all_ranks: bool = False,
-    brief: bool = False,
+    brief: bool | None = None,
 ) -> logging.Handler:
     """Install a rank-aware handler in this worker process.
 
@@ -228,7 +228,8 @@ def setup_logging(
         all_ranks: Pass info records from every rank, not only rank 0.
         brief: Text lines as ``time message`` (level and logger from WARNING up), no
             ``[run= node= rank=]``: for a stream whose lines the launcher already starts with
-            ``[node rank]`` (the session's automatic set-up, see :func:`terminal_is_prefixed`).
+            ``[node rank]``. Default: :func:`terminal_is_prefixed` (brief under ``elastictrain
+            run`` unless ``-v``; the full prefix under other launchers).
 
     Returns:
         The installed handler.
@@ -242,6 +243,8 @@ def setup_logging(
             level = logging.INFO
     if json_lines is None:
         json_lines = os.environ.get(JSON_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    if brief is None:
+        brief = terminal_is_prefixed()
     handler = logging.StreamHandler(sys.stderr if stream is None else stream)
     rank_filter = _RankFilter(context, all_ranks, json_lines)
     _installed.add(rank_filter)

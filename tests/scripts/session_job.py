@@ -80,7 +80,7 @@ def main() -> None:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     context = elastictrain.WorkerContext.from_env()
-    elastictrain.setup_logging(context)
+    elastictrain.setup_logging(context, brief=False)  # the tests read [run= node= rank=] off each line
     log = elastictrain.get_logger("session_job", context, all_ranks=True)
     log.info("worker started, pid %d", os.getpid())
 

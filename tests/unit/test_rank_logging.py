@@ -132,3 +132,15 @@ def test_lines_are_brief_only_where_the_launcher_prefixes_them_and_not_verbose(
     monkeypatch.setenv(PREFIXED_LINES_ENV, prefixed)
     monkeypatch.setenv("ELASTICTRAIN_VERBOSE", verbose)
     assert terminal_is_prefixed() is brief
+
+
+@pytest.mark.parametrize(("prefixed", "brief"), [("1", True), ("", False)])
+def test_a_scripts_own_set_up_is_brief_where_the_launcher_prefixes_its_lines(
+        monkeypatch: pytest.MonkeyPatch, stream: io.StringIO, prefixed: str, brief: bool) -> None:
+    """The README's example job calls setup_logging itself: under `elastictrain run` its lines
+    carried the 60-character [run= node= rank=] prefix after the launcher's [node0 0]."""
+    monkeypatch.setenv(PREFIXED_LINES_ENV, prefixed)
+    monkeypatch.delenv("ELASTICTRAIN_VERBOSE", raising=False)
+    setup_logging(context(0), stream=stream, json_lines=False)
+    logging.getLogger("mlp").info("done")
+    assert ("[run=" not in stream.getvalue()) is brief, stream.getvalue()
