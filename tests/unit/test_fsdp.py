@@ -65,8 +65,8 @@ class Net(torch.nn.Module):
         return self.head(self.blocks(torch.tanh(self.embed(x)))) * self.scale
 
 
-def _net(dtype: torch.dtype = torch.float64) -> Net:
-    torch.manual_seed(0)
+def _net(dtype: torch.dtype = torch.float64, seed: int = 0) -> Net:
+    torch.manual_seed(seed)
     return Net().to(dtype)
 
 
@@ -204,7 +204,8 @@ class Trainer:
 
     def __init__(self, kind: str, group: Any, make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer], *,
                  sharding: str = "fsdp", units: Any = None, precision: str = "fp32",
-                 dtype: torch.dtype = torch.float64, clip: float | None = 0.05, micro: int = 2) -> None:
+                 dtype: torch.dtype = torch.float64, clip: float | None = 0.05, micro: int = 2,
+                 factory: Callable[[Any], torch.optim.Optimizer] | None = None) -> None:
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 
@@ -213,7 +214,7 @@ class Trainer:
 
         self.kind, self.clip, self.micro, self.dtype = kind, clip, micro, dtype
         self.rank = dist.get_rank(group)
-        model = _net(dtype)
+        model = _net(dtype, seed=self.rank)  # each rank its own init: rank 0's is broadcast (DDP does the same)
         optimizer = make_optimizer(model)
         self.precision = MixedPrecision(precision, "cpu")
         self.sharded: Any = None
@@ -222,11 +223,13 @@ class Trainer:
             self.module, self.optimizer = model, optimizer
         else:
             nproc = 2 if sharding == "hsdp" else None
-            self.sharded = shard(model, optimizer, ShardingConfig(sharding=sharding, units=units, nproc_per_node=nproc),
+            spec: Any = optimizer if factory is None else factory
+            self.sharded = shard(model, spec, ShardingConfig(sharding=sharding, units=units, nproc_per_node=nproc),
                                  precision=self.precision, group=None if sharding == "hsdp" else group)
-            assert self.sharded.optimizer is optimizer  # the same object, now over the shards
+            # The same object, now over the shards, unless a callable built it.
+            assert (self.sharded.optimizer is optimizer) == (factory is None)
             self.model = self.module = self.sharded.model
-            self.optimizer = optimizer
+            self.optimizer = self.sharded.optimizer
         self.grads: list[list[torch.Tensor]] = []
         self.steps = 0
 
@@ -287,8 +290,8 @@ def _case_sgd(group: Any, sharding: str, steps: int, micro: int) -> dict[str, fl
 
 
 def _case_adamw(group: Any, sharding: str, steps: int, micro: int) -> dict[str, float]:
-    """AdamW, one unit per block; a checkpoint template taken before the first step; the DDP
-    forms of both states; restores from DDP's state and from the sharded state train on as DDP."""
+    """AdamW, one unit per block, and built by a callable; a checkpoint template taken before the
+    first step; the DDP forms of both states; restores from DDP's state and from the sharded state train on as DDP."""
     from elastictrain.train.fsdp import ModelState, OptimizerState, ddp_optimizer_state_dict, full_state_dict
 
     ddp = Trainer("ddp", group, _adamw, micro=micro)
@@ -303,9 +306,12 @@ def _case_adamw(group: Any, sharding: str, steps: int, micro: int) -> dict[str, 
     assert set(template["state"]) == {n for n, _ in sharded.model.named_parameters()}
     assert all(set(s) == {"step", "exp_avg", "exp_avg_sq"} for s in template["state"].values())
     assert not sharded.optimizer.state  # building the template changed nothing (Adam's step count)
-    ddp.train(steps)
-    sharded.train(steps)
-    checks = {"grads": _grads_error(ddp, sharded), "params": _error(ddp.params(), sharded.params())}
+    built = Trainer("sharded", group, _adamw, sharding=sharding, micro=micro,
+                    factory=lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.05))
+    for trainer in (ddp, sharded, built):
+        trainer.train(steps)
+    checks = {"grads": _grads_error(ddp, sharded), "params": _error(ddp.params(), sharded.params()),
+              "callable": max(_grads_error(ddp, built), _error(ddp.params(), built.params()))}
 
     full, ddp_optim = full_state_dict(sharded.model), ddp_optimizer_state_dict(sharded.model, sharded.optimizer)
     if ddp.rank == 0:
@@ -386,7 +392,8 @@ def _case_fp16(group: Any, sharding: str, steps: int, micro: int) -> dict[str, f
 _CASE_FUNCS = {"sgd": _case_sgd, "adamw": _case_adamw, "bf16": _case_bf16, "fp16": _case_fp16}
 _CASE_CHECKS = {
     "sgd": ("grads", "params"),
-    "adamw": ("grads", "params", "full_state_dict", "ddp_optimizer_form", "restored_sharded", "restored_from_ddp"),
+    "adamw": ("grads", "params", "callable", "full_state_dict", "ddp_optimizer_form", "restored_sharded",
+              "restored_from_ddp"),
     "bf16": ("close_params",),
     "fp16": ("close_params",),
 }

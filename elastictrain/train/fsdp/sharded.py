@@ -99,11 +99,20 @@ class Sharded:
         return full_state_dict(self.model)
 
 
+def _broadcast_module(model: torch.nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Rank 0's parameters and buffers on every rank of ``group``."""
+    source = dist.get_global_rank(group, 0) if group is not None else 0
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor, src=source, group=group)
+
+
 def shard(model: torch.nn.Module, optimizer: OptimizerSpec, config: ShardingConfig | None = None, *,
           precision: MixedPrecision | None = None, group: dist.ProcessGroup | None = None) -> Sharded:
     """Shard ``model`` over a mesh of ``group`` and move ``optimizer`` onto its shards; a collective.
 
-    Every rank must pass the same model (the same parameter values): each keeps its share.
+    Rank 0's parameters and buffers are broadcast first, as DDP does when it wraps a model: each
+    rank then keeps its share of the same model, whatever each initialised.
 
     Args:
         model: The unsharded model, on the device it trains on.
@@ -128,6 +137,7 @@ def shard(model: torch.nn.Module, optimizer: OptimizerSpec, config: ShardingConf
     if param is None:
         raise ConfigError("the model has no parameters to shard")
     mesh = build_mesh(config.sharding, param.device.type, nproc_per_node=config.nproc_per_node, group=group)
+    _broadcast_module(model, group)
     policy = mixed_precision_policy(precision) if precision is not None else None
     sharded_model = shard_model(model, mesh, units=config.units, mp_policy=policy,
                                 reshard_after_forward=config.reshard_after_forward)
