@@ -580,14 +580,14 @@ class CheckpointManager:
         see ``BoundedCalls``)."""
         self._storage.make_dir(staging)
         written = _Written()
-        if payload.replicated is not None:
-            written.files.append(self._write(staging, fmt.REPLICATED, payload.replicated))
-        written.files.append(self._write(staging, fmt.rank_file(self._coord.rank), payload.local))
         if payload.shards:
             entry, chunks = sharded.write_shards(self._storage, staging, sharded.shard_file(self._coord.rank),
                                                  payload.shards, on_write=self._on_write)
             written.files.append((entry.name, entry.size, entry.sha256))
             written.chunks.extend(chunks)
+        if payload.replicated is not None:
+            written.files.append(self._write(staging, fmt.REPLICATED, payload.replicated))
+        written.files.append(self._write(staging, fmt.rank_file(self._coord.rank), payload.local))
         self._storage.sync_dir(staging)
         return written
 
