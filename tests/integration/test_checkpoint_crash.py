@@ -73,18 +73,24 @@ def test_save_killed_at_any_stage_restores_a_complete_checkpoint(tmp_path: Path,
     assert sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".")) == [*kept, "step_00000003"]
 
 
-@pytest.mark.parametrize(("killed", "stage"), [(1, "before_barrier"), (0, "after_commit")])
-def test_two_rank_save_with_a_rank_killed_restores_a_complete_checkpoint(
-    tmp_path: Path, killed: int, stage: str
-) -> None:
-    ckpt, store = tmp_path / "ckpt", tmp_path / "store"
-    procs = [run(str(ckpt), stage, "sync", str(rank), "2", str(store), str(killed)) for rank in range(2)]
+def run_two_ranks(ckpt: Path, stage: str, mode: str, killed: int) -> list[int]:
+    """Run the script as two gloo ranks, ``killed`` dying at ``stage``; return their exit codes."""
+    store = ckpt.parent / "store"
+    procs = [run(str(ckpt), stage, mode, str(rank), "2", str(store), str(killed)) for rank in range(2)]
     try:
-        codes = [p.wait(timeout=45) for p in procs]
+        return [p.wait(timeout=45) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+@pytest.mark.parametrize(("killed", "stage"), [(1, "before_barrier"), (0, "after_commit")])
+def test_two_rank_save_with_a_rank_killed_restores_a_complete_checkpoint(
+    tmp_path: Path, killed: int, stage: str
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    codes = run_two_ranks(ckpt, stage, "sync", killed)
     # The killed rank died; its peer noticed (a failed collective) instead of hanging.
     assert codes[killed] == -signal.SIGKILL and codes[1 - killed] == SURVIVED_WITH_ERROR
     assert restored_step(ckpt) == (2 if stage == COMMITTED_BY else 1)
@@ -93,19 +99,12 @@ def test_two_rank_save_with_a_rank_killed_restores_a_complete_checkpoint(
 def test_sharded_save_with_a_rank_killed_mid_shard_restores_the_previous_checkpoint(tmp_path: Path) -> None:
     """Each rank writes its own shards (DTensors on a 2-rank mesh): a rank killed in the middle of its
     shard file leaves the previous checkpoint, assembled whole at world size 1."""
-    killed, stage = 1, "during_write"
-    ckpt, store = tmp_path / "ckpt", tmp_path / "store"
-    procs = [run(str(ckpt), stage, "sharded", str(rank), "2", str(store), str(killed)) for rank in range(2)]
-    try:
-        codes = [p.wait(timeout=45) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert codes[killed] == -signal.SIGKILL and codes[1 - killed] == SURVIVED_WITH_ERROR
+    ckpt = tmp_path / "ckpt"
+    codes = run_two_ranks(ckpt, "during_write", "sharded", killed=1)
+    assert codes == [SURVIVED_WITH_ERROR, -signal.SIGKILL]
     # Killed in the middle of its shard file (written first), not between files.
     staging = next(p for p in ckpt.iterdir() if ".tmp-" in p.name)
-    assert (staging / "shards_00000.bin").exists() and not (staging / "rank_00001.pt").exists()
+    assert (staging / "shards_00001.bin").exists() and not (staging / "rank_00001.pt").exists()
     assert restored_step(ckpt) == 1
 
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from elastictrain.checkpoint import CheckpointManager, export_safetensors
-from elastictrain.errors import CheckpointMismatchError, CorruptCheckpointError
+from elastictrain.errors import CheckpointMismatchError, CorruptCheckpointError, NonFiniteStateError
 from elastictrain.launch.cli import main as cli_main
 
 pytestmark = pytest.mark.timeout(120)
@@ -170,6 +170,12 @@ def test_hsdp_2x2_checkpoint_restores_into_fsdp_3_and_into_plain_tensors(saved: 
 def test_ddp_checkpoint_restores_into_fsdp_and_sharded_into_plain_tensors(saved: Path) -> None:
     assert _same(torch.load(saved / "D_at3.pt", weights_only=True), torch.load(saved / "D.pt", weights_only=True))
     assert _manifest(saved / "D" / "step_00000003")["format_version"] == 1  # the DDP format, unchanged
+
+
+def test_a_nan_in_one_ranks_shard_of_a_parameter_fails_the_save_on_every_rank(saved: Path) -> None:
+    outcomes = [torch.load(saved / f"E{rank}.pt", weights_only=True) for rank in range(4)]
+    assert all("parameter '2.weight' of state['model'] (a local shard) holds NaN" in o for o in outcomes), outcomes
+    assert not any(p.name.startswith("step_") for p in (saved / "E").iterdir())
 
 
 def test_a_flipped_byte_in_one_shard_falls_back_to_the_previous_checkpoint(saved: Path, tmp_path: Path) -> None:
@@ -372,6 +378,16 @@ def _worker(role: str, rank: int, world_size: int, tmp: Path) -> None:
             mgr.save(1, {"values": Holder(values | {"plain": torch.ones(2), "n": 7})})
         if rank == 0:
             torch.save(hsdp_full | {"plain": torch.ones(2), "n": 7}, tmp / "C.pt")
+        with torch.no_grad():  # one rank's shard of one parameter diverged
+            if rank == 2:
+                model[2].weight.to_local()[0, 0] = float("nan")
+        with CheckpointManager(tmp / "E") as mgr:
+            try:
+                mgr.save(3, {"model": model})
+                outcome = "saved"
+            except NonFiniteStateError as exc:
+                outcome = str(exc)
+        torch.save(outcome, tmp / f"E{rank}.pt")
     else:
         model, opt = sharded_model()
         with CheckpointManager(tmp / "A") as mgr:
