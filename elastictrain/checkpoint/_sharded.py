@@ -5,8 +5,9 @@ step counts, hyperparameters) stays in ``replicated.pt`` as before, with a place
 DTensor was, and the DTensors become chunks of the tensor index (:mod:`._index`). Each rank
 writes the local shard of each DTensor (``local_chunks``) into its ``shards_<rank>.bin``
 (``write_shards``), raw bytes streamed from the snapshot buffers, unless another replica writes the
-same shard: along a ``Replicate`` mesh dimension the replicas share the work, one tensor each in
-turn, so that every shard is written exactly once and no rank writes all of them.
+same shard: along ``Replicate`` mesh dimensions the replicas share the work, each tensor going to
+the replica with the fewest bytes so far, so that every shard is written exactly once and the
+replicas write about as much as each other.
 
 Placements: ``Shard(d)`` (uneven shards as ``torch.chunk`` makes them) and ``Replicate`` on a
 mesh of any number of dimensions (fsdp ``(Shard(0),)``, hsdp ``(Replicate(), Shard(0))``). A
@@ -119,9 +120,9 @@ def region(shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence
 def local_chunks(leaves: list[tuple[tuple[Any, ...], DTensor]]) -> tuple[list[TensorInfo], list[LocalChunk]]:
     """Describe the DTensors of a save and pick the local shards this rank writes.
 
-    Along ``Replicate`` mesh dimensions, the replica that writes a tensor's shard is the tensor's
-    position (in key order) modulo the number of replicas: each shard is written once, and the
-    replicas share the bytes.
+    Along ``Replicate`` mesh dimensions, the replica that writes a tensor's shard is the one with
+    the fewest bytes assigned so far, tensors taken in key order: every rank computes the same
+    assignment from the global shapes, each shard is written once, and the replicas share the bytes.
 
     Returns:
         Every DTensor's description (the same on every rank), and this rank's chunks (their
@@ -133,8 +134,9 @@ def local_chunks(leaves: list[tuple[tuple[Any, ...], DTensor]]) -> tuple[list[Te
     infos: list[TensorInfo] = []
     chunks: list[LocalChunk] = []
     seen: set[str] = set()
+    loads: dict[int, list[int]] = {}  # bytes assigned to each replica, by the number of replicas
     ordered = sorted(leaves, key=lambda leaf: index.key_of(leaf[0]))
-    for position, (path, tensor) in enumerate(ordered):
+    for path, tensor in ordered:
         key = index.key_of(path)
         what = "state" + "".join(f"[{p!r}]" for p in path)
         if not all(type(p) in (str, int) for p in path):
@@ -147,12 +149,16 @@ def local_chunks(leaves: list[tuple[tuple[Any, ...], DTensor]]) -> tuple[list[Te
         shape = tuple(tensor.shape)
         infos.append(TensorInfo(key=key, path=path, dtype=tensor.dtype, shape=shape))
         mesh = tensor.device_mesh
+        # Every rank counts every tensor (from global shapes only), so that all agree on the writers.
+        replicated = [d for d, p in enumerate(tensor.placements) if type(p) is Replicate]
+        replicas = math.prod(mesh.shape[d] for d in replicated)
+        load = loads.setdefault(replicas, [0] * replicas)
+        writer = load.index(min(load))
+        load[writer] += math.prod(shape) * tensor.element_size()
         coordinate = mesh.get_coordinate()
         if coordinate is None:  # this rank holds no part of the mesh
             continue
         offsets, sizes = region(shape, mesh.shape, coordinate, tensor.placements, what)
-        replicated = [d for d, p in enumerate(tensor.placements) if type(p) is Replicate]
-        writer = position % math.prod(mesh.shape[d] for d in replicated)
         for d in reversed(replicated):  # the writer's coordinate along the replicated dimensions
             writer, at = divmod(writer, mesh.shape[d])
             if coordinate[d] != at:

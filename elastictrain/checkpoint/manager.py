@@ -27,7 +27,12 @@ last, create-only, naming that prefix: the create is the commit point. Retention
 deletes a retired checkpoint's manifest before its data, and every data prefix no
 manifest names (a crashed or refused save's), and aborts unfinished uploads.
 
-Restoring is :mod:`._reader`'s: the newest committed checkpoint that verifies on every rank.
+State that holds DTensors (FSDP2, HSDP) makes a sharded checkpoint (:mod:`._sharded`): each
+rank also writes the local shards it holds into ``shards_<rank>.bin``, reports their chunks in
+the barrier, and rank 0 puts the tensor index into the manifest; the commit is the same.
+
+Restoring is :mod:`._reader`'s: the newest committed checkpoint that verifies on every rank,
+resharded to the live state's placements (:mod:`._reshard`).
 """
 
 from __future__ import annotations
@@ -356,7 +361,11 @@ class CheckpointManager:
         match on any rank, every rank skips that checkpoint (with a warning) and
         tries the one before. A checkpoint deleted while it is read (a separate
         reader racing its writer's retention) is not corrupt: the ranks agree again. Dict
-        entries are updated in place. Rank ``r`` restores its own saved RNG
+        entries are updated in place. Each object's ``state_dict()`` is the template of
+        what it loads: where it holds a DTensor, this rank reads only the stored chunks
+        that overlap its shard at the template's placements (any world size and mesh;
+        each chunk checked against its sha256); where it holds a plain tensor, the full
+        tensor is assembled. A DDP checkpoint is sliced for DTensor templates. Rank ``r`` restores its own saved RNG
         states; a rank the saved job did not have (the world grew) seeds its RNGs
         with ``fallback_seed`` instead, which is deterministic and distinct per rank.
 

@@ -378,8 +378,7 @@ def _cmd_etcd(args: argparse.Namespace) -> int:
 
 def _cmd_checkpoint(args: argparse.Namespace) -> int:
     if args.checkpoint_command != "export":
-        build_parser().parse_args(["checkpoint", "--help"])
-        return _EXIT_USAGE
+        raise ConfigError("checkpoint needs an action: export (elastictrain checkpoint export --help)")
     from elastictrain.checkpoint import export_safetensors
 
     try:

@@ -123,12 +123,13 @@ def test_each_rank_writes_only_its_own_shards_and_replicas_write_each_shard_once
     assert [c["sizes"][0] for c in manifest["tensors"]["model/4.weight"]["chunks"]] == [2, 2, 1]
     exp_avg = manifest["tensors"]["optimizer/state/0/exp_avg"]
     assert exp_avg["shape"] == [10, 6] and len(exp_avg["chunks"]) == 4
-    # hsdp (Replicate, Shard(0)) on 2x2: each shard once, the two replicas taking turns by tensor.
+    # hsdp (Replicate, Shard(0)) on 2x2: each shard once, by the replica with the fewest bytes so far
+    # (a: 36 elements to replica 0, b: 5 to replica 1, c: 18 to replica 1 again).
     hsdp = _manifest(saved / "C" / "step_00000001")
     writers = {key: sorted(c["file"] for c in t["chunks"]) for key, t in hsdp["tensors"].items()}
     assert writers == {"values/a": ["shards_00000.bin", "shards_00001.bin"],
                        "values/b": ["shards_00002.bin", "shards_00003.bin"],
-                       "values/c": ["shards_00000.bin", "shards_00001.bin"]}
+                       "values/c": ["shards_00002.bin", "shards_00003.bin"]}
     assert "shards_00000.bin" in hsdp["files"] and "shards_00002.bin" in hsdp["files"]
 
 
@@ -261,6 +262,30 @@ def _rewrite_entry(directory: Path, name: str) -> None:
     (directory / "MANIFEST.json").write_text(json.dumps(manifest))
 
 
+_GOOD = {"path": ["m", "w"], "dtype": "float32", "shape": [3, 2], "chunks": [
+    {"file": "shards_00000.bin", "offsets": [0, 0], "sizes": [2, 2], "byte_offset": 0, "byte_length": 16,
+     "sha256": "0" * 64},
+    {"file": "shards_00001.bin", "offsets": [2, 0], "sizes": [1, 2], "byte_offset": 0, "byte_length": 8,
+     "sha256": "0" * 64}]}
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    ({"dtype": "object"}, "'object'"),
+    ({"path": ["m", "v"]}, "does not name it"),
+    ({"shape": [3, -2]}, "non-negative"),
+    ({"chunks": [_GOOD["chunks"][0]]}, "hold 4 elements of 6"),
+    ({"chunks": [_GOOD["chunks"][0], {**_GOOD["chunks"][1], "offsets": [3, 0]}]}, "does not lie inside"),
+    ({"chunks": [_GOOD["chunks"][0], {**_GOOD["chunks"][1], "byte_length": 9}]}, "has 9 bytes"),
+    ({"chunks": [_GOOD["chunks"][0], {**_GOOD["chunks"][1], "byte_offset": True}]}, "byte_offset"),
+])
+def test_a_malformed_tensor_index_is_a_corrupt_checkpoint(change: dict[str, Any], says: str) -> None:
+    from elastictrain.checkpoint._index import parse_index
+
+    assert parse_index({"m/w": _GOOD}, "here")["m/w"].shape == (3, 2)
+    with pytest.raises(CorruptCheckpointError, match=says):
+        parse_index({"m/w": {**_GOOD, **change}}, "here")
+
+
 def test_a_mismatched_template_fails_on_every_rank_with_both_shapes(saved: Path) -> None:
     wrong = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 8))
     with CheckpointManager(saved / "A") as mgr, pytest.raises(CheckpointMismatchError, match=r"\(7, 10\)"):
@@ -288,12 +313,13 @@ def test_export_writes_the_full_tensors_of_a_sharded_and_of_a_ddp_checkpoint(
     (["{A}/step_00000002", "out", "--step", "1"], "is the checkpoint of step 2, not 1"),
     (["{A}", "out", "--entry", "nope"], "has no entry 'nope'"),
     (["{A}", "{tmp}/missing/out"], "No such file or directory"),
+    ([], "checkpoint needs an action: export"),
 ])
 def test_export_refuses_bad_input_in_one_line(
     saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
     args: list[str], says: str
 ) -> None:
-    argv = ["checkpoint", "export", *[a.format(A=saved / "A", tmp=tmp_path) for a in args]]
+    argv = ["checkpoint", *(["export"] if args else []), *[a.format(A=saved / "A", tmp=tmp_path) for a in args]]
     monkeypatch.chdir(tmp_path)
     assert cli_main(argv) != 0
     err = capsys.readouterr().err
