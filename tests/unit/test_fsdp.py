@@ -25,7 +25,7 @@ import torch
 
 from elastictrain.errors import ConfigError
 from elastictrain.train.fsdp import (
-    ShardingConfig, mesh_shape, optimizer_state_from_ddp, optimizer_state_to_ddp, sharding_units,
+    ShardingConfig, mesh_shape, optimizer_state_by_fqn, optimizer_state_by_id, sharding_units,
 )
 from elastictrain.train.fsdp.optimizer import check_unstepped, parameter_fqns
 
@@ -119,15 +119,15 @@ def test_ddp_optimizer_state_converts_to_fqn_keys_and_back_by_the_optimizers_ord
     ddp_form = optimizer.state_dict()
     order = [n for n, _ in model.head.named_parameters(prefix="head")] + [
         n for n, _ in model.named_parameters() if not n.startswith("head")]
-    by_fqn = optimizer_state_from_ddp(ddp_form, order)
+    by_fqn = optimizer_state_by_fqn(ddp_form, order)
     assert by_fqn["param_groups"][0]["params"] == ["head.weight", "head.bias"]
     buffer = optimizer.state[model.head.weight]["momentum_buffer"]
     assert torch.equal(by_fqn["state"]["head.weight"]["momentum_buffer"], buffer)
-    assert str(optimizer_state_to_ddp(by_fqn, order)) == str(ddp_form)
+    assert str(optimizer_state_by_id(by_fqn, order)) == str(ddp_form)
     with pytest.raises(ConfigError, match="do not hold this optimizer's"):
-        optimizer_state_from_ddp(ddp_form, order[:-1])
+        optimizer_state_by_fqn(ddp_form, order[:-1])
     with pytest.raises(ConfigError, match="names parameter 99"):
-        optimizer_state_from_ddp({"state": {99: {}}, "param_groups": ddp_form["param_groups"]}, order)
+        optimizer_state_by_fqn({"state": {99: {}}, "param_groups": ddp_form["param_groups"]}, order)
 
 
 # --- real processes on gloo ---------------------------------------------------------------------
@@ -292,7 +292,9 @@ def _case_sgd(group: Any, sharding: str, steps: int, micro: int) -> dict[str, fl
 def _case_adamw(group: Any, sharding: str, steps: int, micro: int) -> dict[str, float]:
     """AdamW, one unit per block, and built by a callable; a checkpoint template taken before the
     first step; the DDP forms of both states; restores from DDP's state and from the sharded state train on as DDP."""
-    from elastictrain.train.fsdp import ModelState, OptimizerState, ddp_optimizer_state_dict, full_state_dict
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from elastictrain.train.fsdp import ModelState, OptimizerState, full_optimizer_state_dict, full_state_dict
 
     ddp = Trainer("ddp", group, _adamw, micro=micro)
     sharded = Trainer("sharded", group, _adamw, sharding=sharding, units=Block, micro=micro)
@@ -303,7 +305,10 @@ def _case_adamw(group: Any, sharding: str, steps: int, micro: int) -> dict[str, 
     template = OptimizerState(sharded.model, sharded.optimizer).state_dict()
     assert all(p.grad is g for p, g in zip(sharded.module.parameters(), grads, strict=True))
     sharded.optimizer.zero_grad()
-    assert set(template["state"]) == {n for n, _ in sharded.model.named_parameters()}
+    # torch's id-keyed form, the keys of a DDP job's optimizer.state_dict().
+    count = len(list(sharded.module.parameters()))
+    assert set(template["state"]) == set(range(count))
+    assert [g["params"] for g in template["param_groups"]] == [list(range(count))]
     assert all(set(s) == {"step", "exp_avg", "exp_avg_sq"} for s in template["state"].values())
     assert not sharded.optimizer.state  # building the template changed nothing (Adam's step count)
     built = Trainer("sharded", group, _adamw, sharding=sharding, micro=micro,
@@ -313,7 +318,7 @@ def _case_adamw(group: Any, sharding: str, steps: int, micro: int) -> dict[str, 
     checks = {"grads": _grads_error(ddp, sharded), "params": _error(ddp.params(), sharded.params()),
               "callable": max(_grads_error(ddp, built), _error(ddp.params(), built.params()))}
 
-    full, ddp_optim = full_state_dict(sharded.model), ddp_optimizer_state_dict(sharded.model, sharded.optimizer)
+    full, ddp_optim = full_state_dict(sharded.model), full_optimizer_state_dict(sharded.model, sharded.optimizer)
     if ddp.rank == 0:
         expected = ddp.module.state_dict()
         checks["full_state_dict"] = _error(list(full.values()), list(expected.values()))
@@ -326,9 +331,10 @@ def _case_adamw(group: Any, sharding: str, steps: int, micro: int) -> dict[str, 
     else:
         assert full == {} and ddp_optim == {}
 
-    # Sharded state saved and loaded into a fresh sharded model (a different seed: nothing left over).
+    # Sharded state (the optimizer's in get_optimizer_state_dict's FQN-keyed form; the id-keyed
+    # one goes through a checkpoint manager in _case_checkpoint) loaded into a fresh sharded model.
     saved = copy.deepcopy({"model": ModelState(sharded.model).state_dict(),
-                           "optimizer": OptimizerState(sharded.model, sharded.optimizer).state_dict()})
+                           "optimizer": get_optimizer_state_dict(sharded.model, sharded.optimizer)})
     from_sharded = Trainer("sharded", group, _adamw, sharding=sharding, units=Block, micro=micro)
     from_sharded.steps = steps
     ModelState(from_sharded.model).load_state_dict(saved["model"])
@@ -389,19 +395,84 @@ def _case_fp16(group: Any, sharding: str, steps: int, micro: int) -> dict[str, f
     return {"close_params": _error(ddp.params(), sharded.params())}
 
 
-_CASE_FUNCS = {"sgd": _case_sgd, "adamw": _case_adamw, "bf16": _case_bf16, "fp16": _case_fp16}
+def _optimizer_error(got: dict[str, Any], expected: dict[str, Any]) -> float:
+    """How far two optimizer states of torch's id-keyed form with full tensors are apart."""
+    assert got["param_groups"] == expected["param_groups"] and got["state"].keys() == expected["state"].keys()
+    return max(_error(list(got["state"][i].values()), list(expected["state"][i].values())) for i in expected["state"])
+
+
+def _case_checkpoint(group: Any, sharding: str, steps: int, micro: int) -> dict[str, float]:
+    """Through a CheckpointManager: a sharded save at 4 ranks and a DDP one; at 3 ranks, sharded jobs
+    restore either and a DDP job restores the sharded one, with the full tensors saved; each trains on
+    as the DDP job restored from the DDP checkpoint does. ``group`` is every rank's."""
+    import torch.distributed as dist
+
+    from elastictrain.checkpoint import CheckpointManager, TorchDistributedCoordinator
+    from elastictrain.train.fsdp import full_optimizer_state_dict, full_state_dict
+
+    rank, directory = dist.get_rank(), Path(os.environ["FSDP_TEST_DIR"])
+    three = _GROUPS[3]
+
+    def manager(name: str, over: Any) -> CheckpointManager:
+        return CheckpointManager(directory / name, coordinator=TorchDistributedCoordinator(over))
+
+    fsdp4 = Trainer("sharded", group, _adamw, sharding=sharding, units=Block, micro=micro)
+    ddp4 = Trainer("ddp", group, _adamw, micro=micro)
+    for trainer in (fsdp4, ddp4):
+        trainer.train(steps)
+    with manager("sharded", group) as saving:
+        saving.save(steps, fsdp4.sharded.state())
+    with manager("ddp", group) as saving:
+        saving.save(steps, {"model": ddp4.module, "optimizer": ddp4.optimizer})
+    expected = copy.deepcopy({"model": ddp4.module.state_dict(), "optimizer": ddp4.optimizer.state_dict()})
+    checks: dict[str, float] = {}
+    if rank >= 3:
+        return checks
+    reference = Trainer("ddp", three, _adamw, micro=micro)
+    ddp_from_sharded = Trainer("ddp", three, _adamw, micro=micro)
+    from_sharded = Trainer("sharded", three, _adamw, micro=micro)  # other units than saved: keys are FQNs
+    from_ddp = Trainer("sharded", three, _adamw, micro=micro, units=Block)
+    for trainer, name in ((reference, "ddp"), (ddp_from_sharded, "sharded"), (from_sharded, "sharded"),
+                          (from_ddp, "ddp")):
+        state = trainer.sharded.state() if trainer.sharded is not None else {
+            "model": trainer.module, "optimizer": trainer.optimizer}
+        with manager(name, three) as restoring:
+            info = restoring.restore(state)
+        assert info is not None and info.step == steps and info.world_size == 4
+        trainer.steps = steps
+    for trainer, what in ((from_sharded, "sharded_4_to_3"), (from_ddp, "ddp_4_to_sharded_3")):
+        model, optimizer = full_state_dict(trainer.model), full_optimizer_state_dict(trainer.model, trainer.optimizer)
+        if rank == 0:
+            checks[what] = max(_error(list(model.values()), list(expected["model"].values())),
+                               _optimizer_error(optimizer, expected["optimizer"]))
+    checks["sharded_4_to_ddp_3"] = max(
+        _error(list(ddp_from_sharded.module.state_dict().values()), list(expected["model"].values())),
+        _optimizer_error(ddp_from_sharded.optimizer.state_dict(), expected["optimizer"]))
+    for trainer in (reference, ddp_from_sharded, from_sharded, from_ddp):
+        trainer.train(2)
+    checks["trained_on"] = max(max(_grads_error(reference, t), _error(reference.params(), t.params()))
+                               for t in (ddp_from_sharded, from_sharded, from_ddp))
+    return checks
+
+
+_GROUPS: dict[int, Any] = {}
+"""The worker's groups by size (the checkpoint case uses two)."""
+
+_CASE_FUNCS = {"sgd": _case_sgd, "adamw": _case_adamw, "bf16": _case_bf16, "fp16": _case_fp16,
+               "checkpoint": _case_checkpoint}
 _CASE_CHECKS = {
     "sgd": ("grads", "params"),
     "adamw": ("grads", "params", "callable", "full_state_dict", "ddp_optimizer_form", "restored_sharded",
               "restored_from_ddp"),
     "bf16": ("close_params",),
     "fp16": ("close_params",),
+    "checkpoint": ("sharded_4_to_3", "ddp_4_to_sharded_3", "sharded_4_to_ddp_3", "trained_on"),
 }
 _CASES: dict[str, list[tuple[int, str, tuple[str, ...]]]] = {
     "default": [(1, "fsdp", ("sgd",)), (2, "fsdp", ("sgd", "adamw", "bf16")), (3, "fsdp", ("sgd", "adamw")),
-                (4, "fsdp", ("sgd", "adamw")), (4, "hsdp", ("sgd", "adamw"))],
+                (4, "fsdp", ("sgd", "adamw", "checkpoint")), (4, "hsdp", ("sgd", "adamw"))],
     "slow": [(w, "fsdp", ("sgd", "adamw", "bf16", "fp16")) for w in (1, 2, 3, 4)]
-    + [(4, "hsdp", ("sgd", "adamw", "bf16", "fp16"))],
+    + [(4, "hsdp", ("sgd", "adamw", "bf16", "fp16", "checkpoint"))],
 }
 _STEPS = {"default": (3, 2), "slow": (8, 3)}
 
@@ -412,8 +483,10 @@ def _worker(rank: int, out: Path, matrix: str) -> None:
     from tests.support.leave import leave_together
 
     dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=WORLD)
-    groups = {w: dist.new_group(list(range(w))) for w in (1, 2, 3)}
+    groups = _GROUPS
+    groups.update({w: dist.new_group(list(range(w))) for w in (1, 2, 3)})
     groups[WORLD] = dist.group.WORLD
+    os.environ["FSDP_TEST_DIR"] = str(out)
     steps, micro = _STEPS[matrix]
     checks: dict[str, float] = {}
     for world, sharding, cases in _CASES[matrix]:

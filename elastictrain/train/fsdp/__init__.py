@@ -9,15 +9,15 @@ from elastictrain.train.fsdp.optimizer import OptimizerSpec, parameter_fqns, sha
 from elastictrain.train.fsdp.precision import REDUCE_DTYPE, mixed_precision_policy
 from elastictrain.train.fsdp.sharded import Sharded, ShardingConfig, shard
 from elastictrain.train.fsdp.state import (
-    ModelState, OptimizerState, ddp_optimizer_state_dict, full_state_dict, optimizer_order,
-    optimizer_state_from_ddp, optimizer_state_to_ddp,
+    ModelState, OptimizerState, full_optimizer_state_dict, full_state_dict, optimizer_order,
+    optimizer_state_by_fqn, optimizer_state_by_id,
 )
 from elastictrain.train.fsdp.units import UnitSpec, shard_model, sharding_units
 
 __all__ = [
     "FSDP_DIMS", "HSDP_DIMS", "REDUCE_DTYPE", "SHARDINGS",
     "ModelState", "OptimizerSpec", "OptimizerState", "Sharded", "ShardingConfig", "UnitSpec",
-    "build_mesh", "clip_grad_norm_", "ddp_optimizer_state_dict", "full_state_dict", "mesh_shape",
-    "mixed_precision_policy", "no_sync", "optimizer_order", "optimizer_state_from_ddp",
-    "optimizer_state_to_ddp", "parameter_fqns", "shard", "shard_model", "shard_optimizer", "sharding_units",
+    "build_mesh", "clip_grad_norm_", "full_optimizer_state_dict", "full_state_dict", "mesh_shape",
+    "mixed_precision_policy", "no_sync", "optimizer_order", "optimizer_state_by_fqn",
+    "optimizer_state_by_id", "parameter_fqns", "shard", "shard_model", "shard_optimizer", "sharding_units",
 ]

@@ -1,23 +1,26 @@
-"""The sharded model and optimizer as checkpointable state, and their full (DDP) forms.
+"""The sharded model and optimizer as checkpointable state, and their full forms.
 
 :class:`ModelState` and :class:`OptimizerState` are the ``Stateful`` objects a
-:class:`~elastictrain.checkpoint.CheckpointManager` saves and restores:
+:class:`~elastictrain.checkpoint.CheckpointManager` saves and restores. Their dicts have the
+keys of a DDP job's own (``module.state_dict()``, ``optimizer.state_dict()``), with DTensors
+where the values are sharded:
 
-- ``state_dict()`` returns FQN-keyed dicts whose sharded values are DTensors with the live
-  placements (``get_model_state_dict`` / ``get_optimizer_state_dict``). The optimizer's is
+- the model: FQN-keyed (``get_model_state_dict``), parameters as DTensors with the live
+  placements, buffers as plain tensors;
+- the optimizer: torch's own form, ``{"state": {id: {...}}, "param_groups": [{..., "params":
+  [id, ...]}]}``, its state tensors DTensors (built by ``get_optimizer_state_dict``, whose FQN
+  keys become the ids the optimizer numbers its parameters by: each group's, in order). The same
+  keys as a DDP job's, so that a DDP checkpoint restores into a sharded job and a sharded one into
+  a DDP job by the checkpoint manager's own resharding, with no conversion on either side. It is
   complete even before the first step (every state tensor there, zero), so a restore has a
-  template to fill; building it leaves the optimizer as it was (see :class:`OptimizerState`).
-- ``load_state_dict()`` applies a dict of that form (``set_*``), or of the full form: plain full
-  tensors on every rank, FQN-keyed, or for the optimizer also torch's own
-  ``optimizer.state_dict()`` form with parameter ids, as a DDP checkpoint holds it
-  (:func:`optimizer_state_from_ddp`). A dict holding any DTensor is taken as sharded.
+  template to fill; building it leaves the optimizer as it was.
 
-:func:`full_state_dict` and :func:`ddp_optimizer_state_dict` gather the full forms on rank 0,
-for export, evaluation, or a DDP run to load.
+``load_state_dict()`` applies such a dict, or one of full tensors held by every rank (a DDP
+checkpoint's), or the optimizer's FQN-keyed form (``get_optimizer_state_dict``'s): a dict holding
+any DTensor is taken as sharded.
 
-Parameter ids of the DDP form follow the optimizer's own order (each param group's parameters,
-group after group), as ``torch.optim.Optimizer.state_dict`` numbers them; for an optimizer built
-on ``model.parameters()`` that is ``model.named_parameters()`` order.
+:func:`full_state_dict` and :func:`full_optimizer_state_dict` gather the full tensors on rank 0,
+for export, evaluation, or a DDP job to load.
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ from torch.distributed.tensor import DTensor
 from elastictrain.errors import ConfigError
 
 __all__ = [
-    "ModelState", "OptimizerState", "ddp_optimizer_state_dict", "full_state_dict", "optimizer_order",
-    "optimizer_state_from_ddp", "optimizer_state_to_ddp",
+    "ModelState", "OptimizerState", "full_optimizer_state_dict", "full_state_dict", "optimizer_order",
+    "optimizer_state_by_fqn", "optimizer_state_by_id",
 ]
 
 _GATHERED = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -60,13 +63,14 @@ def _load_options(state_dict: Mapping[str, Any]) -> StateDictOptions:
 
 
 def optimizer_order(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
-    """The FQN of each parameter id of ``optimizer.state_dict()``: its groups' parameters, in order."""
+    """The FQN of each parameter id of ``optimizer.state_dict()``: its groups' parameters, in order
+    (for an optimizer built on ``model.parameters()``, ``model.named_parameters()`` order)."""
     fqns = {id(param): fqn for fqn, param in model.named_parameters()}
     return [fqns[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
-def optimizer_state_from_ddp(state_dict: Mapping[str, Any], order: list[str]) -> dict[str, Any]:
-    """torch's id-keyed ``optimizer.state_dict()`` (a DDP run's) as an FQN-keyed one.
+def optimizer_state_by_fqn(state_dict: Mapping[str, Any], order: list[str]) -> dict[str, Any]:
+    """torch's id-keyed ``optimizer.state_dict()`` form (a DDP job's) as the FQN-keyed one.
 
     Args:
         state_dict: ``{"state": {id: {...}}, "param_groups": [{..., "params": [id, ...]}]}``.
@@ -77,13 +81,13 @@ def optimizer_state_from_ddp(state_dict: Mapping[str, Any], order: list[str]) ->
     """
     def name(index: Any) -> str:
         if not isinstance(index, int) or not 0 <= index < len(order):
-            raise ConfigError(f"the DDP optimizer state names parameter {index!r}; "
+            raise ConfigError(f"the optimizer state names parameter {index!r}; "
                               f"this optimizer has {len(order)} (ids 0 to {len(order) - 1})")
         return order[index]
 
     groups = state_dict.get("param_groups")
     if not isinstance(groups, list) or sum(len(g.get("params", ())) for g in groups) != len(order):
-        raise ConfigError(f"the DDP optimizer state's param groups do not hold this optimizer's {len(order)} "
+        raise ConfigError(f"the optimizer state's param groups do not hold this optimizer's {len(order)} "
                           "parameters: it was saved for another model or optimizer")
     return {
         "state": {name(index): value for index, value in state_dict.get("state", {}).items()},
@@ -91,9 +95,9 @@ def optimizer_state_from_ddp(state_dict: Mapping[str, Any], order: list[str]) ->
     }
 
 
-def optimizer_state_to_ddp(state_dict: Mapping[str, Any], order: list[str]) -> dict[str, Any]:
-    """An FQN-keyed optimizer state dict with full tensors as torch's id-keyed form (the inverse
-    of :func:`optimizer_state_from_ddp`)."""
+def optimizer_state_by_id(state_dict: Mapping[str, Any], order: list[str]) -> dict[str, Any]:
+    """An FQN-keyed optimizer state dict as torch's id-keyed form (the inverse of
+    :func:`optimizer_state_by_fqn`)."""
     index = {fqn: i for i, fqn in enumerate(order)}
     state = {index[fqn]: value for fqn, value in state_dict["state"].items()}
     return {
@@ -174,20 +178,21 @@ class OptimizerState:
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        """FQN-keyed ``{"state", "param_groups"}``; every state tensor present even before the
+        """torch's id-keyed form with DTensor state; every state tensor present even before the
         first step (zeros then: a template), without changing the optimizer."""
         with _complete_state(self.optimizer):
-            return get_optimizer_state_dict(self.model, self.optimizer)
+            by_fqn = get_optimizer_state_dict(self.model, self.optimizer)
+        return optimizer_state_by_id(by_fqn, optimizer_order(self.model, self.optimizer))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Apply a sharded dict, a full FQN-keyed one, or torch's id-keyed one (a DDP checkpoint's).
+        """Apply the id-keyed form (sharded, or a DDP checkpoint's full tensors) or the FQN-keyed one.
 
         Raises:
             ConfigError: An id-keyed dict that does not fit this optimizer.
         """
         groups = state_dict.get("param_groups") or [{}]
         if any(isinstance(i, int) for i in groups[0].get("params", ())):
-            state_dict = optimizer_state_from_ddp(state_dict, optimizer_order(self.model, self.optimizer))
+            state_dict = optimizer_state_by_fqn(state_dict, optimizer_order(self.model, self.optimizer))
         with _grads_aside(self.optimizer):  # torch builds the state to load into; the load replaces it
             set_optimizer_state_dict(self.model, self.optimizer, state_dict, options=_load_options(state_dict))
 
@@ -198,8 +203,8 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, Any]:
     return dict(get_model_state_dict(model, options=_GATHERED))
 
 
-def ddp_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's state in the form a DDP run's ``optimizer.load_state_dict`` takes (ids,
+def full_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state in the form a DDP job's ``optimizer.load_state_dict`` takes (ids,
     full tensors), on rank 0; ``{}`` on other ranks. A collective: every rank calls it.
 
     An optimizer that has not stepped has no state, as in DDP (not the zero template of
@@ -211,4 +216,4 @@ def ddp_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Opti
         return {}
     if fresh:
         gathered = {**gathered, "state": {}}
-    return optimizer_state_to_ddp(gathered, optimizer_order(model, optimizer))
+    return optimizer_state_by_id(gathered, optimizer_order(model, optimizer))
