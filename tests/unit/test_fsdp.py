@@ -474,7 +474,7 @@ _CASES: dict[str, list[tuple[int, str, tuple[str, ...]]]] = {
     "slow": [(w, "fsdp", ("sgd", "adamw", "bf16", "fp16")) for w in (1, 2, 3, 4)]
     + [(4, "hsdp", ("sgd", "adamw", "bf16", "fp16", "checkpoint"))],
 }
-_STEPS = {"default": (3, 2), "slow": (8, 3)}
+_STEPS = {"default": (2, 2), "slow": (8, 3)}
 
 
 def _worker(rank: int, out: Path, matrix: str) -> None:
