@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ from elastictrain.train.fsdp.mesh import SHARDINGS, build_mesh
 from elastictrain.train.fsdp.optimizer import OptimizerSpec, check_unstepped, parameter_fqns, shard_optimizer
 from elastictrain.train.fsdp.precision import mixed_precision_policy
 from elastictrain.train.fsdp.state import ModelState, OptimizerState, full_state_dict
-from elastictrain.train.fsdp.units import UnitSpec, shard_model
+from elastictrain.train.fsdp.units import UnitSpec, check_shardable, shard_model
 from elastictrain.train.precision import MixedPrecision
 
 __all__ = ["Sharded", "ShardingConfig", "shard"]
@@ -86,9 +86,9 @@ class Sharded:
 
     @property
     def model(self) -> torch.nn.Module:
-        """:attr:`module` typed as a ``torch.nn.Module``."""
-        assert isinstance(self.module, torch.nn.Module)  # noqa: S101 - fully_shard keeps the module's class
-        return self.module
+        """:attr:`module` typed as a ``torch.nn.Module`` (``fully_shard`` keeps the module's class,
+        adding ``FSDPModule`` to it)."""
+        return cast(torch.nn.Module, self.module)
 
     def state(self) -> dict[str, Any]:
         """``{"model": ModelState, "optimizer": OptimizerState}`` for a checkpoint manager."""
@@ -128,14 +128,10 @@ def shard(model: torch.nn.Module, optimizer: OptimizerSpec, config: ShardingConf
             trains another model, a model without parameters.
     """
     config = config or ShardingConfig()
-    if isinstance(model, FSDPModule):
-        raise ConfigError("the model is already sharded: pass the plain model")
+    param = check_shardable(model)
     fqns = parameter_fqns(model)
     if isinstance(optimizer, torch.optim.Optimizer):
         check_unstepped(optimizer, fqns)
-    param = next(model.parameters(), None)
-    if param is None:
-        raise ConfigError("the model has no parameters to shard")
     mesh = build_mesh(config.sharding, param.device.type, nproc_per_node=config.nproc_per_node, group=group)
     _broadcast_module(model, group)
     policy = mixed_precision_policy(precision) if precision is not None else None

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from elastictrain.errors import ConfigError
 
-__all__ = ["UnitSpec", "shard_model", "sharding_units"]
+__all__ = ["UnitSpec", "check_shardable", "shard_model", "sharding_units"]
 
 UnitSpec = type[torch.nn.Module] | tuple[type[torch.nn.Module], ...] | Callable[[str, torch.nn.Module], bool]
 """A module class (or tuple of classes) whose instances are units, or a predicate on ``(fqn, module)``."""
@@ -62,6 +62,20 @@ def sharding_units(model: torch.nn.Module, units: UnitSpec | None = None) -> lis
             if matches(fqn, module) and next(module.parameters(), None) is not None]
 
 
+def check_shardable(model: torch.nn.Module) -> torch.nn.Parameter:
+    """The model's first parameter (its device is where the mesh lives).
+
+    Raises:
+        ConfigError: The model has no parameters, or is already sharded.
+    """
+    if isinstance(model, FSDPModule):
+        raise ConfigError("the model is already sharded: pass the plain model")
+    param = next(model.parameters(), None)
+    if param is None:
+        raise ConfigError("the model has no parameters to shard")
+    return param
+
+
 def shard_model(model: torch.nn.Module, mesh: DeviceMesh, *, units: UnitSpec | None = None,
                 mp_policy: MixedPrecisionPolicy | None = None, reshard_after_forward: bool = True) -> FSDPModule:
     """Apply ``fully_shard`` to ``model``'s units, then to ``model`` itself; in place, with no collective.
@@ -82,12 +96,9 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, *, units: UnitSpec | N
         ``model``, now also an ``FSDPModule``.
 
     Raises:
-        ConfigError: The model has no parameters, or is already sharded.
+        ConfigError: See :func:`check_shardable`.
     """
-    if next(model.parameters(), None) is None:
-        raise ConfigError("the model has no parameters to shard")
-    if isinstance(model, FSDPModule):
-        raise ConfigError("the model is already sharded: pass the plain model")
+    check_shardable(model)
     policy = mp_policy or MixedPrecisionPolicy()
     for _fqn, unit in sharding_units(model, units):
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
