@@ -130,6 +130,30 @@ def test_ddp_optimizer_state_converts_to_fqn_keys_and_back_by_the_optimizers_ord
         optimizer_state_by_fqn({"state": {99: {}}, "param_groups": ddp_form["param_groups"]}, order)
 
 
+def test_session_shardings_build_the_fsdp_and_hsdp_strategies() -> None:
+    from elastictrain.train.fsdp import FsdpStrategy, HsdpStrategy
+    from elastictrain.train.session_config import SessionConfig
+    from elastictrain.train.strategy import create_strategy
+
+    for name, kind in (("fsdp", FsdpStrategy), ("hsdp", HsdpStrategy)):
+        strategy = create_strategy(SessionConfig(global_batch_size=8, sharding=name))
+        assert type(strategy) is kind and strategy.name == name and not strategy.live_transfer
+
+
+def test_a_sharded_strategy_refuses_in_process_recovery_in_one_line() -> None:
+    from elastictrain.errors import SessionError
+    from elastictrain.train import process_group as pg
+    from elastictrain.train.fsdp import FsdpStrategy
+    from elastictrain.train.strategy import GroupView
+
+    placement = pg.Placement(torch.device("cpu"), "gloo", pg.resolve_timeout(10), 0, 2, owned=False)
+    view = GroupView(placement=placement, group=None, in_process=True, local_world_size=1)
+    model = _net()
+    with pytest.raises(SessionError, match="does not recover in process yet: run with --recovery restart") as caught:
+        FsdpStrategy().wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), view, identical=False)
+    assert "\n" not in str(caught.value)
+
+
 # --- real processes on gloo ---------------------------------------------------------------------
 
 

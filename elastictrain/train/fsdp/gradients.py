@@ -34,12 +34,13 @@ def no_sync(model: FSDPModule) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> float:
-    """Scale the gradients so that their global 2-norm is at most ``max_norm``; return the norm before.
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Scale the gradients so that their global 2-norm is at most ``max_norm``; return the norm
+    before, as a plain one-element tensor (the same on every rank).
 
     Args:
         parameters: The sharded model's parameters (DTensors; plain tensors are clipped locally).
         max_norm: The largest norm kept.
     """
     norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm)
-    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm

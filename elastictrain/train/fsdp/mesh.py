@@ -14,9 +14,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from elastictrain.errors import ConfigError
 
-__all__ = ["FSDP_DIMS", "HSDP_DIMS", "SHARDINGS", "build_mesh", "mesh_shape"]
+__all__ = ["FSDP_DIMS", "HSDP_DIMS", "SHARDED_MODES", "build_mesh", "mesh_shape"]
 
-SHARDINGS = ("fsdp", "hsdp")
+SHARDED_MODES = ("fsdp", "hsdp")
 """The sharded modes (``"ddp"`` replicates and has no mesh)."""
 
 FSDP_DIMS = ("fsdp",)
@@ -37,8 +37,8 @@ def mesh_shape(sharding: str, world_size: int, nproc_per_node: int | None = None
     Raises:
         ConfigError: An unknown mode, or a world that the hsdp mesh does not tile.
     """
-    if sharding not in SHARDINGS:
-        raise ConfigError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
+    if sharding not in SHARDED_MODES:
+        raise ConfigError(f"sharding must be one of {SHARDED_MODES}, got {sharding!r}")
     if world_size < 1:
         raise ConfigError(f"world size must be at least 1, got {world_size}")
     if sharding == "fsdp":

@@ -27,7 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from elastictrain.errors import ConfigError
 from elastictrain.train.fsdp.gradients import clip_grad_norm_, no_sync
-from elastictrain.train.fsdp.mesh import SHARDINGS, build_mesh
+from elastictrain.train.fsdp.mesh import SHARDED_MODES, build_mesh
 from elastictrain.train.fsdp.optimizer import OptimizerSpec, check_unstepped, parameter_fqns, shard_optimizer
 from elastictrain.train.fsdp.precision import mixed_precision_policy
 from elastictrain.train.fsdp.state import ModelState, OptimizerState, full_state_dict
@@ -55,8 +55,8 @@ class ShardingConfig:
     """Free each unit's gathered parameters after its forward (and gather them again for its backward)."""
 
     def __post_init__(self) -> None:
-        if self.sharding not in SHARDINGS:
-            raise ConfigError(f"sharding must be one of {SHARDINGS}, got {self.sharding!r}")
+        if self.sharding not in SHARDED_MODES:
+            raise ConfigError(f"sharding must be one of {SHARDED_MODES}, got {self.sharding!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +78,7 @@ class Sharded:
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip the global gradient norm over every shard; return the norm before clipping."""
-        return clip_grad_norm_(self.parameters(), max_norm)
+        return float(clip_grad_norm_(self.parameters(), max_norm))
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """The sharded parameters (DTensors)."""
@@ -108,7 +108,8 @@ def _broadcast_module(model: torch.nn.Module, group: dist.ProcessGroup | None) -
 
 
 def shard(model: torch.nn.Module, optimizer: OptimizerSpec, config: ShardingConfig | None = None, *,
-          precision: MixedPrecision | None = None, group: dist.ProcessGroup | None = None) -> Sharded:
+          precision: MixedPrecision | None = None, group: dist.ProcessGroup | None = None,
+          broadcast: bool = True) -> Sharded:
     """Shard ``model`` over a mesh of ``group`` and move ``optimizer`` onto its shards; a collective.
 
     Rank 0's parameters and buffers are broadcast first, as DDP does when it wraps a model: each
@@ -122,6 +123,7 @@ def shard(model: torch.nn.Module, optimizer: OptimizerSpec, config: ShardingConf
         precision: bf16 or fp16 become FSDP2's mixed precision policy (fp32 master parameters,
             fp32 reduction); None or fp32: no casting.
         group: The process group; default the default group.
+        broadcast: Broadcast rank 0's model first; False when every rank already holds the same.
 
     Raises:
         ConfigError: A bad config, a mesh the world does not tile, an optimizer that has stepped or
@@ -133,7 +135,8 @@ def shard(model: torch.nn.Module, optimizer: OptimizerSpec, config: ShardingConf
     if isinstance(optimizer, torch.optim.Optimizer):
         check_unstepped(optimizer, fqns)
     mesh = build_mesh(config.sharding, param.device.type, nproc_per_node=config.nproc_per_node, group=group)
-    _broadcast_module(model, group)
+    if broadcast:
+        _broadcast_module(model, group)
     policy = mixed_precision_policy(precision) if precision is not None else None
     sharded_model = shard_model(model, mesh, units=config.units, mp_policy=policy,
                                 reshard_after_forward=config.reshard_after_forward)

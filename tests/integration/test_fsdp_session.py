@@ -1,0 +1,157 @@
+"""``Session(..., sharding="fsdp" | "hsdp")`` trains as ``sharding="ddp"`` does, and its sharded
+checkpoints restore at another world size, on real gloo processes.
+
+One spawn of four processes forms groups of 2, 3 and 4 ranks. On each, the same float64 job
+(SGD with momentum, a learning-rate schedule, accumulation over uneven micro-batches, clipping, a
+short last step, a hook) runs once with DDP and once sharded; the final full parameters must
+agree to summation order. A sharded session saves at 4 ranks and restores at 3, with the saved
+full tensors; copies of that checkpoint train on at 3 ranks, sharded and with DDP, to equal ends.
+
+Run as a script, this module is the worker the test spawns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+WORLD = 4
+TOLERANCE = 1e-12
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_sharded_sessions_train_as_ddp_sessions_and_restore_at_another_world_size(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, __file__, str(rank), str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(WORLD)]
+    try:
+        outputs = [p.communicate(timeout=160)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0] * WORLD, "\n".join(o[-4000:] for o in outputs)
+    checks = json.loads((tmp_path / "rank0.json").read_text())
+    assert set(checks) == {"fsdp/2", "fsdp/3", "hsdp/4", "restored_4_to_3", "trained_on_at_3"}
+    for name, error in checks.items():
+        assert error <= TOLERANCE, f"{name}: max error {error}"
+
+
+class Net(torch.nn.Module):
+    """Rows of 7 and 3 (uneven shares at 2-4 ranks), and a buffer counting the samples seen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(5, 7)
+        self.head = torch.nn.Linear(7, 3)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen += x.shape[0]
+        return self.head(torch.tanh(self.embed(x)))
+
+
+class StepCounter:
+    """A hook: the steps it was told of."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def on_step_end(self, **_: Any) -> None:
+        self.steps += 1
+
+
+def _dataset() -> Any:
+    from torch.utils.data import TensorDataset
+
+    data = torch.Generator().manual_seed(5)
+    return TensorDataset(torch.randn(30, 5, generator=data, dtype=torch.float64),
+                         torch.randn(30, 3, generator=data, dtype=torch.float64))
+
+
+def _train(sharding: str, group: Any, **options: Any) -> dict[str, Any]:
+    """One session; returns rank 0's full tensors (``{}`` elsewhere) and what it saw."""
+    import elastictrain
+    from elastictrain.train.worker import WorkerContext
+
+    torch.manual_seed(0)
+    model = Net().double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1.0 + 0.3 * step))
+    counter = StepCounter()
+    context = dataclasses.replace(WorkerContext.from_env({}), local_world_size=2)  # hsdp: 2 ranks a node
+    with elastictrain.Session(model, optimizer, _dataset(), global_batch_size=12, micro_batch_size=2, seed=3,
+                              grad_clip_norm=0.5, log_every=None, scheduler=scheduler, hooks=[counter], epochs=2,
+                              process_group=group, context=context, sharding=sharding, **options) as session:
+        for step in session.steps():
+            for micro in step:
+                inputs, targets = micro.batch
+                micro.backward(torch.nn.functional.mse_loss(session.model(inputs), targets))
+        if sharding != "ddp":
+            from torch.distributed.fsdp import FSDPModule
+
+            assert isinstance(session.model, FSDPModule) and session.optimizer is optimizer
+        full = session.full_state_dict()
+        seen = model.seen.clone()
+    assert counter.steps == session.step - (session.restored.step if session.restored else 0)
+    return {"full": full, "step": session.step, "lr": scheduler.get_last_lr(), "seen": seen}
+
+
+def _error(a: dict[str, Any], b: dict[str, Any]) -> float:
+    assert a["step"] == b["step"] and a["lr"] == b["lr"] and list(a["full"]) == list(b["full"])
+    return max((x - y).abs().max().item() for x, y in zip(a["full"].values(), b["full"].values(), strict=True))
+
+
+def _worker(rank: int, out: Path) -> None:
+    import torch.distributed as dist
+
+    from tests.support.leave import leave_together
+
+    dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=WORLD)
+    groups = {2: dist.new_group([0, 1]), 3: dist.new_group([0, 1, 2]), 4: dist.group.WORLD}
+    checks: dict[str, float] = {}
+    for sharding, world in (("fsdp", 2), ("fsdp", 3), ("hsdp", 4)):
+        if rank < world:
+            ddp, sharded = _train("ddp", groups[world]), _train(sharding, groups[world])
+            if rank == 0:
+                checks[f"{sharding}/{world}"] = max(_error(ddp, sharded), abs(float(ddp["seen"] - sharded["seen"])))
+            # The buffers were broadcast from rank 0 after each step.
+            seen = sharded["seen"].reshape(1)
+            everyone = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+            dist.all_gather(everyone, seen, group=groups[world])
+            assert all(torch.equal(s, everyone[0]) for s in everyone)
+
+    # Saved at 4 ranks (2 steps, then the session's final save), restored at 3.
+    ckpt = out / "ckpt"
+    saved = _train("fsdp", groups[4], checkpoint_dir=str(ckpt), max_steps=2)
+    if rank == 0:
+        for copy in ("sharded", "ddp"):
+            shutil.copytree(ckpt, out / copy)
+    dist.barrier()
+    if rank < 3:
+        restored = _train("fsdp", groups[3], checkpoint_dir=str(ckpt), max_steps=2)
+        on_sharded = _train("fsdp", groups[3], checkpoint_dir=str(out / "sharded"), max_steps=4)
+        on_ddp = _train("ddp", groups[3], checkpoint_dir=str(out / "ddp"), max_steps=4)
+        if rank == 0:
+            checks["restored_4_to_3"] = _error(saved, restored)
+            checks["trained_on_at_3"] = _error(on_ddp, on_sharded)
+            assert on_sharded["step"] == 4
+    if rank == 0:
+        (out / "rank0.json").write_text(json.dumps(checks))
+    leave_together()
+
+
+if __name__ == "__main__":
+    _worker(int(sys.argv[1]), Path(sys.argv[2]))
