@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,7 +23,8 @@ from typing import Any
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.ranks import run_ranks
+
 WORLD = 4
 TOLERANCE = 1e-12
 BF16_CLOSE = 5e-3
@@ -34,18 +33,7 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def test_sharded_sessions_train_as_ddp_sessions_and_restore_at_another_world_size(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, str(rank), str(tmp_path)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(WORLD)]
-    try:
-        outputs = [p.communicate(timeout=160)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in procs] == [0] * WORLD, "\n".join(o[-4000:] for o in outputs)
+    run_ranks(__file__, WORLD, str(tmp_path))
     checks = json.loads((tmp_path / "rank0.json").read_text())
     assert set(checks) == {"fsdp/2", "bf16_close", "fsdp/3", "hsdp/4", "restored_4_to_3", "trained_on_at_3"}
     for name, error in checks.items():

@@ -14,7 +14,6 @@ import contextlib
 import copy
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,8 +27,8 @@ from elastictrain.train.fsdp import (
     ShardingConfig, mesh_shape, optimizer_state_by_fqn, optimizer_state_by_id, sharding_units,
 )
 from elastictrain.train.fsdp.optimizer import check_unstepped, parameter_fqns
+from tests.support.ranks import run_ranks
 
-REPO = Path(__file__).resolve().parents[2]
 WORLD = 4
 TOLERANCE = 1e-12
 CLOSE = 2e-3
@@ -158,18 +157,7 @@ def test_a_sharded_strategy_refuses_in_process_recovery_in_one_line() -> None:
 
 
 def _spawn(tmp_path: Path, matrix: str) -> list[dict[str, Any]]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, str(rank), str(tmp_path), matrix], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(WORLD)]
-    try:
-        outputs = [p.communicate(timeout=160)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in procs] == [0] * WORLD, "\n".join(o[-4000:] for o in outputs)
+    run_ranks(__file__, WORLD, str(tmp_path), matrix, timeout=500 if matrix == "slow" else 160)
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
 
 
