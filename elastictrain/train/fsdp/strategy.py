@@ -20,7 +20,7 @@ optimizer are saved through :class:`~elastictrain.train.fsdp.state.ModelState` a
 
 Not yet: recovery in place. ``fully_shard`` turns the model into shards of one mesh for good, so
 a group cannot re-form in the same process; under in-process recovery :meth:`~FsdpStrategy.wrap`
-refuses in one line (run with ``--recovery restart``: the agent restarts the workers, which
+refuses in one line, a ``ConfigError`` (run with ``--recovery restart``: the agent restarts the workers, which
 restore from the newest checkpoint at the new world size).
 """
 
@@ -69,10 +69,16 @@ class FsdpStrategy(ParallelStrategy):
     def _wrap(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, view: GroupView, *,
               identical: bool) -> torch.nn.Module:
         """See base class. Shards ``module`` in place and returns it; a restored optimizer state
-        moves onto the shards."""
+        moves onto the shards.
+
+        Raises:
+            ConfigError: In-process recovery, or a world the hsdp mesh does not tile (one line).
+            SessionError: The model was sharded by an earlier group.
+        """
         if view.in_process:
-            raise SessionError(f"sharding={self.name!r} does not recover in process yet: run with --recovery "
-                               "restart (or Session(recovery='restart')), and a fault restarts from the checkpoint")
+            # A ConfigError: the launcher fails the job at once rather than restart into it again.
+            raise ConfigError(f"sharding={self.name!r} does not recover in process yet: run with --recovery "
+                              "restart (or Session(recovery='restart')), and a fault restarts from the checkpoint")
         if isinstance(module, FSDPModule):
             raise SessionError(f"the model is already sharded by an earlier group: sharding={self.name!r} cannot "
                                "re-form its group in this process")
@@ -81,11 +87,8 @@ class FsdpStrategy(ParallelStrategy):
         restored = optimizer.state_dict() if optimizer.state else None
         optimizer.state.clear()
         precision = MixedPrecision(self._precision, view.placement.device)
-        try:
-            self._sharded = shard(module, optimizer, self._config(view), precision=precision, group=view.group,
-                                  broadcast=not identical)
-        except ConfigError as exc:
-            raise SessionError(str(exc)) from None
+        self._sharded = shard(module, optimizer, self._config(view), precision=precision, group=view.group,
+                              broadcast=not identical)
         if restored is not None:
             OptimizerState(module, optimizer).load_state_dict(restored)
         return module
