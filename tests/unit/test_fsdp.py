@@ -140,6 +140,7 @@ def test_session_shardings_build_the_fsdp_and_hsdp_strategies() -> None:
 
 
 def test_a_sharded_strategy_refuses_in_process_recovery_in_one_line() -> None:
+    from elastictrain.errors import SessionError
     from elastictrain.train import process_group as pg
     from elastictrain.train.fsdp import FsdpStrategy
     from elastictrain.train.strategy import GroupView
@@ -147,9 +148,13 @@ def test_a_sharded_strategy_refuses_in_process_recovery_in_one_line() -> None:
     placement = pg.Placement(torch.device("cpu"), "gloo", pg.resolve_timeout(10), 0, 2, owned=False)
     view = GroupView(placement=placement, group=None, in_process=True, local_world_size=1)
     model = _net()
+    strategy = FsdpStrategy()
     with pytest.raises(ConfigError, match="does not recover in process yet: run with --recovery restart") as caught:
-        FsdpStrategy().wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), view, identical=False)
+        strategy.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), view, identical=False)
     assert "\n" not in str(caught.value)
+    for call in (strategy.no_sync, strategy.after_step):  # nothing wrapped
+        with pytest.raises(SessionError, match="not wrapped"):
+            call()
 
 
 # --- real processes on gloo ---------------------------------------------------------------------

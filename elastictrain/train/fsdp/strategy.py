@@ -98,8 +98,8 @@ class FsdpStrategy(ParallelStrategy):
 
     def no_sync(self) -> contextlib.AbstractContextManager[Any]:
         """See base class: ``set_requires_gradient_sync(False)`` over the backward passes inside."""
-        if self._sharded is None:
-            raise SessionError(f"the {self.name} strategy is not wrapped over a group")
+        _ = self.view  # SessionError when not wrapped
+        assert self._sharded is not None  # noqa: S101 - set with the view
         return no_sync(self._sharded.module)
 
     def after_step(self) -> None:
