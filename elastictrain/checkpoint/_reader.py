@@ -198,11 +198,13 @@ class CheckpointReader:
             index = parse_index(manifest.get("tensors"), self._storage.location(directory)) \
                 if manifest["format_version"] == fmt.SHARDED_FORMAT_VERSION else {}
             if index or reshard.needs_filling(templates.state_dicts):
-                saved = {**content["extras"], **content["stateful"]}  # DTensors may sit in either
+                # DTensors may sit in either kind; entries the state does not ask for are not read.
+                saved = {name: value for kind in ("extras", "stateful") for name, value in content[kind].items()
+                         if name in templates.state_dicts}
                 filled = reshard.fill(saved, templates.state_dicts, index,
                                       lambda name: self._open(directory, name, files_at), params=templates.params,
                                       where=self._storage.location(directory))
-                content = {**content, **{kind: {name: filled[name] for name in content[kind]}
+                content = {**content, **{kind: {name: filled.get(name, value) for name, value in content[kind].items()}
                                          for kind in ("stateful", "extras")}}
         except CheckpointMismatchError as exc:
             return None, ("mismatch", str(exc))

@@ -8,6 +8,7 @@ this module is the worker the tests spawn.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -15,13 +16,14 @@ import pickle
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from elastictrain.checkpoint import CheckpointManager, export_safetensors
+from elastictrain.checkpoint import CheckpointManager, LocalStorage, export_safetensors
 from elastictrain.errors import CheckpointMismatchError, CorruptCheckpointError, NonFiniteStateError
 from elastictrain.launch.cli import main as cli_main
 
@@ -147,6 +149,21 @@ def test_fsdp_checkpoint_of_4_ranks_restores_identical_full_tensors_at_3_ranks(s
         f"{i // 2 * 2}.{'weight' if i % 2 == 0 else 'bias'}": v for i, v in expected["optimizer"].items()})
 
 
+def test_each_rank_reads_only_the_chunks_its_shards_overlap(saved: Path) -> None:
+    tensors = _manifest(saved / "A" / "step_00000002")["tensors"]
+    expected = [0, 0, 0]
+    for meta in tensors.values():  # rows split over 3 ranks as torch.chunk does; the saved chunks it overlaps
+        rows = meta["shape"][0]
+        step = -(-rows // 3)
+        for rank in range(3):
+            start, stop = min(rank * step, rows), min((rank + 1) * step, rows)
+            expected[rank] += sum(c["byte_length"] for c in meta["chunks"]
+                                  if c["offsets"][0] < stop and start < c["offsets"][0] + c["sizes"][0])
+    total = sum(p.stat().st_size for p in (saved / "A" / "step_00000002").glob("shards_*.bin"))
+    assert [int((saved / f"A_read{rank}").read_text()) for rank in range(3)] == expected
+    assert max(expected) < 0.6 * total
+
+
 def test_overlapped_saves_hold_the_state_of_their_step(saved: Path) -> None:
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -196,6 +213,22 @@ def test_a_flipped_byte_in_one_shard_falls_back_to_the_previous_checkpoint(saved
         with pytest.raises(CorruptCheckpointError, match=r"2\.weight.*sha256"):
             mgr.restore({"model": model}, step=2)
     assert _same(_full(model.state_dict()), torch.load(saved / "A1.pt", weights_only=True)["model"])
+
+
+def test_a_restore_reads_only_the_entries_its_state_names(saved: Path, tmp_path: Path) -> None:
+    ckpt = tmp_path / "A"
+    shutil.copytree(saved / "A", ckpt)
+    chunk = _manifest(ckpt / "step_00000002")["tensors"]["optimizer/state/0/exp_avg"]["chunks"][0]
+    path = ckpt / "step_00000002" / chunk["file"]
+    data = bytearray(path.read_bytes())
+    data[chunk["byte_offset"]] ^= 0x01
+    path.write_bytes(bytes(data))
+    model = _model()
+    with CheckpointManager(ckpt) as mgr:
+        info = mgr.restore({"model": model})  # the optimizer's chunks are not read: step 2 restores
+        assert info is not None and info.step == 2
+        info = mgr.restore({"model": model, "optimizer": torch.optim.AdamW(model.parameters())})
+        assert info is not None and info.step == 1
 
 
 class _Payload:
@@ -341,6 +374,35 @@ def _optimizer_full(opt: torch.optim.Optimizer) -> dict[int, Any]:
     return _full(opt.state_dict()["state"])
 
 
+class _CountingStorage:
+    """A LocalStorage that counts the bytes read from shard files."""
+
+    def __init__(self, inner: LocalStorage) -> None:
+        self.inner, self.shard_bytes = inner, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    @contextlib.contextmanager
+    def open_read(self, path: str) -> Iterator[Any]:
+        with self.inner.open_read(path) as f:
+            if "shards_" not in path:
+                yield f
+                return
+            counter = self
+
+            class Counted:
+                def seek(self, offset: int) -> int:
+                    return f.seek(offset)
+
+                def readinto(self, buffer: Any) -> int:
+                    n = f.readinto(buffer)
+                    counter.shard_bytes += n
+                    return n
+
+            yield Counted()
+
+
 def _worker(role: str, rank: int, world_size: int, tmp: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import (
@@ -416,9 +478,11 @@ def _worker(role: str, rank: int, world_size: int, tmp: Path) -> None:
         torch.save(outcome, tmp / f"E{rank}.pt")
     else:
         model, opt = sharded_model()
-        with CheckpointManager(tmp / "A") as mgr:
+        counting = _CountingStorage(LocalStorage(tmp / "A"))
+        with CheckpointManager("", storage=counting) as mgr:
             info = mgr.restore({"model": model, "optimizer": opt})
         assert info is not None
+        (tmp / f"A_read{rank}").write_text(str(counting.shard_bytes))
         result = {"model": _full(model.state_dict()), "optimizer": _optimizer_full(opt),
                   "info": [info.step, info.world_size]}
         _train(model, opt, rank)
