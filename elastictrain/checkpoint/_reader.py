@@ -24,7 +24,7 @@ from ._index import parse_index
 from .coordinator import Coordinator
 from .storage import Storage
 
-__all__ = ["CheckpointReader", "RestoreInfo"]
+__all__ = ["CheckpointReader", "RestoreInfo", "load_file"]
 
 logger = logging.getLogger(__name__)
 _events = logging.getLogger("elastictrain.events")
@@ -191,7 +191,7 @@ class CheckpointReader:
                 entry = manifest["files"][name]
                 fmt.verify_file(self._storage, directory, fmt.FileEntry(name, int(entry["size"]), str(entry["sha256"])),
                                 files_at)
-                loaded.append(self._load(directory, name, files_at))
+                loaded.append(load_file(self._storage, directory, name, files_at))
             content = loaded[0]
             if not isinstance(content, dict) or not {"stateful", "extras"} <= content.keys():
                 return None, ("fatal", f"{self._storage.location(directory)}: {fmt.REPLICATED} has no state")
@@ -233,25 +233,6 @@ class CheckpointReader:
             raise CorruptCheckpointError(f"checkpoint {self._storage.location(directory)}: {name} is missing") \
                 from exc
 
-    def _load(self, directory: str, name: str, files_at: str) -> Any:
-        path = fmt.join(files_at, name)
-        try:
-            with self._storage.open_read(path) as f:
-                # weights_only: a checkpoint file must never be a way to run code.
-                return torch.load(f, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as exc:
-            why = next(iter(str(exc).strip().splitlines()), "")  # torch's message goes on for lines
-            raise _NotPlainData(
-                f"refusing to load {self._storage.location(path)}: it holds more than tensors and plain data ({why})"
-            ) from exc
-        except FileNotFoundError as exc:
-            if not self._storage.exists(directory):
-                raise fmt.VanishedCheckpointError(f"{self._storage.location(directory)} was deleted while it was "
-                                                  "read") from exc
-            raise CorruptCheckpointError(f"cannot load {self._storage.location(path)}: {exc}") from exc
-        except (OSError, RuntimeError, EOFError) as exc:
-            raise CorruptCheckpointError(f"cannot load {self._storage.location(path)}: {exc}") from exc
-
     def _restore_rng(self, rng: Any, manifest: dict[str, Any], step: int) -> None:
         rank = self._coord.rank
         if rng is not None:
@@ -260,6 +241,32 @@ class CheckpointReader:
         seed = snap.fallback_seed(manifest["files"][fmt.rank_file(0)]["sha256"], rank)
         snap.seed_rng(seed)
         logger.info("rank %d has no saved RNG state in step %d; seeded RNGs with %d", rank, step, seed)
+
+
+def load_file(storage: Storage, directory: str, name: str, files_at: str) -> Any:
+    """``torch.load(weights_only=True)`` one file of the checkpoint in ``directory`` (its files in ``files_at``).
+
+    Raises:
+        CorruptCheckpointError: It cannot be read or loaded; a subclass of it when it holds more
+            than tensors and plain data (code: never run, never skipped silently).
+        VanishedCheckpointError: The checkpoint was deleted meanwhile.
+    """
+    path = fmt.join(files_at, name)
+    try:
+        with storage.open_read(path) as f:
+            # weights_only: a checkpoint file must never be a way to run code.
+            return torch.load(f, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        why = next(iter(str(exc).strip().splitlines()), "")  # torch's message goes on for lines
+        raise _NotPlainData(
+            f"refusing to load {storage.location(path)}: it holds more than tensors and plain data ({why})"
+        ) from exc
+    except FileNotFoundError as exc:
+        if not storage.exists(directory):
+            raise fmt.VanishedCheckpointError(f"{storage.location(directory)} was deleted while it was read") from exc
+        raise CorruptCheckpointError(f"cannot load {storage.location(path)}: {exc}") from exc
+    except (OSError, RuntimeError, EOFError) as exc:
+        raise CorruptCheckpointError(f"cannot load {storage.location(path)}: {exc}") from exc
 
 
 @dataclass(frozen=True, slots=True)

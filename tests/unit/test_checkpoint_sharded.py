@@ -241,7 +241,9 @@ class _Payload:
         return (Path.write_text, (self.marker, "code ran"))
 
 
-def test_a_checkpoint_file_replaced_by_a_crafted_pickle_runs_no_code(saved: Path, tmp_path: Path) -> None:
+def test_a_checkpoint_file_replaced_by_a_crafted_pickle_runs_no_code(
+    saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     marker = tmp_path / "marker"
     crafted = pickle.dumps({"x": _Payload(marker)}, protocol=2)
     buffer = io.BytesIO()
@@ -268,6 +270,8 @@ def test_a_checkpoint_file_replaced_by_a_crafted_pickle_runs_no_code(saved: Path
     assert "refusing to load" in str(raised.value) and "\n" not in str(raised.value)
     assert not marker.exists()
     assert cli_main(["checkpoint", "export", str(ckpt), str(tmp_path / "out.safetensors")]) == 1
+    err = capsys.readouterr().err
+    assert "refusing to load" in err and err.count("\n") == 1
     assert not marker.exists() and not (tmp_path / "out.safetensors").exists()
 
 
