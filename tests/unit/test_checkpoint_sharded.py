@@ -1,5 +1,6 @@
 """Sharded checkpoints: DTensor state saved by real gloo processes, each writing its own shards, and
-restored at other world sizes and meshes (fsdp 4 -> 3 -> 1, hsdp 2x2 -> fsdp 3, DDP -> fsdp).
+restored at other world sizes and meshes (fsdp 4 -> 3 -> 1, fsdp 4 -> hsdp 2x2, hsdp 2x2 -> fsdp 3,
+DDP -> fsdp).
 
 One 4-rank job saves every case, one 3-rank job restores them, and the test process (world size
 1, no process group) restores into plain tensors, corrupts copies and exports. Run as a script,
@@ -135,13 +136,14 @@ def test_each_rank_writes_only_its_own_shards_and_replicas_write_each_shard_once
     assert "shards_00000.bin" in hsdp["files"] and "shards_00002.bin" in hsdp["files"]
 
 
-def test_fsdp_checkpoint_of_4_ranks_restores_identical_full_tensors_at_3_ranks(saved: Path) -> None:
+def test_fsdp_checkpoint_of_4_ranks_restores_identical_full_tensors_at_3_ranks_and_at_hsdp_2x2(saved: Path) -> None:
     expected = torch.load(saved / "A2.pt", weights_only=True)
     got = torch.load(saved / "A_at3.pt", weights_only=True)
     assert _same(got["model"], expected["model"])
     assert _same(got["optimizer"], expected["optimizer"])  # exp_avg, exp_avg_sq and step of every parameter
     assert got["info"] == [2, 4]
     assert got["trained"]  # and the restored optimizer steps
+    assert _same(torch.load(saved / "A_hsdp.pt", weights_only=True), expected)  # and at hsdp 2x2
     # Through torch's get/set_model_state_dict and get/set_optimizer_state_dict (FQN keys).
     got_b = torch.load(saved / "B_at3.pt", weights_only=True)
     assert _same(got_b["model"], expected["model"])
@@ -431,11 +433,11 @@ def _worker(role: str, rank: int, world_size: int, tmp: Path) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store-{role}", rank=rank, world_size=world_size)
     mesh = init_device_mesh("cpu", (world_size,))
 
-    def sharded_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    def sharded_model(on: Any = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         model = _model()
         for layer in model[::2]:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=on or mesh)
+        fully_shard(model, mesh=on or mesh)
         return model, torch.optim.AdamW(model.parameters(), lr=0.1)
 
     class ModelState:
@@ -471,7 +473,14 @@ def _worker(role: str, rank: int, world_size: int, tmp: Path) -> None:
                     torch.save(expected, tmp / f"A{step}.pt")
         with CheckpointManager(tmp / "B", async_save=True) as mgr:
             mgr.save(2, {"model": ModelState(model), "optimizer": OptimizerState(model, opt)})
-        mesh2 = init_device_mesh("cpu", (2, 2))
+        mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        hsdp, hsdp_opt = sharded_model(mesh2)  # fsdp at 4 -> hsdp 2x2 (FSDP2 on a 2-D mesh)
+        with CheckpointManager(tmp / "A") as mgr:
+            mgr.restore({"model": hsdp, "optimizer": hsdp_opt})
+        assert [p.placements for p in hsdp.parameters()] == [(Replicate(), Shard(0))] * 6
+        restored = {"model": _full(hsdp.state_dict()), "optimizer": _optimizer_full(hsdp_opt)}
+        if rank == 0:
+            torch.save(restored, tmp / "A_hsdp.pt")
         values: dict[str, Any] = {k: distribute_tensor(v, mesh2, [Replicate(), Shard(0)]) for k, v in hsdp_full.items()}
         with CheckpointManager(tmp / "C") as mgr:
             mgr.save(1, {"values": Holder(values | {"plain": torch.ones(2), "n": 7})})
