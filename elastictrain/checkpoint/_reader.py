@@ -6,6 +6,7 @@ if one does not verify on any rank, every rank tries the one before.
 
 from __future__ import annotations
 
+import io
 import logging
 import pickle
 from collections.abc import Mapping
@@ -19,7 +20,7 @@ from elastictrain.errors import CheckpointError, CorruptCheckpointError
 from . import _manifest as fmt
 from . import _snapshot as snap
 from .coordinator import Coordinator
-from .storage import Storage
+from .storage import ObjectStore, Storage
 
 __all__ = ["CheckpointReader", "RestoreInfo"]
 
@@ -178,8 +179,11 @@ class CheckpointReader:
             files_at = fmt.files_dir(directory, manifest)
             for name in names:
                 entry = manifest["files"][name]
-                fmt.verify_file(self._storage, directory, fmt.FileEntry(name, int(entry["size"]), str(entry["sha256"])),
-                                files_at)
+                expected = fmt.FileEntry(name, int(entry["size"]), str(entry["sha256"]))
+                if isinstance(self._storage, ObjectStore):  # one download, checked before it is loaded
+                    loaded.append(self._load(directory, name, files_at, expected))
+                    continue
+                fmt.verify_file(self._storage, directory, expected, files_at)
                 loaded.append(self._load(directory, name, files_at))
         except fmt.VanishedCheckpointError as exc:
             return None, ("vanished", str(exc))
@@ -194,9 +198,19 @@ class CheckpointReader:
             return None, ("fatal", f"{self._storage.location(directory)}: {fmt.REPLICATED} has no state")
         return (content, loaded[1] if len(loaded) > 1 else None), None
 
-    def _load(self, directory: str, name: str, files_at: str) -> Any:
+    def _load(self, directory: str, name: str, files_at: str, expected: fmt.FileEntry | None = None) -> Any:
+        """``torch.load`` one file; with ``expected`` (an object store), from the bytes of the one
+        download that checked its size and sha256 as they arrived."""
         path = fmt.join(files_at, name)
         try:
+            if expected is not None:
+                assert isinstance(self._storage, ObjectStore)  # noqa: S101 - the caller checked
+                data, digest = self._storage.read_hashed(path)
+                if len(data) != expected.size or digest != expected.sha256:
+                    problem = (f"has {len(data)} bytes, manifest says {expected.size}" if len(data) != expected.size
+                               else "does not match its sha256 checksum")
+                    raise CorruptCheckpointError(f"checkpoint {self._storage.location(directory)}: {name} {problem}")
+                return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             with self._storage.open_read(path) as f:
                 # weights_only: a checkpoint file must never be a way to run code.
                 return torch.load(f, map_location="cpu", weights_only=True)

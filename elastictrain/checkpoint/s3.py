@@ -25,14 +25,16 @@ bucket, the key and S3's error code.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import hashlib
 import io
 import logging
 import os
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO
 
@@ -296,31 +298,71 @@ class S3Storage:
     def _put(self, key: str, body: bytes | bytearray | memoryview) -> None:
         self._call("writing", key, "put_object", Key=key, Body=bytes(body), IfNoneMatch="*")
 
+    def write_if_unchanged(self, path: str, data: bytes, *, tag: str) -> None:
+        """See :class:`~elastictrain.checkpoint.storage.ObjectStore`: one ``PutObject`` with
+        ``If-Match: <ETag>``."""
+        key = self._key(path)
+        self._call("replacing", key, "put_object", Key=key, Body=bytes(data), IfMatch=tag)
+
+    def read_tagged(self, path: str) -> tuple[bytes, str]:
+        """See :class:`~elastictrain.checkpoint.storage.ObjectStore`: one ``GetObject``; the tag is the ETag."""
+        key = self._key(path)
+        response = self._call("reading", key, "get_object", Key=key)
+        return self._body(key, response), str(response["ETag"])
+
     @contextlib.contextmanager
     def open_read(self, path: str) -> Iterator[BinaryIO]:
         """See base class. Reads the whole object into memory (in ranges, on a few threads):
         ``torch.load`` needs a seekable file."""
-        key = self._key(path)
+        yield io.BytesIO(self._download(self._key(path), None))
+
+    def read_hashed(self, path: str) -> tuple[bytes, str]:
+        """See :class:`~elastictrain.checkpoint.storage.ObjectStore`: ranges download on a few
+        threads while the bytes already here are hashed, in order."""
+        digest = hashlib.sha256()
+        return self._download(self._key(path), digest.update), digest.hexdigest()
+
+    def _download(self, key: str, on_chunk: Callable[[bytes], None] | None) -> bytes:
+        """The whole object ``key``, in ranges of ``part_size`` with at most ``concurrency`` in
+        flight; ``on_chunk`` sees each range in order as it arrives."""
         size = self._size(key)
-        if size <= self._part_size:
-            yield io.BytesIO(self._get(key, None))
-            return
         ranges = [(start, min(start + self._part_size, size) - 1) for start in range(0, size, self._part_size)]
-        with ThreadPoolExecutor(min(self._concurrency, len(ranges)), thread_name_prefix="elastictrain-s3") as pool:
-            chunks = list(pool.map(lambda r: self._get(key, r), ranges))
-        data = b"".join(chunks)
+        if len(ranges) <= 1:
+            chunks = [self._get(key, None)]
+            if on_chunk is not None:
+                on_chunk(chunks[0])
+        else:
+            chunks = []
+            with ThreadPoolExecutor(min(self._concurrency, len(ranges)), thread_name_prefix="elastictrain-s3") as pool:
+                pending: collections.deque[Future[bytes]] = collections.deque()
+                for byte_range in ranges:
+                    pending.append(pool.submit(self._get, key, byte_range))
+                    if len(pending) >= self._concurrency:  # bounded memory: consume the oldest first
+                        chunks.append(self._consume(pending.popleft(), on_chunk))
+                while pending:
+                    chunks.append(self._consume(pending.popleft(), on_chunk))
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         del chunks
         if len(data) != size:  # replaced while read: the checksum would fail anyway
             raise S3Error(f"reading {self.location_of_key(key)}: got {len(data)} bytes of {size}")
-        yield io.BytesIO(data)
+        return data
+
+    @staticmethod
+    def _consume(future: Future[bytes], on_chunk: Callable[[bytes], None] | None) -> bytes:
+        chunk = future.result()
+        if on_chunk is not None:
+            on_chunk(chunk)  # hashlib releases the GIL: the other ranges keep downloading
+        return chunk
 
     def _get(self, key: str, byte_range: tuple[int, int] | None) -> bytes:
         kwargs: dict[str, Any] = {"Key": key}
         if byte_range is not None:
             kwargs["Range"] = f"bytes={byte_range[0]}-{byte_range[1]}"
-        response = self._call("reading", key, "get_object", **kwargs)
+        return self._body(key, self._call("reading", key, "get_object", **kwargs))
+
+    def _body(self, key: str, response: dict[str, Any]) -> bytes:
         try:
-            return response["Body"].read()
+            return bytes(response["Body"].read())
         except Exception as exc:  # the connection broke mid-body
             raise S3Error(f"reading {self.location_of_key(key)}: {exc}") from exc
 
