@@ -452,20 +452,30 @@ class _Upload:
         self._size = 0
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
+        # One copy of each byte: a part is sliced straight out of ``data`` where it can be (the
+        # caller may reuse its buffer once this returns, so the part cannot be a view of it).
         view = memoryview(data).cast("B")
-        self._buffer += view
-        self._size += len(view)
+        size = len(view)
         part = self._storage._part_size  # noqa: SLF001 - one module
-        while len(self._buffer) >= part:
-            chunk = bytes(self._buffer[:part])
-            del self._buffer[:part]
-            self._submit(chunk)
-        return len(view)
+        start = 0
+        if self._buffer:
+            start = min(part - len(self._buffer), size)
+            self._buffer += view[:start]
+            if len(self._buffer) == part:
+                self._submit(self._buffer)
+                self._buffer = bytearray()
+        while size - start >= part:
+            self._submit(bytes(view[start:start + part]))
+            start += part
+        if start < size:
+            self._buffer += view[start:]
+        self._size += size
+        return size
 
     def flush(self) -> None:
         pass
 
-    def _submit(self, chunk: bytes) -> None:
+    def _submit(self, chunk: bytes | bytearray) -> None:
         storage = self._storage
         if self._upload_id is None:
             reply = storage._call("starting an upload of", self._key, "create_multipart_upload",  # noqa: SLF001
@@ -479,7 +489,7 @@ class _Upload:
         number = len(self._parts) + 1
         self._parts.append(self._pool.submit(self._upload_part, number, chunk))
 
-    def _upload_part(self, number: int, chunk: bytes) -> dict[str, Any]:
+    def _upload_part(self, number: int, chunk: bytes | bytearray) -> dict[str, Any]:
         reply = self._storage._call("uploading part of", self._key, "upload_part",  # noqa: SLF001
                                     Key=self._key, UploadId=self._upload_id, PartNumber=number, Body=chunk)
         return {"PartNumber": number, "ETag": reply["ETag"]}
@@ -490,7 +500,7 @@ class _Upload:
             storage._put(self._key, self._buffer)  # noqa: SLF001
             return
         if self._buffer or not self._parts:
-            self._submit(bytes(self._buffer))
+            self._submit(self._buffer)
             self._buffer = bytearray()
         parts = [f.result() for f in self._parts]
         storage._call("completing the upload of", self._key, "complete_multipart_upload",  # noqa: SLF001

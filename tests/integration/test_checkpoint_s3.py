@@ -4,7 +4,10 @@ port, and a proxy in front of it for throttling, denial and stalls. No client ca
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
+import random
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -100,6 +103,23 @@ def test_a_save_uploads_each_file_in_parts_and_commits_by_a_manifest_written_las
     assert head["ETag"].endswith('-3"'), head["ETag"]  # a multipart upload of three parts
     step, weight = _restored_weight(f"s3://{bucket}/run", width=1800)
     assert step == 7 and torch.equal(weight, model.weight)
+
+
+def test_writes_of_any_size_upload_the_same_bytes_in_parts_and_read_back_with_their_sha256(
+        s3_env: str, bucket: str) -> None:
+    data = random.Random(3).randbytes(4 * PART + 12345)
+    storage = S3Storage(bucket, part_size=PART)
+    view, start = memoryview(data), 0
+    with storage.open_write("blob") as f:  # part boundaries fall inside writes, and writes span parts
+        for size in itertools.cycle([1, PART - 1, 2, 2 * PART + 7, 3, PART // 3]):
+            f.write(view[start:start + size])
+            start += size
+            if start >= len(data):
+                break
+    head = client(s3_env).head_object(Bucket=bucket, Key="blob")
+    assert head["ETag"].endswith('-5"'), head["ETag"]
+    assert client(s3_env).get_object(Bucket=bucket, Key="blob")["Body"].read() == data
+    assert storage.read_hashed("blob") == (data, hashlib.sha256(data).hexdigest())
 
 
 CRASH_SCRIPT = """\
