@@ -23,7 +23,8 @@ One save, called by every rank with the same step:
 
 In an object store (an ``ObjectStore``: no atomic rename) the ranks write into
 ``step_<N>.data-<nonce>`` instead, and rank 0 commits by writing ``step_<N>/MANIFEST.json``
-last, create-only, naming that prefix: the create is the commit point. Retention then
+last, create-only, naming that prefix: the create is the commit point (saving a step again
+replaces its manifest only if it is still the one read: ``If-Match``). Retention then
 deletes a retired checkpoint's manifest before its data, and every data prefix no
 manifest names (a crashed or refused save's), and aborts unfinished uploads.
 

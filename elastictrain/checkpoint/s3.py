@@ -10,7 +10,10 @@ upload whose parts go out on a few threads while ``torch.save`` streams into the
 (the bytes come straight from the snapshot in memory: no temporary file); the
 ``CompleteMultipartUpload`` carries the condition. Of two writers of one key exactly one
 succeeds, the other gets ``FileExistsError`` (S3's 412 ``PreconditionFailed``, or 409
-``ConditionalRequestConflict`` while the two race).
+``ConditionalRequestConflict`` while the two race). The one replacement, a manifest of a step
+saved again, is ``write_if_unchanged``: a ``PutObject`` with ``If-Match`` on the ETag read.
+A reader downloads a file once (``read_hashed``): ranges on a few threads, hashed in order as
+they arrive.
 
 The client is boto3's: credentials, region and endpoint come from where the AWS SDKs look for
 them (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``, ``AWS_PROFILE`` and
