@@ -168,8 +168,8 @@ class ChaosConfig:
                 raise ConfigError(f"{kind.value} needs netns=True (--netns): nodes on loopback cannot be cut off")
             if fault.needs_checkpoint_disk and self.checkpoint_dir:
                 raise ConfigError(f"{kind.value} fills a local filesystem; the checkpoints are in "
-                                  f"{self.checkpoint_dir}, "
-                                  "an object store with no disk of the run's own to fill: leave it out")
+                                  f"{self.checkpoint_dir}, an object store with no disk of the run's own to fill: "
+                                  "leave it out")
             if fault.needs_checkpoint_disk and not self.checkpoint_disk_mb:
                 raise ConfigError(f"{kind.value} needs checkpoint_disk_mb (--checkpoint-disk-mb): a filesystem of the "
                                   "run's own to fill, never the host's")

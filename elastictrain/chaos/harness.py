@@ -145,6 +145,8 @@ class Harness:
         if self.run_dir.exists() and any(self.run_dir.iterdir()):
             raise ConfigError(f"run directory {self.run_dir} is not empty")
         check_writable_dir(str(self.run_dir), "--run-dir")
+        if config.checkpoint_dir:
+            _check_location_empty(config.checkpoint_dir)
         (self.run_dir / "nodes").mkdir()
         self.checkpoint_dir = self.run_dir / "ckpt"
         """Where the job is to keep its checkpoints (``--ckpt {run_dir}/ckpt``) unless ``checkpoint_dir``
@@ -362,8 +364,6 @@ class Harness:
         config = self.config
         reference = None
         try:
-            if config.checkpoint_dir:
-                _check_location_empty(config.checkpoint_dir)
             if config.checkpoint_disk_mb:
                 self.checkpoint_dir.mkdir()
                 mount_small_disk(self.checkpoint_dir, config.checkpoint_disk_mb)
@@ -533,7 +533,8 @@ def run_chaos(config: ChaosConfig) -> ChaosResult:
     """Run one chaos run end to end; see the module docstring.
 
     Raises:
-        ConfigError: A bad configuration, or a non-empty ``run_dir``.
+        ConfigError: A bad configuration, a non-empty ``run_dir``, or a ``checkpoint_dir`` that
+            holds anything or cannot be read.
         EtcdServerError: etcd could not be started.
     """
     return Harness(config).run()

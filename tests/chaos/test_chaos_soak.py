@@ -8,7 +8,8 @@
   ``elastictrain chaos --faults N --seed S --etcd-members 3``.
 - A soak with the checkpoints in S3: ``ELASTICTRAIN_SOAK_S3_FAULTS`` random faults (default
   30) as above (``disk_full`` left out: it fills a local filesystem), the job checkpointing
-  into a local S3 server (moto's standalone server, as the S3 integration tests start it).
+  into a local S3 server (moto's standalone server, as the S3 integration tests start it);
+  ``ELASTICTRAIN_SOAK_S3_RECOVERY=restart`` makes every fault restore from S3.
 - A soak with hot spares: ``ELASTICTRAIN_SOAK_SPARE_FAULTS`` random faults (default 20)
   against 3 nodes of a job of 2 nodes (the third waits as a spare).
 - The planted bugs of tests/scripts/chaos_job.py: each must make the
@@ -37,7 +38,7 @@ pytestmark = pytest.mark.soak
 
 
 def _soak(run_dir: Path, *, faults: int, seed: int, kinds: tuple[FaultKind, ...], nodes: int, min_nodes: int,
-          max_nodes: int, etcd_members: int, checkpoint_dir: str = "") -> None:
+          max_nodes: int, etcd_members: int, checkpoint_dir: str = "", recovery: str = "in-process") -> None:
     # A gap of up to 5 steps and steps redone, and a straggler trains through 25 slow steps.
     steps_needed = faults * 7 + 12 + (faults * 25 if FaultKind.STRAGGLER in kinds else 0)
     result = run_chaos(ChaosConfig(
@@ -45,7 +46,7 @@ def _soak(run_dir: Path, *, faults: int, seed: int, kinds: tuple[FaultKind, ...]
         etcd_members=etcd_members,
         script_args=("--ckpt", "{checkpoint_dir}", "--samples", "384", "--epochs", str(-(-steps_needed // 24)),
                      "--ckpt-every", "3"),
-        checkpoint_dir=checkpoint_dir,
+        checkpoint_dir=checkpoint_dir, recovery=recovery,
         faults=faults, seed=seed, kinds=kinds, netns=any(kind.fault_class.needs_netns for kind in kinds),
         checkpoint_disk_mb=256 if any(kind.fault_class.needs_checkpoint_disk for kind in kinds) else 0,
         deadline=3.5 * 3600,
@@ -88,7 +89,8 @@ def test_soak_with_checkpoints_in_s3_keeps_every_invariant(tmp_path: Path, monke
         _soak(tmp_path / "soak", faults=int(os.environ.get("ELASTICTRAIN_SOAK_S3_FAULTS", "30")),
               seed=int(os.environ.get("ELASTICTRAIN_SOAK_SEED", "1")),
               kinds=parse_kinds(os.environ.get("ELASTICTRAIN_SOAK_KINDS", kinds)),
-              nodes=3, min_nodes=2, max_nodes=3, etcd_members=3, checkpoint_dir=f"s3://{new_bucket(endpoint)}/soak")
+              nodes=3, min_nodes=2, max_nodes=3, etcd_members=3, checkpoint_dir=f"s3://{new_bucket(endpoint)}/soak",
+              recovery=os.environ.get("ELASTICTRAIN_SOAK_S3_RECOVERY", "in-process"))
 
 
 @pytest.mark.timeout(3600)
