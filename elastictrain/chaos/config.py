@@ -175,11 +175,11 @@ class ChaosConfig:
                                   "run's own to fill, never the host's")
         if self.checkpoint_dir:
             if not self.checkpoint_dir.startswith("s3://"):
-                raise ConfigError("checkpoint_dir must be an s3://bucket/prefix URL (a local one is {run_dir}/ckpt), "
-                                  f"got {self.checkpoint_dir!r}")
+                raise ConfigError("checkpoint_dir (--checkpoint-dir) must be an s3://bucket/prefix URL (a local one "
+                                  f"is {{run_dir}}/ckpt), got {self.checkpoint_dir!r}")
             if self.checkpoint_disk_mb:
-                raise ConfigError("checkpoint_disk_mb mounts a filesystem for the checkpoints; they are in "
-                                  f"{self.checkpoint_dir}: give one or the other")
+                raise ConfigError("checkpoint_disk_mb (--checkpoint-disk-mb) mounts a filesystem for the checkpoints; "
+                                  f"they are in {self.checkpoint_dir}: give one or the other")
         if self.netns:
             check_available()
         if self.faults < 0:

@@ -276,7 +276,7 @@ def test_checkpoints_in_an_object_store_refuse_the_faults_that_fill_a_local_disk
     with pytest.raises(ConfigError, match="disk_full fills a local filesystem; the checkpoints are in s3://bucket/chaos"):
         ChaosConfig(script=str(script), run_dir=run_dir, checkpoint_dir=url,
                     schedule=tuple(parse_schedule("disk_full@3")))
-    with pytest.raises(ConfigError, match="checkpoint_disk_mb mounts a filesystem"):
+    with pytest.raises(ConfigError, match="checkpoint_disk_mb .--checkpoint-disk-mb. mounts a filesystem"):
         ChaosConfig(script=str(script), run_dir=run_dir, checkpoint_dir=url, checkpoint_disk_mb=64)
     with pytest.raises(ConfigError, match="must be an s3://bucket/prefix URL"):
         ChaosConfig(script=str(script), run_dir=run_dir, checkpoint_dir=str(tmp_path / "ckpt"))

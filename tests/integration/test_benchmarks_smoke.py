@@ -93,7 +93,8 @@ def test_step_overhead_runs_the_three_loops_in_turns_and_reports_each(tmp_path: 
     assert row.count("%") == 2 and f"{tiny['inprocess_paired_overhead_pct']:+.1f}%" in row, row
 
 
-# In the default suite (about 8 s): nothing else runs this benchmark's code (issue 44).
+# In the default suite (21 s on the 2-core VM at load 13; one repetition, no warm-up): nothing else runs
+# this benchmark's code (issue 44).
 @pytest.mark.timeout(180)
 def test_checkpoint_s3_saves_restores_and_uploads_to_a_local_s3_server_and_reports_each(tmp_path: Path) -> None:
     out = tmp_path / "checkpoint_s3.json"
