@@ -7,6 +7,7 @@ if one does not verify on any rank, every rank tries the one before.
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import pickle
 from collections.abc import Iterator, Mapping
@@ -22,7 +23,7 @@ from . import _reshard as reshard
 from . import _snapshot as snap
 from ._index import parse_index
 from .coordinator import Coordinator
-from .storage import Storage
+from .storage import ObjectStore, Storage
 
 __all__ = ["CheckpointReader", "RestoreInfo", "load_file"]
 
@@ -189,8 +190,11 @@ class CheckpointReader:
             files_at = fmt.files_dir(directory, manifest)
             for name in names:
                 entry = manifest["files"][name]
-                fmt.verify_file(self._storage, directory, fmt.FileEntry(name, int(entry["size"]), str(entry["sha256"])),
-                                files_at)
+                expected = fmt.FileEntry(name, int(entry["size"]), str(entry["sha256"]))
+                if isinstance(self._storage, ObjectStore):  # one download, checked before it is loaded
+                    loaded.append(load_file(self._storage, directory, name, files_at, expected))
+                    continue
+                fmt.verify_file(self._storage, directory, expected, files_at)
                 loaded.append(load_file(self._storage, directory, name, files_at))
             content = loaded[0]
             if not isinstance(content, dict) or not {"stateful", "extras"} <= content.keys():
@@ -243,8 +247,12 @@ class CheckpointReader:
         logger.info("rank %d has no saved RNG state in step %d; seeded RNGs with %d", rank, step, seed)
 
 
-def load_file(storage: Storage, directory: str, name: str, files_at: str) -> Any:
+def load_file(storage: Storage, directory: str, name: str, files_at: str, expected: fmt.FileEntry | None = None
+              ) -> Any:
     """``torch.load(weights_only=True)`` one file of the checkpoint in ``directory`` (its files in ``files_at``).
+
+    With ``expected`` (an object store): from the bytes of the one download that checked their size
+    and sha256 as they arrived, before anything is loaded from them.
 
     Raises:
         CorruptCheckpointError: It cannot be read or loaded; a subclass of it when it holds more
@@ -253,8 +261,17 @@ def load_file(storage: Storage, directory: str, name: str, files_at: str) -> Any
     """
     path = fmt.join(files_at, name)
     try:
-        with storage.open_read(path) as f:
+        if expected is not None:
+            if not isinstance(storage, ObjectStore):
+                raise ValueError(f"a checked one-pass read needs an object store, not {storage!r}")
+            data, digest = storage.read_hashed(path)
+            if len(data) != expected.size or digest != expected.sha256:
+                problem = (f"has {len(data)} bytes, manifest says {expected.size}" if len(data) != expected.size
+                           else "does not match its sha256 checksum")
+                raise CorruptCheckpointError(f"checkpoint {storage.location(directory)}: {name} {problem}")
             # weights_only: a checkpoint file must never be a way to run code.
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        with storage.open_read(path) as f:
             return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         why = next(iter(str(exc).strip().splitlines()), "")  # torch's message goes on for lines
