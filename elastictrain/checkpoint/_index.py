@@ -93,11 +93,6 @@ class TensorMeta:
     shape: tuple[int, ...]
     chunks: tuple[ChunkMeta, ...]
 
-    def to_json(self) -> dict[str, Any]:
-        """The tensor as the manifest records it (without its key)."""
-        return {"path": list(self.path), "dtype": _NAMES[self.dtype], "shape": list(self.shape),
-                "chunks": [c.to_json() for c in self.chunks]}
-
 
 def parse_index(raw: Any, where: str) -> dict[str, TensorMeta]:
     """Parse and check a manifest's ``tensors``.

@@ -45,7 +45,7 @@ import torch
 from elastictrain.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
 
 from ._index import parse_index
-from .storage import Storage
+from .storage import ObjectStore, Storage
 
 __all__ = [
     "FORMAT_VERSION",
@@ -233,6 +233,7 @@ def write_file(
 def write_manifest(
     storage: Storage, directory: str, *, step: int, world_size: int, saved_at: float, files: list[FileEntry],
     fence: int | None = None, data: str | None = None, tensors: dict[str, Any] | None = None,
+    replacing: str | None = None,
 ) -> None:
     """Write the manifest of a checkpoint into ``directory`` (durably; create-only).
 
@@ -240,9 +241,12 @@ def write_manifest(
         data: The data prefix beside ``directory`` that holds the files (an object store's
             commit); ``None``: they are in ``directory``.
         tensors: The tensor index of a sharded checkpoint (format 2); ``None``: a DDP one (format 1).
+        replacing: In an object store, replace the manifest there instead, if it is still the
+            version this tag names (``ObjectStore.write_if_unchanged``).
 
     Raises:
-        FileExistsError: ``directory`` has a manifest already.
+        FileExistsError: ``directory`` has a manifest already (with ``replacing``: another one).
+        FileNotFoundError: With ``replacing``: the manifest is gone.
         OSError: Writing failed.
     """
     manifest: dict[str, Any] = {
@@ -258,8 +262,14 @@ def write_manifest(
         manifest["data"] = data
     if tensors is not None:
         manifest["tensors"] = tensors
+    body = json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n"
+    if replacing is not None:
+        if not isinstance(storage, ObjectStore):
+            raise ValueError(f"replacing a manifest needs an object store, not {storage!r}")
+        storage.write_if_unchanged(join(directory, MANIFEST), body, tag=replacing)
+        return
     with storage.open_write(join(directory, MANIFEST)) as f:
-        f.write(json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n")
+        f.write(body)
 
 
 def verify(storage: Storage, directory: str, step: int, *, checksums: bool = True) -> dict[str, Any]:

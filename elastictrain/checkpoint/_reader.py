@@ -7,6 +7,7 @@ if one does not verify on any rank, every rank tries the one before.
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import pickle
 from collections.abc import Iterator, Mapping
@@ -22,9 +23,9 @@ from . import _reshard as reshard
 from . import _snapshot as snap
 from ._index import parse_index
 from .coordinator import Coordinator
-from .storage import Storage
+from .storage import ObjectStore, Storage
 
-__all__ = ["CheckpointReader", "RestoreInfo"]
+__all__ = ["CheckpointReader", "RestoreInfo", "load_file"]
 
 logger = logging.getLogger(__name__)
 _events = logging.getLogger("elastictrain.events")
@@ -189,20 +190,25 @@ class CheckpointReader:
             files_at = fmt.files_dir(directory, manifest)
             for name in names:
                 entry = manifest["files"][name]
-                fmt.verify_file(self._storage, directory, fmt.FileEntry(name, int(entry["size"]), str(entry["sha256"])),
-                                files_at)
-                loaded.append(self._load(directory, name, files_at))
+                expected = fmt.FileEntry(name, int(entry["size"]), str(entry["sha256"]))
+                if isinstance(self._storage, ObjectStore):  # one download, checked before it is loaded
+                    loaded.append(load_file(self._storage, directory, name, files_at, expected))
+                    continue
+                fmt.verify_file(self._storage, directory, expected, files_at)
+                loaded.append(load_file(self._storage, directory, name, files_at))
             content = loaded[0]
             if not isinstance(content, dict) or not {"stateful", "extras"} <= content.keys():
                 return None, ("fatal", f"{self._storage.location(directory)}: {fmt.REPLICATED} has no state")
             index = parse_index(manifest.get("tensors"), self._storage.location(directory)) \
                 if manifest["format_version"] == fmt.SHARDED_FORMAT_VERSION else {}
             if index or reshard.needs_filling(templates.state_dicts):
-                saved = {**content["extras"], **content["stateful"]}  # DTensors may sit in either
+                # DTensors may sit in either kind; entries the state does not ask for are not read.
+                saved = {name: value for kind in ("extras", "stateful") for name, value in content[kind].items()
+                         if name in templates.state_dicts}
                 filled = reshard.fill(saved, templates.state_dicts, index,
                                       lambda name: self._open(directory, name, files_at), params=templates.params,
                                       where=self._storage.location(directory))
-                content = {**content, **{kind: {name: filled[name] for name in content[kind]}
+                content = {**content, **{kind: {name: filled.get(name, value) for name, value in content[kind].items()}
                                          for kind in ("stateful", "extras")}}
         except CheckpointMismatchError as exc:
             return None, ("mismatch", str(exc))
@@ -231,25 +237,6 @@ class CheckpointReader:
             raise CorruptCheckpointError(f"checkpoint {self._storage.location(directory)}: {name} is missing") \
                 from exc
 
-    def _load(self, directory: str, name: str, files_at: str) -> Any:
-        path = fmt.join(files_at, name)
-        try:
-            with self._storage.open_read(path) as f:
-                # weights_only: a checkpoint file must never be a way to run code.
-                return torch.load(f, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as exc:
-            why = next(iter(str(exc).strip().splitlines()), "")  # torch's message goes on for lines
-            raise _NotPlainData(
-                f"refusing to load {self._storage.location(path)}: it holds more than tensors and plain data ({why})"
-            ) from exc
-        except FileNotFoundError as exc:
-            if not self._storage.exists(directory):
-                raise fmt.VanishedCheckpointError(f"{self._storage.location(directory)} was deleted while it was "
-                                                  "read") from exc
-            raise CorruptCheckpointError(f"cannot load {self._storage.location(path)}: {exc}") from exc
-        except (OSError, RuntimeError, EOFError) as exc:
-            raise CorruptCheckpointError(f"cannot load {self._storage.location(path)}: {exc}") from exc
-
     def _restore_rng(self, rng: Any, manifest: dict[str, Any], step: int) -> None:
         rank = self._coord.rank
         if rng is not None:
@@ -258,6 +245,45 @@ class CheckpointReader:
         seed = snap.fallback_seed(manifest["files"][fmt.rank_file(0)]["sha256"], rank)
         snap.seed_rng(seed)
         logger.info("rank %d has no saved RNG state in step %d; seeded RNGs with %d", rank, step, seed)
+
+
+def load_file(storage: Storage, directory: str, name: str, files_at: str, expected: fmt.FileEntry | None = None
+              ) -> Any:
+    """``torch.load(weights_only=True)`` one file of the checkpoint in ``directory`` (its files in ``files_at``).
+
+    With ``expected`` (an object store): from the bytes of the one download that checked their size
+    and sha256 as they arrived, before anything is loaded from them.
+
+    Raises:
+        CorruptCheckpointError: It cannot be read or loaded; a subclass of it when it holds more
+            than tensors and plain data (code: never run, never skipped silently).
+        VanishedCheckpointError: The checkpoint was deleted meanwhile.
+    """
+    path = fmt.join(files_at, name)
+    try:
+        if expected is not None:
+            if not isinstance(storage, ObjectStore):
+                raise ValueError(f"a checked one-pass read needs an object store, not {storage!r}")
+            data, digest = storage.read_hashed(path)
+            if len(data) != expected.size or digest != expected.sha256:
+                problem = (f"has {len(data)} bytes, manifest says {expected.size}" if len(data) != expected.size
+                           else "does not match its sha256 checksum")
+                raise CorruptCheckpointError(f"checkpoint {storage.location(directory)}: {name} {problem}")
+            # weights_only: a checkpoint file must never be a way to run code.
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        with storage.open_read(path) as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        why = next(iter(str(exc).strip().splitlines()), "")  # torch's message goes on for lines
+        raise _NotPlainData(
+            f"refusing to load {storage.location(path)}: it holds more than tensors and plain data ({why})"
+        ) from exc
+    except FileNotFoundError as exc:
+        if not storage.exists(directory):
+            raise fmt.VanishedCheckpointError(f"{storage.location(directory)} was deleted while it was read") from exc
+        raise CorruptCheckpointError(f"cannot load {storage.location(path)}: {exc}") from exc
+    except (OSError, RuntimeError, EOFError) as exc:
+        raise CorruptCheckpointError(f"cannot load {storage.location(path)}: {exc}") from exc
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,6 @@ import contextlib
 import json
 import math
 import os
-import pickle
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,11 +26,12 @@ from typing import Any, BinaryIO
 
 import torch
 
-from elastictrain.errors import CheckpointError, ConfigError, CorruptCheckpointError
+from elastictrain.errors import CheckpointError, ConfigError
 
 from . import _manifest as fmt
 from . import _reshard as reshard
-from ._index import SAFETENSORS_DTYPES, TensorMeta, parse_index
+from ._index import SAFETENSORS_DTYPES, TensorMeta, key_of, parse_index
+from ._reader import load_file
 from ._sharded import PLACEHOLDER, tensor_bytes
 from .storage import Storage, storage_for
 
@@ -81,11 +81,7 @@ def export_safetensors(checkpoint: str | os.PathLike[str], out: str | os.PathLik
     replicated = fmt.FileEntry(fmt.REPLICATED, int(manifest["files"][fmt.REPLICATED]["size"]),
                                str(manifest["files"][fmt.REPLICATED]["sha256"]))
     fmt.verify_file(storage, directory, replicated, files_at)
-    with storage.open_read(fmt.join(files_at, fmt.REPLICATED)) as f:
-        try:
-            content = torch.load(f, map_location="cpu", weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:  # weights_only refuses code
-            raise CorruptCheckpointError(f"checkpoint {where}: cannot load {fmt.REPLICATED}: {exc}") from exc
+    content = load_file(storage, directory, fmt.REPLICATED, files_at)
     saved = content.get("stateful", {}).get(entry) if isinstance(content, dict) else None
     if not isinstance(saved, dict):
         names = sorted(content.get("stateful", {})) if isinstance(content, dict) else []
@@ -94,7 +90,7 @@ def export_safetensors(checkpoint: str | os.PathLike[str], out: str | os.PathLik
         if manifest["format_version"] == fmt.SHARDED_FORMAT_VERSION else {}
     sources: dict[str, torch.Tensor | TensorMeta] = {}
     for name, value in saved.items():
-        meta = index.get(f"{entry}/{name}")
+        meta = index.get(key_of((entry, name)))
         if meta is not None and isinstance(value, str) and value == PLACEHOLDER:
             sources[str(name)] = meta
         elif isinstance(value, torch.Tensor):

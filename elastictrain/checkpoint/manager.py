@@ -23,7 +23,8 @@ One save, called by every rank with the same step:
 
 In an object store (an ``ObjectStore``: no atomic rename) the ranks write into
 ``step_<N>.data-<nonce>`` instead, and rank 0 commits by writing ``step_<N>/MANIFEST.json``
-last, create-only, naming that prefix: the create is the commit point. Retention then
+last, create-only, naming that prefix: the create is the commit point (saving a step again
+replaces its manifest only if it is still the one read: ``If-Match``). Retention then
 deletes a retired checkpoint's manifest before its data, and every data prefix no
 manifest names (a crashed or refused save's), and aborts unfinished uploads.
 
@@ -717,35 +718,39 @@ class CheckpointManager:
                          tensors: dict[str, Any] | None) -> None:
         """Commit in an object store: the manifest, written last and create-only, names ``data``."""
         assert self._fence is not None  # noqa: S101 - claimed before the commit
+        assert isinstance(self._storage, ObjectStore)  # noqa: S101 - only called for one
         _fence.check(self._storage, self._prefix, self._fence, what=f"the commit of step {step}")
         final = fmt.join(self._prefix, fmt.step_dir(step))
+        replacing: str | None = None
         try:
-            with self._storage.open_read(fmt.join(final, fmt.MANIFEST)) as f:
-                existing = json.loads(f.read()).get("fence")
+            raw, replacing = self._storage.read_tagged(fmt.join(final, fmt.MANIFEST))
         except FileNotFoundError:
             pass
-        except (ValueError, AttributeError):  # a torn manifest: not a checkpoint, replace it
-            existing = None
         else:
+            try:
+                existing = json.loads(raw).get("fence")
+            except (ValueError, AttributeError):  # a torn manifest: not a checkpoint, replace it
+                existing = None
             if isinstance(existing, int) and existing > self._fence:
                 raise _fence.FencedError(
                     f"the commit of step {step} refused: another writer committed {self._storage.location(final)} "
                     f"first, a newer world (fencing token {existing}; this world's is {self._fence})")
-            # Saving a step again (after restoring to it): uncommit the old one first; its data
-            # is then garbage that retention deletes. A crash in between leaves the older checkpoints.
+            # Saving a step again (after restoring to it): the new manifest replaces the one just
+            # read, in one conditional request (If-Match), never one committed since by another
+            # world; the old one's data is then garbage that retention deletes.
             logger.warning("replacing the existing checkpoint of step %d", step)
-            self._storage.delete(final)
-        # The commit point: no check above can see a world that commits this step from here on;
-        # the create-only write refuses to replace its manifest.
+        # The commit point: the create-only (or replace-if-unchanged) write refuses to replace a
+        # manifest that another world wrote after the checks above.
         self._fault("before_commit")
         try:
             fmt.write_manifest(self._storage, final, step=step, world_size=self._coord.world_size,
                                saved_at=time.time(), files=entries, fence=self._fence,
-                               data=data.rpartition("/")[2], tensors=tensors)
-        except FileExistsError as exc:
+                               data=data.rpartition("/")[2], tensors=tensors, replacing=replacing)
+        except (FileExistsError, FileNotFoundError) as exc:
             raise _fence.FencedError(
                 f"the commit of step {step} refused: another writer committed {self._storage.location(final)} "
-                f"first (its manifest is create-only); this world (token {self._fence}) is likely stale") from exc
+                f"first (its manifest is written only if unchanged since this world read it); this world (token "
+                f"{self._fence}) is likely stale") from exc
         self._fault("after_commit")
 
     def _retain(self, committed: int) -> None:

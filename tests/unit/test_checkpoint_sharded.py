@@ -1,5 +1,6 @@
 """Sharded checkpoints: DTensor state saved by real gloo processes, each writing its own shards, and
-restored at other world sizes and meshes (fsdp 4 -> 3 -> 1, hsdp 2x2 -> fsdp 3, DDP -> fsdp).
+restored at other world sizes and meshes (fsdp 4 -> 3 -> 1, fsdp 4 -> hsdp 2x2, hsdp 2x2 -> fsdp 3,
+DDP -> fsdp).
 
 One 4-rank job saves every case, one 3-rank job restores them, and the test process (world size
 1, no process group) restores into plain tensors, corrupts copies and exports. Run as a script,
@@ -8,6 +9,7 @@ this module is the worker the tests spawn.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -15,13 +17,14 @@ import pickle
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from elastictrain.checkpoint import CheckpointManager, export_safetensors
+from elastictrain.checkpoint import CheckpointManager, LocalStorage, export_safetensors
 from elastictrain.errors import CheckpointMismatchError, CorruptCheckpointError, NonFiniteStateError
 from elastictrain.launch.cli import main as cli_main
 
@@ -133,18 +136,34 @@ def test_each_rank_writes_only_its_own_shards_and_replicas_write_each_shard_once
     assert "shards_00000.bin" in hsdp["files"] and "shards_00002.bin" in hsdp["files"]
 
 
-def test_fsdp_checkpoint_of_4_ranks_restores_identical_full_tensors_at_3_ranks(saved: Path) -> None:
+def test_fsdp_checkpoint_of_4_ranks_restores_identical_full_tensors_at_3_ranks_and_at_hsdp_2x2(saved: Path) -> None:
     expected = torch.load(saved / "A2.pt", weights_only=True)
     got = torch.load(saved / "A_at3.pt", weights_only=True)
     assert _same(got["model"], expected["model"])
     assert _same(got["optimizer"], expected["optimizer"])  # exp_avg, exp_avg_sq and step of every parameter
     assert got["info"] == [2, 4]
     assert got["trained"]  # and the restored optimizer steps
+    assert _same(torch.load(saved / "A_hsdp.pt", weights_only=True), expected)  # and at hsdp 2x2
     # Through torch's get/set_model_state_dict and get/set_optimizer_state_dict (FQN keys).
     got_b = torch.load(saved / "B_at3.pt", weights_only=True)
     assert _same(got_b["model"], expected["model"])
     assert _same(got_b["optimizer"]["state"], {
         f"{i // 2 * 2}.{'weight' if i % 2 == 0 else 'bias'}": v for i, v in expected["optimizer"].items()})
+
+
+def test_each_rank_reads_only_the_chunks_its_shards_overlap(saved: Path) -> None:
+    tensors = _manifest(saved / "A" / "step_00000002")["tensors"]
+    expected = [0, 0, 0]
+    for meta in tensors.values():  # rows split over 3 ranks as torch.chunk does; the saved chunks it overlaps
+        rows = meta["shape"][0]
+        step = -(-rows // 3)
+        for rank in range(3):
+            start, stop = min(rank * step, rows), min((rank + 1) * step, rows)
+            expected[rank] += sum(c["byte_length"] for c in meta["chunks"]
+                                  if c["offsets"][0] < stop and start < c["offsets"][0] + c["sizes"][0])
+    total = sum(p.stat().st_size for p in (saved / "A" / "step_00000002").glob("shards_*.bin"))
+    assert [int((saved / f"A_read{rank}").read_text()) for rank in range(3)] == expected
+    assert max(expected) < 0.6 * total
 
 
 def test_overlapped_saves_hold_the_state_of_their_step(saved: Path) -> None:
@@ -157,6 +176,13 @@ def test_overlapped_saves_hold_the_state_of_their_step(saved: Path) -> None:
         expected = torch.load(saved / f"A{step}.pt", weights_only=True)
         assert _same(_full(model.state_dict()), expected["model"])
         assert _same(_full(opt.state_dict()["state"]), expected["optimizer"])
+
+
+def test_an_optimizer_outside_an_overlapped_save_waits_for_the_copy_of_the_sharded_parameters(saved: Path) -> None:
+    model = _model()
+    with CheckpointManager(saved / "F") as mgr:
+        mgr.restore({"model": model})
+    assert _same(_full(model.state_dict()), torch.load(saved / "F.pt", weights_only=True))
 
 
 def test_hsdp_2x2_checkpoint_restores_into_fsdp_3_and_into_plain_tensors(saved: Path) -> None:
@@ -198,6 +224,22 @@ def test_a_flipped_byte_in_one_shard_falls_back_to_the_previous_checkpoint(saved
     assert _same(_full(model.state_dict()), torch.load(saved / "A1.pt", weights_only=True)["model"])
 
 
+def test_a_restore_reads_only_the_entries_its_state_names(saved: Path, tmp_path: Path) -> None:
+    ckpt = tmp_path / "A"
+    shutil.copytree(saved / "A", ckpt)
+    chunk = _manifest(ckpt / "step_00000002")["tensors"]["optimizer/state/0/exp_avg"]["chunks"][0]
+    path = ckpt / "step_00000002" / chunk["file"]
+    data = bytearray(path.read_bytes())
+    data[chunk["byte_offset"]] ^= 0x01
+    path.write_bytes(bytes(data))
+    model = _model()
+    with CheckpointManager(ckpt) as mgr:
+        info = mgr.restore({"model": model})  # the optimizer's chunks are not read: step 2 restores
+        assert info is not None and info.step == 2
+        info = mgr.restore({"model": model, "optimizer": torch.optim.AdamW(model.parameters())})
+        assert info is not None and info.step == 1
+
+
 class _Payload:
     """A pickle that writes a marker file when unpickled."""
 
@@ -208,7 +250,9 @@ class _Payload:
         return (Path.write_text, (self.marker, "code ran"))
 
 
-def test_a_checkpoint_file_replaced_by_a_crafted_pickle_runs_no_code(saved: Path, tmp_path: Path) -> None:
+def test_a_checkpoint_file_replaced_by_a_crafted_pickle_runs_no_code(
+    saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     marker = tmp_path / "marker"
     crafted = pickle.dumps({"x": _Payload(marker)}, protocol=2)
     buffer = io.BytesIO()
@@ -235,6 +279,8 @@ def test_a_checkpoint_file_replaced_by_a_crafted_pickle_runs_no_code(saved: Path
     assert "refusing to load" in str(raised.value) and "\n" not in str(raised.value)
     assert not marker.exists()
     assert cli_main(["checkpoint", "export", str(ckpt), str(tmp_path / "out.safetensors")]) == 1
+    err = capsys.readouterr().err
+    assert "refusing to load" in err and err.count("\n") == 1
     assert not marker.exists() and not (tmp_path / "out.safetensors").exists()
 
 
@@ -341,6 +387,35 @@ def _optimizer_full(opt: torch.optim.Optimizer) -> dict[int, Any]:
     return _full(opt.state_dict()["state"])
 
 
+class _CountingStorage:
+    """A LocalStorage that counts the bytes read from shard files."""
+
+    def __init__(self, inner: LocalStorage) -> None:
+        self.inner, self.shard_bytes = inner, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    @contextlib.contextmanager
+    def open_read(self, path: str) -> Iterator[Any]:
+        with self.inner.open_read(path) as f:
+            if "shards_" not in path:
+                yield f
+                return
+            counter = self
+
+            class Counted:
+                def seek(self, offset: int) -> int:
+                    return f.seek(offset)
+
+                def readinto(self, buffer: Any) -> int:
+                    n = f.readinto(buffer)
+                    counter.shard_bytes += n
+                    return n
+
+            yield Counted()
+
+
 def _worker(role: str, rank: int, world_size: int, tmp: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import (
@@ -358,11 +433,11 @@ def _worker(role: str, rank: int, world_size: int, tmp: Path) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store-{role}", rank=rank, world_size=world_size)
     mesh = init_device_mesh("cpu", (world_size,))
 
-    def sharded_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    def sharded_model(on: Any = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         model = _model()
         for layer in model[::2]:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=on or mesh)
+        fully_shard(model, mesh=on or mesh)
         return model, torch.optim.AdamW(model.parameters(), lr=0.1)
 
     class ModelState:
@@ -398,12 +473,25 @@ def _worker(role: str, rank: int, world_size: int, tmp: Path) -> None:
                     torch.save(expected, tmp / f"A{step}.pt")
         with CheckpointManager(tmp / "B", async_save=True) as mgr:
             mgr.save(2, {"model": ModelState(model), "optimizer": OptimizerState(model, opt)})
-        mesh2 = init_device_mesh("cpu", (2, 2))
+        mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        hsdp, hsdp_opt = sharded_model(mesh2)  # fsdp at 4 -> hsdp 2x2 (FSDP2 on a 2-D mesh)
+        with CheckpointManager(tmp / "A") as mgr:
+            mgr.restore({"model": hsdp, "optimizer": hsdp_opt})
+        assert [p.placements for p in hsdp.parameters()] == [(Replicate(), Shard(0))] * 6
+        restored = {"model": _full(hsdp.state_dict()), "optimizer": _optimizer_full(hsdp_opt)}
+        if rank == 0:
+            torch.save(restored, tmp / "A_hsdp.pt")
         values: dict[str, Any] = {k: distribute_tensor(v, mesh2, [Replicate(), Shard(0)]) for k, v in hsdp_full.items()}
         with CheckpointManager(tmp / "C") as mgr:
             mgr.save(1, {"values": Holder(values | {"plain": torch.ones(2), "n": 7})})
         if rank == 0:
             torch.save(hsdp_full | {"plain": torch.ones(2), "n": 7}, tmp / "C.pt")
+        with CheckpointManager(tmp / "F", async_save=True, overlap=True) as mgr:
+            mgr.save(1, {"model": model})  # the optimizer is not saved: its step waits for the parameters' copy
+            expected = _full(model.state_dict())
+            _train(model, opt, rank)
+        if rank == 0:
+            torch.save(expected, tmp / "F.pt")
         with torch.no_grad():  # one rank's shard of one parameter diverged
             if rank == 2:
                 model[2].weight.to_local()[0, 0] = float("nan")
@@ -416,9 +504,11 @@ def _worker(role: str, rank: int, world_size: int, tmp: Path) -> None:
         torch.save(outcome, tmp / f"E{rank}.pt")
     else:
         model, opt = sharded_model()
-        with CheckpointManager(tmp / "A") as mgr:
+        counting = _CountingStorage(LocalStorage(tmp / "A"))
+        with CheckpointManager("", storage=counting) as mgr:
             info = mgr.restore({"model": model, "optimizer": opt})
         assert info is not None
+        (tmp / f"A_read{rank}").write_text(str(counting.shard_bytes))
         result = {"model": _full(model.state_dict()), "optimizer": _optimizer_full(opt),
                   "info": [info.step, info.world_size]}
         _train(model, opt, rank)
