@@ -1,4 +1,4 @@
-"""Gradient accumulation under DDP: skip the gradient all-reduce on all but the last micro-batch.
+"""Gradient accumulation: skip the gradient synchronization on all but the last micro-batch.
 
 With the sampler's plans the global batch stays the same whatever the world
 size: a step is ``len(plan.micro_batches)`` forward/backward passes on every
@@ -7,18 +7,19 @@ rank. DDP would all-reduce gradients after each of them; inside
 micro-batch but the last in ``no_sync()`` and the step costs one all-reduce.
 
 DDP reads the flag in the *forward* pass, so the forward must run inside the
-loop body, while the micro-batch is current.
+loop body, while the micro-batch is current. :func:`accumulate_with` takes any such
+context (a session's parallelism strategy gives its own: FSDP2's gradient sync switch).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["accumulate", "no_sync"]
+__all__ = ["accumulate", "accumulate_with", "no_sync"]
 
 T = TypeVar("T")
 
@@ -47,13 +48,20 @@ def accumulate(model: torch.nn.Module, micro_batches: Iterable[T]) -> Iterator[T
             optimizer.step()
             sampler.commit_step(plan)
     """
+    return accumulate_with(lambda: no_sync(model), micro_batches)
+
+
+def accumulate_with(unsynced: Callable[[], contextlib.AbstractContextManager[Any]],
+                    micro_batches: Iterable[T]) -> Iterator[T]:
+    """Yield ``micro_batches``, each but the last inside a fresh ``unsynced()`` context (see
+    :func:`accumulate`, which is this with ``no_sync(model)``)."""
     items = iter(micro_batches)
     try:
         current = next(items)
     except StopIteration:
         return
     for upcoming in items:
-        with no_sync(model):
+        with unsynced():
             yield current
         current = upcoming
     yield current

@@ -3,8 +3,8 @@
 A :class:`~elastictrain.train.session.Session` trains through a sequence of
 generations: the group it starts in, then, under in-process recovery, each group
 its agent re-forms after a fault or a membership change. What depends on the
-group (the DDP wrapper and its boundary flag, the gloo group the state travels
-over, the checkpoint manager coordinating over the group) is built on one
+group (the model wrapped by the parallelism strategy, the gloo group the state
+travels over, the checkpoint manager coordinating over the group) is built on one
 :class:`Generation` and dropped with it; what outlives a generation (the model,
 the optimizer, the sampler, the committed step) stays with the session.
 """
@@ -18,15 +18,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
-from elastictrain import _torch_compat
 from elastictrain.train import peer_connections, process_group as pg
 from elastictrain.checkpoint import CheckpointManager, TorchDistributedCoordinator
 from elastictrain.errors import CheckpointError, CheckpointWriteError, ConfigError
 from elastictrain.train.control import WorkerControl
-from elastictrain.train.recovery import BoundaryFlag, abort_default_group, wrap_in_ddp
+from elastictrain.train.recovery import abort_default_group
 from elastictrain.train.session_config import SessionConfig
+from elastictrain.train.strategy import GroupView, ParallelStrategy
 
 __all__ = ["Generation"]
 
@@ -45,19 +44,23 @@ class Generation:
             the default group, which the session forms and destroys.
         in_process: Whether faults and membership changes are recovered in this process
             (the agent's control channel is open and the group is distributed).
+        strategy: How the model trains over the group (the session's, for every generation).
+        local_world_size: Workers per node.
     """
 
-    def __init__(self, placement: pg.Placement, group: dist.ProcessGroup | None, *, in_process: bool) -> None:
+    def __init__(self, placement: pg.Placement, group: dist.ProcessGroup | None, *, in_process: bool,
+                 strategy: ParallelStrategy, local_world_size: int = 1) -> None:
         self.placement = placement
         self.group = group
         self.in_process = in_process
-        self.ddp: DistributedDataParallel | None = None
-        self.flag: BoundaryFlag | None = None
+        self.strategy = strategy
+        self.local_world_size = local_world_size
+        self.model: torch.nn.Module | None = None
+        """What the forward runs through, as the strategy wrapped it (None when not distributed)."""
         self.forwards = 0
-        """Forward passes through :attr:`ddp` (the step loop resets it: a step whose last
+        """Forward passes through :attr:`model` (the step loop resets it: a step whose last
         micro-batch ran none did not synchronize its gradients)."""
         self.checkpoints: CheckpointManager | None = None
-        self._sync_buffers = False
         self._gloo: Any = None
         self._checkpoint_group: Any = None
 
@@ -128,11 +131,12 @@ class Generation:
         )
         return self.checkpoints
 
-    def wrap(self, module: torch.nn.Module, ddp_kwargs: Mapping[str, Any], *, identical: bool,
+    def wrap(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, identical: bool,
              control: WorkerControl | None) -> None:
-        """Wrap ``module`` in DDP over this group (a collective unless ``identical``: every rank
-        already holds the same state); see :func:`~elastictrain.train.recovery.wrap_in_ddp`.
-        Each forward through it counts in :attr:`forwards`.
+        """Wrap ``module`` over this group with the session's strategy (usually a collective;
+        ``identical``: every rank already holds the same state), see
+        :meth:`~elastictrain.train.strategy.ParallelStrategy.wrap`. Each forward through what it
+        returns (:attr:`model`) counts in :attr:`forwards`.
 
         Under in-process recovery, once the agent announced the next generation and no step
         finished for a while (a collective waits for a peer that is gone without closing its
@@ -142,9 +146,10 @@ class Generation:
         of after the group's timeout, and the rank re-forms."""
         if not self.placement.distributed:
             return
-        self.ddp, self.flag, self._sync_buffers = wrap_in_ddp(
-            module, ddp_kwargs, self.placement, self.group, in_process=self.in_process, identical=identical)
-        self.ddp.register_forward_pre_hook(self._count_forward)
+        view = GroupView(placement=self.placement, group=self.group, in_process=self.in_process,
+                         local_world_size=self.local_world_size)
+        self.model = self.strategy.wrap(module, optimizer, view, identical=identical)
+        self.model.register_forward_pre_hook(self._count_forward)
         if self.in_process and control is not None:
             backend = self.placement.backend or ""
             if "nccl" in backend:
@@ -160,17 +165,6 @@ class Generation:
     def _count_forward(self, *_: Any) -> None:
         self.forwards += 1
 
-    def after_step(self, module: torch.nn.Module) -> None:
-        """What the group does at each step boundary: DDP's bucket rebuild under in-process
-        recovery (DDP would broadcast its bucket order in the next forward, out of reach of
-        recovery: a peer lost then would fail the training instead of this step), and the
-        buffers broadcast from rank 0 when DDP does not synchronize them in the forward."""
-        if self.flag is not None and self.ddp is not None:
-            _torch_compat.rebuild_ddp_buckets(self.ddp)
-        if self._sync_buffers:
-            for buffer in module.buffers():
-                dist.broadcast(buffer, src=0, group=self.group)
-
     def leave(self) -> CheckpointError | None:
         """Drop the group and what was built on it, without a collective (peers may be dead):
         a checkpoint save in flight fails at its barrier, so nothing commits.
@@ -183,7 +177,8 @@ class Generation:
         once instead of after the group's timeout, and so does a save that waits for that peer.
         """
         peer_connections.sever(None, self._gloo)
-        self.ddp = self.flag = None
+        self.strategy.leave()
+        self.model = None
         checkpoints, self.checkpoints = self.checkpoints, None
         try:
             if checkpoints is not None:
@@ -199,7 +194,8 @@ class Generation:
     def end(self) -> None:
         """Drop the wrappers and destroy the group if the session formed it (the run is over), else
         the gloo groups the session made in the caller's."""
-        self.ddp = self.flag = None
+        self.strategy.end()
+        self.model = None
         made = [g for g in (self._gloo, self._checkpoint_group) if g is not None]
         self._gloo = self._checkpoint_group = None
         if self.placement.owned:

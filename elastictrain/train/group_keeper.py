@@ -7,8 +7,9 @@ fault or a membership change it leaves that group and forms the next one in this
 process (:mod:`~elastictrain.train.recovery` has the protocol). Each time, the
 ranks agree on the newest state one of them holds and bring the others to it
 (:mod:`~elastictrain.train.state_transfer`), or read the newest checkpoint when none
-holds any; then the model is wrapped in DDP over the group
-(:class:`~elastictrain.train.generation.Generation`).
+holds any (or when the parallelism strategy holds no replicated state to send); then the
+strategy wraps the model over the group (:class:`~elastictrain.train.generation.Generation`,
+:mod:`~elastictrain.train.strategy`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,7 +35,6 @@ from elastictrain.train import process_group as pg
 from elastictrain.train.control import WorkerControl
 from elastictrain.train.generation import Generation
 from elastictrain.train.recovery import (
-    BoundaryFlag,
     context_for,
     describe,
     is_collective_failure,
@@ -42,7 +43,8 @@ from elastictrain.train.recovery import (
     wait_for_generation,
 )
 from elastictrain.train.session_config import SessionConfig
-from elastictrain.train.state_transfer import agree, transfer
+from elastictrain.train.state_transfer import agree
+from elastictrain.train.strategy import ParallelStrategy, create_strategy
 from elastictrain.train.training_state import TrainingState, rank_seed, seed_everything
 from elastictrain.train.worker import WorkerContext
 
@@ -76,12 +78,17 @@ class GroupKeeper:
             the default group from the environment or the agent's word.
         state: What the session trains; each formation brings it to the group's newest step.
         restore: Restores ``state`` from the newest checkpoint (when no rank holds any).
+
+    Raises:
+        ConfigError: ``config.sharding`` names no available strategy.
     """
 
     def __init__(self, config: SessionConfig, hooks: HookDispatcher, context: WorkerContext,
                  group: dist.ProcessGroup | None, *, state: TrainingState, restore: Callable[[], None],
                  on_write_failure: Callable[[int, CheckpointWriteError], None] | None = None) -> None:
         self.config = config
+        self.strategy: ParallelStrategy = create_strategy(config)
+        """How the model trains over each generation's group (``config.sharding``)."""
         self.hooks = hooks
         self.context = context
         self.log: RankLoggerAdapter = get_logger(__name__, context)
@@ -102,10 +109,13 @@ class GroupKeeper:
         """Whether faults and membership changes are handled in this process."""
         return self.generation is not None and self.generation.in_process
 
-    @property
-    def flag(self) -> BoundaryFlag | None:
-        """The boundary flag of this generation (in-process recovery only)."""
-        return self.generation.flag if self.generation is not None else None
+    def votes(self) -> int:
+        """How many ranks voted to re-form after the step just applied (the strategy's vote: maybe
+        a collective of its own); 0 without in-process recovery."""
+        if not self.in_process:
+            return 0
+        with self.collective():
+            return self.strategy.votes()
 
     def collective(self) -> contextlib.AbstractContextManager[None]:
         """Marks a step's own collectives (see :meth:`WorkerControl.collective`)."""
@@ -166,6 +176,16 @@ class GroupKeeper:
             self._due_since = now
         return now - self._due_since > SAVE_GRACE.total_seconds()
 
+    def clip_grad_norm(self, parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """The strategy's clipping of the global gradient norm (a sharded one's is a collective)."""
+        with self.collective():
+            return self.strategy.clip_grad_norm(parameters, max_norm)
+
+    def objects(self) -> dict[str, Any]:
+        """The training state by name, as a checkpoint writes it and a live peer sends it (the
+        strategy names what stands for the model and the optimizer)."""
+        return self._state.objects(self.context.world_size, self.strategy)
+
     def cause_due(self) -> str:
         """Why the agent re-forms the group (its word, once the flag said to stop)."""
         due = self.control.due() if self.control is not None else None
@@ -181,7 +201,8 @@ class GroupKeeper:
                 self.context, dist.get_backend(self._group))
             placement = pg.Placement(device, dist.get_backend(self._group), pg.resolve_timeout(config.timeout),
                                      rank, world, owned=False)
-            self.generation = Generation(placement, self._group, in_process=False)
+            self.generation = Generation(placement, self._group, in_process=False, strategy=self.strategy,
+                                         local_world_size=self.context.local_world_size)
             return
         placement, context, self._assignment = join_generation(
             self.context, self.control, self._assignment, backend=config.backend, timeout=config.timeout,
@@ -192,7 +213,8 @@ class GroupKeeper:
             # An existing group (someone else's init) defines the world.
             self._set_context(dataclasses.replace(self.context, rank=placement.rank,
                                                   world_size=placement.world_size))
-        self.generation = Generation(placement, None, in_process=self.control is not None and placement.distributed)
+        self.generation = Generation(placement, None, in_process=self.control is not None and placement.distributed,
+                                     strategy=self.strategy, local_world_size=self.context.local_world_size)
 
     def _adopt(self, assignment: Assignment) -> None:
         """Take this worker's rank, world and store address from the agent's ``assignment``."""
@@ -213,12 +235,14 @@ class GroupKeeper:
 
         The ranks agree on the newest state any of them holds; ranks without it receive
         it from a live peer. When no rank holds state (the job starts or restarts as a
-        whole), every rank reads the newest checkpoint instead.
+        whole), or the strategy's state is no replica a peer could send
+        (:attr:`~elastictrain.train.strategy.ParallelStrategy.live_transfer`), every rank reads
+        the newest checkpoint instead.
 
         Args:
             holds_state: Whether this worker holds training state.
             phases: Seconds are added to its ``state_s`` (agreeing, receiving or restoring
-                the state) and ``ddp_s`` (wrapping the model), if given.
+                the state) and ``ddp_s`` (wrapping the model by the strategy), if given.
 
         Returns:
             Whether this rank received the state from a peer.
@@ -235,9 +259,9 @@ class GroupKeeper:
         if generation.in_process:
             group = generation.cpu_group()
             agreement = agree(group, holds=holds_state, step=state.step)
-            if agreement.source is not None:
+            if agreement.source is not None and self.strategy.live_transfer:
                 peer_state = True
-                received = transfer(group, agreement, state.objects(self.context.world_size), step=state.step)
+                received = self.strategy.transfer_state(group, agreement, self.objects(), step=state.step)
                 if received:
                     state.step = agreement.step or 0
         sampler.set_world(self.context.rank, self.context.world_size)
@@ -255,7 +279,7 @@ class GroupKeeper:
             # brings back the saved ones instead.
             seed_everything(rank_seed(config.seed, self.context.rank))
         wrapping = time.perf_counter()
-        generation.wrap(state.module, config.ddp_kwargs, identical=peer_state, control=self.control)
+        generation.wrap(state.module, state.optimizer, identical=peer_state, control=self.control)
         if phases is not None:
             phases["state_s"] += wrapping - started
             phases["ddp_s"] += time.perf_counter() - wrapping

@@ -16,7 +16,7 @@ Precisions:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,7 +105,8 @@ class MixedPrecision:
             loss.backward()
 
     def step(self, optimizer: torch.optim.Optimizer, parameters: Iterable[torch.Tensor] | None = None,
-             *, max_norm: float | None = None) -> OptimizerStep:
+             *, max_norm: float | None = None,
+             clip: Callable[[list[torch.Tensor], float], torch.Tensor] | None = None) -> OptimizerStep:
         """Unscale (fp16), clip to ``max_norm`` and step the optimizer; update the scaler.
 
         Clipping happens after unscaling, so ``max_norm`` means the same in
@@ -115,6 +116,8 @@ class MixedPrecision:
             optimizer: The optimizer.
             parameters: What to clip; default every parameter of ``optimizer``.
             max_norm: Clip the total gradient 2-norm to this; None: no clipping.
+            clip: Clips ``parameters``' gradients to a norm and returns the norm before (a
+                sharded model's is global over its shards); default ``clip_grad_norm_``.
         """
         norm: float | None = None
         if max_norm is not None:
@@ -122,7 +125,7 @@ class MixedPrecision:
                 self.scaler.unscale_(optimizer)
             params = list(parameters) if parameters is not None else [
                 p for group in optimizer.param_groups for p in group["params"]]
-            norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+            norm = float((clip or torch.nn.utils.clip_grad_norm_)(params, max_norm))
         if self.scaler is None:
             optimizer.step()
             return OptimizerStep(norm, skipped=False)

@@ -12,8 +12,10 @@ indistinguishable from an uninterrupted run:
    or, when no rank holds any (the job starts or restarts as a whole), read from the
    newest committed checkpoint (model, optimizer, scheduler, GradScaler, sampler
    cursor, each rank's RNG states, user extras);
-4. wrap the model in DDP over the group (:class:`~elastictrain.train.generation.Generation`
-   holds what is built on one group): every rank starts identical;
+4. wrap the model over the group with the parallelism strategy that ``sharding`` names
+   (:mod:`~elastictrain.train.strategy`; DDP by default, :mod:`~elastictrain.train.ddp`;
+   :class:`~elastictrain.train.generation.Generation` holds what is built on one group):
+   every rank starts identical;
 5. yield optimizer steps from the :class:`~elastictrain.train.sampler.ElasticSampler`'s
    plans: a fixed global batch, split into micro-batches whose loss scales make
    the accumulated gradient the global-batch mean whatever the world size
@@ -79,7 +81,8 @@ class Session:
                     x, y = micro.batch
                     micro.backward(loss_fn(session.model(x), y))
 
-    ``session.model`` is the DDP-wrapped model: run the forward through it.
+    ``session.model`` is the model as the strategy wrapped it (DDP by default): run the
+    forward through it.
 
     Args:
         model: The model (unwrapped); moved to the worker's device.
@@ -188,8 +191,24 @@ class Session:
 
     @property
     def model(self) -> torch.nn.Module:
-        """The model to run forward passes through: DDP-wrapped when distributed."""
+        """The model to run forward passes through: wrapped by the strategy (DDP by default) when
+        distributed."""
         return self._loop.model
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The model's full tensors by name (for export or evaluation); a collective under a sharded
+        strategy, which gathers them on rank 0 (call it on every rank). DDP: the module's own
+        ``state_dict()``, whole on every rank.
+
+        Raises:
+            SessionError: Used outside ``with``.
+        """
+        self._require_entered()
+        generation = self._keeper.generation
+        if generation is None or generation.model is None:
+            return dict(self.module.state_dict())
+        with self._keeper.collective():
+            return self._keeper.strategy.full_state_dict(self.module)
 
     @property
     def placement(self) -> pg.Placement | None:
@@ -342,7 +361,7 @@ class Session:
         """Restore the newest checkpoint, if there is one (every rank; a collective)."""
         assert self.checkpoints is not None  # noqa: S101 - private invariant
         state = self._state
-        info = self.checkpoints.restore(state.objects(self.context.world_size))
+        info = self.checkpoints.restore(self._keeper.objects())
         if info is None:
             return
         state.restored = info
@@ -504,7 +523,7 @@ class Session:
         state = self._state
         self.hooks.dispatch("before_save", step=state.step)
         started = time.perf_counter()
-        self.checkpoints.save(state.step, state.objects(self.context.world_size))
+        self.checkpoints.save(state.step, self._keeper.objects())
         state.saved_step = state.step
         seconds = time.perf_counter() - started
         if self.context.rank == 0:

@@ -13,6 +13,7 @@ from elastictrain._durations import parse_duration
 from elastictrain.errors import ConfigError
 from elastictrain.train.hang_bounds import HangBounds
 from elastictrain.train.precision import PRECISIONS
+from elastictrain.train.strategy import SHARDINGS
 
 __all__ = ["SessionConfig"]
 
@@ -105,6 +106,11 @@ class SessionConfig:
     log_every: int | None = 10
     """Log loss and throughput on rank 0 every this many steps; None: never."""
 
+    sharding: str = "ddp"
+    """How the model trains over the group: ``"ddp"`` (every rank holds the whole model and
+    optimizer; DistributedDataParallel); ``"fsdp"`` (FSDP2: each rank holds a shard of everything)
+    or ``"hsdp"`` (sharded within a node, replicated across nodes): see ``docs/sharding.md``."""
+
     ddp_kwargs: Mapping[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of ``DistributedDataParallel`` (e.g. ``find_unused_parameters``)."""
 
@@ -156,6 +162,8 @@ class SessionConfig:
             raise ConfigError(f"ddp_kwargs must be a mapping, got {type(self.ddp_kwargs).__name__}")
         if not isinstance(self.hang_bounds, HangBounds):
             raise ConfigError(f"hang_bounds must be a HangBounds, got {type(self.hang_bounds).__name__}")
+        if self.sharding not in SHARDINGS:
+            raise ConfigError(f"sharding must be one of {SHARDINGS}, got {self.sharding!r}")
         if self.recovery not in RECOVERY_MODES:
             raise ConfigError(f"recovery must be one of {RECOVERY_MODES}, got {self.recovery!r}")
         if not isinstance(self.checkpoint_timeout, timedelta):

@@ -81,10 +81,21 @@ class StepLoop:
 
     @property
     def model(self) -> torch.nn.Module:
-        """The model to run forward passes through: DDP-wrapped when distributed."""
+        """The model to run forward passes through: wrapped by the strategy when distributed."""
         generation = self._keeper.generation
-        ddp = generation.ddp if generation is not None else None
-        return ddp if ddp is not None else self.module
+        wrapped = generation.model if generation is not None else None
+        return wrapped if wrapped is not None else self.module
+
+    @property
+    def wrapped(self) -> bool:
+        """Whether the strategy wrapped the model (the group is distributed): the last
+        micro-batch's backward then synchronizes the gradients."""
+        generation = self._keeper.generation
+        return generation is not None and generation.model is not None
+
+    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
+        """Accumulate gradients without synchronizing them (the strategy's; a no-op unwrapped)."""
+        return self._keeper.strategy.no_sync() if self.wrapped else contextlib.nullcontext()
 
     @property
     def precision(self) -> MixedPrecision:
@@ -105,7 +116,7 @@ class StepLoop:
 
     @property
     def forwards(self) -> int:
-        """Forward passes through the DDP model since :meth:`count_forwards` (0 without DDP)."""
+        """Forward passes through the wrapped model since :meth:`count_forwards` (0 unwrapped)."""
         generation = self._keeper.generation
         return generation.forwards if generation is not None else 0
 
@@ -169,9 +180,8 @@ class StepLoop:
                 if first is END:
                     break
                 state.optimizer.zero_grad(set_to_none=True)
-                flag = keeper.flag
-                if flag is not None:
-                    flag.arm(keeper.votes_to_reform())
+                if keeper.in_process:
+                    keeper.strategy.arm_vote(keeper.votes_to_reform())
                 step = Step(self, feed.plans.popleft(), itertools.chain((first,), batches), state.step + 1)
                 yield step
                 self.enter(Section.NONE)
@@ -217,19 +227,20 @@ class StepLoop:
             return f"a collective failed in step {step.number} ({describe(step.failure)}); the step was discarded"
         try:
             self._apply(step)
+            raised = self._keeper.votes()
         except Exception as exc:
             if not (self.recovers_in_process and is_collective_failure(exc)):
                 raise
             return f"a collective failed after step {step.number} was applied ({describe(exc)})"
-        flag = self._keeper.flag
-        if flag is not None and flag.raised:
+        if raised:
             return f"{self._keeper.cause_due()} (at the boundary after step {step.number})"
         return None
 
     def _apply(self, step: Step) -> None:
         step._check_complete()
         config, state, keeper = self._config, self._state, self._keeper
-        applied = state.precision.step(state.optimizer, state.module.parameters(), max_norm=config.grad_clip_norm)
+        applied = state.precision.step(state.optimizer, state.module.parameters(), max_norm=config.grad_clip_norm,
+                                       clip=keeper.clip_grad_norm)
         if state.scheduler is not None:
             state.scheduler.step()
         assert state.sampler is not None  # noqa: S101 - private invariant
@@ -240,8 +251,9 @@ class StepLoop:
             keeper.control.step_done(state.step)
         generation = keeper.generation
         assert generation is not None  # noqa: S101 - private invariant
-        with keeper.collective():  # DDP's bucket order, the buffers' broadcast
-            generation.after_step(state.module)
+        if generation.model is not None:
+            with keeper.collective():  # e.g. DDP's bucket order, the buffers' broadcast
+                keeper.strategy.after_step()
 
         now = time.perf_counter()
         elapsed, self._clock = now - self._clock, now

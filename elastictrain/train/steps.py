@@ -1,7 +1,7 @@
 """One optimizer step of a :class:`~elastictrain.train.session.Session`'s loop (:class:`~elastictrain.train.step_loop.StepLoop`), and its micro-batches.
 
-A :class:`Step` hands out its micro-batches (each inside DDP's ``no_sync()`` but the
-last, and inside autocast); :meth:`MicroStep.backward` runs one backward. Under
+A :class:`Step` hands out its micro-batches (each but the last without gradient
+synchronization, the strategy's ``no_sync()``, and inside autocast); :meth:`MicroStep.backward` runs one backward. Under
 in-process recovery a backward whose gradient all-reduce fails (a peer died) does
 not raise into the training loop: the step is marked failed, its remaining
 micro-batches are not handed out, and the session re-forms the group and plans the
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from elastictrain._control import Section
-from elastictrain.train.accumulation import accumulate
+from elastictrain.train.accumulation import accumulate_with
 from elastictrain.errors import ConfigError, SessionError
 from elastictrain.train.sampler import ElasticBatchSampler, ElasticSampler, MicroBatch, StepPlan
 from elastictrain.train.recovery import is_collective_failure
@@ -124,8 +124,8 @@ class MicroStep:
 class Step:
     """One optimizer step: iterate over it to get its :class:`MicroStep` s.
 
-    Each micro-batch but the last runs inside DDP's ``no_sync()`` and all of
-    them inside autocast; the optimizer step, sampler commit, hooks and
+    Each micro-batch but the last runs without gradient synchronization (DDP's
+    ``no_sync()``) and all of them inside autocast; the optimizer step, sampler commit, hooks and
     checkpointing happen when the session's ``steps()`` loop moves on.
 
     Attributes:
@@ -169,14 +169,14 @@ class Step:
         return self.plan.step_size
 
     def __iter__(self) -> Iterator[MicroStep]:
-        """The micro-batches, each with its DDP sync and autocast context active while it is current."""
+        """The micro-batches, each with its gradient sync and autocast context active while it is current."""
         if self._iterated:
             raise SessionError(f"step {self.number}'s micro-batches can be iterated only once")
         self._iterated = True
         loop = self._loop
         loop.inject(self.number)
         count = len(self.plan.micro_batches)
-        for index, micro in enumerate(accumulate(loop.model, self.plan.micro_batches)):
+        for index, micro in enumerate(accumulate_with(loop.no_sync, self.plan.micro_batches)):
             if self.failure is not None:
                 return
             try:
@@ -186,11 +186,10 @@ class Step:
             loop.count_forwards()
             with loop.precision.autocast():
                 yield MicroStep(self, micro, loop.to_device(batch), index, index == count - 1)
-            if (self.failure is None and index == count - 1 and loop.model is not loop.module
-                    and loop.forwards == 0):
+            if self.failure is None and index == count - 1 and loop.wrapped and loop.forwards == 0:
                 raise SessionError(
                     f"step {self.number}: the last micro-batch ran no forward pass through session.model, "
-                    "so DDP did not synchronize gradients; call session.model, not the unwrapped module"
+                    "so its gradients were not synchronized; call session.model, not the unwrapped module"
                 )
 
     def mean_loss(self, *, sync: bool, all_reduce: bool, group: Any = None) -> float:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -21,6 +21,9 @@ from elastictrain.checkpoint import check_state, validate_state
 from elastictrain.errors import ConfigError
 from elastictrain.train.precision import MixedPrecision
 from elastictrain.train.sampler import ElasticSampler
+
+if TYPE_CHECKING:
+    from elastictrain.train.strategy import ParallelStrategy
 
 __all__ = ["TrainingState", "rank_seed", "seed_everything"]
 
@@ -98,11 +101,13 @@ class TrainingState:
         # Saved as "session", updated in place by a restore or a transfer.
         self._progress: dict[str, int] = {"version": _PROGRESS_VERSION, "step": 0, "world_size": 1}
 
-    def objects(self, world_size: int) -> dict[str, Any]:
+    def objects(self, world_size: int, strategy: ParallelStrategy) -> dict[str, Any]:
         """The state by name, as a checkpoint writes it and a peer sends it, recording the
-        committed step and ``world_size`` in it."""
+        committed step and ``world_size`` in it; ``strategy`` names what stands for the model and
+        the optimizer (:meth:`~elastictrain.train.strategy.ParallelStrategy.state_objects`)."""
         self._progress.update(step=self.step, world_size=world_size)
-        state: dict[str, Any] = {"model": self.module, "optimizer": self.optimizer, "sampler": self.sampler,
+        model, optimizer = strategy.state_objects(self.module, self.optimizer)
+        state: dict[str, Any] = {"model": model, "optimizer": optimizer, "sampler": self.sampler,
                                  "session": self._progress}
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from elastictrain.train.process_group import Placement
-from elastictrain.train.recovery import abort_default_group, is_collective_failure, wrap_in_ddp
+from elastictrain.train.ddp import wrap_in_ddp
+from elastictrain.train.recovery import abort_default_group, is_collective_failure
 
 
 def _port() -> int:

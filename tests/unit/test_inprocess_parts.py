@@ -360,7 +360,7 @@ class _DictOut(torch.nn.Module):
 def _ddp_worker(rank: int, port: int, results: Any) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
-    from elastictrain.train.recovery import BoundaryFlag
+    from elastictrain.train.ddp import BoundaryFlag
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.manual_seed(0)
@@ -402,7 +402,7 @@ def test_the_boundary_flag_rides_on_ddps_all_reduce_and_leaves_the_gradients_as_
 
 
 def test_the_boundary_flag_says_which_outputs_it_cannot_carry() -> None:
-    from elastictrain.train.recovery import BoundaryFlag
+    from elastictrain.train.ddp import BoundaryFlag
 
     class Opaque(torch.nn.Module):
         def __init__(self) -> None:
@@ -777,13 +777,16 @@ def test_commit_outside_the_loop_run_elastic_runs_is_refused(monkeypatch: pytest
 
 def _leaving_worker(rank: int, port: int, results: Any) -> None:
     from elastictrain.train import process_group as pg
+    from elastictrain.train.ddp import DDPStrategy
     from elastictrain.train.generation import Generation
     from elastictrain.train.worker import WorkerContext
 
     context = WorkerContext(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
-    generation = Generation(pg.init_process_group(context, backend="gloo", timeout=10), None, in_process=True)
-    generation.wrap(torch.nn.Linear(4, 4), {}, identical=False, control=None)
-    held = generation.ddp  # as a failed step's traceback may hold it past the leave
+    generation = Generation(pg.init_process_group(context, backend="gloo", timeout=10), None, in_process=True,
+                            strategy=DDPStrategy())
+    module = torch.nn.Linear(4, 4)
+    generation.wrap(module, torch.optim.SGD(module.parameters(), lr=0.1), identical=False, control=None)
+    held = generation.model  # as a failed step's traceback may hold it past the leave
     waiting = torch.zeros(4)
     if rank == 0:  # blocked on rank 1, which has moved on
         try:
