@@ -12,6 +12,9 @@ Examples::
     # (root) each node in its own network namespace; cut one off etcd and its peers for 30 s at step 6
     elastictrain chaos --netns --schedule partition_node@6
 
+    # checkpoints in S3 or a compatible store (an empty prefix) instead of the run directory
+    AWS_ENDPOINT_URL=http://127.0.0.1:9000 elastictrain chaos --faults 10 --checkpoint-dir s3://bucket/chaos-1
+
     # your own job (instrumented with elastictrain.chaos.Recorder); {run_dir} is substituted
     elastictrain chaos --faults 10 --seed 1 -- train.py --ckpt {run_dir}/ckpt
 
@@ -69,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "needed by partition_node and link_cut")
     p.add_argument("--checkpoint-disk-mb", type=int, default=0, help="mount a tmpfs of this many MB at "
                    "{run_dir}/ckpt for the checkpoints (root); needed by disk_full")
+    p.add_argument("--checkpoint-dir", default="", help="keep the demo job's checkpoints in this s3://bucket/prefix "
+                   "(empty; AWS_ENDPOINT_URL and the AWS credential variables name the store) instead of "
+                   "{run_dir}/ckpt; disk_full is then left out. A job of your own names it {checkpoint_dir}")
     p.add_argument("--partition-duration", type=float, default=None, help="seconds partition_node keeps a node "
                    "cut off (default: pg timeout + 10)")
     p.add_argument("--rejoin-after", type=float, default=3.0, help="seconds before bounce_node's replacement starts (default 3)")
@@ -87,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-time", type=float, default=0.0, help="the demo job's sleep per step (default 0: the harness paces it)")
     p.add_argument("-v", "--verbose", action="store_true", help="log each fault as it happens")
     p.add_argument("script", nargs="?", default=None, help="training script (default: the built-in demo job)")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments; {run_dir} is substituted")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments; {run_dir} and {checkpoint_dir} "
+                   "are substituted")
     return p
 
 
@@ -97,7 +104,7 @@ def _demo_args(args: argparse.Namespace, schedule_steps: int) -> tuple[str, ...]
     else:
         steps = schedule_steps + 12
     epochs = max(2, math.ceil(steps / _DEMO_STEPS_PER_EPOCH))
-    return ("--ckpt", "{run_dir}/ckpt", "--epochs", str(epochs), "--step-time", str(args.step_time))
+    return ("--ckpt", "{checkpoint_dir}", "--epochs", str(epochs), "--step-time", str(args.step_time))
 
 
 def config_from(args: argparse.Namespace) -> ChaosConfig:
@@ -128,7 +135,7 @@ def config_from(args: argparse.Namespace) -> ChaosConfig:
         join_timeout=args.join_timeout, max_restarts=args.max_restarts, recovery=args.recovery,
         recovery_bound=args.recovery_bound,
         deadline=args.deadline, reference=not args.no_reference, atol=args.atol, rtol=args.rtol,
-        run_args=tuple(args.run_arg), checkpoint_disk_mb=args.checkpoint_disk_mb,
+        run_args=tuple(args.run_arg), checkpoint_disk_mb=args.checkpoint_disk_mb, checkpoint_dir=args.checkpoint_dir,
     )
 
 

@@ -124,6 +124,13 @@ class ChaosConfig:
     """Mount a tmpfs of this many MB at ``{run_dir}/ckpt`` for the job's checkpoints (root), which
     ``disk_full`` fills; the job must keep its checkpoints there. 0: none."""
 
+    checkpoint_dir: str = ""
+    """Where the job keeps its checkpoints when not in the run directory: an ``s3://bucket/prefix``
+    URL with no object under it yet (the harness, which reads the checkpoints, and the nodes take
+    the endpoint and credentials from the ``AWS_*`` environment). The job's arguments name it
+    ``{checkpoint_dir}``; the reference run gets ``<url>/reference``. Faults that fill a local
+    filesystem (``disk_full``) cannot apply to it and are refused. ``""``: ``{run_dir}/ckpt``."""
+
     run_args: tuple[str, ...] = ()
     """Extra ``elastictrain run`` flags for every node."""
 
@@ -159,9 +166,20 @@ class ChaosConfig:
                 raise ConfigError(f"{kind.value} needs etcd_members={fault.etcd_members}")
             if fault.needs_netns and not self.netns:
                 raise ConfigError(f"{kind.value} needs netns=True (--netns): nodes on loopback cannot be cut off")
+            if fault.needs_checkpoint_disk and self.checkpoint_dir:
+                raise ConfigError(f"{kind.value} fills a local filesystem; the checkpoints are in "
+                                  f"{self.checkpoint_dir}, an object store with no disk of the run's own to fill: "
+                                  "leave it out")
             if fault.needs_checkpoint_disk and not self.checkpoint_disk_mb:
                 raise ConfigError(f"{kind.value} needs checkpoint_disk_mb (--checkpoint-disk-mb): a filesystem of the "
                                   "run's own to fill, never the host's")
+        if self.checkpoint_dir:
+            if not self.checkpoint_dir.startswith("s3://"):
+                raise ConfigError("checkpoint_dir (--checkpoint-dir) must be an s3://bucket/prefix URL (a local one "
+                                  f"is {{run_dir}}/ckpt), got {self.checkpoint_dir!r}")
+            if self.checkpoint_disk_mb:
+                raise ConfigError("checkpoint_disk_mb (--checkpoint-disk-mb) mounts a filesystem for the checkpoints; "
+                                  f"they are in {self.checkpoint_dir}: give one or the other")
         if self.netns:
             check_available()
         if self.faults < 0:

@@ -49,6 +49,7 @@ from elastictrain.chaos.recorder import CHAOS_DIR_ENV, GATE_ENV
 from elastictrain.chaos.report import build_report
 from elastictrain.chaos.schedule import FaultRecord, RandomPlanner
 from elastictrain.chaos.verdict import judge
+from elastictrain.checkpoint.storage import storage_for
 from elastictrain.launch.config import check_writable_dir
 from elastictrain.train.injector import INJECT_FILE_ENV, INJECT_STATE_ENV
 from elastictrain.errors import ConfigError
@@ -144,10 +145,13 @@ class Harness:
         if self.run_dir.exists() and any(self.run_dir.iterdir()):
             raise ConfigError(f"run directory {self.run_dir} is not empty")
         check_writable_dir(str(self.run_dir), "--run-dir")
+        if config.checkpoint_dir:
+            _check_location_empty(config.checkpoint_dir)
         (self.run_dir / "nodes").mkdir()
         self.checkpoint_dir = self.run_dir / "ckpt"
-        """Where the job is to keep its checkpoints (``--ckpt {run_dir}/ckpt``): on a tmpfs of its own
-        with ``checkpoint_disk_mb`` (faults that fill it need one)."""
+        """Where the job is to keep its checkpoints (``--ckpt {run_dir}/ckpt``) unless ``checkpoint_dir``
+        names an object store: on a tmpfs of its own with ``checkpoint_disk_mb`` (faults that fill it
+        need one)."""
         self._disk_mounted = False
         self.evidence_dir = self.run_dir / "evidence"
         self.gate_file = self.run_dir / "gate"
@@ -190,8 +194,14 @@ class Harness:
         env.update(self.config.env)
         return env
 
-    def _args(self, run_dir: Path) -> list[str]:
-        return [a.replace("{run_dir}", str(run_dir)) for a in self.config.script_args]
+    def _args(self, run_dir: Path, checkpoint_dir: str) -> list[str]:
+        return [a.replace("{checkpoint_dir}", checkpoint_dir).replace("{run_dir}", str(run_dir))
+                for a in self.config.script_args]
+
+    @property
+    def job_checkpoint_dir(self) -> str:
+        """What the job's ``{checkpoint_dir}`` argument names: ``checkpoint_dir``, else ``{run_dir}/ckpt``."""
+        return self.config.checkpoint_dir or str(self.checkpoint_dir)
 
     def start_node(self, *, join: bool) -> Node:
         config = self.config
@@ -205,7 +215,8 @@ class Harness:
             "--recovery", config.recovery,
             "--local-addr", local_addr, "--event-log", str(self.run_dir / "events.jsonl"),
             "--join-timeout", f"{config.join_timeout.total_seconds():g}",
-            *(["--join"] if join else []), *config.run_args, config.script, *self._args(self.run_dir),
+            *(["--join"] if join else []), *config.run_args, config.script,
+            *self._args(self.run_dir, self.job_checkpoint_dir),
         ]
         env = {**self._env(self.evidence_dir), GATE_ENV: str(self.gate_file)}
         if self.network:
@@ -224,8 +235,14 @@ class Harness:
         ref.mkdir()
         env = {k: v for k, v in self._env(ref / "evidence").items() if k not in _LAUNCHER_ENV}
         with open(ref / "log.txt", "wb") as log:
-            return subprocess.Popen(dying_with_us([sys.executable, self.config.script, *self._args(ref)]), env=env,
+            return subprocess.Popen(dying_with_us([sys.executable, self.config.script,
+                                                     *self._args(ref, self._reference_checkpoint_dir(ref))]), env=env,
                                     cwd=ref, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def _reference_checkpoint_dir(self, ref: Path) -> str:
+        if self.config.checkpoint_dir:
+            return f"{self.config.checkpoint_dir.rstrip('/')}/reference"
+        return str(ref / "ckpt")
 
     def alive_nodes(self) -> list[Node]:
         return [n for n in self.nodes if n.alive()]
@@ -378,7 +395,8 @@ class Harness:
         verdict = judge(self.config, run_dir=self.run_dir, evidence_dir=self.evidence_dir, nodes=self.nodes,
                         faults=records, bounds=bounds, aborted=self.aborted, reference_exit=reference_exit)
         report = build_report(
-            self.config, verdict, run_id=self.run_id, run_dir=self.run_dir, script_args=self._args(self.run_dir),
+            self.config, verdict, run_id=self.run_id, run_dir=self.run_dir,
+            script_args=self._args(self.run_dir, self.job_checkpoint_dir),
             faults=records, nodes={n.name: n.exit_code for n in self.nodes},
             killed=[n.name for n in self.nodes if n.killed is not None], aborted=self.aborted, start=self.start,
             end=end)
@@ -515,7 +533,26 @@ def run_chaos(config: ChaosConfig) -> ChaosResult:
     """Run one chaos run end to end; see the module docstring.
 
     Raises:
-        ConfigError: A bad configuration, or a non-empty ``run_dir``.
+        ConfigError: A bad configuration, a non-empty ``run_dir``, or a ``checkpoint_dir`` that
+            holds anything or cannot be read.
         EtcdServerError: etcd could not be started.
     """
     return Harness(config).run()
+
+
+def _check_location_empty(location: str) -> None:
+    """Refuse a checkpoint location that holds anything: the job would restore a checkpoint of
+    another run, and the invariants would judge it.
+
+    Raises:
+        ConfigError: It holds objects, or cannot be read (a missing bucket, no access).
+    """
+    try:
+        storage, prefix = storage_for(location)
+        names = storage.list_dir(prefix)
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError, ImportError) as exc:
+        raise ConfigError(f"checkpoint location {location}: {exc}") from exc
+    raise ConfigError(f"checkpoint location {location} is not empty (it holds {', '.join(names[:3])}"
+                      f"{', ...' if len(names) > 3 else ''}): give each chaos run a prefix of its own")

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import io
 import json
 import os
 import re
@@ -51,9 +52,11 @@ from typing import Any
 import torch
 
 from elastictrain.chaos.recorder import MARKER
+from elastictrain.checkpoint.storage import LocalStorage, Storage, storage_for
 
 __all__ = [
-    "Checkpoint", "Evidence", "History", "InvariantResult", "check_checkpoints_intact", "check_committed_history",
+    "Checkpoint", "CheckpointDir", "Evidence", "History", "InvariantResult", "check_checkpoints_intact",
+    "check_committed_history",
     "check_exactly_once", "check_final_parameters", "check_restores", "check_spares_fill_in", "check_survivors_kept",
     "check_world_sizes",
     "checkpoint_dirs",
@@ -61,6 +64,7 @@ __all__ = [
 ]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_DATA_DIR = re.compile(r"^step_\d+\.data-[0-9a-z-]+$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,12 +127,12 @@ class Evidence:
         found = self.of("config")
         return found[0] if found else None
 
-    def checkpoint_root(self) -> Path | None:
-        """The job's checkpoint directory, as the job reported it (saves, else restores)."""
+    def checkpoint_root(self) -> str | None:
+        """The job's checkpoint directory or ``s3://`` URL, as the job reported it (saves, else restores)."""
         for event in self.of("saved"):
-            return Path(event["dir"])
+            return str(event["dir"])
         for event in self.of("restored"):
-            return Path(event["path"]).parent
+            return str(event["path"]).rstrip("/").rpartition("/")[0]
         return None
 
     def total_steps(self) -> int | None:
@@ -148,42 +152,89 @@ def total_steps(config: dict[str, Any] | None) -> int | None:
 # --- checkpoints ------------------------------------------------------------------------------
 
 
-def checkpoint_dirs(root: Path) -> dict[int, Path]:
-    """Committed checkpoint directories (``step_N``; staging ``.tmp-`` ones excluded) by step."""
-    out = {}
-    if root.is_dir():
-        for entry in root.iterdir():
-            match = _STEP_DIR.match(entry.name)
-            if match and entry.is_dir():
-                out[int(match.group(1))] = entry
+@dataclass(frozen=True, slots=True)
+class CheckpointDir:
+    """A committed checkpoint's directory (``step_N``), read through the ``Storage`` protocol: in
+    a local directory, or in an object store (where the manifest's ``data`` names the prefix its
+    files are under)."""
+
+    storage: Storage
+    path: str
+    """The directory's path in ``storage``."""
+
+    @classmethod
+    def local(cls, path: Path) -> CheckpointDir:
+        """The checkpoint directory at local ``path``."""
+        return cls(LocalStorage(path.parent), path.name)
+
+    @property
+    def name(self) -> str:
+        """``step_N``."""
+        return self.path.rpartition("/")[2]
+
+    def read(self, name: str) -> bytes:
+        """The bytes of file ``name`` of the directory itself (the manifest)."""
+        with self.storage.open_read(f"{self.path}/{name}") as f:
+            return f.read()
+
+    def files_at(self, manifest: dict[str, Any]) -> CheckpointDir:
+        """Where the manifest's files are: here, or the data prefix beside it that it names."""
+        data = manifest.get("data")
+        if data is None:
+            return self
+        if not isinstance(data, str) or not _DATA_DIR.match(data):
+            raise ValueError(f"malformed data prefix {data!r}")
+        parent = self.path.rpartition("/")[0]
+        return CheckpointDir(self.storage, f"{parent}/{data}" if parent else data)
+
+    def __str__(self) -> str:
+        return self.storage.location(self.path)
+
+
+def checkpoint_dirs(root: str | os.PathLike[str]) -> dict[int, CheckpointDir]:
+    """Committed checkpoint directories (``step_N``; staging ``.tmp-`` and ``.data-`` ones excluded)
+    by step, in a local directory or at an ``s3://`` URL."""
+    storage, prefix = storage_for(root)
+    try:
+        names = storage.list_dir(prefix)
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    out = {int(m.group(1)): CheckpointDir(storage, f"{prefix}/{n}" if prefix else n)
+           for n in names if (m := _STEP_DIR.match(n))}
     return dict(sorted(out.items()))
 
 
-def verify_checkpoint(path: Path, step: int | None = None) -> str | None:
+def _as_dir(checkpoint: CheckpointDir | Path) -> CheckpointDir:
+    return checkpoint if isinstance(checkpoint, CheckpointDir) else CheckpointDir.local(checkpoint)
+
+
+def verify_checkpoint(checkpoint: CheckpointDir | Path, step: int | None = None) -> str | None:
     """Check a checkpoint against its manifest; the problem, or None if it verifies.
 
-    Independent of :mod:`elastictrain.checkpoint`: it recomputes every listed
-    file's size and sha256 and requires ``replicated.pt`` and one rank file per
-    saved rank.
+    Independent of :mod:`elastictrain.checkpoint`'s verification (it reads through the ``Storage``
+    protocol only): it recomputes every listed file's size and sha256 and requires
+    ``replicated.pt`` and one rank file per saved rank.
     """
+    checkpoint = _as_dir(checkpoint)
     try:
-        manifest = json.loads((path / "MANIFEST.json").read_text())
+        manifest = json.loads(checkpoint.read("MANIFEST.json"))
         files = manifest["files"]
         world = int(manifest["world_size"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return f"{path.name}: no readable manifest ({exc})"
+        files_at = checkpoint.files_at(manifest)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return f"{checkpoint.name}: no readable manifest ({exc})"
     if step is not None and manifest.get("step") != step:
-        return f"{path.name}: manifest names step {manifest.get('step')}"
+        return f"{checkpoint.name}: manifest names step {manifest.get('step')}"
     needed = {"replicated.pt"} | {f"rank_{r:05d}.pt" for r in range(world)}
     if needed - files.keys():
-        return f"{path.name}: manifest lacks {sorted(needed - files.keys())}"
+        return f"{checkpoint.name}: manifest lacks {sorted(needed - files.keys())}"
     for name, entry in files.items():
         try:
-            data = (path / name).read_bytes()
+            data = files_at.read(name)
         except OSError as exc:
-            return f"{path.name}/{name}: {exc}"
+            return f"{checkpoint.name}/{name}: {exc}"
         if len(data) != entry["size"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-            return f"{path.name}/{name}: size or sha256 differs from the manifest"
+            return f"{checkpoint.name}/{name}: size or sha256 differs from the manifest"
     return None
 
 
@@ -192,27 +243,31 @@ class Checkpoint:
     """The parts of a committed checkpoint the invariants read."""
 
     step: int
-    path: Path
+    path: CheckpointDir | Path
     model: dict[str, torch.Tensor]
     sampler: dict[str, Any] | None
     lineage: list[dict[str, Any]] | None
 
 
-def read_checkpoint(path: Path, step: int) -> Checkpoint:
+def read_checkpoint(checkpoint: CheckpointDir | Path, step: int) -> Checkpoint:
     """Load a checkpoint's replicated state (``weights_only``: plain data only).
 
     Raises:
-        ValueError: It has no model state.
+        ValueError: It has no model state, or its manifest is malformed.
+        OSError: It cannot be read.
     """
-    content = torch.load(path / "replicated.pt", weights_only=True, map_location="cpu")
+    checkpoint = _as_dir(checkpoint)
+    manifest = json.loads(checkpoint.read("MANIFEST.json"))
+    raw = checkpoint.files_at(manifest if isinstance(manifest, dict) else {}).read("replicated.pt")
+    content = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
     stateful = content.get("stateful", {}) if isinstance(content, dict) else {}
     if "model" not in stateful:
-        raise ValueError(f"{path}: no model state")
+        raise ValueError(f"{checkpoint}: no model state")
     lineage = next((v["lineage"] for v in stateful.values() if isinstance(v, dict) and v.get(MARKER)), None)
     if lineage is None:  # a recorder given as a dict of extras
         extras = content.get("extras", {})
         lineage = next((v["lineage"] for v in extras.values() if isinstance(v, dict) and v.get(MARKER)), None)
-    return Checkpoint(step, path, stateful["model"], stateful.get("sampler"), lineage)
+    return Checkpoint(step, checkpoint, stateful["model"], stateful.get("sampler"), lineage)
 
 
 # --- committed history ------------------------------------------------------------------------
@@ -341,7 +396,7 @@ def check_final_parameters(final: Checkpoint, reference: Checkpoint | None, *, a
                            f"rtol {rtol:g}){'' if ok else f'; worst in {where}'}")
 
 
-def check_restores(evidence: Evidence, checkpoints: dict[int, Path],
+def check_restores(evidence: Evidence, checkpoints: dict[int, CheckpointDir],
                    agent_events: Iterable[dict[str, Any]] = ()) -> InvariantResult:
     """Every restore loaded a committed, verified checkpoint, the newest, with its producer's parameters.
 
@@ -364,7 +419,7 @@ def check_restores(evidence: Evidence, checkpoints: dict[int, Path],
     saved = evidence.of("saved")
     for event in restores:
         step, producer = event["step"], event.get("producer")
-        name = Path(event["path"]).name
+        name = str(event["path"]).rstrip("/").rpartition("/")[2]
         match = _STEP_DIR.match(name)
         if not match or int(match.group(1)) != step:
             problems.append(f"restored {name!r} as step {step}: not a committed checkpoint directory")
@@ -391,7 +446,7 @@ def check_restores(evidence: Evidence, checkpoints: dict[int, Path],
                            "committed checkpoint, verified, holding its producer's parameters")
 
 
-def check_checkpoints_intact(checkpoints: dict[int, Path]) -> InvariantResult:
+def check_checkpoints_intact(checkpoints: dict[int, CheckpointDir]) -> InvariantResult:
     if not checkpoints:
         return InvariantResult("checkpoints_intact", False, "no committed checkpoint")
     errors = [e for s, p in checkpoints.items() if (e := verify_checkpoint(p, s))]

@@ -118,7 +118,7 @@ def _ghosts(evidence: inv.Evidence, evidence_dir: Path) -> list[int]:
         time.sleep(0.5)
 
 
-def _final_checkpoint(checkpoints: Mapping[int, Path]) -> tuple[inv.Checkpoint | None, str]:
+def _final_checkpoint(checkpoints: Mapping[int, inv.CheckpointDir]) -> tuple[inv.Checkpoint | None, str]:
     if not checkpoints:
         return None, "no committed checkpoint"
     step = max(checkpoints)

@@ -8,11 +8,14 @@ state of :mod:`elastictrain.train`, ``elastictrain status``) are public here:
 - :func:`map_tensors`: a copy of such an object with each tensor replaced;
 - :func:`load_state_into`: load a checkpoint's entries into live objects (all checked first);
 - :func:`find_checkpoint`, :func:`step_dir`: the newest committed checkpoint that verifies in a
-  storage, and the directory of a step's checkpoint.
+  storage, and the directory of a step's checkpoint;
+- :func:`export_safetensors`: a checkpoint's model as one safetensors file (``elastictrain
+  checkpoint export``).
 """
 
 from ._manifest import find_checkpoint, step_dir
 from ._snapshot import check_state, load_state_into, map_tensors, validate_state
+from .export import ExportInfo, export_safetensors
 from .coordinator import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
 from .manager import CheckpointManager, RestoreInfo, Stateful
 from .storage import LocalStorage, Storage
@@ -26,7 +29,9 @@ __all__ = [
     "Coordinator",
     "SingleProcessCoordinator",
     "TorchDistributedCoordinator",
+    "ExportInfo",
     "check_state",
+    "export_safetensors",
     "find_checkpoint",
     "load_state_into",
     "map_tensors",

@@ -16,7 +16,9 @@ manifest, written last and create-only, is the commit; its ``data`` names their 
     step_00000123.data-3f9a0c1e/    replicated.pt, rank_00000.pt, ...: read only through a manifest
 
 The manifest's ``files`` maps each file's name (relative to where the files are) to its size
-and SHA-256, whichever rank wrote it: the per-rank shards of a sharded format fit it as they are.
+and SHA-256, whichever rank wrote it. A sharded checkpoint (``format_version`` 2: the state held
+DTensors) has each rank's ``shards_<rank>.bin`` among them, and a ``tensors`` index saying where
+each DTensor's chunks are in them (:mod:`._index`); a DDP checkpoint is format 1, as it always was.
 
 A checkpoint directory is trusted only if its manifest parses, names this step and
 format, and every file it lists exists with the recorded size and SHA-256. Checking the
@@ -42,10 +44,12 @@ import torch
 
 from elastictrain.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
 
-from .storage import Storage
+from ._index import parse_index
+from .storage import ObjectStore, Storage
 
 __all__ = [
     "FORMAT_VERSION",
+    "SHARDED_FORMAT_VERSION",
     "MANIFEST",
     "REPLICATED",
     "FileEntry",
@@ -71,6 +75,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+SHARDED_FORMAT_VERSION = 2
+"""The manifest of a checkpoint with a tensor index (DTensor state, written in shards by every rank)."""
 MANIFEST = "MANIFEST.json"
 REPLICATED = "replicated.pt"
 
@@ -226,20 +232,25 @@ def write_file(
 
 def write_manifest(
     storage: Storage, directory: str, *, step: int, world_size: int, saved_at: float, files: list[FileEntry],
-    fence: int | None = None, data: str | None = None,
+    fence: int | None = None, data: str | None = None, tensors: dict[str, Any] | None = None,
+    replacing: str | None = None,
 ) -> None:
     """Write the manifest of a checkpoint into ``directory`` (durably; create-only).
 
     Args:
         data: The data prefix beside ``directory`` that holds the files (an object store's
             commit); ``None``: they are in ``directory``.
+        tensors: The tensor index of a sharded checkpoint (format 2); ``None``: a DDP one (format 1).
+        replacing: In an object store, replace the manifest there instead, if it is still the
+            version this tag names (``ObjectStore.write_if_unchanged``).
 
     Raises:
-        FileExistsError: ``directory`` has a manifest already.
+        FileExistsError: ``directory`` has a manifest already (with ``replacing``: another one).
+        FileNotFoundError: With ``replacing``: the manifest is gone.
         OSError: Writing failed.
     """
-    manifest = {
-        "format_version": FORMAT_VERSION,
+    manifest: dict[str, Any] = {
+        "format_version": FORMAT_VERSION if tensors is None else SHARDED_FORMAT_VERSION,
         "step": step,
         "world_size": world_size,
         "time": saved_at,
@@ -249,8 +260,16 @@ def write_manifest(
     }
     if data is not None:
         manifest["data"] = data
+    if tensors is not None:
+        manifest["tensors"] = tensors
+    body = json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n"
+    if replacing is not None:
+        if not isinstance(storage, ObjectStore):
+            raise ValueError(f"replacing a manifest needs an object store, not {storage!r}")
+        storage.write_if_unchanged(join(directory, MANIFEST), body, tag=replacing)
+        return
     with storage.open_write(join(directory, MANIFEST)) as f:
-        f.write(json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n")
+        f.write(body)
 
 
 def verify(storage: Storage, directory: str, step: int, *, checksums: bool = True) -> dict[str, Any]:
@@ -280,13 +299,18 @@ def verify(storage: Storage, directory: str, step: int, *, checksums: bool = Tru
         entries = [FileEntry(name, int(v["size"]), str(v["sha256"])) for name, v in files.items()]
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptCheckpointError(f"checkpoint {where} has a malformed {MANIFEST}: {exc}") from exc
-    if version != FORMAT_VERSION:
-        raise CorruptCheckpointError(f"checkpoint {where} has format version {version!r}, expected {FORMAT_VERSION}")
+    if version not in (FORMAT_VERSION, SHARDED_FORMAT_VERSION) or type(version) is not int:
+        raise CorruptCheckpointError(f"checkpoint {where} has format version {version!r}, expected "
+                                     f"{FORMAT_VERSION} or {SHARDED_FORMAT_VERSION}")
     if saved_step != step:
         raise CorruptCheckpointError(f"checkpoint {where} is named for step {step} but its manifest says {saved_step}")
     if type(world_size) is not int or world_size < 1:
         raise CorruptCheckpointError(f"checkpoint {where} has a malformed {MANIFEST}: world_size={world_size!r}")
-    missing = ({REPLICATED} | {rank_file(r) for r in range(world_size)}) - files.keys()
+    required = {REPLICATED} | {rank_file(r) for r in range(world_size)}
+    if version == SHARDED_FORMAT_VERSION:
+        index = parse_index(manifest.get("tensors"), where)
+        required |= {chunk.file for meta in index.values() for chunk in meta.chunks}
+    missing = required - files.keys()
     if missing:
         raise CorruptCheckpointError(f"checkpoint {where}: manifest does not list {sorted(missing)}")
     files_at = files_dir(directory, manifest)

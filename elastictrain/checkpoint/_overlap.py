@@ -44,6 +44,7 @@ from torch.utils.hooks import RemovableHandle
 
 from elastictrain.errors import ConfigError
 
+from . import _sharded as sharded
 from . import _snapshot as snap
 
 __all__ = ["Overlap", "SideStreams", "SnapshotCopy", "copy_sizes"]
@@ -215,7 +216,8 @@ class _Reservation:
 
 
 class Overlap:
-    """What a manager with ``overlap=True`` keeps between saves (rank 0 does the copying).
+    """What a manager with ``overlap=True`` keeps between saves, on every rank (rank 0 copies the
+    replicated state, every rank the local shards it writes of sharded state).
 
     The copy in flight, the global optimizer step hooks that wait for it (a plain
     loop's optimizer need not be part of the save, its parameters are), and the
@@ -223,10 +225,12 @@ class Overlap:
 
     Args:
         pool: Where copies go (the manager's).
+        replicated: Whether this rank copies the replicated state (rank 0).
     """
 
-    def __init__(self, pool: snap.CopyPool) -> None:
+    def __init__(self, pool: snap.CopyPool, *, replicated: bool) -> None:
         self._pool = pool
+        self._replicated = replicated
         self._streams = SideStreams()
         self._copy: SnapshotCopy | None = None
         self._reservation: _Reservation | None = None
@@ -296,9 +300,11 @@ class Overlap:
             return
         try:
             sizes = copy_sizes({name: obj if isinstance(obj, dict) else obj.state_dict()
-                                for name, obj in reservation.state.items()})
+                                for name, obj in reservation.state.items()}, replicated=self._replicated)
         except ConfigError:
             return  # save() will say what is wrong with the state
+        if not sizes:
+            return
         self._reserver = threading.Thread(
             target=self._reserve_in_background, args=(sizes,), name="elastictrain-checkpoint-reserve", daemon=True
         )
@@ -323,20 +329,29 @@ def _after_optimizer_step(ref: weakref.ref[Overlap], optimizer: torch.optim.Opti
         overlap._after_optimizer_step(optimizer)
 
 
-def copy_sizes(values: Mapping[str, Any]) -> list[tuple[int, bool]]:
-    """Return the (bytes, pinned) size of each storage an overlapped save of ``values`` would copy.
+def copy_sizes(values: Mapping[str, Any], *, replicated: bool) -> list[tuple[int, bool]]:
+    """Return the (bytes, pinned) size of each storage an overlapped save of ``values`` would copy on this rank.
 
     Args:
         values: The state dicts and extras of a save, by name.
+        replicated: Whether this rank copies the replicated state (rank 0); every rank copies
+            the local shards of DTensors it writes.
 
     Raises:
         ConfigError: A value holds something a checkpoint cannot.
     """
+    plain: list[torch.Tensor] = []
+    leaves = []
+    for name, value in values.items():
+        rest, found = sharded.split(value, (name,))
+        leaves += found
+        if replicated:
+            plain += snap.tensors(rest)
+    local = [chunk.tensor for chunk in sharded.local_chunks(leaves)[1]] if leaves else []
     sizes: dict[snap.StorageKey, tuple[int, bool]] = {}
-    for value in values.values():
-        for tensor in snap.tensors(value):
-            if snap.deferred(tensor):
-                sizes[snap.storage_key(tensor)] = (tensor.untyped_storage().nbytes(), tensor.is_cuda)
+    for tensor in plain + local:
+        if snap.deferred(tensor):
+            sizes[snap.storage_key(tensor)] = (tensor.untyped_storage().nbytes(), tensor.is_cuda)
     return list(sizes.values())
 
 

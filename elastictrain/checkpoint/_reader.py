@@ -6,22 +6,26 @@ if one does not verify on any rank, every rank tries the one before.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import pickle
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
-from elastictrain.errors import CheckpointError, CorruptCheckpointError
+from elastictrain.errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
 
 from . import _manifest as fmt
+from . import _reshard as reshard
 from . import _snapshot as snap
+from ._index import parse_index
 from .coordinator import Coordinator
-from .storage import Storage
+from .storage import ObjectStore, Storage
 
-__all__ = ["CheckpointReader", "RestoreInfo"]
+__all__ = ["CheckpointReader", "RestoreInfo", "load_file"]
 
 logger = logging.getLogger(__name__)
 _events = logging.getLogger("elastictrain.events")
@@ -69,6 +73,7 @@ class CheckpointReader:
         """Load the newest checkpoint that verifies (or ``step``'s) into ``state``: see
         :meth:`CheckpointManager.restore <elastictrain.checkpoint.manager.CheckpointManager.restore>`."""
         skip: set[int] = set()
+        templates: _Templates | None = None
         for _ in range(_LOAD_ATTEMPTS):
             found = self.agree(step, frozenset(skip))
             if found is None:
@@ -76,12 +81,17 @@ class CheckpointReader:
                 return None
             chosen, manifest = found
             directory = fmt.join(self._prefix, fmt.step_dir(chosen))
+            if templates is None:  # on every rank, in step: a state_dict() may be a collective
+                templates = _templates(state)
             # Every rank checks the checksums of what it loads, before anything changes:
             # rank 0's view of the directory is not proof of another node's.
-            loaded, problem = self._load_verified(directory, manifest)
+            loaded, problem = self._load_verified(directory, manifest, templates)
             problems = [(r, p) for r, p in enumerate(self._coord.all_gather(problem)) if p is not None]
             if not problems:
                 break
+            mismatch = [p for _, (kind, p) in problems if kind == "mismatch"]
+            if mismatch:
+                raise CheckpointMismatchError(mismatch[0])
             fatal = [p for _, (kind, p) in problems if kind == "fatal"]
             if fatal:
                 raise CorruptCheckpointError(fatal[0])
@@ -162,14 +172,16 @@ class CheckpointReader:
         raise CheckpointError(f"checkpoints in {self.location} kept changing while the ranks agreed on one")
 
     def _load_verified(
-        self, directory: str, manifest: dict[str, Any]
+        self, directory: str, manifest: dict[str, Any], templates: _Templates
     ) -> tuple[tuple[Any, Any] | None, tuple[str, str] | None]:
-        """Check the checksums of this rank's files of a checkpoint, then load them.
+        """Check the checksums of this rank's files of a checkpoint, then load them; of a sharded
+        checkpoint, read the chunks this rank's templates need (each checked against its checksum).
 
         Returns:
             ``((replicated content, RNG state or None), None)``, or ``(None, (kind, message))``
             where kind is ``"vanished"`` (retired meanwhile: agree again), ``"corrupt"``
-            (try an older one) or ``"fatal"`` (a file that is not plain data).
+            (try an older one), ``"fatal"`` (a file that is not plain data) or ``"mismatch"``
+            (a stored tensor does not fit its template).
         """
         rank = self._coord.rank
         names = [fmt.REPLICATED] + ([fmt.rank_file(rank)] if rank < manifest["world_size"] else [])
@@ -178,9 +190,28 @@ class CheckpointReader:
             files_at = fmt.files_dir(directory, manifest)
             for name in names:
                 entry = manifest["files"][name]
-                fmt.verify_file(self._storage, directory, fmt.FileEntry(name, int(entry["size"]), str(entry["sha256"])),
-                                files_at)
-                loaded.append(self._load(directory, name, files_at))
+                expected = fmt.FileEntry(name, int(entry["size"]), str(entry["sha256"]))
+                if isinstance(self._storage, ObjectStore):  # one download, checked before it is loaded
+                    loaded.append(load_file(self._storage, directory, name, files_at, expected))
+                    continue
+                fmt.verify_file(self._storage, directory, expected, files_at)
+                loaded.append(load_file(self._storage, directory, name, files_at))
+            content = loaded[0]
+            if not isinstance(content, dict) or not {"stateful", "extras"} <= content.keys():
+                return None, ("fatal", f"{self._storage.location(directory)}: {fmt.REPLICATED} has no state")
+            index = parse_index(manifest.get("tensors"), self._storage.location(directory)) \
+                if manifest["format_version"] == fmt.SHARDED_FORMAT_VERSION else {}
+            if index or reshard.needs_filling(templates.state_dicts):
+                # DTensors may sit in either kind; entries the state does not ask for are not read.
+                saved = {name: value for kind in ("extras", "stateful") for name, value in content[kind].items()
+                         if name in templates.state_dicts}
+                filled = reshard.fill(saved, templates.state_dicts, index,
+                                      lambda name: self._open(directory, name, files_at), params=templates.params,
+                                      where=self._storage.location(directory))
+                content = {**content, **{kind: {name: filled.get(name, value) for name, value in content[kind].items()}
+                                         for kind in ("stateful", "extras")}}
+        except CheckpointMismatchError as exc:
+            return None, ("mismatch", str(exc))
         except fmt.VanishedCheckpointError as exc:
             return None, ("vanished", str(exc))
         except _NotPlainData as exc:
@@ -189,28 +220,22 @@ class CheckpointReader:
             return None, ("corrupt", str(exc))
         except OSError as exc:
             return None, ("corrupt", f"cannot read {self._storage.location(directory)}: {exc}")
-        content = loaded[0]
-        if not isinstance(content, dict) or not {"stateful", "extras"} <= content.keys():
-            return None, ("fatal", f"{self._storage.location(directory)}: {fmt.REPLICATED} has no state")
         return (content, loaded[1] if len(loaded) > 1 else None), None
 
-    def _load(self, directory: str, name: str, files_at: str) -> Any:
+    @contextlib.contextmanager
+    def _open(self, directory: str, name: str, files_at: str) -> Iterator[BinaryIO]:
+        """Open a file of the checkpoint for the chunk reads; a missing file of a checkpoint that
+        is gone as a whole is ``VanishedCheckpointError``."""
         path = fmt.join(files_at, name)
         try:
             with self._storage.open_read(path) as f:
-                # weights_only: a checkpoint file must never be a way to run code.
-                return torch.load(f, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as exc:
-            raise _NotPlainData(
-                f"refusing to load {self._storage.location(path)}: it holds more than tensors and plain data ({exc})"
-            ) from exc
+                yield f
         except FileNotFoundError as exc:
             if not self._storage.exists(directory):
                 raise fmt.VanishedCheckpointError(f"{self._storage.location(directory)} was deleted while it was "
                                                   "read") from exc
-            raise CorruptCheckpointError(f"cannot load {self._storage.location(path)}: {exc}") from exc
-        except (OSError, RuntimeError, EOFError) as exc:
-            raise CorruptCheckpointError(f"cannot load {self._storage.location(path)}: {exc}") from exc
+            raise CorruptCheckpointError(f"checkpoint {self._storage.location(directory)}: {name} is missing") \
+                from exc
 
     def _restore_rng(self, rng: Any, manifest: dict[str, Any], step: int) -> None:
         rank = self._coord.rank
@@ -220,6 +245,61 @@ class CheckpointReader:
         seed = snap.fallback_seed(manifest["files"][fmt.rank_file(0)]["sha256"], rank)
         snap.seed_rng(seed)
         logger.info("rank %d has no saved RNG state in step %d; seeded RNGs with %d", rank, step, seed)
+
+
+def load_file(storage: Storage, directory: str, name: str, files_at: str, expected: fmt.FileEntry | None = None
+              ) -> Any:
+    """``torch.load(weights_only=True)`` one file of the checkpoint in ``directory`` (its files in ``files_at``).
+
+    With ``expected`` (an object store): from the bytes of the one download that checked their size
+    and sha256 as they arrived, before anything is loaded from them.
+
+    Raises:
+        CorruptCheckpointError: It cannot be read or loaded; a subclass of it when it holds more
+            than tensors and plain data (code: never run, never skipped silently).
+        VanishedCheckpointError: The checkpoint was deleted meanwhile.
+    """
+    path = fmt.join(files_at, name)
+    try:
+        if expected is not None:
+            if not isinstance(storage, ObjectStore):
+                raise ValueError(f"a checked one-pass read needs an object store, not {storage!r}")
+            data, digest = storage.read_hashed(path)
+            if len(data) != expected.size or digest != expected.sha256:
+                problem = (f"has {len(data)} bytes, manifest says {expected.size}" if len(data) != expected.size
+                           else "does not match its sha256 checksum")
+                raise CorruptCheckpointError(f"checkpoint {storage.location(directory)}: {name} {problem}")
+            # weights_only: a checkpoint file must never be a way to run code.
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        with storage.open_read(path) as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        why = next(iter(str(exc).strip().splitlines()), "")  # torch's message goes on for lines
+        raise _NotPlainData(
+            f"refusing to load {storage.location(path)}: it holds more than tensors and plain data ({why})"
+        ) from exc
+    except FileNotFoundError as exc:
+        if not storage.exists(directory):
+            raise fmt.VanishedCheckpointError(f"{storage.location(directory)} was deleted while it was read") from exc
+        raise CorruptCheckpointError(f"cannot load {storage.location(path)}: {exc}") from exc
+    except (OSError, RuntimeError, EOFError) as exc:
+        raise CorruptCheckpointError(f"cannot load {storage.location(path)}: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class _Templates:
+    """The live state a restore fills: each object's ``state_dict()`` and each optimizer's parameters."""
+
+    state_dicts: dict[str, Any]
+    params: dict[str, list[torch.Tensor]]
+
+
+def _templates(state: Mapping[str, Any]) -> _Templates:
+    stateful = {name: obj for name, obj in state.items() if not isinstance(obj, dict)}
+    return _Templates(
+        state_dicts={name: obj if isinstance(obj, dict) else obj.state_dict() for name, obj in state.items()},
+        params={name: [p for group in obj.param_groups for p in group["params"]]
+                for name, obj in stateful.items() if isinstance(obj, torch.optim.Optimizer)})
 
 
 class _NotPlainData(CorruptCheckpointError):

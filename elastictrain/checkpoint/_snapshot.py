@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
 from elastictrain.errors import CheckpointMismatchError, ConfigError, CorruptCheckpointError
 
@@ -57,7 +58,10 @@ StorageKey = tuple[str, int, int]
 
 
 def storage_key(tensor: torch.Tensor) -> StorageKey:
-    """Return the key of ``tensor``'s storage; tensors that share a storage share a key."""
+    """Return the key of ``tensor``'s storage; tensors that share a storage share a key. A
+    DTensor's is its local shard's (an optimizer stepping a sharded parameter changes that)."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
     storage = tensor.untyped_storage()
     return (str(tensor.device), storage.data_ptr(), storage.nbytes())
 
@@ -308,13 +312,10 @@ def _walk(obj: Any, where: str, leaf: Callable[[torch.Tensor], Any] | None) -> A
 
 
 def _check_tensor(tensor: torch.Tensor, where: str) -> None:
-    # Parameter is fine (detach() makes it a plain tensor); other subclasses such
-    # as DTensor are sharded state this manager does not handle.
+    # Parameter is fine (detach() makes it a plain tensor). DTensors never get here from a save
+    # (the manager writes them in shards); other subclasses are not supported.
     if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
-        raise ConfigError(
-            f"{where}: tensor subclass {type(tensor).__name__} is not supported; "
-            "sharded state (FSDP/DTensor) needs torch.distributed.checkpoint"
-        )
+        raise ConfigError(f"{where}: tensor subclass {type(tensor).__name__} is not supported")
 
 
 def _to_cpu(tensor: torch.Tensor, pool: CopyPool, copy: bool) -> torch.Tensor:

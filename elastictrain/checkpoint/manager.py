@@ -23,11 +23,17 @@ One save, called by every rank with the same step:
 
 In an object store (an ``ObjectStore``: no atomic rename) the ranks write into
 ``step_<N>.data-<nonce>`` instead, and rank 0 commits by writing ``step_<N>/MANIFEST.json``
-last, create-only, naming that prefix: the create is the commit point. Retention then
+last, create-only, naming that prefix: the create is the commit point (saving a step again
+replaces its manifest only if it is still the one read: ``If-Match``). Retention then
 deletes a retired checkpoint's manifest before its data, and every data prefix no
 manifest names (a crashed or refused save's), and aborts unfinished uploads.
 
-Restoring is :mod:`._reader`'s: the newest committed checkpoint that verifies on every rank.
+State that holds DTensors (FSDP2, HSDP) makes a sharded checkpoint (:mod:`._sharded`): each
+rank also writes the local shards it holds into ``shards_<rank>.bin``, reports their chunks in
+the barrier, and rank 0 puts the tensor index into the manifest; the commit is the same.
+
+Restoring is :mod:`._reader`'s: the newest committed checkpoint that verifies on every rank,
+resharded to the live state's placements (:mod:`._reshard`).
 """
 
 from __future__ import annotations
@@ -51,8 +57,10 @@ from elastictrain.errors import CheckpointError, CheckpointWriteError, ConfigErr
 from . import _fence
 from . import _manifest as fmt
 from . import _shared_directory as shared_directory
+from . import _sharded as sharded
 from . import _snapshot as snap
 from ._bounded import BoundedCalls
+from ._index import key_of
 from ._overlap import Overlap, SnapshotCopy
 from ._reader import CheckpointReader, RestoreInfo
 from .coordinator import Coordinator, default_coordinator
@@ -90,8 +98,18 @@ class _Payload:
     step: int
     replicated: dict[str, Any] | None  # rank 0 only: {"stateful": {...}, "extras": {...}}
     local: dict[str, Any]  # {"rng": {...}}
-    copy: SnapshotCopy | None = None  # overlapped: makes ``replicated``'s tensors CPU copies
-    parameters: dict[str, list[str]] = field(default_factory=dict)  # rank 0: each module's parameter keys
+    copy: SnapshotCopy | None = None  # overlapped: makes ``replicated``'s and ``shards``' tensors CPU copies
+    parameters: dict[str, list[str]] = field(default_factory=dict)  # each module's parameter keys
+    tensors: list[sharded.TensorInfo] | None = None  # the state's DTensors (None: a DDP checkpoint)
+    shards: list[sharded.LocalChunk] = field(default_factory=list)  # the local shards this rank writes
+
+
+@dataclass(frozen=True, slots=True)
+class _Written:
+    """What a rank wrote of a save: its files and, of a sharded save, its chunks (crosses ranks pickled)."""
+
+    files: list[tuple[str, int, str]] = field(default_factory=list)
+    chunks: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
 
 class CheckpointManager:
@@ -208,8 +226,8 @@ class CheckpointManager:
             self._coord.close()  # every rank raises: none keeps the group it will never use
             raise
         self._reader = CheckpointReader(self._storage, self._prefix, self._coord, host=self._host)
-        # Rank 0 alone copies (the replicated state): the others have nothing to overlap.
-        self._overlap = Overlap(self._pool) if overlap and self._coord.rank == 0 else None
+        # Rank 0 copies the replicated state, every rank the shards it writes of sharded state.
+        self._overlap = Overlap(self._pool, replicated=self._coord.rank == 0) if overlap else None
 
     @property
     def saving(self) -> bool:
@@ -239,9 +257,12 @@ class CheckpointManager:
 
         Args:
             step: The training step, a non-negative int; every rank passes the same.
-            state: Objects with ``state_dict()`` (their state is replicated: rank 0
-                writes it) and plain dicts of extras (epoch, metrics, ...), by name.
-                Every value must be tensors and plain Python data.
+            state: Objects with ``state_dict()`` and plain dicts of extras (epoch,
+                metrics, ...), by name. Every value must be tensors and plain Python
+                data. Plain tensors are replicated state (rank 0 writes them); the
+                DTensors (FSDP2, HSDP: ``Shard`` and ``Replicate`` placements) make a
+                sharded checkpoint, where each rank writes the local shards it holds
+                (one replica of each) and ``restore`` reshards them.
 
         Raises:
             ConfigError: ``step`` or ``state`` is invalid.
@@ -341,7 +362,11 @@ class CheckpointManager:
         match on any rank, every rank skips that checkpoint (with a warning) and
         tries the one before. A checkpoint deleted while it is read (a separate
         reader racing its writer's retention) is not corrupt: the ranks agree again. Dict
-        entries are updated in place. Rank ``r`` restores its own saved RNG
+        entries are updated in place. Each object's ``state_dict()`` is the template of
+        what it loads: where it holds a DTensor, this rank reads only the stored chunks
+        that overlap its shard at the template's placements (any world size and mesh;
+        each chunk checked against its sha256); where it holds a plain tensor, the full
+        tensor is assembled. A DDP checkpoint is sliced for DTensor templates. Rank ``r`` restores its own saved RNG
         states; a rank the saved job did not have (the world grew) seeds its RNGs
         with ``fallback_seed`` instead, which is deterministic and distinct per rank.
 
@@ -408,9 +433,12 @@ class CheckpointManager:
         content: dict[str, Any] = {"stateful": {}, "extras": {}}
         references: list[torch.Tensor] = []
         self._pool.begin()  # the previous save is done (save() waited): its copies are free
+        leaves: list[tuple[tuple[Any, ...], Any]] = []
         for name, obj in state.items():
             kind, value = ("extras", obj) if isinstance(obj, dict) else ("stateful", obj.state_dict())
             where = f"state[{name!r}]"
+            value, found_here = sharded.split(value, (name,))  # DTensors: written in shards (below)
+            leaves += found_here
             if not rank0:
                 snap.validate_state(value, where=where)
             elif self._overlap is not None:
@@ -420,7 +448,16 @@ class CheckpointManager:
                 content[kind][name] = snap.snapshot(value, copy=self._async, pool=self._pool, where=where)
         local = snap.snapshot({"rng": snap.capture_rng()}, copy=False, pool=self._pool)  # fresh tensors already
         payload = _Payload(step=step, replicated=content if rank0 else None, local=local)
-        if rank0:  # checked for NaN and infinity before the write (see _diverged)
+        if leaves:
+            payload.tensors, payload.shards = sharded.local_chunks(leaves)
+            for chunk in payload.shards:
+                where = f"the local shard of {chunk.key!r}"
+                if self._overlap is not None:
+                    chunk.tensor, found = snap.capture(chunk.tensor, pool=self._pool, where=where)
+                    references += found
+                else:
+                    chunk.tensor = snap.snapshot(chunk.tensor, copy=self._async, pool=self._pool, where=where)
+        if rank0 or payload.shards:  # checked for NaN and infinity before the write (see _diverged)
             payload.parameters = {name: [key for key, _ in obj.named_parameters()]
                                   for name, obj in state.items() if isinstance(obj, torch.nn.Module)}
         if references and self._overlap is not None:
@@ -456,6 +493,8 @@ class CheckpointManager:
             try:
                 payload.copy.run(lambda: self._fault(COPY_STAGE))
                 payload.replicated = snap.materialize(payload.replicated, self._pool)
+                for chunk in payload.shards:
+                    chunk.tensor = snap.materialize(chunk.tensor, self._pool)
             except Exception as exc:  # noqa: BLE001 - reported at the barrier below
                 copy_error = CheckpointError(f"copying the state to CPU memory failed: {exc!r}")
             payload.copy = None
@@ -478,7 +517,7 @@ class CheckpointManager:
                                        + "; ".join(stuck))
         staging = fmt.join(self._prefix, (fmt.data_dir if self._object_store else fmt.staging_dir)(step, nonce))
 
-        written: list[tuple[str, int, str]] = []
+        written = _Written()
         error: str | None = None
         storage_failed = False
         try:
@@ -506,8 +545,11 @@ class CheckpointManager:
                 if errors:
                     outcome = (any(failed for _, _, failed in reports), "; ".join(errors))
                 else:
-                    files = [f for written_files, _, _ in reports for f in written_files]
-                    self._calls.run(f"the commit of step {step}", lambda: self._commit(step, staging, nonce, files),
+                    files = [f for part, _, _ in reports for f in part.files]
+                    tensors = None if payload.tensors is None else sharded.build_index(
+                        payload.tensors, [c for part, _, _ in reports for c in part.chunks])
+                    self._calls.run(f"the commit of step {step}",
+                                    lambda: self._commit(step, staging, nonce, files, tensors),
                                     timeout=self._commit_bound)
             except OSError as exc:  # ENOSPC writing the manifest, say, or a blocked rename
                 outcome = (True, str(exc))
@@ -528,27 +570,34 @@ class CheckpointManager:
 
     @staticmethod
     def _diverged(payload: _Payload) -> str | None:
-        """Which model parameter of the state to write holds NaN or infinity, if one does (rank 0:
-        the others hold no replicated state). Parameters only: a buffer may hold infinity on
-        purpose (an attention mask)."""
-        if payload.replicated is None:
-            return None
+        """Which model parameter of the state to write holds NaN or infinity, if one does (rank 0
+        in the replicated state, every rank in the shards it writes). Parameters only: a buffer
+        may hold infinity on purpose (an attention mask)."""
         for name, keys in payload.parameters.items():
-            saved = payload.replicated["stateful"].get(name)
+            saved = payload.replicated["stateful"].get(name) if payload.replicated is not None else None
             if isinstance(saved, dict):
                 found = snap.first_non_finite((key, saved.get(key)) for key in keys)
                 if found is not None:
                     return f"parameter {found!r} of state[{name!r}]"
+            mine = {key_of((name, key)) for key in keys}
+            found = snap.first_non_finite((c.key, c.tensor) for c in payload.shards if c.key in mine)
+            if found is not None:
+                return f"parameter {found.partition('/')[2]!r} of state[{name!r}] (a local shard)"
         return None
 
-    def _write_part(self, staging: str, payload: _Payload) -> list[tuple[str, int, str]]:
+    def _write_part(self, staging: str, payload: _Payload) -> _Written:
         """Write and sync this rank's files of ``payload`` into ``staging`` (on a helper thread:
         see ``BoundedCalls``)."""
         self._storage.make_dir(staging)
-        written: list[tuple[str, int, str]] = []
+        written = _Written()
+        if payload.shards:
+            entry, chunks = sharded.write_shards(self._storage, staging, sharded.shard_file(self._coord.rank),
+                                                 payload.shards, on_write=self._on_write)
+            written.files.append((entry.name, entry.size, entry.sha256))
+            written.chunks.extend(chunks)
         if payload.replicated is not None:
-            written.append(self._write(staging, fmt.REPLICATED, payload.replicated))
-        written.append(self._write(staging, fmt.rank_file(self._coord.rank), payload.local))
+            written.files.append(self._write(staging, fmt.REPLICATED, payload.replicated))
+        written.files.append(self._write(staging, fmt.rank_file(self._coord.rank), payload.local))
         self._storage.sync_dir(staging)
         return written
 
@@ -618,15 +667,16 @@ class CheckpointManager:
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
 
-    def _write(self, directory: str, name: str, obj: Any) -> tuple[str, int, str]:
-        def on_write() -> None:
-            self._calls.progress()
-            self._fault("during_write")
+    def _on_write(self) -> None:
+        self._calls.progress()
+        self._fault("during_write")
 
-        entry = fmt.write_file(self._storage, directory, name, obj, on_write=on_write)
+    def _write(self, directory: str, name: str, obj: Any) -> tuple[str, int, str]:
+        entry = fmt.write_file(self._storage, directory, name, obj, on_write=self._on_write)
         return entry.name, entry.size, entry.sha256  # a tuple: it crosses ranks pickled
 
-    def _commit(self, step: int, staging: str, nonce: str, written: list[tuple[str, int, str]]) -> None:
+    def _commit(self, step: int, staging: str, nonce: str, written: list[tuple[str, int, str]],
+                tensors: dict[str, Any] | None) -> None:
         if self._fence is None:
             self._fence = _fence.claim(self._storage, self._prefix)
         entries = [fmt.FileEntry(name, size, sha) for name, size, sha in written]
@@ -644,11 +694,11 @@ class CheckpointManager:
             for rank in range(self._coord.world_size):
                 self._storage.delete(fmt.join(staging, _written_mark(rank)))
         if self._object_store:
-            self._commit_manifest(step, staging, entries)
+            self._commit_manifest(step, staging, entries, tensors)
             return
         fmt.write_manifest(
             self._storage, staging, step=step, world_size=self._coord.world_size, saved_at=time.time(), files=entries,
-            fence=self._fence,
+            fence=self._fence, tensors=tensors,
         )
         self._storage.sync_dir(staging)
         self._fault("before_commit")
@@ -664,38 +714,43 @@ class CheckpointManager:
         self._storage.rename(staging, final)
         self._fault("after_commit")
 
-    def _commit_manifest(self, step: int, data: str, entries: list[fmt.FileEntry]) -> None:
+    def _commit_manifest(self, step: int, data: str, entries: list[fmt.FileEntry],
+                         tensors: dict[str, Any] | None) -> None:
         """Commit in an object store: the manifest, written last and create-only, names ``data``."""
         assert self._fence is not None  # noqa: S101 - claimed before the commit
+        assert isinstance(self._storage, ObjectStore)  # noqa: S101 - only called for one
         _fence.check(self._storage, self._prefix, self._fence, what=f"the commit of step {step}")
         final = fmt.join(self._prefix, fmt.step_dir(step))
+        replacing: str | None = None
         try:
-            with self._storage.open_read(fmt.join(final, fmt.MANIFEST)) as f:
-                existing = json.loads(f.read()).get("fence")
+            raw, replacing = self._storage.read_tagged(fmt.join(final, fmt.MANIFEST))
         except FileNotFoundError:
             pass
-        except (ValueError, AttributeError):  # a torn manifest: not a checkpoint, replace it
-            existing = None
         else:
+            try:
+                existing = json.loads(raw).get("fence")
+            except (ValueError, AttributeError):  # a torn manifest: not a checkpoint, replace it
+                existing = None
             if isinstance(existing, int) and existing > self._fence:
                 raise _fence.FencedError(
                     f"the commit of step {step} refused: another writer committed {self._storage.location(final)} "
                     f"first, a newer world (fencing token {existing}; this world's is {self._fence})")
-            # Saving a step again (after restoring to it): uncommit the old one first; its data
-            # is then garbage that retention deletes. A crash in between leaves the older checkpoints.
+            # Saving a step again (after restoring to it): the new manifest replaces the one just
+            # read, in one conditional request (If-Match), never one committed since by another
+            # world; the old one's data is then garbage that retention deletes.
             logger.warning("replacing the existing checkpoint of step %d", step)
-            self._storage.delete(final)
-        # The commit point: no check above can see a world that commits this step from here on;
-        # the create-only write refuses to replace its manifest.
+        # The commit point: the create-only (or replace-if-unchanged) write refuses to replace a
+        # manifest that another world wrote after the checks above.
         self._fault("before_commit")
         try:
             fmt.write_manifest(self._storage, final, step=step, world_size=self._coord.world_size,
                                saved_at=time.time(), files=entries, fence=self._fence,
-                               data=data.rpartition("/")[2])
-        except FileExistsError as exc:
+                               data=data.rpartition("/")[2], tensors=tensors, replacing=replacing)
+        except (FileExistsError, FileNotFoundError) as exc:
             raise _fence.FencedError(
                 f"the commit of step {step} refused: another writer committed {self._storage.location(final)} "
-                f"first (its manifest is create-only); this world (token {self._fence}) is likely stale") from exc
+                f"first (its manifest is written only if unchanged since this world read it); this world (token "
+                f"{self._fence}) is likely stale") from exc
         self._fault("after_commit")
 
     def _retain(self, committed: int) -> None:

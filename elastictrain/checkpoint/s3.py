@@ -10,7 +10,10 @@ upload whose parts go out on a few threads while ``torch.save`` streams into the
 (the bytes come straight from the snapshot in memory: no temporary file); the
 ``CompleteMultipartUpload`` carries the condition. Of two writers of one key exactly one
 succeeds, the other gets ``FileExistsError`` (S3's 412 ``PreconditionFailed``, or 409
-``ConditionalRequestConflict`` while the two race).
+``ConditionalRequestConflict`` while the two race). The one replacement, a manifest of a step
+saved again, is ``write_if_unchanged``: a ``PutObject`` with ``If-Match`` on the ETag read.
+A reader downloads a file once (``read_hashed``): ranges on a few threads, hashed in order as
+they arrive.
 
 The client is boto3's: credentials, region and endpoint come from where the AWS SDKs look for
 them (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``, ``AWS_PROFILE`` and
@@ -25,14 +28,16 @@ bucket, the key and S3's error code.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import hashlib
 import io
 import logging
 import os
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO
 
@@ -296,31 +301,71 @@ class S3Storage:
     def _put(self, key: str, body: bytes | bytearray | memoryview) -> None:
         self._call("writing", key, "put_object", Key=key, Body=bytes(body), IfNoneMatch="*")
 
+    def write_if_unchanged(self, path: str, data: bytes, *, tag: str) -> None:
+        """See :class:`~elastictrain.checkpoint.storage.ObjectStore`: one ``PutObject`` with
+        ``If-Match: <ETag>``."""
+        key = self._key(path)
+        self._call("replacing", key, "put_object", Key=key, Body=bytes(data), IfMatch=tag)
+
+    def read_tagged(self, path: str) -> tuple[bytes, str]:
+        """See :class:`~elastictrain.checkpoint.storage.ObjectStore`: one ``GetObject``; the tag is the ETag."""
+        key = self._key(path)
+        response = self._call("reading", key, "get_object", Key=key)
+        return self._body(key, response), str(response["ETag"])
+
     @contextlib.contextmanager
     def open_read(self, path: str) -> Iterator[BinaryIO]:
         """See base class. Reads the whole object into memory (in ranges, on a few threads):
         ``torch.load`` needs a seekable file."""
-        key = self._key(path)
+        yield io.BytesIO(self._download(self._key(path), None))
+
+    def read_hashed(self, path: str) -> tuple[bytes, str]:
+        """See :class:`~elastictrain.checkpoint.storage.ObjectStore`: ranges download on a few
+        threads while the bytes already here are hashed, in order."""
+        digest = hashlib.sha256()
+        return self._download(self._key(path), digest.update), digest.hexdigest()
+
+    def _download(self, key: str, on_chunk: Callable[[bytes], None] | None) -> bytes:
+        """The whole object ``key``, in ranges of ``part_size`` with at most ``concurrency`` in
+        flight; ``on_chunk`` sees each range in order as it arrives."""
         size = self._size(key)
-        if size <= self._part_size:
-            yield io.BytesIO(self._get(key, None))
-            return
         ranges = [(start, min(start + self._part_size, size) - 1) for start in range(0, size, self._part_size)]
-        with ThreadPoolExecutor(min(self._concurrency, len(ranges)), thread_name_prefix="elastictrain-s3") as pool:
-            chunks = list(pool.map(lambda r: self._get(key, r), ranges))
-        data = b"".join(chunks)
+        if len(ranges) <= 1:
+            chunks = [self._get(key, None)]
+            if on_chunk is not None:
+                on_chunk(chunks[0])
+        else:
+            chunks = []
+            with ThreadPoolExecutor(min(self._concurrency, len(ranges)), thread_name_prefix="elastictrain-s3") as pool:
+                pending: collections.deque[Future[bytes]] = collections.deque()
+                for byte_range in ranges:
+                    pending.append(pool.submit(self._get, key, byte_range))
+                    if len(pending) >= self._concurrency:  # bounded memory: consume the oldest first
+                        chunks.append(self._consume(pending.popleft(), on_chunk))
+                while pending:
+                    chunks.append(self._consume(pending.popleft(), on_chunk))
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         del chunks
         if len(data) != size:  # replaced while read: the checksum would fail anyway
             raise S3Error(f"reading {self.location_of_key(key)}: got {len(data)} bytes of {size}")
-        yield io.BytesIO(data)
+        return data
+
+    @staticmethod
+    def _consume(future: Future[bytes], on_chunk: Callable[[bytes], None] | None) -> bytes:
+        chunk = future.result()
+        if on_chunk is not None:
+            on_chunk(chunk)  # hashlib releases the GIL: the other ranges keep downloading
+        return chunk
 
     def _get(self, key: str, byte_range: tuple[int, int] | None) -> bytes:
         kwargs: dict[str, Any] = {"Key": key}
         if byte_range is not None:
             kwargs["Range"] = f"bytes={byte_range[0]}-{byte_range[1]}"
-        response = self._call("reading", key, "get_object", **kwargs)
+        return self._body(key, self._call("reading", key, "get_object", **kwargs))
+
+    def _body(self, key: str, response: dict[str, Any]) -> bytes:
         try:
-            return response["Body"].read()
+            return bytes(response["Body"].read())
         except Exception as exc:  # the connection broke mid-body
             raise S3Error(f"reading {self.location_of_key(key)}: {exc}") from exc
 
@@ -410,20 +455,30 @@ class _Upload:
         self._size = 0
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
+        # One copy of each byte: a part is sliced straight out of ``data`` where it can be (the
+        # caller may reuse its buffer once this returns, so the part cannot be a view of it).
         view = memoryview(data).cast("B")
-        self._buffer += view
-        self._size += len(view)
+        size = len(view)
         part = self._storage._part_size  # noqa: SLF001 - one module
-        while len(self._buffer) >= part:
-            chunk = bytes(self._buffer[:part])
-            del self._buffer[:part]
-            self._submit(chunk)
-        return len(view)
+        start = 0
+        if self._buffer:
+            start = min(part - len(self._buffer), size)
+            self._buffer += view[:start]
+            if len(self._buffer) == part:
+                self._submit(self._buffer)
+                self._buffer = bytearray()
+        while size - start >= part:
+            self._submit(bytes(view[start:start + part]))
+            start += part
+        if start < size:
+            self._buffer += view[start:]
+        self._size += size
+        return size
 
     def flush(self) -> None:
         pass
 
-    def _submit(self, chunk: bytes) -> None:
+    def _submit(self, chunk: bytes | bytearray) -> None:
         storage = self._storage
         if self._upload_id is None:
             reply = storage._call("starting an upload of", self._key, "create_multipart_upload",  # noqa: SLF001
@@ -437,7 +492,7 @@ class _Upload:
         number = len(self._parts) + 1
         self._parts.append(self._pool.submit(self._upload_part, number, chunk))
 
-    def _upload_part(self, number: int, chunk: bytes) -> dict[str, Any]:
+    def _upload_part(self, number: int, chunk: bytes | bytearray) -> dict[str, Any]:
         reply = self._storage._call("uploading part of", self._key, "upload_part",  # noqa: SLF001
                                     Key=self._key, UploadId=self._upload_id, PartNumber=number, Body=chunk)
         return {"PartNumber": number, "ETag": reply["ETag"]}
@@ -448,7 +503,7 @@ class _Upload:
             storage._put(self._key, self._buffer)  # noqa: SLF001
             return
         if self._buffer or not self._parts:
-            self._submit(bytes(self._buffer))
+            self._submit(self._buffer)
             self._buffer = bytearray()
         parts = [f.result() for f in self._parts]
         storage._call("completing the upload of", self._key, "complete_multipart_upload",  # noqa: SLF001

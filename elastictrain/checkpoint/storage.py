@@ -107,6 +107,8 @@ class ObjectStore(Storage, Protocol):
     The manager commits a checkpoint there without ``rename``: each rank writes its files under
     a prefix of that save's own (``step_N.data-<nonce>/``), and the manifest, written last and
     create-only at ``step_N/MANIFEST.json``, is the commit; it names the prefix its files are in.
+    Saving a step again replaces its manifest with ``write_if_unchanged``, so that a writer never
+    replaces or deletes a manifest it has not read (another world's, committed meanwhile).
     ``rename`` may raise.
     """
 
@@ -118,6 +120,34 @@ class ObjectStore(Storage, Protocol):
     def abort_uploads(self, path: str, *, started_before: float) -> int:
         """Abort the unfinished uploads under directory ``path`` started before ``started_before``
         (a ``time.time()``), left by a writer that crashed; return how many."""
+        ...
+
+    def read_hashed(self, path: str) -> tuple[bytes, str]:
+        """Return the bytes of file ``path`` and their SHA-256 (hex), hashed as they arrive: a
+        reader checks a file and loads it from one download.
+
+        Raises:
+            FileNotFoundError: ``path`` does not exist.
+        """
+        ...
+
+    def read_tagged(self, path: str) -> tuple[bytes, str]:
+        """Return the bytes of file ``path`` and a tag of this version of it (S3's ETag), for
+        ``write_if_unchanged``.
+
+        Raises:
+            FileNotFoundError: ``path`` does not exist.
+        """
+        ...
+
+    def write_if_unchanged(self, path: str, data: bytes, *, tag: str) -> None:
+        """Replace file ``path`` with ``data`` in one request, only if it is still the version
+        ``tag`` names (a compare-and-swap: S3's ``If-Match``).
+
+        Raises:
+            FileExistsError: ``path`` was replaced since (another version is there).
+            FileNotFoundError: ``path`` was deleted since.
+        """
         ...
 
 

@@ -315,6 +315,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("chaos", add_help=False, help="run a job under injected faults and check nothing was lost "
                    "(elastictrain chaos --help)")
 
+    checkpoint = sub.add_parser("checkpoint", help="work with checkpoints (elastictrain checkpoint export --help)",
+                                description="Work with the checkpoints of a CheckpointManager or Session.")
+    actions = checkpoint.add_subparsers(dest="checkpoint_command", metavar="ACTION", parser_class=_Parser)
+    export = actions.add_parser(
+        "export", help="write a checkpoint's model to one safetensors file, for inference",
+        description="Write the full tensors of a checkpoint's model (sharded or DDP) to one safetensors file.")
+    export.add_argument("directory", metavar="DIR", help="a checkpoint directory (step_N), or the directory or "
+                        "s3://bucket/prefix that holds them (then the newest committed one)")
+    export.add_argument("out", metavar="OUT", help="the safetensors file to write (replaced if it exists)")
+    _add(export, "--step", default=None, type=_non_negative_int, help="with a directory of checkpoints: this step's")
+    _add(export, "--entry", default="model", help="the name the model was saved under in the checkpoint's state")
+
     etcd = sub.add_parser("etcd", help="run an etcd server in the foreground", description="Run an etcd server until Ctrl-C.")
     _add(etcd, "--host", default="127.0.0.1", help="address to listen on; one other hosts reach needs TLS and "
          "client certificates, or --insecure")

@@ -8,6 +8,7 @@ Subcommands (their flags: :mod:`elastictrain.launch.arguments`):
 - ``status``, ``stop``: show a run as etcd holds it; close it (or purge its keys).
 - ``etcd``: run an etcd server in the foreground, for multi-node trials on one
   machine or a quick shared rendezvous point.
+- ``checkpoint export``: write a checkpoint's model to one safetensors file.
 - ``chaos``: handed to :mod:`elastictrain.chaos` whole.
 
 Errors are one line and a non-zero exit; ``--debug`` shows tracebacks.
@@ -375,6 +376,19 @@ def _cmd_etcd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_checkpoint(args: argparse.Namespace) -> int:
+    if args.checkpoint_command != "export":
+        raise ConfigError("checkpoint needs an action: export (elastictrain checkpoint export --help)")
+    from elastictrain.checkpoint import export_safetensors
+
+    try:
+        info = export_safetensors(args.directory, args.out, step=args.step, entry=args.entry)
+    except OSError as exc:  # OUT cannot be written, or the storage failed
+        raise ElasticTrainError(f"cannot export {args.directory} to {args.out}: {exc}") from exc
+    print(f"wrote {info.tensors} tensors ({info.bytes / 1e6:.1f} MB) of step {info.step} to {args.out}")
+    return 0
+
+
 def _command(args: argparse.Namespace) -> int:
     if args.command == "run":
         return _cmd_run(args)
@@ -384,6 +398,8 @@ def _command(args: argparse.Namespace) -> int:
         return _cmd_status(args)
     if args.command == "stop":
         return _cmd_stop(args)
+    if args.command == "checkpoint":
+        return _cmd_checkpoint(args)
     build_parser().print_help()
     return _EXIT_USAGE
 

@@ -108,8 +108,8 @@ class SessionConfig:
 
     sharding: str = "ddp"
     """How the model trains over the group: ``"ddp"`` (every rank holds the whole model and
-    optimizer; DistributedDataParallel). ``"fsdp"`` and ``"hsdp"`` (sharded, issue 41) are refused
-    with a ConfigError until they are available."""
+    optimizer; DistributedDataParallel); ``"fsdp"`` (FSDP2: each rank holds a shard of everything)
+    or ``"hsdp"`` (sharded within a node, replicated across nodes): see ``docs/sharding.md``."""
 
     ddp_kwargs: Mapping[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of ``DistributedDataParallel`` (e.g. ``find_unused_parameters``)."""

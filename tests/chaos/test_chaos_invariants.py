@@ -268,6 +268,20 @@ def test_a_chaos_config_refuses_what_cannot_run(tmp_path: Path) -> None:
     ChaosConfig(script=str(script), run_dir=str(tmp_path / "run"), run_args=("--recovery", "restart"))
 
 
+def test_checkpoints_in_an_object_store_refuse_the_faults_that_fill_a_local_disk(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    run_dir, url = str(tmp_path / "run"), "s3://bucket/chaos"
+    ChaosConfig(script=str(script), run_dir=run_dir, checkpoint_dir=url, faults=3, kinds=(FaultKind.KILL_IN_SAVE,))
+    with pytest.raises(ConfigError, match="disk_full fills a local filesystem; the checkpoints are in s3://bucket/chaos"):
+        ChaosConfig(script=str(script), run_dir=run_dir, checkpoint_dir=url,
+                    schedule=tuple(parse_schedule("disk_full@3")))
+    with pytest.raises(ConfigError, match="checkpoint_disk_mb .--checkpoint-disk-mb. mounts a filesystem"):
+        ChaosConfig(script=str(script), run_dir=run_dir, checkpoint_dir=url, checkpoint_disk_mb=64)
+    with pytest.raises(ConfigError, match="must be an s3://bucket/prefix URL"):
+        ChaosConfig(script=str(script), run_dir=run_dir, checkpoint_dir=str(tmp_path / "ckpt"))
+
+
 def test_a_relative_script_is_found_by_the_nodes_in_the_run_directory(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """The nodes run in the run directory: a relative path passed the check, then no node found it."""

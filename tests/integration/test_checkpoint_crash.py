@@ -73,21 +73,56 @@ def test_save_killed_at_any_stage_restores_a_complete_checkpoint(tmp_path: Path,
     assert sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".")) == [*kept, "step_00000003"]
 
 
-@pytest.mark.parametrize(("killed", "stage"), [(1, "before_barrier"), (0, "after_commit")])
-def test_two_rank_save_with_a_rank_killed_restores_a_complete_checkpoint(
-    tmp_path: Path, killed: int, stage: str
-) -> None:
-    ckpt, store = tmp_path / "ckpt", tmp_path / "store"
-    procs = [run(str(ckpt), stage, "sync", str(rank), "2", str(store), str(killed)) for rank in range(2)]
+def run_two_ranks(ckpt: Path, stage: str, mode: str, killed: int) -> list[int]:
+    """Run the script as two gloo ranks, ``killed`` dying at ``stage``; return their exit codes."""
+    store = ckpt.parent / "store"
+    procs = [run(str(ckpt), stage, mode, str(rank), "2", str(store), str(killed)) for rank in range(2)]
     try:
-        codes = [p.wait(timeout=45) for p in procs]
+        return [p.wait(timeout=45) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+@pytest.mark.parametrize(("killed", "stage"), [(1, "before_barrier"), (0, "after_commit")])
+def test_two_rank_save_with_a_rank_killed_restores_a_complete_checkpoint(
+    tmp_path: Path, killed: int, stage: str
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    codes = run_two_ranks(ckpt, stage, "sync", killed)
     # The killed rank died; its peer noticed (a failed collective) instead of hanging.
     assert codes[killed] == -signal.SIGKILL and codes[1 - killed] == SURVIVED_WITH_ERROR
     assert restored_step(ckpt) == (2 if stage == COMMITTED_BY else 1)
+
+
+def test_sharded_save_with_a_rank_killed_mid_shard_restores_the_previous_checkpoint(tmp_path: Path) -> None:
+    """Each rank writes its own shards (DTensors on a 2-rank mesh): a rank killed in the middle of its
+    shard file leaves the previous checkpoint, assembled whole at world size 1."""
+    ckpt = tmp_path / "ckpt"
+    codes = run_two_ranks(ckpt, "during_write", "sharded", killed=1)
+    assert codes == [SURVIVED_WITH_ERROR, -signal.SIGKILL]
+    # Killed in the middle of its shard file (written first), not between files.
+    staging = next(p for p in ckpt.iterdir() if ".tmp-" in p.name)
+    assert (staging / "shards_00001.bin").exists() and not (staging / "rank_00001.pt").exists()
+    assert restored_step(ckpt) == 1
+
+
+class _Sharded:
+    """A model whose state dict is DTensors, sharded on dim 0 over every rank (as FSDP2's)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, object]:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (2,))
+        return {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in self.model.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        raise NotImplementedError
 
 
 def _filled(value: float) -> torch.nn.Linear:
@@ -99,7 +134,8 @@ def _filled(value: float) -> torch.nn.Linear:
 
 
 def _main(argv: list[str]) -> None:
-    """``CKPT STAGE sync|async|overlap [RANK WORLD_SIZE STORE KILLED_RANK]``: commit step 1, die saving step 2."""
+    """``CKPT STAGE sync|async|overlap|sharded [RANK WORLD_SIZE STORE KILLED_RANK]``: commit step 1, die saving
+    step 2 (sharded: a sync save of DTensor state)."""
     import torch.distributed as dist
 
     ckpt, stage, mode = argv[:3]
@@ -107,13 +143,15 @@ def _main(argv: list[str]) -> None:
     if world_size > 1:
         dist.init_process_group("gloo", init_method=f"file://{argv[5]}", rank=rank, world_size=world_size)
     # A short timeout: the survivor of a peer killed before the barrier waits it out for that peer's mark.
-    mgr = CheckpointManager(ckpt, async_save=mode != "sync", overlap=mode == "overlap", timeout=timedelta(seconds=5))
-    mgr.save(1, {"model": _filled(1.0), "progress": {"step": 1}})
+    mgr = CheckpointManager(ckpt, async_save=mode in ("async", "overlap"), overlap=mode == "overlap",
+                            timeout=timedelta(seconds=5))
+    wrap = _Sharded if mode == "sharded" else (lambda model: model)
+    mgr.save(1, {"model": wrap(_filled(1.0)), "progress": {"step": 1}})
     mgr.wait()
     if rank == killed:
         mgr._fault_hook = lambda at: os.kill(os.getpid(), signal.SIGKILL) if at == stage else None
     try:
-        mgr.save(2, {"model": _filled(2.0), "progress": {"step": 2}})
+        mgr.save(2, {"model": wrap(_filled(2.0)), "progress": {"step": 2}})
         mgr.wait()
     except CheckpointError:
         # os._exit, not sys.exit: a gloo group whose peer died can abort ("terminate

@@ -4,7 +4,10 @@ port, and a proxy in front of it for throttling, denial and stalls. No client ca
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
+import random
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -102,6 +105,23 @@ def test_a_save_uploads_each_file_in_parts_and_commits_by_a_manifest_written_las
     assert step == 7 and torch.equal(weight, model.weight)
 
 
+def test_writes_of_any_size_upload_the_same_bytes_in_parts_and_read_back_with_their_sha256(
+        s3_env: str, bucket: str) -> None:
+    data = random.Random(3).randbytes(4 * PART + 12345)
+    storage = S3Storage(bucket, part_size=PART)
+    view, start = memoryview(data), 0
+    with storage.open_write("blob") as f:  # part boundaries fall inside writes, and writes span parts
+        for size in itertools.cycle([1, PART - 1, 2, 2 * PART + 7, 3, PART // 3]):
+            f.write(view[start:start + size])
+            start += size
+            if start >= len(data):
+                break
+    head = client(s3_env).head_object(Bucket=bucket, Key="blob")
+    assert head["ETag"].endswith('-5"'), head["ETag"]
+    assert client(s3_env).get_object(Bucket=bucket, Key="blob")["Body"].read() == data
+    assert storage.read_hashed("blob") == (data, hashlib.sha256(data).hexdigest())
+
+
 CRASH_SCRIPT = """\
 import os, sys, torch
 from elastictrain.checkpoint import CheckpointManager
@@ -175,6 +195,50 @@ def test_a_stale_writer_cannot_replace_a_newer_worlds_commit_of_the_same_step(s3
     newer[0].close()
     step, weight = _restored_weight(url)
     assert step == 2 and torch.equal(weight, new_model.weight)
+
+
+def test_a_stale_writer_re_saving_a_step_never_deletes_a_newer_worlds_commit_of_it(
+        proxy: FaultProxy, s3_env: str, bucket: str) -> None:
+    stale_model, new_model = _model(11), _model(12)
+    stale = CheckpointManager("run", storage=S3Storage(bucket), fence=True)  # through the proxy
+    stale.save(2, {"model": _model(13)})
+    manifest = "run/step_00000002/MANIFEST.json"
+    newer: list[CheckpointManager] = []
+
+    def newer_world_commits_the_step() -> None:
+        # A newer world (straight to the server) commits step 2 while the stale world's request
+        # that would replace (or delete) its own manifest of step 2 is on the wire.
+        newer.append(CheckpointManager("run", storage=S3Storage(bucket, client=client(s3_env)), fence=True))
+        newer[0].save(2, {"model": new_model})
+
+    # The first request that changes step 2's manifest: a PUT of it, or a DeleteObjects naming it.
+    proxy.before(lambda method, path, body: method in ("PUT", "POST", "DELETE") and (
+        manifest in path or manifest.encode() in body), newer_world_commits_the_step)
+    with pytest.raises(CheckpointError, match="another writer committed .*step_00000002 first"):
+        stale.save(2, {"model": stale_model})  # re-saving step 2 (as after restoring to it)
+    assert newer, "the stale world's re-save never reached the server"
+    stale.close()
+    newer[0].close()
+    step, weight = _restored_weight(f"s3://{bucket}/run")
+    assert step == 2 and torch.equal(weight, new_model.weight)
+    assert json.loads(client(s3_env).get_object(Bucket=bucket, Key=manifest)["Body"].read())["fence"] == 2
+
+
+def test_a_restore_downloads_each_object_once_and_checks_it_before_loading(
+        proxy: FaultProxy, s3_env: str, bucket: str) -> None:
+    model = _model(14, width=1800)  # 12.4 MB: three ranges of 5 MiB
+    with CheckpointManager("run", storage=S3Storage(bucket, part_size=PART)) as manager:
+        manager.save(1, {"model": model})
+    [key] = [k for k in _keys(s3_env, bucket) if k.endswith("/replicated.pt")]
+    size = client(s3_env).head_object(Bucket=bucket, Key=key)["ContentLength"]
+    proxy.requests.clear()
+    target = _model(15, width=1800)
+    with CheckpointManager("run", storage=S3Storage(bucket, part_size=PART)) as manager:
+        info = manager.restore({"model": target})
+    assert info is not None and info.step == 1 and torch.equal(target.weight, model.weight)
+    gets = [path for method, path in proxy.requests
+            if method == "GET" and path.split("?")[0].endswith("/replicated.pt")]
+    assert len(gets) == -(-size // PART) == 3, proxy.requests
 
 
 def test_throttling_is_retried_with_backoff_and_the_save_commits(proxy: FaultProxy, bucket: str) -> None:

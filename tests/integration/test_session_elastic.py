@@ -109,13 +109,13 @@ class ElasticRun:
         self.out, self.logs = out, logs
 
 
-@pytest.fixture(scope="module")
-def elastic_run(etcd_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ElasticRun]:
-    out = tmp_path_factory.mktemp("elastic")
+def resized_run(etcd_endpoint: str, out: Path, *job_args: str) -> Iterator[ElasticRun]:
+    """Run session_job.py (with ``job_args``) on 2 node agents, join a third once it holds at step
+    10, kill it once the job holds at step 18; yields once the job has ended."""
     run_id = f"session-{os.getpid()}-{time.monotonic_ns() % 10**6}"
-    node = [sys.executable, "-m", "elastictrain", "run", "--etcd", etcd_server.endpoint, "--run-id", run_id,
+    node = [sys.executable, "-m", "elastictrain", "run", "--etcd", etcd_endpoint, "--run-id", run_id,
             "--min-nodes", "2", "--max-nodes", "3", "--local-addr", "127.0.0.1", "--recovery", "restart",
-            JOB, str(out), "--hold", "10:2", "--hold", "18:3"]
+            JOB, str(out), "--hold", "10:2", "--hold", "18:3", *job_args]
     env = subprocess_env(OMP_NUM_THREADS="1")
     logs_dir = out / "logs"
     logs_dir.mkdir()
@@ -145,6 +145,11 @@ def elastic_run(etcd_server: Any, tmp_path_factory: pytest.TempPathFactory) -> I
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.fixture(scope="module")
+def elastic_run(etcd_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ElasticRun]:
+    yield from resized_run(etcd_server.endpoint, tmp_path_factory.mktemp("elastic"))
 
 
 @pytest.mark.timeout(180)

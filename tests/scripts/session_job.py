@@ -1,6 +1,6 @@
 """Test job: an MLP trained with ``elastictrain.Session``; rank 0 records what happened in OUT_DIR.
 
-Usage: session_job.py OUT_DIR [--ckpt DIR] [--hold STEP:WORLD ...] [--fail RANK:STEP]
+Usage: session_job.py OUT_DIR [--ckpt DIR] [--hold STEP:WORLD ...] [--fail RANK:STEP] [--sharding MODE]
 
 - ``--hold STEP:WORLD``: once STEP steps are done at world size WORLD, stop
   training and keep all-reducing (so a dead peer is noticed) until the agent
@@ -11,7 +11,8 @@ Usage: session_job.py OUT_DIR [--ckpt DIR] [--hold STEP:WORLD ...] [--fail RANK:
 
 Files (rank 0 unless noted): ``progress.json`` (atomic; step, world size,
 restart, holding), ``segments.jsonl`` (one line per session start),
-``events.jsonl`` (hook events), ``final-<rank>.pt`` (every rank: parameters at the end),
+``events.jsonl`` (hook events), ``final-<rank>.pt`` (every rank, rank 0 alone when sharded:
+the full parameters at the end),
 ``failed-<rank>-<restart>.json`` (any rank whose session raised: was the
 process group still initialized afterwards?).
 """
@@ -75,6 +76,7 @@ def main() -> None:
     parser.add_argument("--ckpt-every", type=int, default=4)
     parser.add_argument("--hold", type=_pair, action="append", default=[])
     parser.add_argument("--fail", type=_pair, default=None)
+    parser.add_argument("--sharding", default="ddp")
     args = parser.parse_args()
 
     out = Path(args.out_dir)
@@ -96,7 +98,7 @@ def main() -> None:
         model, optimizer, TensorDataset(x, y), global_batch_size=args.global_batch,
         micro_batch_size=args.micro_batch, epochs=args.epochs, seed=7, scheduler=scheduler,
         checkpoint_dir=args.ckpt or str(out / "ckpt"), checkpoint_every=args.ckpt_every,
-        hooks=[Recorder(out, context)], log_every=4,
+        hooks=[Recorder(out, context)], log_every=4, sharding=args.sharding,
     )
     try:
         with session as s:
@@ -116,11 +118,13 @@ def main() -> None:
                 if s.rank == 0:
                     _write_atomic(out / "progress.json", {"step": step.number, "world_size": s.world_size,
                                                           "restart": context.restart_count, "holding": False})
+            weights = s.full_state_dict()  # sharded: gathered on rank 0 ({} elsewhere), a collective
     except BaseException as error:
         _write_atomic(out / f"failed-{context.rank}-{context.restart_count}.json",
                       {"error": repr(error), "pg_initialized": dist.is_initialized()})
         raise
-    torch.save({"step": session.step, "model": model.state_dict()}, out / f"final-{context.rank}.pt")
+    if weights:
+        torch.save({"step": session.step, "model": weights}, out / f"final-{context.rank}.pt")
 
 
 def hold(session: elastictrain.Session, out: Path, context: elastictrain.WorkerContext) -> None:

@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -89,7 +89,9 @@ class FaultProxy:
 
     ``throttle(n)``: the next ``n`` requests get 503 SlowDown. ``deny()``: every request gets 403
     AccessDenied. ``stall(method)``: requests of that method (e.g. ``PUT``) hang until
-    ``release()``. ``counts`` tallies what it did.
+    ``release()``. ``before(matches, action)``: the first request for which ``matches(method,
+    path, body)`` holds waits for ``action()`` (a race made to happen) before it is forwarded.
+    ``counts`` tallies what it did, ``requests`` lists each request's method and path.
     """
 
     def __init__(self, upstream: str) -> None:
@@ -100,6 +102,8 @@ class FaultProxy:
         self.denying = False
         self.stalled_method: str | None = None
         self.released = threading.Event()
+        self.hook: tuple[Callable[[str, str, bytes], bool], Callable[[], None]] | None = None
+        self.requests: list[tuple[str, str]] = []
         self.counts = {"forwarded": 0, "throttled": 0, "denied": 0, "stalled": 0}
         proxy = self
 
@@ -131,6 +135,15 @@ class FaultProxy:
 
             def _handle(self) -> None:
                 body = self._body()
+                with proxy.lock:
+                    proxy.requests.append((self.command, self.path))
+                    hook = proxy.hook
+                    if hook is not None and hook[0](self.command, self.path, body):
+                        proxy.hook = None
+                    else:
+                        hook = None
+                if hook is not None:
+                    hook[1]()
                 with proxy.lock:
                     action = "forward"
                     if proxy.denying:
@@ -180,6 +193,10 @@ class FaultProxy:
     def throttle(self, n: int) -> None:
         with self.lock:
             self.throttled_left = n
+
+    def before(self, matches: Callable[[str, str, bytes], bool], action: Callable[[], None]) -> None:
+        with self.lock:
+            self.hook = (matches, action)
 
     def deny(self) -> None:
         with self.lock:

@@ -30,21 +30,30 @@ EXPECTED = {
     "etcd": sorted(["--cert-file", "--client-cert-auth", "--data-dir", "--help", "--host", "--insecure", "--key-file",
                     "--port", "--trusted-ca-file"]),
     "chaos": [],  # its flags belong to elastictrain.chaos (python -m elastictrain.chaos --help)
+    "checkpoint": ["--help"],
+    "checkpoint export": ["--entry", "--help", "--step"],  # issue 41: a checkpoint's model as safetensors
 }
 
 
+def _commands(parser: argparse.ArgumentParser, prefix: str = "") -> dict[str, argparse.ArgumentParser]:
+    """Every subcommand, nested ones as "checkpoint export"."""
+    found: dict[str, argparse.ArgumentParser] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found[prefix + name] = sub
+                found.update(_commands(sub, f"{prefix}{name} "))
+    return found
+
+
 def test_cli_flags_are_exactly_the_documented_ones() -> None:
-    parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     actual = {name: sorted(o for a in p._actions for o in a.option_strings if o.startswith("--"))
-              for name, p in sub.choices.items()}
+              for name, p in _commands(build_parser()).items()}
     assert actual == EXPECTED
 
 
 def test_every_visible_flag_has_help_with_a_default_or_env() -> None:
-    parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    for name, p in sub.choices.items():
+    for name, p in _commands(build_parser()).items():
         for action in p._actions:
             if not action.option_strings or action.help == argparse.SUPPRESS or action.dest == "help":
                 continue

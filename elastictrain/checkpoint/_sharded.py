@@ -1,0 +1,212 @@
+"""Saving DTensor state as shards: each rank writes only its own local shards, once per replica group.
+
+A save splits every ``DTensor`` out of the state (``split``): the rest of the state (plain tensors,
+step counts, hyperparameters) stays in ``replicated.pt`` as before, with a placeholder where each
+DTensor was, and the DTensors become chunks of the tensor index (:mod:`._index`). Each rank
+writes the local shard of each DTensor (``local_chunks``) into its ``shards_<rank>.bin``
+(``write_shards``), raw bytes streamed from the snapshot buffers, unless another replica writes the
+same shard: along ``Replicate`` mesh dimensions the replicas share the work, each tensor going to
+the replica with the fewest bytes so far, so that every shard is written exactly once and the
+replicas write about as much as each other.
+
+Placements: ``Shard(d)`` (uneven shards as ``torch.chunk`` makes them) and ``Replicate`` on a
+mesh of any number of dimensions (fsdp ``(Shard(0),)``, hsdp ``(Replicate(), Shard(0))``). A
+``Partial`` or a strided shard (FSDP over tensor parallel) is refused when saving.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from elastictrain.errors import ConfigError
+
+from . import _index as index
+from ._manifest import FileEntry, HashingWriter, join
+from .storage import Storage
+
+__all__ = ["PLACEHOLDER", "LocalChunk", "TensorInfo", "build_index", "local_chunks", "region", "shard_file", "split",
+           "tensor_bytes", "write_shards"]
+
+PLACEHOLDER = "<sharded tensor: see the tensor index of MANIFEST.json>"
+"""What ``replicated.pt`` holds where the state had a DTensor."""
+
+_CONTAINERS = (dict, OrderedDict, list, tuple)
+
+
+def shard_file(rank: int) -> str:
+    """The name of ``rank``'s file of shards."""
+    return f"shards_{rank:05d}.bin"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """A DTensor of the saved state, as every rank sees it."""
+
+    key: str
+    path: tuple[Any, ...]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class LocalChunk:
+    """A local shard this rank writes: its box in the global tensor, and its bytes (a CPU tensor
+    once snapshotted)."""
+
+    key: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    tensor: torch.Tensor
+
+
+def split(value: Any, path: tuple[Any, ...]) -> tuple[Any, list[tuple[tuple[Any, ...], DTensor]]]:
+    """Return ``value`` with every DTensor replaced by ``PLACEHOLDER``, and the DTensors with their paths.
+
+    ``value`` is returned as it is (not copied) when it holds no DTensor.
+    """
+    found: list[tuple[tuple[Any, ...], DTensor]] = []
+    out = _split(value, path, found)
+    return (out if found else value), found
+
+
+def _split(value: Any, path: tuple[Any, ...], found: list[tuple[tuple[Any, ...], DTensor]]) -> Any:
+    if isinstance(value, DTensor):
+        found.append((path, value))
+        return PLACEHOLDER
+    kind = type(value)
+    if kind in (dict, OrderedDict):
+        out = kind()
+        for key, item in value.items():
+            out[key] = _split(item, (*path, key), found)
+        return out
+    if kind in (list, tuple):
+        return kind(_split(item, (*path, i), found) for i, item in enumerate(value))
+    return value
+
+
+def region(shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int],
+           placements: Sequence[Any], what: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The box (offsets, sizes) of the global tensor that the rank at ``coordinate`` of a mesh holds.
+
+    ``Shard(d)`` splits dimension ``d`` as ``torch.chunk`` does (chunks of ``ceil(n / k)``, the last
+    ones shorter or empty), mesh dimension by mesh dimension, as DTensor does.
+
+    Raises:
+        ConfigError: A placement other than ``Shard`` or ``Replicate``.
+    """
+    offsets, sizes = [0] * len(shape), list(shape)
+    for mesh_dim, placement in enumerate(placements):
+        if type(placement) is Replicate:
+            continue
+        if type(placement) is not Shard:  # Partial, or a strided shard (a subclass of Shard)
+            raise ConfigError(f"{what}: placement {placement} cannot be checkpointed; Shard(d) and Replicate() can")
+        dim = placement.dim % len(shape)
+        count, at = mesh_shape[mesh_dim], coordinate[mesh_dim]
+        step = -(-sizes[dim] // count)
+        start = min(at * step, sizes[dim])
+        offsets[dim] += start
+        sizes[dim] = max(0, min(step, sizes[dim] - start))
+    return tuple(offsets), tuple(sizes)
+
+
+def local_chunks(leaves: list[tuple[tuple[Any, ...], DTensor]]) -> tuple[list[TensorInfo], list[LocalChunk]]:
+    """Describe the DTensors of a save and pick the local shards this rank writes.
+
+    Along ``Replicate`` mesh dimensions, the replica that writes a tensor's shard is the one with
+    the fewest bytes assigned so far, tensors taken in key order: every rank computes the same
+    assignment from the global shapes, each shard is written once, and the replicas share the bytes.
+
+    Returns:
+        Every DTensor's description (the same on every rank), and this rank's chunks (their
+        tensors are the live local shards: snapshot them).
+
+    Raises:
+        ConfigError: Two DTensors with one key, a dtype or placement the format does not store.
+    """
+    infos: list[TensorInfo] = []
+    chunks: list[LocalChunk] = []
+    seen: set[str] = set()
+    loads: dict[int, list[int]] = {}  # bytes assigned to each replica, by the number of replicas
+    ordered = sorted(leaves, key=lambda leaf: index.key_of(leaf[0]))
+    for path, tensor in ordered:
+        key = index.key_of(path)
+        what = "state" + "".join(f"[{p!r}]" for p in path)
+        if not all(type(p) in (str, int) for p in path):
+            raise ConfigError(f"{what}: a DTensor's keys must be strings or integers")
+        if key in seen:
+            raise ConfigError(f"{what}: two DTensors of the state have the index key {key!r}")
+        seen.add(key)
+        if index.dtype_name(tensor.dtype) is None:
+            raise ConfigError(f"{what}: dtype {tensor.dtype} cannot be checkpointed in shards")
+        shape = tuple(tensor.shape)
+        infos.append(TensorInfo(key=key, path=path, dtype=tensor.dtype, shape=shape))
+        mesh = tensor.device_mesh
+        # Every rank counts every tensor (from global shapes only), so that all agree on the writers.
+        replicated = [d for d, p in enumerate(tensor.placements) if type(p) is Replicate]
+        replicas = math.prod(mesh.shape[d] for d in replicated)
+        load = loads.setdefault(replicas, [0] * replicas)
+        writer = load.index(min(load))
+        load[writer] += math.prod(shape) * tensor.element_size()
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:  # this rank holds no part of the mesh
+            continue
+        offsets, sizes = region(shape, mesh.shape, coordinate, tensor.placements, what)
+        for d in reversed(replicated):  # the writer's coordinate along the replicated dimensions
+            writer, at = divmod(writer, mesh.shape[d])
+            if coordinate[d] != at:
+                break
+        else:
+            if math.prod(sizes) > 0:
+                chunks.append(LocalChunk(key=key, offsets=offsets, sizes=sizes, tensor=tensor.to_local()))
+    return infos, chunks
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a CPU ``tensor``, C-order (copied only if it is not contiguous)."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy().data)
+
+
+def write_shards(storage: Storage, directory: str, name: str, chunks: list[LocalChunk], *,
+                 on_write: Callable[[], None] | None = None) -> tuple[FileEntry, list[tuple[str, dict[str, Any]]]]:
+    """Write ``chunks`` (snapshotted: CPU tensors) durably into ``directory/name``, one after the other.
+
+    Returns:
+        The file's manifest entry, and each chunk's index record by tensor key.
+
+    Raises:
+        OSError: Writing failed (the partial file is removed).
+    """
+    records: list[tuple[str, dict[str, Any]]] = []
+    with storage.open_write(join(directory, name)) as raw:
+        writer = HashingWriter(raw, on_write)
+        position = 0
+        for chunk in chunks:
+            data = tensor_bytes(chunk.tensor)
+            digest = hashlib.sha256(data)
+            writer.write(data)
+            meta = index.ChunkMeta(file=name, offsets=chunk.offsets, sizes=chunk.sizes, byte_offset=position,
+                                   byte_length=len(data), sha256=digest.hexdigest())
+            records.append((chunk.key, meta.to_json()))
+            position += len(data)
+    return writer.entry(name), records
+
+
+def build_index(infos: list[TensorInfo], records: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """The manifest's ``tensors``: every DTensor of the save with the chunks the ranks wrote of it."""
+    by_key: dict[str, list[dict[str, Any]]] = {info.key: [] for info in infos}
+    for key, record in records:
+        by_key[key].append(record)
+    return {info.key: {"path": list(info.path), "dtype": index.dtype_name(info.dtype), "shape": list(info.shape),
+                       "chunks": sorted(by_key[info.key], key=lambda r: (r["offsets"], r["file"]))}
+            for info in infos}

@@ -1,0 +1,27 @@
+"""Sharded data parallelism: FSDP2 (``fully_shard``) over a 1-D mesh, HSDP over a 2-D one.
+
+Kept apart from the DDP path, as TorchFT keeps ``torchft/fsdp`` apart. See ``docs/sharding.md``.
+Importing it registers ``sharding="fsdp"`` and ``"hsdp"`` for ``Session``
+(:mod:`~elastictrain.train.fsdp.strategy`).
+"""
+
+from elastictrain.train.fsdp.gradients import clip_grad_norm_, no_sync
+from elastictrain.train.fsdp.mesh import FSDP_DIMS, HSDP_DIMS, SHARDED_MODES, build_mesh, mesh_shape
+from elastictrain.train.fsdp.optimizer import OptimizerSpec, parameter_fqns, shard_optimizer
+from elastictrain.train.fsdp.precision import REDUCE_DTYPE, mixed_precision_policy
+from elastictrain.train.fsdp.sharded import Sharded, ShardingConfig, shard
+from elastictrain.train.fsdp.state import (
+    ModelState, OptimizerState, full_optimizer_state_dict, full_state_dict, optimizer_order,
+    optimizer_state_by_fqn, optimizer_state_by_id,
+)
+from elastictrain.train.fsdp.strategy import FsdpStrategy, HsdpStrategy
+from elastictrain.train.fsdp.units import UnitSpec, shard_model, sharding_units
+
+__all__ = [
+    "FSDP_DIMS", "HSDP_DIMS", "REDUCE_DTYPE", "SHARDED_MODES",
+    "FsdpStrategy", "HsdpStrategy", "ModelState", "OptimizerSpec", "OptimizerState", "Sharded", "ShardingConfig",
+    "UnitSpec",
+    "build_mesh", "clip_grad_norm_", "full_optimizer_state_dict", "full_state_dict", "mesh_shape",
+    "mixed_precision_policy", "no_sync", "optimizer_order", "optimizer_state_by_fqn",
+    "optimizer_state_by_id", "parameter_fqns", "shard", "shard_model", "shard_optimizer", "sharding_units",
+]

@@ -1,0 +1,77 @@
+"""The device mesh a sharded model lives on: 1-D for fsdp, 2-D for hsdp.
+
+- ``"fsdp"``: every rank holds a shard of every unit; the mesh is ``(world,)``, named ``("fsdp",)``.
+- ``"hsdp"``: shard within a node, replicate across nodes; the mesh is ``(replicas, nproc_per_node)``,
+  named ``("replicate", "shard")``. Rank ``r`` sits at ``(r // nproc_per_node, r % nproc_per_node)``:
+  a node's ranks (contiguous, as the launcher numbers them) form one shard group, and the ranks of
+  the same local rank on every node form a replicate group.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from elastictrain.errors import ConfigError
+
+__all__ = ["FSDP_DIMS", "HSDP_DIMS", "SHARDED_MODES", "build_mesh", "mesh_shape"]
+
+SHARDED_MODES = ("fsdp", "hsdp")
+"""The sharded modes (``"ddp"`` replicates and has no mesh)."""
+
+FSDP_DIMS = ("fsdp",)
+"""The dimension name of the fsdp mesh."""
+
+HSDP_DIMS = ("replicate", "shard")
+"""The dimension names of the hsdp mesh: across nodes, within a node."""
+
+
+def mesh_shape(sharding: str, world_size: int, nproc_per_node: int | None = None) -> tuple[int, ...]:
+    """The mesh shape of ``sharding`` at ``world_size`` ranks.
+
+    Args:
+        sharding: ``"fsdp"`` or ``"hsdp"``.
+        world_size: Ranks in the group.
+        nproc_per_node: hsdp's shard group width (ranks per node); ignored by fsdp.
+
+    Raises:
+        ConfigError: An unknown mode, or a world that the hsdp mesh does not tile.
+    """
+    if sharding not in SHARDED_MODES:
+        raise ConfigError(f"sharding must be one of {SHARDED_MODES}, got {sharding!r}")
+    if world_size < 1:
+        raise ConfigError(f"world size must be at least 1, got {world_size}")
+    if sharding == "fsdp":
+        return (world_size,)
+    if nproc_per_node is None or nproc_per_node < 1:
+        raise ConfigError(f"hsdp needs nproc_per_node (the ranks per node, a positive int), got {nproc_per_node!r}")
+    if world_size % nproc_per_node:
+        raise ConfigError(f"hsdp needs a world size that is a multiple of nproc_per_node: "
+                          f"{world_size} ranks do not fill nodes of {nproc_per_node}")
+    return (world_size // nproc_per_node, nproc_per_node)
+
+
+def build_mesh(sharding: str, device_type: str, *, nproc_per_node: int | None = None,
+               group: dist.ProcessGroup | None = None) -> DeviceMesh:
+    """The device mesh of ``sharding`` over ``group`` (default: the whole default group); a collective.
+
+    Args:
+        sharding: ``"fsdp"`` or ``"hsdp"``.
+        device_type: ``"cpu"`` or ``"cuda"``: where the parameters live.
+        nproc_per_node: hsdp's shard group width.
+        group: Train over this group instead of the default one (fsdp only: the 2-D mesh of hsdp
+            forms its sub-groups over the default group).
+
+    Raises:
+        ConfigError: See :func:`mesh_shape`; hsdp over a group that is not the default one.
+    """
+    if not dist.is_initialized():
+        raise ConfigError(f"sharding={sharding!r} needs an initialized process group")
+    world = dist.get_world_size(group)
+    shape = mesh_shape(sharding, world, nproc_per_node)
+    if group is None or group is dist.group.WORLD:
+        dims = FSDP_DIMS if sharding == "fsdp" else HSDP_DIMS
+        return init_device_mesh(device_type, shape, mesh_dim_names=dims)
+    if sharding == "hsdp":
+        raise ConfigError("hsdp trains over the default process group; got an explicit process_group")
+    return DeviceMesh.from_group(group, device_type, mesh_dim_names=FSDP_DIMS)
