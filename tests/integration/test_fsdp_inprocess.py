@@ -82,8 +82,10 @@ def test_an_fsdp_job_resized_2_3_2_in_place_ends_equal_to_an_uninterrupted_run(
 def test_an_hsdp_job_that_loses_a_node_trains_on_with_no_step_redone_and_no_checkpoint_read(
         etcd_server: Any, run_id: str, tmp_path: Path) -> None:
     out = tmp_path / "job"
-    nodes = [start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.1", "--sharding", "hsdp", "--hang-floor", "30",
-                        min_nodes=1, max_nodes=2, extra=("--nproc-per-node", "2")) for _ in range(2)]
+    # A hang floor of 30 s: the first step after the re-formation took over 5 s on shared cores.
+    nodes = [start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.1", "--sharding", "hsdp",
+                        "--hang-floor", "30", min_nodes=1, max_nodes=2, extra=("--nproc-per-node", "2"))
+             for _ in range(2)]
     wait_until(lambda: len({r["rank"] for r in _world_steps(out, 4) if r["step"] >= 12}) == 4, "step 12 at world 4",
                nodes)
     pids = {r["pid"] for r in _world_steps(out, 4)}
