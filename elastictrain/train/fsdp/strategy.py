@@ -10,8 +10,8 @@ policy from the session's ``precision``, beside its autocast and GradScaler), gl
 clipping, the scheduler, the sampler and hooks work as under DDP; buffers are broadcast from
 rank 0 after each step (FSDP2 does not synchronize them; DDP broadcasts them in its forward).
 
-State: a rank holds shards, no replica, so there is no live transfer to a rank that lacks the
-state (:attr:`~FsdpStrategy.live_transfer` is False). The session restores a checkpoint before
+State: a rank holds shards, no replica; a rank that lacks the state receives its rows from the
+ranks that hold them (the region exchange, below), when they hold them all. The session restores a checkpoint before
 it wraps, into the still unsharded model and optimizer (full tensors, assembled from a sharded
 checkpoint at any world size and mesh, or a DDP one's); :meth:`~FsdpStrategy.wrap` shards the
 model and moves the restored optimizer state onto the shards. From then on the model and the
