@@ -40,6 +40,7 @@ def _say(out: Path) -> None:
         print(f"restore: step {event['step']} at world size {event['world_size']}")
 
 
+@pytest.mark.slow  # about 55 s on 2 idle cores: the default suite keeps tests/unit/test_fsdp_exchange.py
 @pytest.mark.timeout(300)
 def test_an_fsdp_job_resized_2_3_2_in_place_ends_equal_to_an_uninterrupted_run(
         etcd_server: Any, run_id: str, tmp_path: Path) -> None:
