@@ -4,7 +4,9 @@ One spawn of 3 processes: (a) a tensor and a 0-d value held as a 4-rank layout (
 keeps lost rank 3's shard, as a redundancy copy would) reshape to 3 ranks' boxes; without that
 copy every rank learns the state is not covered. (b) The fsdp strategy grows 2 -> 3 ranks in
 place: ranks 0-1 shard a model (Adam, 2 steps), then all 3 re-form; the full model and optimizer
-state after equal those before, and a step after equals the same step of an unsharded copy.
+state after equal those before, and a step after equals the same step of an unsharded copy. (c)
+It shrinks 3 -> 2: rank 2 leaves, its shards copied to rank 0 beforehand and offered through the
+holdings-source hook (what in-memory redundancy does); the state rebuilt from memory is equal.
 
 Run as a script, this module is the worker the test spawns.
 """
@@ -29,7 +31,8 @@ def test_shards_held_in_memory_reshape_to_a_new_layout_and_a_strategy_grows_in_p
     run_ranks(__file__, WORLD, str(tmp_path), timeout=100)
     checks = json.loads((tmp_path / "rank0.json").read_text())
     assert checks == {"reshaped_4_to_3": True, "uncovered_without_copy": [True, True, True],
-                      "grown_state_error": 0.0, "grown_step_error": 0.0, "rank2_received": True}, checks
+                      "grown_state_error": 0.0, "grown_step_error": 0.0, "shrunk_from_copies_error": 0.0,
+                      "rank2_received": True}, checks
 
 
 def _reshape(rank: int) -> tuple[bool, list[bool]]:
@@ -77,10 +80,10 @@ def _max_error(a: dict[str, Any], b: dict[str, Any]) -> float:
 
 
 def _flat(state: dict[str, Any]) -> dict[str, torch.Tensor]:
-    return {f"{i}/{k}": v for i, s in state["state"].items() for k, v in s.items()}
+    return {f"{i}/{k}": v for i, s in state.get("state", {}).items() for k, v in s.items()}
 
 
-def _grow(rank: int) -> tuple[float, float, bool]:
+def _grow(rank: int) -> tuple[float, float, float, bool]:
     import torch.distributed as dist
 
     from elastictrain.train import process_group as pg
@@ -138,12 +141,61 @@ def _grow(rank: int) -> tuple[float, float, bool]:
     stepped = full_state_dict(module)
     torch.nn.functional.mse_loss(reference(x), y).backward()
     ref_optimizer.step()
+    shrunk_error = _shrink(rank, strategy, module, optimizer, (agreement.step or 0) + 1, pair, view)
     if rank != 0:
-        return 0.0, 0.0, received
+        return 0.0, 0.0, 0.0, received
     state_error = max(_max_error(before[0], after[0]), _max_error(_flat(before[1]), _flat(after[1])))
     step_error = _max_error({k: v for k, v in stepped.items() if k != "seen"},
                             {k: v for k, v in reference.state_dict().items() if k != "seen"})
-    return state_error, step_error, received
+    return state_error, step_error, shrunk_error, received
+
+
+class Copies:
+    """A holdings source: the regions another rank sent this one (what a redundancy buddy keeps)."""
+
+    def __init__(self) -> None:
+        self.held: list[Any] = []
+
+    def holdings(self, step: int) -> list[Any]:
+        return [h for h in self.held if h.step == step]
+
+
+def _shrink(rank: int, strategy: Any, module: Any, optimizer: Any, step: int, pair: Any, view: Any) -> float:
+    """fsdp 3 -> 2: rank 2 leaves, having sent its shards to rank 0 (a redundancy copy); ranks 0-1
+    rebuild from memory through the holdings-source hook. Returns rank 0's max error against the
+    full state before."""
+    import torch.distributed as dist
+
+    from elastictrain.train.fsdp.holdings import Holding, own_holdings
+    from elastictrain.train.fsdp.state import full_optimizer_state_dict, full_state_dict
+    from elastictrain.train.state_transfer import agree
+
+    full = (full_state_dict(module), _flat(full_optimizer_state_dict(module, optimizer)))
+    mine = own_holdings(module, optimizer, step)
+    shapes = [None] * WORLD
+    dist.all_gather_object(shapes, [(h.key, h.offsets, h.sizes, h.tensor.dtype) for h in mine])  # the test's own
+    copies = Copies()
+    if rank == 2:
+        for held in mine:
+            dist.send(held.tensor, 0)
+    elif rank == 0:
+        for (key, offsets, sizes, dtype) in shapes[2]:
+            tensor = torch.empty(sizes, dtype=dtype)
+            dist.recv(tensor, 2)
+            copies.held.append(Holding(key, offsets, sizes, step, tensor))
+    strategy.leave()
+    if rank == 2:
+        return 0.0
+    strategy.add_holdings_source(copies)
+    agreement = agree(pair, holds=True, step=step)
+    assert strategy.covers(pair, agreement, module, optimizer, step=step, local_world_size=1)
+    fresh = strategy.unwrapped(module, optimizer)
+    strategy.transfer_state(pair, agreement, {"model": fresh, "optimizer": optimizer}, step=step)
+    module = strategy.wrap(fresh, optimizer, view(2, pair), identical=True)
+    after = (full_state_dict(module), _flat(full_optimizer_state_dict(module, optimizer)))
+    if rank != 0:
+        return 0.0
+    return max(_max_error(full[0], after[0]), _max_error(full[1], after[1]))
 
 
 def _worker(rank: int, out: Path) -> None:
@@ -153,13 +205,14 @@ def _worker(rank: int, out: Path) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=WORLD)
     reshaped, uncovered = _reshape(rank)
-    state_error, step_error, received = _grow(rank)
+    state_error, step_error, shrunk_error, received = _grow(rank)
     flags = [None] * WORLD
     dist.all_gather_object(flags, received)
     if rank == 0:
         (out / "rank0.json").write_text(json.dumps({
             "reshaped_4_to_3": reshaped, "uncovered_without_copy": uncovered,
             "grown_state_error": round(state_error, 5), "grown_step_error": round(step_error, 5),
+            "shrunk_from_copies_error": shrunk_error,
             "rank2_received": flags == [False, False, True]}))
     leave_together()
 
