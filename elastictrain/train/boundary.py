@@ -13,16 +13,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastictrain.train import process_group as pg
+
 __all__ = ["explicit_vote"]
 
 
-def explicit_vote(wanted: bool, *, group: Any = None, device: torch.device | None = None) -> int:
-    """How many ranks of ``group`` (None: the default group) voted to re-form: this rank votes
-    ``wanted``; one all-reduce of one number (on ``device``: NCCL's group reduces device tensors).
+def explicit_vote(wanted: bool, placement: pg.Placement, *, group: Any = None) -> int:
+    """How many ranks of ``group`` (None: the default group, of ``placement``) voted to re-form:
+    this rank votes ``wanted``; one all-reduce of one number (on the device under NCCL, which
+    reduces device tensors only).
 
     Raises:
         The backend's error when the all-reduce fails (a peer died): the caller decides.
     """
+    device = placement.device if "nccl" in str(placement.backend) else torch.device("cpu")
     vote = torch.tensor([1 if wanted else 0], dtype=torch.int32, device=device)
     dist.all_reduce(vote, op=dist.ReduceOp.SUM, group=group)
     return int(vote.item())

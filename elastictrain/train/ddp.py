@@ -53,11 +53,6 @@ class DDPStrategy(ParallelStrategy):
         self._module: torch.nn.Module | None = None
         self._sync_buffers = False
 
-    @property
-    def ddp(self) -> DistributedDataParallel | None:
-        """The DDP module of the generation wrapped over now (None when not wrapped)."""
-        return self._ddp
-
     def _wrap(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, view: GroupView, *,
               identical: bool) -> torch.nn.Module:
         """See base class."""

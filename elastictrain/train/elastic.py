@@ -29,27 +29,28 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
-import torch
-import torch.distributed as dist
-
-from elastictrain import events
 from elastictrain.train import peer_connections, process_group as pg
-from elastictrain._control import WorkerState
+from elastictrain._control import Assignment, WorkerState
 from elastictrain.errors import ConfigError, SessionError
+from elastictrain.train.boundary import explicit_vote
 from elastictrain.train.sampler import ElasticSampler
 from elastictrain.train.control import WorkerControl
 from elastictrain.train.recovery import (
+    RECOVERY_PHASES,
+    announce_recovery,
     context_for,
     describe,
     is_collective_failure,
     join_generation,
+    reform_in_place,
     torch_env,
-    wait_for_generation,
 )
+from elastictrain.train.recovery_decisions import Due, StateSource, boundary_cause, state_source, vote_at_boundary
 from elastictrain.train.state_transfer import agree, transfer
 from elastictrain.train.worker import WorkerContext
 
@@ -85,6 +86,7 @@ class ElasticState:
         self._objects = dict(objects)
         self._progress: dict[str, int] = {"step": 0}
         self._control: WorkerControl | None = None
+        self._placement: pg.Placement | None = None  # of the group this rank trains in (set by run_elastic)
         self._training = False  # inside train(), run by run_elastic()
         self.context = WorkerContext()
         self.generation = 0
@@ -131,14 +133,14 @@ class ElasticState:
         if control is None:
             return
         control.step_done(self.step)
-        if not dist.is_initialized():
+        placement = self._placement
+        if placement is None or not placement.distributed:
             return
-        flag = torch.tensor([1.0 if control.due() is not None else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() > 0:
-            due = control.due()
-            raise _Reform((due.cause if due is not None and due.cause else "the agent re-forms the group")
-                          + f" (at the boundary after step {self.step})")
+        # The boundary's one vote (a Session's strategy takes it the same way when it cannot carry
+        # it on its gradients): no checkpoint save of the session's holds it back here.
+        due = Due.of(control.due())
+        if explicit_vote(vote_at_boundary(due, saving=False, due_since=None, now=0.0).wanted, placement) > 0:
+            raise _Reform(boundary_cause(Due.of(control.due()), self.step))  # its word now, if it said any since
 
 
 def run_elastic(train: Callable[[ElasticState], _T], state: ElasticState, *, restore: Callable[[], None] | None = None,
@@ -169,60 +171,95 @@ def run_elastic(train: Callable[[ElasticState], _T], state: ElasticState, *, res
     state.context = WorkerContext.from_env()
     state._control = WorkerControl.from_env(state.context.local_rank, state.context.local_world_size)  # noqa: SLF001
     control = state._control  # noqa: SLF001
-    holds = False
     assignment = control.current() if control is not None else None
     if assignment is not None:
         state.context = context_for(state.context, assignment)  # the agent's newest word
+    holds = False  # restored, received or its own: not before a formation (a fresh rank's state is no step's)
+
+    def join(next_assignment: Assignment | None) -> None:
+        nonlocal assignment
+        if next_assignment is not None:
+            assignment, state.context = next_assignment, context_for(state.context, next_assignment)
+        state._placement, state.context, assignment = join_generation(  # noqa: SLF001
+            state.context, control, assignment, backend=backend, timeout=timeout, recovery_timeout=recovery_timeout)
+        if assignment is not None:  # this process outlives the environment it was started with
+            os.environ.update(torch_env(state.context, assignment))
+
+    def form(phases: dict[str, float]) -> bool:
+        nonlocal holds
+        started = time.perf_counter()
+        received = _form(state, holds=holds, restore=restore)
+        holds = True
+        phases["state_s"] += time.perf_counter() - started
+        return received
+
     try:
+        cause: str | None = None
+        join(None)
+        try:
+            form(dict.fromkeys(RECOVERY_PHASES, 0.0))
+        except Exception as exc:
+            if control is None or not is_collective_failure(exc):
+                raise
+            cause = f"the group failed to form ({describe(exc)})"
         while True:
-            placement, state.context, assignment = join_generation(
-                state.context, control, assignment, backend=backend, timeout=timeout,
-                recovery_timeout=recovery_timeout)
-            if assignment is not None:  # this process outlives the environment it was started with
-                os.environ.update(torch_env(state.context, assignment))
+            if cause is not None:
+                assert control is not None  # noqa: S101 - only in-process re-forms
+                logger.info("re-forming the group in place: %s", cause)
+                old_world = state.context.world_size
+                reformed = reform_in_place(control, cause, leave=_leave, join=join, form=form,
+                                           recovery_timeout=recovery_timeout)
+                announce_recovery(logger, reformed, generation=control.generation, assignment=assignment,
+                                  rank=state.context.rank, old_world_size=old_world,
+                                  world_size=state.context.world_size, step=state.step)
+            elif control is not None:
+                control.set_state(WorkerState.TRAINING)
+            state._training = True  # noqa: SLF001
             try:
-                _form(state, holds=holds, restore=restore, placement=placement)
-                holds = True  # restored, received or its own: not before (a fresh rank's state is no step's)
-                if control is not None:
-                    control.set_state(WorkerState.TRAINING)
-                state._training = True  # noqa: SLF001
-                try:
-                    return train(state)
-                finally:
-                    state._training = False  # noqa: SLF001
+                return train(state)
             except _Reform as reform:
                 cause = reform.cause
             except Exception as exc:
                 if control is None or not is_collective_failure(exc):
                     raise
                 cause = f"a collective failed ({describe(exc)})"
-            logger.info("re-forming the group in place: %s", cause)
-            control.set_state(WorkerState.RECOVERING)  # the agent re-forms now
-            peer_connections.sever(None)  # a peer blocked on this rank fails now, not at the timeout
-            pg.destroy_process_group()
-            assignment = wait_for_generation(control, recovery_timeout)
-            state.context = context_for(state.context, assignment)
-            if state.context.rank == 0:
-                events.emit("recovery", cause=cause, generation=assignment.generation, step=state.step,
-                            world_size=assignment.world_size)
+            finally:
+                state._training = False  # noqa: SLF001
     finally:
         if control is not None:
             control.close()
         pg.destroy_process_group()
 
 
-def _form(state: ElasticState, *, holds: bool, restore: Callable[[], None] | None, placement: pg.Placement) -> None:
-    if state._control is not None:  # noqa: SLF001
-        state.generation = state._control.generation  # noqa: SLF001
-    received_or_held = holds
-    if placement.distributed and state._control is not None:  # noqa: SLF001
+def _leave(_cause: str) -> None:
+    """Drop this rank's group, without a collective: a peer blocked on this rank fails now, not at
+    its timeout. The loop's own wrappers (its DDP) go with its ``train`` call."""
+    peer_connections.sever(None)
+    pg.destroy_process_group()
+
+
+def _form(state: ElasticState, *, holds: bool, restore: Callable[[], None] | None) -> bool:
+    """Bring ``state`` to the group's newest step: received from a live peer, or restored when no
+    rank holds any (:func:`~elastictrain.train.recovery_decisions.state_source`); a collective.
+    Returns whether this rank received it."""
+    control, placement = state._control, state._placement  # noqa: SLF001
+    assert placement is not None  # noqa: S101 - set by the join
+    if control is not None:
+        state.generation = control.generation
+    agreement = group = None
+    if placement.distributed and control is not None:
         group = None if placement.backend == "gloo" else pg.new_gloo_group(placement.timeout)
         agreement = agree(group, holds=holds, step=state.step)
-        if agreement.source is not None:
-            transfer(group, agreement, state.objects(), step=state.step)
-            received_or_held = True
-    if not received_or_held and restore is not None:
+    # The loop's objects are replicas (its DDP's), whatever it trains: a live peer's are the state.
+    source = state_source(holds=holds, someone_holds=None if agreement is None else agreement.source is not None,
+                          live_transfer=True)
+    received = False
+    if source is StateSource.PEERS:
+        assert agreement is not None  # noqa: S101 - PEERS only from an agreement
+        received = transfer(group, agreement, state.objects(), step=state.step)
+    elif source is StateSource.CHECKPOINT and restore is not None:
         restore()
     for obj in state.objects().values():
         if isinstance(obj, ElasticSampler):
             obj.set_world(state.context.rank, state.context.world_size)
+    return received

@@ -19,14 +19,12 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from elastictrain import events
-from elastictrain._fault import Fault
 from elastictrain._control import Assignment, WorkerState
 from elastictrain.errors import CheckpointError, CheckpointWriteError
 from elastictrain.train.hooks import HookDispatcher
@@ -35,37 +33,25 @@ from elastictrain.train import process_group as pg
 from elastictrain.train.control import WorkerControl
 from elastictrain.train.generation import Generation
 from elastictrain.train.recovery import (
+    RECOVERY_PHASES,
+    announce_recovery,
     context_for,
     describe,
     is_collective_failure,
     join_generation,
+    reform_in_place,
     torch_env,
-    wait_for_generation,
 )
+from elastictrain.train.recovery_decisions import Due, StateSource, boundary_cause, state_source, vote_at_boundary
 from elastictrain.train.session_config import SessionConfig
 from elastictrain.train.state_transfer import agree
 from elastictrain.train.strategy import ParallelStrategy, create_strategy
 from elastictrain.train.training_state import TrainingState, rank_seed, seed_everything
 from elastictrain.train.worker import WorkerContext
 
-__all__ = ["GroupKeeper"]
-
-SAVE_GRACE = timedelta(seconds=10)
-"""How long the ranks train on, when their agents want the group re-formed, while a checkpoint
-save is in flight (re-forming would wait for it to be written)."""
-
-RECOVERY_PHASES = ("wait_s", "group_s", "state_s", "ddp_s")
-"""Where a re-formation's seconds go (the ``recovery`` event carries each): leaving the old group
-and waiting for the agent's next generation; joining the new group (and any formation that
-failed); agreeing on the state and receiving it from a peer (or restoring it); wrapping the
-model in DDP."""
-
-
-def describe_phases(phases: dict[str, float]) -> str:
-    """``phases`` for a log line: ``waited 0.12 s, group 0.05 s, state 0.15 s, DDP 0.03 s``."""
-    return (f"waited {phases['wait_s']:.2f} s, group {phases['group_s']:.2f} s, state {phases['state_s']:.2f} s, "
-            f"DDP {phases['ddp_s']:.2f} s")
-
+__all__ = ["RECOVERY_PHASES", "GroupKeeper"]
+# RECOVERY_PHASES is defined in elastictrain.train.recovery, with the one re-formation path that
+# measures them; the session's re-formations are this module's.
 
 class GroupKeeper:
     """Forms a session's group and, under in-process recovery, re-forms it in place.
@@ -158,23 +144,18 @@ class GroupKeeper:
 
     def votes_to_reform(self) -> bool:
         """This rank's vote for the step about to run: stop after it and re-form the group,
-        because the agent wants a new generation. While a checkpoint save is in flight the
-        rank trains on instead (for up to :data:`SAVE_GRACE`): re-forming
-        would first wait for the save to be written, and the peers (a joining node's workers
-        waiting for the group) would wait with it; once it is written the re-formation costs
-        only itself."""
-        assert self.control is not None  # noqa: S101 - set with the flag
-        due = self.control.due()
-        if due is None:
-            self._due_since = None
-            return False
+        because the agent wants a new generation, unless a checkpoint save in flight holds it back
+        for a while (:func:`~elastictrain.train.recovery_decisions.vote_at_boundary`)."""
+        assert self.control is not None  # noqa: S101 - only in-process
         checkpoints = self.generation.checkpoints if self.generation is not None else None
-        if due.closed or checkpoints is None or not checkpoints.saving:
-            return True
-        now = time.monotonic()
-        if self._due_since is None:
-            self._due_since = now
-        return now - self._due_since > SAVE_GRACE.total_seconds()
+        vote = vote_at_boundary(self._due(), saving=checkpoints is not None and checkpoints.saving,
+                                due_since=self._due_since, now=time.monotonic())
+        self._due_since = vote.due_since
+        return vote.wanted
+
+    def _due(self) -> Due:
+        """The agent's word now, as the boundary's decisions take it."""
+        return Due.of(self.control.due() if self.control is not None else None)
 
     def clip_grad_norm(self, parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         """The strategy's clipping of the global gradient norm (a sharded one's is a collective)."""
@@ -186,10 +167,9 @@ class GroupKeeper:
         strategy names what stands for the model and the optimizer)."""
         return self._state.objects(self.context.world_size, self.strategy)
 
-    def cause_due(self) -> str:
-        """Why the agent re-forms the group (its word, once the flag said to stop)."""
-        due = self.control.due() if self.control is not None else None
-        return due.cause if due is not None and due.cause else "the agent re-forms the group"
+    def boundary_cause(self, step: int) -> str:
+        """Why the group stops after ``step``, once the vote said so."""
+        return boundary_cause(self._due(), step)
 
     def _join(self) -> None:
         """Join this generation's process group (or adopt the one given)."""
@@ -255,19 +235,19 @@ class GroupKeeper:
             "the dataset's length": sampler.num_samples, "global_batch_size": config.global_batch_size,
             "micro_batch_size": config.micro_batch_size, "epochs": config.epochs, "max_steps": config.max_steps,
             "seed": config.seed, "shuffle": config.shuffle, "drop_last": config.drop_last})
-        received = peer_state = False
-        if generation.in_process:
-            group = generation.cpu_group()
-            agreement = agree(group, holds=holds_state, step=state.step)
-            if agreement.source is not None and self.strategy.live_transfer:
-                peer_state = True
-                received = self.strategy.transfer_state(group, agreement, self.objects(), step=state.step)
-                if received:
-                    state.step = agreement.step or 0
+        agreement = agree(generation.cpu_group(), holds=holds_state, step=state.step) if generation.in_process else None
+        someone_holds = None if agreement is None else agreement.source is not None
+        source = state_source(holds=holds_state, someone_holds=someone_holds, live_transfer=self.strategy.live_transfer)
+        received = False
+        if source is StateSource.PEERS:
+            assert agreement is not None  # noqa: S101 - PEERS only from an agreement
+            received = self.strategy.transfer_state(generation.cpu_group(), agreement, self.objects(), step=state.step)
+            if received:
+                state.step = agreement.step or 0
         sampler.set_world(self.context.rank, self.context.world_size)
         if config.checkpoint_dir is not None:
             generation.open_checkpoints(config, self.control, on_write_failure=self._on_write_failure)
-            if not peer_state:
+            if source is StateSource.CHECKPOINT:
                 self._restore()
         if received:
             # Its peers' RNG streams are theirs: a worker that received the state seeds
@@ -279,7 +259,7 @@ class GroupKeeper:
             # brings back the saved ones instead.
             seed_everything(rank_seed(config.seed, self.context.rank))
         wrapping = time.perf_counter()
-        generation.wrap(state.module, state.optimizer, identical=peer_state, control=self.control)
+        generation.wrap(state.module, state.optimizer, identical=source is StateSource.PEERS, control=self.control)
         if phases is not None:
             phases["state_s"] += wrapping - started
             phases["ddp_s"] += time.perf_counter() - wrapping
@@ -303,50 +283,31 @@ class GroupKeeper:
         """
         control = self.control
         assert control is not None  # noqa: S101 - only in-process
-        started = time.perf_counter()
         old_world = self.context.world_size
         self._due_since = None
-        phases = dict.fromkeys(RECOVERY_PHASES, 0.0)
         abandoned: tuple[int, str] | None = None
-        while True:
+
+        def leave(why: str) -> None:
+            nonlocal abandoned
             assert self.generation is not None  # noqa: S101 - private invariant
-            # Said before leaving, which waits for a save in flight: the agent re-forms meanwhile.
-            control.set_state(WorkerState.RECOVERING)
-            control.on_stuck(None)  # this group's: the next one arms its own
-            mark = time.perf_counter()
-            abandoned = self._abandoned_save(self.generation.leave(), cause) or abandoned
-            self._adopt(wait_for_generation(control, self.config.recovery_timeout))
-            phases["wait_s"] += time.perf_counter() - mark
-            mark = time.perf_counter()
-            try:
-                self._join()
-                # The same order of collectives as a worker that starts in this generation
-                # (Session._start): hooks' on_rendezvous, then the state agreement.
-                self.hooks.dispatch("on_rendezvous", rank=self.context.rank, world_size=self.context.world_size,
-                                    restart_count=self.context.restart_count)
-                phases["group_s"] += time.perf_counter() - mark
-                mark = time.perf_counter()
-                received = self.form(holds_state=holds_state, phases=phases)
-                break
-            except Exception as exc:
-                if not is_collective_failure(exc):
-                    raise
-                phases["group_s"] += time.perf_counter() - mark  # a formation that failed counts as joining
-                cause = f"{cause}; then the new group failed to form ({describe(exc)})"
-        control.set_state(WorkerState.TRAINING)
+            abandoned = self._abandoned_save(self.generation.leave(), why) or abandoned
+
+        def join(assignment: Assignment) -> None:
+            self._adopt(assignment)
+            self._join()
+            # The same order of collectives as a worker that starts in this generation
+            # (Session._start): hooks' on_rendezvous, then the state agreement.
+            self.hooks.dispatch("on_rendezvous", rank=self.context.rank, world_size=self.context.world_size,
+                                restart_count=self.context.restart_count)
+
+        reformed = reform_in_place(control, cause, leave=leave, join=join,
+                                   form=lambda phases: self.form(holds_state=holds_state, phases=phases),
+                                   recovery_timeout=self.config.recovery_timeout)
         self.recoveries += 1
-        seconds = time.perf_counter() - started
-        step = self._state.step
-        # What the node that saw the fault said of it (the agent's word): this rank saw only its effect.
-        fault = Fault.from_json(self._assignment.fault) if self._assignment is not None else None
-        said = f"{fault.describe()}; here: " if fault is not None else ""
-        self.log.info("recovered in %.2fs (%s%s): generation %d, world size %d -> %d, step %d (%s)", seconds, said,
-                      cause, control.generation, old_world, self.context.world_size, step, describe_phases(phases))
-        if self.context.rank == 0:
-            events.emit("recovery", cause=cause, generation=control.generation, seconds=round(seconds, 4),
-                        old_world_size=old_world, world_size=self.context.world_size, step=step, steps_redone=0,
-                        **({"fault": fault.to_json()} if fault is not None else {}),
-                        **{name: round(value, 4) for name, value in phases.items()})
+        step, cause, seconds = self._state.step, reformed.cause, reformed.seconds
+        announce_recovery(self.log, reformed, generation=control.generation, assignment=self._assignment,
+                          rank=self.context.rank, old_world_size=old_world, world_size=self.context.world_size,
+                          step=step)
         if abandoned is not None and self.context.rank == 0:
             self._say_abandoned(*abandoned)
         if holds_state:
@@ -355,7 +316,7 @@ class GroupKeeper:
             if old_world != self.context.world_size:
                 self.hooks.dispatch("on_world_change", old_world_size=old_world,
                                     new_world_size=self.context.world_size)
-        return received
+        return reformed.received
 
     def _abandoned_save(self, in_flight: CheckpointError | None, cause: str) -> tuple[int, str] | None:
         """The step and reason of a checkpoint the re-formation after ``cause`` abandoned: an

@@ -17,6 +17,10 @@ fault; only the process group is rebuilt:
 3. **What.** The ranks agree on the newest step any of them holds and the ranks
    without it receive it from one that has it (:mod:`~elastictrain.train.state_transfer`).
 
+One path does 2 and 3 for a ``Session`` and for ``run_elastic`` alike
+(:func:`reform_in_place`: leave, wait for the agent's generation, join, agree on the state,
+transfer or restore, rebuild), with the decisions apart (:mod:`~elastictrain.train.recovery_decisions`).
+
 On NCCL a collective that waits for a dead peer can be aborted: when the agent
 publishes a new generation while this worker trains, the liveness thread aborts the
 communicator so that the stuck collective fails now. gloo cannot abort a blocked
@@ -28,13 +32,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
+from elastictrain import events
 from elastictrain.train import process_group as pg
 from elastictrain._control import Assignment, WorkerState
+from elastictrain._fault import Fault
 from elastictrain._torch_compat import is_collective_failure
 from elastictrain.errors import SessionError
 from elastictrain.train.control import WorkerControl
@@ -43,7 +51,8 @@ from elastictrain.train.worker import WorkerContext
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "abort_default_group", "context_for", "describe", "is_collective_failure", "join_generation", "torch_env",
+    "RECOVERY_PHASES", "Reformed", "abort_default_group", "announce_recovery", "context_for", "describe",
+    "describe_phases", "is_collective_failure", "join_generation", "reform_in_place", "torch_env",
     "wait_for_generation",
 ]
 # is_collective_failure is defined in elastictrain._torch_compat, with torch's exception types it
@@ -154,3 +163,91 @@ def join_generation(context: WorkerContext, control: WorkerControl | None, assig
                            control.generation, describe(exc))
         assignment = wait_for_generation(control, recovery_timeout)
         context = context_for(context, assignment)
+
+
+RECOVERY_PHASES = ("wait_s", "group_s", "state_s", "ddp_s")
+"""Where a re-formation's seconds go (the ``recovery`` event carries each): leaving the old group
+and waiting for the agent's next generation; joining the new group (and any formation that
+failed); agreeing on the state and receiving it from a peer (or restoring it); wrapping the
+model (by the session's strategy: DDP's by default; 0 under ``run_elastic``, whose loop wraps it)."""
+
+
+def describe_phases(phases: dict[str, float]) -> str:
+    """``phases`` for a log line: ``waited 0.12 s, group 0.05 s, state 0.15 s, DDP 0.03 s``."""
+    return (f"waited {phases['wait_s']:.2f} s, group {phases['group_s']:.2f} s, state {phases['state_s']:.2f} s, "
+            f"DDP {phases['ddp_s']:.2f} s")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Reformed:
+    """What one re-formation in place did (:func:`reform_in_place`)."""
+
+    cause: str
+    """What made the group re-form, and any formation that failed on the way."""
+    seconds: float
+    """From the decision to re-form to the state and wrappers of the new group."""
+    phases: dict[str, float]
+    """Those seconds by :data:`RECOVERY_PHASES`."""
+    received: bool
+    """Whether this rank received the state from a peer."""
+
+
+def reform_in_place(control: WorkerControl, cause: str, *, leave: Callable[[str], None],
+                    join: Callable[[Assignment], None], form: Callable[[dict[str, float]], bool],
+                    recovery_timeout: timedelta) -> Reformed:
+    """Re-form the group in this process after ``cause``: the one path of a ``Session`` and of
+    ``run_elastic``.
+
+    Says this worker recovers (its agent re-forms meanwhile), then ``leave(cause)`` (drop the
+    group and what was built on it, without a collective: peers may be dead), waits for the
+    agent's next generation, ``join(assignment)`` (form its process group) and ``form(phases)``
+    (agree on the newest state, receive it or restore it, rebuild on the group; it adds its
+    seconds to ``phases``' ``state_s`` and ``ddp_s``, and returns whether this rank received the
+    state). A collective that fails on the way (a peer died meanwhile) starts again from the
+    leave, and is added to the cause; then the worker says it trains.
+
+    Raises:
+        JobEnded: The agent closed the group.
+        TimeoutError: No generation came within ``recovery_timeout``.
+        Whatever ``leave``, ``join`` or ``form`` raise that is no collective failure.
+    """
+    started = time.perf_counter()
+    phases = dict.fromkeys(RECOVERY_PHASES, 0.0)
+    while True:
+        # Said before leaving, which waits for a save in flight: the agent re-forms meanwhile.
+        control.set_state(WorkerState.RECOVERING)
+        control.on_stuck(None)  # the old group's: the next one arms its own
+        mark = time.perf_counter()
+        leave(cause)
+        assignment = wait_for_generation(control, recovery_timeout)
+        phases["wait_s"] += time.perf_counter() - mark
+        mark = time.perf_counter()
+        try:
+            join(assignment)
+            phases["group_s"] += time.perf_counter() - mark
+            mark = time.perf_counter()
+            received = form(phases)
+            break
+        except Exception as exc:
+            if not is_collective_failure(exc):
+                raise
+            phases["group_s"] += time.perf_counter() - mark  # a formation that failed counts as joining
+            cause = f"{cause}; then the new group failed to form ({describe(exc)})"
+    control.set_state(WorkerState.TRAINING)
+    return Reformed(cause, time.perf_counter() - started, phases, received)
+
+
+def announce_recovery(log: logging.Logger | logging.LoggerAdapter[Any], reformed: Reformed, *, generation: int,
+                      assignment: Assignment | None, rank: int, old_world_size: int, world_size: int,
+                      step: int) -> None:
+    """Say a re-formation in one line, and rank 0 in a ``recovery`` event (with the fault its agent
+    handed it in ``assignment``, if any: this rank saw only its effect)."""
+    fault = Fault.from_json(assignment.fault) if assignment is not None else None
+    said = f"{fault.describe()}; here: " if fault is not None else ""
+    log.info("recovered in %.2fs (%s%s): generation %d, world size %d -> %d, step %d (%s)", reformed.seconds, said,
+             reformed.cause, generation, old_world_size, world_size, step, describe_phases(reformed.phases))
+    if rank == 0:
+        events.emit("recovery", cause=reformed.cause, generation=generation, seconds=round(reformed.seconds, 4),
+                    old_world_size=old_world_size, world_size=world_size, step=step, steps_redone=0,
+                    **({"fault": fault.to_json()} if fault is not None else {}),
+                    **{name: round(value, 4) for name, value in reformed.phases.items()})

@@ -233,7 +233,7 @@ class StepLoop:
                 raise
             return f"a collective failed after step {step.number} was applied ({describe(exc)})"
         if raised:
-            return f"{self._keeper.cause_due()} (at the boundary after step {step.number})"
+            return self._keeper.boundary_cause(step.number)
         return None
 
     def _apply(self, step: Step) -> None:

@@ -180,7 +180,7 @@ class ParallelStrategy(ABC):
     def _votes(self) -> int:
         view = self.view
         wanted, self._wanted = self._wanted, False
-        return explicit_vote(wanted, group=view.group, device=_collective_device(view.placement))
+        return explicit_vote(wanted, view.placement, group=view.group)
 
     @abstractmethod
     def after_step(self) -> None:
@@ -235,11 +235,6 @@ class ParallelStrategy(ABC):
     @abstractmethod
     def _leave(self) -> None:
         """See :meth:`leave` (called once per :meth:`wrap`)."""
-
-
-def _collective_device(placement: pg.Placement) -> torch.device:
-    """Where a small tensor for a collective over the group lives: NCCL's on the device."""
-    return placement.device if "nccl" in str(placement.backend) else torch.device("cpu")
 
 
 def register_strategy(name: str, factory: StrategyFactory) -> None:

@@ -208,7 +208,10 @@ def _explicit_session_worker(rank: int, port: int, control: str, port2: int, res
                 x, y = micro.batch
                 micro.backward(torch.nn.functional.mse_loss(session.model(x), y))
         steps = session.step
-    results.put((rank, recoveries.seen, steps, [p.detach().tolist() for p in model.parameters()]))
+        full = session.full_state_dict()  # DDP's: the module's own, whole on every rank
+        whole = sorted(full) == sorted(model.state_dict()) and all(
+            torch.equal(full[name], tensor) for name, tensor in model.state_dict().items())
+    results.put((rank, recoveries.seen, steps, [p.detach().tolist() for p in model.parameters()], whole))
 
 
 def test_a_session_whose_strategy_takes_the_vote_apart_stops_every_rank_after_the_same_step(tmp_path: Path) -> None:
@@ -225,3 +228,12 @@ def test_a_session_whose_strategy_takes_the_vote_apart_stops_every_rank_after_th
     assert seen[1][0][1] == f"the agent re-forms the group (at the boundary after step {step})", seen
     assert out[0][1] == out[1][1] == 8
     assert out[0][2] == out[1][2], "the replicas diverged"
+    assert out[0][3] and out[1][3], "full_state_dict() is not the module's whole state"
+
+
+def test_full_state_dict_needs_a_started_session() -> None:
+    model = _model()
+    session = elastictrain.Session(model, torch.optim.SGD(model.parameters(), lr=0.1), list(range(8)),
+                                   global_batch_size=8)
+    with pytest.raises(SessionError, match="inside `with Session"):
+        session.full_state_dict()
