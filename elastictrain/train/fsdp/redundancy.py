@@ -45,6 +45,7 @@ import json
 import logging
 import math
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -177,12 +178,16 @@ class Redundancy:
         self._held: list[Holding] = []
         self._held_buffer = _host_buffer(0, False)
         self._incoming = _host_buffer(0, False)
+        self.started = 0
+        """Refreshes started (a snapshot taken and handed to the sending thread)."""
         self.refreshed = 0
         """Refreshes completed (a copy received and swapped in)."""
         self.skipped = 0
         """Refreshes not started because one was still in flight (on some rank) when they were due."""
         self.failure: BaseException | None = None
         """Why the refreshes ended (a peer lost), or None."""
+        self.stalled = 0.0
+        """Seconds the training thread spent in due refreshes (the vote and the snapshots)."""
         self._thread: threading.Thread | None = None
         if holder is not None:
             self._thread = threading.Thread(target=self._run, name="elastictrain-redundancy", daemon=True)
@@ -205,16 +210,21 @@ class Redundancy:
             if self.failure is not None or self._closing:
                 return False
             busy = torch.tensor([int(self._due is not None)], dtype=torch.int64)
-        dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=self._vote_group)
-        if busy.item():
-            self.skipped += 1
-            logger.info("redundancy: a refresh is still in flight; step %d's is skipped", step)
-            return False
-        # The buffer that does not hold the last completed refresh's snapshot (it stays whole).
-        self._sending = next(s for s in self._own if s.step is None or s.step != self._completed)
-        self._sending.take(own_holdings(self._model, self._optimizer, step), step)
+        started = time.perf_counter()
+        try:
+            dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=self._vote_group)
+            if busy.item():
+                self.skipped += 1
+                logger.info("redundancy: a refresh is still in flight; step %d's is skipped", step)
+                return False
+            # The buffer that does not hold the last completed refresh's snapshot (it stays whole).
+            self._sending = next(s for s in self._own if s.step is None or s.step != self._completed)
+            self._sending.take(own_holdings(self._model, self._optimizer, step), step)
+        finally:
+            self.stalled += time.perf_counter() - started
         with self._cond:
             self._due = step
+            self.started += 1
             self._cond.notify_all()
         return True
 
