@@ -23,9 +23,7 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -33,7 +31,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import emit, machine, summarize  # noqa: E402 - after the path is set
+from benchmarks._common import emit, machine, run_gloo_workers, summarize  # noqa: E402 - after the path is set
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "redundancy_cost.json"
 WORLD = 4
@@ -128,15 +126,7 @@ def main() -> None:
     if args.steps < 1 or args.reps < 1 or args.width % 4 or any(e < 1 for e in args.every):
         sys.exit("--steps, --reps and --every must be positive and --width a multiple of 4")
     before = machine()
-    with tempfile.TemporaryDirectory() as tmp:
-        options = {**vars(args), "out": None, "result": str(Path(tmp) / "result.json")}
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(rank), str(Path(tmp) / "store"),
-                                   json.dumps(options)], env=env) for rank in range(WORLD)]
-        codes = [p.wait() for p in procs]
-        if codes != [0] * WORLD:
-            sys.exit(f"a worker failed: exit codes {codes}")
-        everyone = json.loads(Path(options["result"]).read_text())
+    everyone = run_gloo_workers(__file__, WORLD, {**vars(args), "out": None})
     base = statistics.median(r["step_s"] for r in everyone[0]["None"])
     results: dict[str, Any] = {}
     for name in ["None", *(str(e) for e in args.every)]:

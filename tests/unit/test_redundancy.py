@@ -11,6 +11,7 @@ their own. One spawn of four processes, two per "node" (ranks 0-1 and 2-3), then
   every rank; released, each rank's copy equals its source's shards of the refreshed step;
 - refreshes every step, then once at a known step: each copy equals its source's shards there
   (parameters and AdamW state), and rank 0 gathers the full state of that step;
+- fails a refresh on one rank: the next due one ends the refreshes on every rank;
 - kills rank 3 while its next refresh is held back (its holder, rank 1, sees the refresh fail).
 
 The test then rebuilds, from the survivors' holdings alone, the full state of the last step
@@ -145,6 +146,8 @@ def test_copies_follow_their_buddies_do_not_block_the_step_and_rebuild_a_killed_
         assert {row[3] for row in dump["held7"]} == {7} and _same(dump["held7"], dumps[source[rank]]["own"][7])
         assert {row[0].split("/")[0] for row in dump["held7"]} == {"model", "optimizer"}
         assert any(row[0].endswith("/exp_avg_sq") for row in dump["held7"])
+    assert [dumps[r]["ended"] for r in range(WORLD)] == [
+        {"next_started": False, "failed": True, "refreshed": 0 if r == 2 else 1} for r in range(WORLD)]
     # Rank 3 died during the refresh of step 8: its holder (rank 1) kept the copy of step 7.
     assert dumps[1]["failed"] and not dumps[0]["failed"] and not dumps[2]["failed"]
     survivors = {r: _as_holdings(dumps[r]["final"]) for r in (0, 1, 2)}
@@ -215,7 +218,7 @@ def _worker(rank: int, out: Path) -> None:
     from elastictrain.train import process_group as pg
     from elastictrain.train.fsdp import full_optimizer_state_dict, full_state_dict, optimizer_order, shard
     from elastictrain.train.fsdp.holdings import own_holdings, state_regions
-    from elastictrain.train.fsdp.redundancy import Redundancy
+    from elastictrain.train.fsdp.redundancy import Redundancy, RedundancyError
     from tests.unit.test_fsdp import _net
 
     dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=WORLD)
@@ -286,6 +289,22 @@ def _worker(rank: int, out: Path) -> None:
     dump["regions"] = [(r.key, list(r.offsets), list(r.sizes)) for r in state_regions(model, optimizer)]
     dump["own"] = own
     dump["host_bytes"] = redundancy.host_bytes
+
+    # A refresh that fails on one rank (rank 2: its copy is refused once received) ends the
+    # refreshes on every rank at the next due step, none left waiting in the vote.
+    class Refusing(Redundancy):
+        def _exchange(self, step: int) -> list[Holding]:
+            received = super()._exchange(step)
+            if rank == 2:
+                raise RedundancyError("refused by the test")
+            return received
+
+    refusing = Refusing(model, optimizer, pg.new_gloo_group(timeout), pg.new_gloo_group(timeout), every=1,
+                        holder=holders[rank], source=holders.index(rank))
+    assert refusing.after_step(100) and refusing.wait(timeout)
+    dump["ended"] = {"next_started": refusing.after_step(101), "failed": refusing.failure is not None,
+                     "refreshed": refusing.refreshed}
+    refusing.close()
 
     if rank == 3:
         Gated.gate.clear()  # its refresh of step 8 never sends: it dies holding it back

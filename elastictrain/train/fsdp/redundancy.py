@@ -26,7 +26,7 @@ every rank starts the same refreshes and each exchange meets its peers'.
 Every piece of a refresh stays whole until a newer one is: a received copy replaces the held one
 only once complete (two buffers, swapped), and a snapshot goes to the send buffer that does not
 hold the last completed refresh's. A refresh that fails half way (a peer died) ends the refreshes
-and leaves, on every survivor, its own shards and the copy it holds as of the last refresh it
+(on every rank: the next agreement carries it) and leaves, on every survivor, its own shards and the copy it holds as of the last refresh it
 completed; so the survivors together still hold the whole state of one step when a rank dies
 during a refresh (the step before it, where the dead rank's holder did not complete it).
 
@@ -74,6 +74,10 @@ _DTYPES: dict[str, torch.dtype] = {
 
 _HEADER, _META, _PAYLOAD = 1, 2, 3
 """The p2p tags of a refresh's three messages."""
+
+_BUSY, _ENDED = 1, 2
+"""A rank's vote on a due refresh (the maximum wins): one in flight here, the refreshes ended here
+(a failed one); 0: go."""
 
 
 class RedundancyError(RuntimeError):
@@ -198,7 +202,8 @@ class Redundancy:
     def after_step(self, step: int) -> bool:
         """After the optimizer step of ``step`` (every rank calls it, with the same steps): when a
         refresh is due and no rank has one in flight, snapshot this rank's shards and hand them to
-        the sending thread. Returns whether a refresh started.
+        the sending thread. Returns whether a refresh started. Once a refresh failed on a rank,
+        the next vote ends the refreshes on every rank (:attr:`failure`).
 
         Raises:
             torch's backend error: The vote's all-reduce failed (a peer lost): a collective failure.
@@ -207,13 +212,21 @@ class Redundancy:
         if self.holder is None or step % self.every:
             return False
         with self._cond:
-            if self.failure is not None or self._closing:
+            if self._closing:
                 return False
-            busy = torch.tensor([int(self._due is not None)], dtype=torch.int64)
+            # A rank whose refreshes ended still votes (2), so that every rank ends them with it.
+            vote = torch.tensor([_ENDED if self.failure is not None else _BUSY if self._due is not None else 0])
         started = time.perf_counter()
         try:
-            dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=self._vote_group)
-            if busy.item():
+            dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._vote_group)
+            if vote.item() == _ENDED:
+                with self._cond:
+                    if self.failure is None:
+                        self.failure = RedundancyError("the refreshes ended on another rank")
+                        logger.warning("redundancy: the refreshes ended on another rank; they end here at step %d "
+                                       "(this rank keeps the state of step %s)", step, self._completed)
+                return False
+            if vote.item() == _BUSY:
                 self.skipped += 1
                 logger.info("redundancy: a refresh is still in flight; step %d's is skipped", step)
                 return False
