@@ -109,7 +109,7 @@ def test_redundancy_every_is_a_positive_int_for_fsdp_only() -> None:
 
 def _rows(holdings: list[Holding]) -> list[tuple[str, list[int], list[int], int, torch.Tensor]]:
     """Holdings as data ``torch.load(weights_only=True)`` reads, their tensors copied."""
-    return [(h.key, list(h.offsets), list(h.sizes), h.step, h.tensor.clone()) for h in holdings]
+    return [(h.key, list(h.offsets), list(h.sizes), h.step, h.tensor.detach().cpu().clone()) for h in holdings]
 
 
 def _as_holdings(rows: list[Any]) -> list[Holding]:
@@ -162,6 +162,11 @@ def test_copies_follow_their_buddies_do_not_block_the_step_and_rebuild_a_killed_
     assert len(rebuilt) == len(full) > 10
     for key, value in full.items():
         torch.testing.assert_close(rebuilt[key], value.to(torch.float64), atol=0, rtol=0, msg=key)
+    # Every rank's own holdings (uneven Shard(0) boxes, rank 3's empty ones left out) tile it too.
+    tiled = _assemble([h for r in range(WORLD) for h in _as_holdings(dumps[r]["own"][7])], 7, shapes)
+    assert all(torch.equal(tiled[key], value.to(torch.float64)) for key, value in full.items())
+    assert {tuple(row[2]) for row in dumps[3]["own"][7] if row[0] == "model/embed.weight"} == {(1, 5)}
+    assert not [row for row in dumps[3]["own"][7] if row[0].startswith(("model/head.", "model/scale"))]
     # Rank 3 and its buddy rank 1 both lost: exactly their shards are missing (the step counts are
     # on every rank), and the caller restores from the checkpoint.
     lost = missing({r: survivors[r] for r in (0, 2)}, needed, 7)
@@ -183,7 +188,43 @@ def test_copies_follow_their_buddies_do_not_block_the_step_and_rebuild_a_killed_
         assert 2 * (own_bytes + theirs) <= dump["host_bytes"] <= 2 * (own_bytes + theirs) + 4 * 64 * len(dump["own"][7])
 
 
-# --- the worker -----------------------------------------------------------------------------------
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_shards_are_snapshotted_into_pinned_buffers_and_copied_to_the_buddy(tmp_path: Path) -> None:
+    run_ranks(__file__, 2, str(tmp_path), "cuda")
+    dumps = {r: torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)}
+    for rank, dump in dumps.items():
+        assert dump["pinned"] and {row[3] for row in dump["held"]} == {1}
+        assert _same(dump["held"], dumps[1 - rank]["own"])
+
+
+# --- the workers ----------------------------------------------------------------------------------
+
+
+def _cuda_worker(rank: int, out: Path) -> None:
+    """Two ranks on the one GPU, gloo: plain CUDA parameters (each rank's whole model is its
+    "shard"), momentum state, one refresh through pinned snapshot buffers."""
+    import torch.distributed as dist
+
+    from elastictrain.train import process_group as pg
+    from elastictrain.train.fsdp.holdings import own_holdings
+    from elastictrain.train.fsdp.redundancy import Redundancy
+
+    dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=2)
+    torch.manual_seed(rank)
+    model = torch.nn.Linear(5, 3).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 5, device="cuda")).sum().backward()
+    optimizer.step()
+    redundancy = Redundancy(model, optimizer, pg.new_gloo_group(), pg.new_gloo_group(), every=1,
+                            holder=1 - rank, source=1 - rank)
+    assert redundancy.after_step(1) and redundancy.wait(timedelta(seconds=60))
+    redundancy.close()
+    dump = {"own": _rows(own_holdings(model, optimizer, 1)), "held": _rows(redundancy.held()),
+            "pinned": redundancy._sending.buffer.is_pinned()}
+    torch.save(dump, out / f"rank{rank}.pt")
+    dist.barrier()
+    os._exit(0)
+
 
 
 def _session_run(redundancy_every: int | None) -> dict[str, Any]:
@@ -322,4 +363,4 @@ def _worker(rank: int, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), Path(sys.argv[2]))
+    (_cuda_worker if sys.argv[3:] == ["cuda"] else _worker)(int(sys.argv[1]), Path(sys.argv[2]))
