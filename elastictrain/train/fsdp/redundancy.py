@@ -26,9 +26,10 @@ every rank starts the same refreshes and each exchange meets its peers'.
 Every piece of a refresh stays whole until a newer one is: a received copy replaces the held one
 only once complete (two buffers, swapped), and a snapshot goes to the send buffer that does not
 hold the last completed refresh's. A refresh that fails half way (a peer died) ends the refreshes
-(on every rank: the next agreement carries it) and leaves, on every survivor, its own shards and the copy it holds as of the last refresh it
-completed; so the survivors together still hold the whole state of one step when a rank dies
-during a refresh (the step before it, where the dead rank's holder did not complete it).
+(on every rank: the next agreement carries it) and leaves, on every survivor, its own shards and
+the copy it holds as of the last refresh it completed; so the survivors together still hold the
+whole state of one step when a rank dies during a refresh (the step before it, where the dead
+rank's holder did not complete it).
 
 Host memory per rank: two send buffers of its own shard and two buffers of its source's: about
 four shards of parameters and optimizer state (:attr:`Redundancy.host_bytes`); the shards are
@@ -81,7 +82,8 @@ _BUSY, _ENDED = 1, 2
 
 
 class RedundancyError(RuntimeError):
-    """A received copy is malformed (its metadata does not describe its payload)."""
+    """A refresh did not complete: the copy received is malformed (its header or metadata does not
+    describe its payload), or the refreshes ended on another rank."""
 
 
 @dataclass(frozen=True, slots=True)
