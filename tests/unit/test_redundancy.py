@@ -22,6 +22,7 @@ rank 1 leaves exactly their shards uncovered. Run as a script, this module is th
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 import threading
@@ -89,6 +90,22 @@ def test_missing_subtracts_holdings_of_the_step_from_the_full_boxes() -> None:
     expected[1:3, 1:3] = 0
     assert torch.equal(mask, expected)
     assert missing({}, [Region("model/empty", (0,), (0,))], 5) == []  # an empty tensor needs nothing
+
+
+def test_a_received_copys_metadata_is_checked_against_its_payload() -> None:
+    from elastictrain.train.fsdp.redundancy import RedundancyError, _layout, _parse_slots
+
+    slots, length = _layout([_holding("model/w", (0, 0), (2, 3)), _holding("optimizer/w/step", (), ())])
+    meta = json.dumps([s.to_json() for s in slots]).encode()
+    assert _parse_slots(meta, length) == slots and slots[1].at == 64 and length == 68
+    good = json.loads(meta)
+    for bad, words in [(b"{not json", "malformed"), (b'[{"key": "w"}]', "malformed"),
+                       (json.dumps([{**good[0], "sizes": [2, 30]}]).encode(), "does not fit"),
+                       (json.dumps([{**good[0], "dtype": "object"}]).encode(), "does not fit"),
+                       (json.dumps([{**good[0], "sizes": [-2, 3]}]).encode(), "does not fit"),
+                       (json.dumps([{**good[0], "at": 3}]).encode(), "does not fit")]:
+        with pytest.raises(RedundancyError, match=words):
+            _parse_slots(bad, length)
 
 
 def test_redundancy_every_is_a_positive_int_for_fsdp_only() -> None:
