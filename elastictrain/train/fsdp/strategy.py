@@ -18,7 +18,9 @@ model and moves the restored optimizer state onto the shards. From then on the m
 optimizer are saved through :class:`~elastictrain.train.fsdp.state.ModelState` and
 :class:`~elastictrain.train.fsdp.state.OptimizerState`: each rank writes its own shards.
 
-Not yet: recovery in place. ``fully_shard`` turns the model into shards of one mesh for good, so
+Not yet: recovery in place. With ``redundancy_every`` (fsdp), each rank keeps a copy of a buddy's
+shards in host memory (:attr:`FsdpStrategy.redundancy`), for that recovery to rebuild from.
+``fully_shard`` turns the model into shards of one mesh for good, so
 a group cannot re-form in the same process; under in-process recovery :meth:`~FsdpStrategy.wrap`
 refuses in one line, a ``ConfigError`` (run with ``--recovery restart``: the agent restarts the workers, which
 restore from the newest checkpoint at the new world size).
@@ -35,6 +37,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from elastictrain.errors import ConfigError, SessionError
 from elastictrain.train.fsdp.gradients import clip_grad_norm_, no_sync
+from elastictrain.train.fsdp.redundancy import Redundancy, start_redundancy
 from elastictrain.train.fsdp.sharded import Sharded, ShardingConfig, shard
 from elastictrain.train.fsdp.state import ModelState, OptimizerState, full_state_dict
 from elastictrain.train.precision import MixedPrecision
@@ -54,14 +57,19 @@ class FsdpStrategy(ParallelStrategy):
     Args:
         precision: The session's precision (``SessionConfig.precision``): bf16 and fp16 become
             FSDP2's mixed precision policy.
+        redundancy_every: Keep a copy of a buddy's shards in host memory, refreshed after every
+            this many steps (:mod:`~elastictrain.train.fsdp.redundancy`); None: no copies.
     """
 
     name = "fsdp"
 
-    def __init__(self, precision: str = "fp32") -> None:
+    def __init__(self, precision: str = "fp32", redundancy_every: int | None = None) -> None:
         super().__init__()
         self._precision = precision
         self._sharded: Sharded | None = None
+        self._redundancy_every = redundancy_every
+        self.redundancy: Redundancy | None = None
+        """The copies of the last generation (kept after it is left: they outlive the group)."""
 
     def _config(self, view: GroupView) -> ShardingConfig:
         return ShardingConfig(sharding="fsdp")
@@ -91,10 +99,17 @@ class FsdpStrategy(ParallelStrategy):
                               broadcast=not identical)
         if restored is not None:
             OptimizerState(module, optimizer).load_state_dict(restored)
+        if self._redundancy_every is not None:
+            self.redundancy = start_redundancy(module, optimizer, every=self._redundancy_every,
+                                               nproc_per_node=view.local_world_size,
+                                               timeout=view.placement.timeout, group=view.group)
         return module
 
     def _leave(self) -> None:
-        """See base class. The model stays sharded (see the module docstring)."""
+        """See base class. The model stays sharded (see the module docstring); the redundancy's
+        refreshes stop, its copies stay (:attr:`redundancy`)."""
+        if self.redundancy is not None:
+            self.redundancy.close()
 
     def no_sync(self) -> contextlib.AbstractContextManager[Any]:
         """See base class: ``set_requires_gradient_sync(False)`` over the backward passes inside."""
@@ -102,13 +117,16 @@ class FsdpStrategy(ParallelStrategy):
         assert self._sharded is not None  # noqa: S101 - set with the view
         return no_sync(self._sharded.module)
 
-    def after_step(self) -> None:
-        """See base class: the buffers broadcast from rank 0 (FSDP2 leaves them to each rank)."""
+    def after_step(self, step: int) -> None:
+        """See base class: the buffers broadcast from rank 0 (FSDP2 leaves them to each rank), then
+        the redundancy's refresh when one is due (its snapshot; the copy is sent in the background)."""
         view = self.view
         assert self._sharded is not None  # noqa: S101 - set with the view
         source = dist.get_global_rank(view.group, 0) if view.group is not None else 0
         for buffer in self._sharded.model.buffers():
             dist.broadcast(buffer, src=source, group=view.group)
+        if self.redundancy is not None:
+            self.redundancy.after_step(step)
 
     def clip_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
         """See base class: the norm over every shard (a collective over the mesh)."""
@@ -134,7 +152,9 @@ class FsdpStrategy(ParallelStrategy):
 
 
 class HsdpStrategy(FsdpStrategy):
-    """Hybrid sharding: shard within each node (``local_world_size`` ranks), replicate across nodes."""
+    """Hybrid sharding: shard within each node (``local_world_size`` ranks), replicate across nodes.
+
+    No redundancy option: the other nodes are its replicas."""
 
     name = "hsdp"
 
@@ -143,7 +163,7 @@ class HsdpStrategy(FsdpStrategy):
 
 
 def _fsdp(config: SessionConfig) -> FsdpStrategy:
-    return FsdpStrategy(config.precision)
+    return FsdpStrategy(config.precision, config.redundancy_every)
 
 
 def _hsdp(config: SessionConfig) -> HsdpStrategy:

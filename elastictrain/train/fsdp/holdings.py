@@ -1,0 +1,95 @@
+"""What a rank holds of the sharded state, region by region: :class:`Holding` and :func:`own_holdings`.
+
+The in-place recovery of a sharded session fills a model rebuilt on a new mesh from what the
+surviving ranks hold in memory: each one's own shards (:func:`own_holdings`) and the copies of
+other ranks' shards that :mod:`~elastictrain.train.fsdp.redundancy` keeps. A holding names its
+tensor by the key it has in the sharded state (``"model/<fqn>"``, ``"optimizer/<fqn>/<state name>"``)
+and its box of the global tensor, as the sharded checkpoint's chunks do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from elastictrain.checkpoint import region
+
+__all__ = ["Holding", "Region", "own_holdings", "state_regions"]
+
+
+@dataclass(frozen=True, slots=True)
+class Holding:
+    """A region of a tensor of the sharded state that a rank holds in host or device memory."""
+    key: str                      # the tensor's key in the state ("model/<fqn>" or "optimizer/<fqn>/<state name>")
+    offsets: tuple[int, ...]      # its box in the global tensor
+    sizes: tuple[int, ...]
+    step: int                     # the committed step whose value it is
+    tensor: torch.Tensor          # the values (contiguous, CPU for copies)
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """A box of a tensor of the sharded state (keys as :class:`Holding`'s)."""
+
+    key: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+def _holding(key: str, value: torch.Tensor, step: int) -> Holding | None:
+    """``value``'s local region as a holding; None for an empty one (an uneven share's last ranks)."""
+    if isinstance(value, DTensor):
+        coordinate = value.device_mesh.get_coordinate()
+        if coordinate is None:  # this rank is not on the tensor's mesh
+            return None
+        offsets, sizes = region(tuple(value.shape), value.device_mesh.shape, coordinate, value.placements, key)
+        local = value.to_local()
+    else:  # a plain tensor of the state (Adam's step count): every rank holds all of it
+        offsets, sizes, local = (0,) * value.dim(), tuple(value.shape), value
+    if local.numel() == 0:
+        return None
+    if tuple(local.shape) != sizes:
+        raise ValueError(f"{key}: the local shard has shape {tuple(local.shape)}, its placements say {sizes}")
+    return Holding(key=key, offsets=offsets, sizes=sizes, step=step, tensor=local.detach().contiguous())
+
+
+def _state_tensors(model: torch.nn.Module,
+                   optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of the parameters and the optimizer state, by its key (DTensors as they are)."""
+    found: list[tuple[str, torch.Tensor]] = []
+    fqns = {id(param): fqn for fqn, param in model.named_parameters()}
+    found.extend((f"model/{fqn}", param) for fqn, param in model.named_parameters())
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for name, value in sorted(optimizer.state.get(param, {}).items()):
+                if isinstance(value, torch.Tensor):
+                    found.append((f"optimizer/{fqns[id(param)]}/{name}", value))
+    return found
+
+
+def own_holdings(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> list[Holding]:
+    """This rank's own shards of the parameters and the optimizer state, as of ``step``.
+
+    The tensors are the live local shards (not copies): take them before the next optimizer step
+    changes them, or copy them. Buffers are not included: every rank holds them whole (the
+    sharded strategy broadcasts them after each step). Non-tensor optimizer state is skipped.
+
+    Args:
+        model: The sharded model (its parameters DTensors; a plain parameter counts as whole).
+        optimizer: Its optimizer, over those parameters.
+        step: The committed step the values are of.
+
+    Raises:
+        ValueError: A local shard whose shape is not the one its placements give.
+        ConfigError: A placement other than ``Shard`` or ``Replicate`` (see ``checkpoint.region``).
+    """
+    found = [_holding(key, value, step) for key, value in _state_tensors(model, optimizer)]
+    return [holding for holding in found if holding is not None]
+
+
+def state_regions(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[Region]:
+    """The whole state that :func:`own_holdings` takes shards of: one full box per tensor (global
+    shapes), what a rebuild needs covered (see :func:`~elastictrain.train.fsdp.buddies.missing`)."""
+    return [Region(key, (0,) * value.dim(), tuple(value.shape)) for key, value in _state_tensors(model, optimizer)]
