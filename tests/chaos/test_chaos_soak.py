@@ -10,7 +10,7 @@
   30) as above (``disk_full`` left out: it fills a local filesystem), the job checkpointing
   into a local S3 server (moto's standalone server, as the S3 integration tests start it);
   ``ELASTICTRAIN_SOAK_S3_RECOVERY=restart`` makes every fault restore from S3.
-- Sharded soaks (``test_soak_random_faults_keep_every_invariant_sharded[fsdp|hsdp]``): the demo
+- Sharded soaks (``test_soak_of_random_faults_keeps_every_invariant_sharded[fsdp|hsdp]``): the demo
   job with ``--sharding fsdp`` (3 nodes of 1 worker) and ``hsdp`` (3 nodes of 2 workers),
   ``ELASTICTRAIN_SOAK_SHARDED_FAULTS`` random faults each (default 20) of every loopback kind
   but ``kill_in_save``, under restart recovery (sharded sessions do not recover in process yet).
@@ -107,7 +107,8 @@ def test_soak_with_checkpoints_in_s3_keeps_every_invariant(tmp_path: Path, monke
 
 @pytest.mark.timeout(4 * 3600)
 @pytest.mark.parametrize(("sharding", "nproc_per_node"), [("fsdp", 1), ("hsdp", 2)], ids=["fsdp", "hsdp"])
-def test_soak_random_faults_keep_every_invariant_sharded(tmp_path: Path, sharding: str, nproc_per_node: int) -> None:
+def test_soak_of_random_faults_keeps_every_invariant_sharded(tmp_path: Path, sharding: str,
+                                                             nproc_per_node: int) -> None:
     # The demo job sharded: fsdp over 2-3 nodes of one worker (uneven shards at 3), hsdp over
     # 2-3 nodes of 2 (a node is a replica). Sharded sessions recover by restart (the config's
     # default for them), so kill_in_save, which needs the in-process agent, is left out.
