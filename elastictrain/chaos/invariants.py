@@ -294,10 +294,10 @@ def _exported_model(checkpoint: CheckpointDir) -> dict[str, torch.Tensor]:
     with tempfile.TemporaryDirectory(prefix="elastictrain-chaos-") as scratch:
         out = Path(scratch) / "model.safetensors"
         export_safetensors(str(checkpoint), out)
-        return read_safetensors(out)
+        return _read_safetensors(out)
 
 
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file (a JSON header, then raw little-endian bytes: no code).
 
     Raises:
