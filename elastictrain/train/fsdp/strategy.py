@@ -159,7 +159,7 @@ class HsdpStrategy(FsdpStrategy):
     name = "hsdp"
 
     def _config(self, view: GroupView) -> ShardingConfig:
-        return ShardingConfig(sharding="hsdp", nproc_per_node=view.local_world_size)
+        return ShardingConfig(sharding="hsdp", nproc_per_node=view.local_world_size, timeout=view.placement.timeout)
 
 
 def _fsdp(config: SessionConfig) -> FsdpStrategy:
