@@ -17,6 +17,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -81,6 +82,22 @@ def machine() -> dict[str, Any]:
         "platform": platform.platform(),
         "loadavg_1_5_15": [round(x, 2) for x in load],
     }
+
+
+def run_gloo_workers(script: str, world: int, options: dict[str, Any]) -> Any:
+    """Run ``script --worker RANK STORE OPTIONS`` as the ``world`` ranks of one gloo job (a file
+    store in a temporary directory; ``OPTIONS`` is ``options`` as JSON, with ``"result"``: the
+    path a worker writes its JSON result to) and return that result. Exits with a message if a
+    worker fails."""
+    with tempfile.TemporaryDirectory() as tmp:
+        options = {**options, "result": str(Path(tmp) / "result.json")}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        procs = [subprocess.Popen([sys.executable, script, "--worker", str(rank), str(Path(tmp) / "store"),
+                                   json.dumps(options)], env=env) for rank in range(world)]
+        codes = [p.wait() for p in procs]
+        if codes != [0] * world:
+            sys.exit(f"a worker failed: exit codes {codes}")
+        return json.loads(Path(options["result"]).read_text())
 
 
 def free_port() -> int:

@@ -142,10 +142,14 @@ class Scenario:
     world_after: int
     own_core: bool = False
     """The joining node runs on a CPU of its own (see ``node_join_own_core``)."""
+    nproc_per_node: int = 1
+    """Workers per node (``world_after`` counts workers)."""
+    past_last_step: bool = False
+    """Recovered only at a step past the last one before the action (as ``worker_crash`` always is)."""
 
     @property
     def world_before(self) -> int:
-        return min(self.nodes, self.max_nodes)
+        return min(self.nodes, self.max_nodes) * self.nproc_per_node
 
 
 SCENARIO = {
@@ -207,6 +211,14 @@ class TrialSetup:
     trial: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     rdzv_port: int = field(default_factory=free_port)
 
+    def script_name(self) -> str:
+        """The file name of the training script this launcher runs."""
+        return script_of(self.launcher, self.torchrun_script)
+
+    def tuned(self) -> bool:
+        """Whether torchrun runs with the tuned monitor interval and rendezvous settings."""
+        return self.launcher == "torchrun_tuned"
+
     def script(self) -> list[str]:
         """The training script and its arguments for this launcher."""
         common = ["--events", str(self.workdir / "events.jsonl"), "--ckpt-dir", str(self.workdir / "ckpt")]
@@ -227,7 +239,8 @@ class TrialSetup:
                      else [str(BIN_DIR / "elastictrain")])
             cmd = [*front, "run", "--etcd", str(self.etcd), "--run-id", f"bench-{self.trial}",
                    "--min-nodes", str(s.min_nodes), "--max-nodes", str(s.max_nodes),
-                   "--local-addr", "127.0.0.1", "--max-restarts", str(MAX_RESTARTS)]
+                   "--local-addr", "127.0.0.1", "--max-restarts", str(MAX_RESTARTS),
+                   "--nproc-per-node", str(s.nproc_per_node)]
             if self.launcher in RECOVERY_MODE:
                 cmd += ["--recovery", RECOVERY_MODE[self.launcher]]
             if self.join_flag:
@@ -237,11 +250,12 @@ class TrialSetup:
                 cmd.append("--join")
             return cmd + script
         conf = f"is_host={'true' if node == 0 else 'false'}"
-        cmd = [str(BIN_DIR / "torchrun"), "--nnodes", f"{s.min_nodes}:{s.max_nodes}", "--nproc-per-node", "1",
+        cmd = [str(BIN_DIR / "torchrun"), "--nnodes", f"{s.min_nodes}:{s.max_nodes}",
+               "--nproc-per-node", str(s.nproc_per_node),
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.rdzv_port}",
                "--rdzv-id", f"bench-{self.trial}", "--local-addr", "127.0.0.1",
                "--max-restarts", str(MAX_RESTARTS)]
-        if self.launcher == "torchrun_tuned":
+        if self.tuned():
             cmd += ["--monitor-interval", "0.05"]
             conf += "," + TUNED_CONF
         return cmd + ["--rdzv-conf", conf] + script
@@ -433,7 +447,7 @@ def run_trial(setup: TrialSetup, etcd_window: float = 0.0) -> dict[str, Any]:
     s = setup.scenario
     job = Job(setup)
     result: dict[str, Any] = {"launcher": setup.launcher, "scenario": s.name, "trial": setup.trial,
-                              "script": script_of(setup.launcher, setup.torchrun_script)}
+                              "script": setup.script_name()}
     measure_etcd = etcd_window > 0 and setup.etcd is not None and setup.launcher.startswith("elastictrain")
     etcd_load: dict[str, Any] = {}
     try:
@@ -452,7 +466,10 @@ def run_trial(setup: TrialSetup, etcd_window: float = 0.0) -> dict[str, Any]:
         if metrics_at_launch is not None and wait_until(training, setup.start_timeout, poll=0.01):
             etcd_load["startup"] = metrics_delta(metrics_at_launch, scrape_metrics(str(setup.etcd)),
                                                  time.time() - launched)
-        if not wait_until(warmed, setup.start_timeout, poll=0.01):
+        # A job whose agents all exited (it failed at start) is not waited for.
+        wait_until(lambda: warmed() or not any(a.alive() for a in job.agents.values()), setup.start_timeout,
+                   poll=0.01)
+        if not warmed():
             result.update(error=f"did not reach step {setup.action_step} in {setup.start_timeout:g}s",
                           failed_agents=job.failed_agents())
             return result
@@ -504,7 +521,7 @@ def run_trial(setup: TrialSetup, etcd_window: float = 0.0) -> dict[str, Any]:
 
         def recovered() -> dict[str, Any] | None:
             done = [e for e in job.events.steps() if e["t"] > t_action and e["world_size"] == s.world_after]
-            if s.name == "worker_crash":
+            if s.name == "worker_crash" or s.past_last_step:
                 past = last_before()
                 done = [e for e in done if e["step"] > past]
             elif s.name == "hot_spare":

@@ -22,9 +22,7 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +30,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import emit, machine, summarize  # noqa: E402 - after the path is set
+from benchmarks._common import emit, machine, run_gloo_workers, summarize  # noqa: E402 - after the path is set
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "sharded_step.json"
 MODES = ("ddp", "fsdp", "hsdp")
@@ -120,15 +118,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
     before = machine()
-    with tempfile.TemporaryDirectory() as tmp:
-        options = {**vars(args), "out": None, "result": str(Path(tmp) / "result.json")}
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(rank), str(Path(tmp) / "store"),
-                                   json.dumps(options)], env=env) for rank in range(WORLD)]
-        codes = [p.wait() for p in procs]
-        if codes != [0] * WORLD:
-            sys.exit(f"a worker failed: exit codes {codes}")
-        raw = json.loads(Path(options["result"]).read_text())
+    raw = run_gloo_workers(__file__, WORLD, {**vars(args), "out": None})
     results: dict[str, Any] = {}
     ddp = statistics.median(raw["rates"]["ddp"])
     for mode in MODES:

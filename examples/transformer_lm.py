@@ -15,6 +15,17 @@ Run it on two local nodes that may grow to three::
 
     elastictrain run --local-nodes 2 --min-nodes 1 --max-nodes 3 examples/transformer_lm.py
 
+``--sharding fsdp`` shards the model, its gradients and the optimizer state across the ranks
+(FSDP2), ``--sharding hsdp`` within each node (replicated across nodes); checkpoints are then
+sharded too and restore at any world size. A sharded session recovers by restart from the newest
+checkpoint (see docs/sharding.md), so run it with ``--recovery restart``::
+
+    elastictrain run --local-nodes 2 --nproc-per-node 2 --recovery restart examples/transformer_lm.py --sharding hsdp
+
+Sharded, the output layer is a layer of its own instead of the embedding's transpose: a
+session shards each direct child of the model, and a tied weight used outside its child does
+not shard yet.
+
 Checkpoints go to ``--checkpoint-dir`` (default: under the temp dir, named
 after the run id) and are removed when the job finishes, unless
 ``--keep-checkpoints``; start the same command again to resume a run that failed.
@@ -84,11 +95,14 @@ class CharWindows(Dataset):
 
 
 class TinyLM(nn.Module):
-    """Pre-norm decoder-only transformer with a causal mask and tied embeddings."""
+    """Pre-norm decoder-only transformer with a causal mask and tied embeddings (unless ``tied=False``)."""
 
-    def __init__(self, vocab: int, length: int, width: int, layers: int, heads: int) -> None:
+    def __init__(self, vocab: int, length: int, width: int, layers: int, heads: int, *, tied: bool = True) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
+        # Untied: a head of its own (a sharded session shards each child; a tied weight used
+        # in the root's forward would be a shard there).
+        self.head = None if tied else nn.Linear(width, vocab, bias=False)
         self.position = nn.Parameter(torch.zeros(length, width))
         block = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.1, batch_first=True,
                                            norm_first=True, activation="gelu")
@@ -101,7 +115,8 @@ class TinyLM(nn.Module):
         n = ids.shape[1]
         h = self.embed(ids) + self.position[:n]
         h = self.blocks(h, mask=self.mask[:n, :n], is_causal=True)
-        return self.norm(h) @ self.embed.weight.T
+        h = self.norm(h)
+        return h @ self.embed.weight.T if self.head is None else self.head(h)
 
 
 class Throughput(elastictrain.Hooks):
@@ -167,6 +182,8 @@ def main() -> None:
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument("--checkpoint-every", type=int, default=50)
     parser.add_argument("--keep-checkpoints", action="store_true")
+    parser.add_argument("--sharding", default="ddp", choices=["ddp", "fsdp", "hsdp"],
+                        help="ddp: every rank holds the model; fsdp: sharded across ranks; hsdp: within each node")
     args = parser.parse_args()
 
     context = elastictrain.WorkerContext.from_env()
@@ -176,7 +193,7 @@ def main() -> None:
 
     data = CharWindows(generate_corpus(400_000), args.length)
     torch.manual_seed(0)  # identical initial weights on every rank and every restart
-    model = TinyLM(len(data.vocab), args.length, args.width, args.layers, args.heads)
+    model = TinyLM(len(data.vocab), args.length, args.width, args.layers, args.heads, tied=args.sharding == "ddp")
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and n != "position"]
     rest = [p for n, p in model.named_parameters() if p.dim() < 2 or n == "position"]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
@@ -189,7 +206,7 @@ def main() -> None:
         global_batch_size=args.batch, micro_batch_size=args.micro_batch,
         epochs=1_000, max_steps=args.steps, seed=1,
         scheduler=scheduler, grad_clip_norm=1.0, precision=args.precision,
-        checkpoint_dir=checkpoint_dir, checkpoint_every=args.checkpoint_every,
+        checkpoint_dir=checkpoint_dir, checkpoint_every=args.checkpoint_every, sharding=args.sharding,
         hooks=[Throughput(args.length, every=25), BestLoss(best)], extra_state={"best": best},
         sync_loss=True, log_every=None,
     ) as session:
@@ -201,11 +218,17 @@ def main() -> None:
                 inputs, targets = micro.batch
                 logits = session.model(inputs)
                 micro.backward(nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()))
+        elapsed = time.perf_counter() - started
+        # Full tensors on rank 0 (every rank takes part when sharded): sample from a whole copy.
+        weights = session.full_state_dict()
         if session.rank == 0:
-            log.info("trained to step %d in %.1fs; best loss %.3f at step %d", session.step,
-                     time.perf_counter() - started, best["loss"], best["step"])
+            log.info("trained to step %d in %.1fs; best loss %.3f at step %d", session.step, elapsed,
+                     best["loss"], best["step"])
+            whole = TinyLM(len(data.vocab), args.length, args.width, args.layers, args.heads,
+                           tied=args.sharding == "ddp").to(session.device)
+            whole.load_state_dict(weights)
             for prompt in ("17+25=", "the small "):
-                log.info("sample: %r", complete(model, data, prompt, 14, session.device))
+                log.info("sample: %r", complete(whole, data, prompt, 14, session.device))
     if context.rank == 0 and not args.keep_checkpoints:
         shutil.rmtree(checkpoint_dir, ignore_errors=True)
 

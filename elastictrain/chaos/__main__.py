@@ -12,6 +12,9 @@ Examples::
     # (root) each node in its own network namespace; cut one off etcd and its peers for 30 s at step 6
     elastictrain chaos --netns --schedule partition_node@6
 
+    # the demo job sharded: FSDP2 over 2 nodes x 2 workers, restart recovery from sharded checkpoints
+    elastictrain chaos --sharding fsdp --nproc-per-node 2 --faults 6 --seed 1
+
     # checkpoints in S3 or a compatible store (an empty prefix) instead of the run directory
     AWS_ENDPOINT_URL=http://127.0.0.1:9000 elastictrain chaos --faults 10 --checkpoint-dir s3://bucket/chaos-1
 
@@ -31,10 +34,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from elastictrain.chaos.config import DEFAULT_KINDS, ChaosConfig
+from elastictrain.chaos.config import DEFAULT_KINDS, ChaosConfig, default_recovery, kinds_for
 from elastictrain.chaos.schedule import FaultKind, parse_kinds, parse_schedule
 from elastictrain.chaos.harness import run_chaos
 from elastictrain.errors import ConfigError, ElasticTrainError
+from elastictrain.train.strategy import SHARDINGS
 
 DEMO_JOB = str(Path(__file__).resolve().parent / "_demo_job.py")
 _DEMO_STEPS_PER_EPOCH = 24  # the demo's 384 samples at a global batch of 16
@@ -81,8 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pg-timeout", type=float, default=20.0, help="collective timeout of the workers, seconds (default 20)")
     p.add_argument("--join-timeout", type=float, default=60.0, help="--join-timeout of the nodes, seconds (default 60)")
     p.add_argument("--max-restarts", type=int, default=1000, help="--max-restarts of the nodes (default 1000)")
-    p.add_argument("--recovery", choices=("in-process", "restart"), default="in-process",
-                   help="--recovery of the nodes (default in-process)")
+    p.add_argument("--sharding", choices=SHARDINGS, default="ddp", help="the demo job's Session(sharding=...) "
+                   "(default ddp); fsdp and hsdp recover by restart only today, so their runs default to "
+                   "--recovery restart and leave out kill_in_save. hsdp shards within a node: give "
+                   "--nproc-per-node 2 or more")
+    p.add_argument("--recovery", choices=("in-process", "restart"), default=None,
+                   help="--recovery of the nodes (default: in-process with --sharding ddp, else restart)")
     p.add_argument("--recovery-bound", type=float, default=None, help="seconds a fault may go without training "
                    "before the run counts as hung (default: 120 + pg timeout + the fault's own duration)")
     p.add_argument("--deadline", type=float, default=1800.0, help="seconds before the whole run is stopped (default 1800)")
@@ -104,19 +112,24 @@ def _demo_args(args: argparse.Namespace, schedule_steps: int) -> tuple[str, ...]
     else:
         steps = schedule_steps + 12
     epochs = max(2, math.ceil(steps / _DEMO_STEPS_PER_EPOCH))
-    return ("--ckpt", "{checkpoint_dir}", "--epochs", str(epochs), "--step-time", str(args.step_time))
+    return ("--ckpt", "{checkpoint_dir}", "--epochs", str(epochs), "--step-time", str(args.step_time),
+            "--sharding", args.sharding)
 
 
 def config_from(args: argparse.Namespace) -> ChaosConfig:
     if args.step_time < 0 or not math.isfinite(args.step_time):
         raise ConfigError(f"--step-time must be a finite number of seconds >= 0, got {args.step_time}")
     schedule = tuple(parse_schedule(args.schedule))
+    recovery = args.recovery or default_recovery(args.sharding)
     if args.kinds:
         kinds = parse_kinds(args.kinds)
     else:
-        kinds = (DEFAULT_KINDS + ((FaultKind.KILL_ETCD_LEADER,) if args.etcd_members == 3 else ())
-                 + ((FaultKind.PARTITION_NODE, FaultKind.LINK_CUT) if args.netns else ())
-                 + ((FaultKind.DISK_FULL,) if args.checkpoint_disk_mb else ()))
+        kinds = kinds_for(recovery, DEFAULT_KINDS + ((FaultKind.KILL_ETCD_LEADER,) if args.etcd_members == 3 else ())
+                          + ((FaultKind.PARTITION_NODE, FaultKind.LINK_CUT) if args.netns else ())
+                          + ((FaultKind.DISK_FULL,) if args.checkpoint_disk_mb else ()))
+    if args.sharding != "ddp" and args.script is not None:
+        raise ConfigError("--sharding configures the built-in demo job; give your own script its flag among its "
+                          "arguments, and --recovery restart")
     script_args = list(args.script_args)
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
@@ -132,7 +145,7 @@ def config_from(args: argparse.Namespace) -> ChaosConfig:
         etcd_members=args.etcd_members, etcd_down=args.etcd_down, hang=args.hang,
         hang_then_kill=args.hang_then_kill, netns=args.netns, partition=args.partition_duration,
         rejoin_after=args.rejoin_after, pg_timeout=args.pg_timeout,
-        join_timeout=args.join_timeout, max_restarts=args.max_restarts, recovery=args.recovery,
+        join_timeout=args.join_timeout, max_restarts=args.max_restarts, recovery=recovery, sharding=args.sharding,
         recovery_bound=args.recovery_bound,
         deadline=args.deadline, reference=not args.no_reference, atol=args.atol, rtol=args.rtol,
         run_args=tuple(args.run_arg), checkpoint_disk_mb=args.checkpoint_disk_mb, checkpoint_dir=args.checkpoint_dir,

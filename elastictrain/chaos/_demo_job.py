@@ -2,6 +2,7 @@
 
 Usage: python _demo_job.py --ckpt DIR [--samples N] [--global-batch G] [--micro-batch M]
                            [--epochs E] [--ckpt-every K] [--step-time SECONDS] [--ballast-mb MB]
+                           [--sharding ddp|fsdp|hsdp]
 
 Each sample carries its own index, and the recorder logs the indices the
 batches actually held (not the sampler's plan), so a DataLoader that diverged
@@ -9,6 +10,11 @@ from the plan shows in the evidence too. ``--step-time`` paces the job (a sleep
 per step) so that faults land mid-run instead of after a job that took a second.
 ``--ballast-mb`` adds that many MB of state the job checkpoints (and a new worker receives)
 without training it: saves take long enough for a fault to land inside one.
+``--sharding fsdp|hsdp`` trains the model sharded (FSDP2; hsdp shards within a node): its
+checkpoints are sharded, and a sharded session recovers by restart only today (run the nodes with
+``--recovery restart``; ``elastictrain chaos --sharding`` does). At the end every rank gathers
+the full parameters (``session.full_state_dict()``) and rank 0 writes them for the
+final-parameters invariant (:meth:`~elastictrain.chaos.Recorder.final_parameters`).
 It doubles as an example of a script instrumented for chaos runs.
 """
 
@@ -23,6 +29,7 @@ from torch.utils.data import TensorDataset
 
 import elastictrain
 from elastictrain.chaos.recorder import Recorder
+from elastictrain.train.strategy import SHARDINGS
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -35,6 +42,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--ckpt-every", type=int, default=3)
     parser.add_argument("--step-time", type=float, default=0.0)
     parser.add_argument("--ballast-mb", type=float, default=0.0)
+    parser.add_argument("--sharding", choices=SHARDINGS, default="ddp")
     args = parser.parse_args(argv)
 
     context = elastictrain.WorkerContext.from_env()
@@ -52,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     recorder = Recorder(model)
     with elastictrain.Session(
         model, optimizer, dataset, global_batch_size=args.global_batch, micro_batch_size=args.micro_batch,
-        epochs=args.epochs, seed=11, scheduler=scheduler, checkpoint_dir=args.ckpt,
+        epochs=args.epochs, seed=11, scheduler=scheduler, checkpoint_dir=args.ckpt, sharding=args.sharding,
         # Every checkpoint is kept, so the invariants can verify each one a restore loaded.
         checkpoint_every=args.ckpt_every, keep_last=10_000, sync_loss=True, log_every=None,
         hooks=[recorder],
@@ -68,6 +76,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             recorder.record(step, consumed)
             if args.step_time:
                 time.sleep(args.step_time)
+        recorder.final_parameters(session.full_state_dict())  # a collective when sharded
 
 
 if __name__ == "__main__":

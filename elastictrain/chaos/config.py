@@ -15,16 +15,33 @@ from datetime import timedelta
 from elastictrain.chaos.schedule import FaultKind, PlannedFault
 from elastictrain.chaos.netns import check_available
 from elastictrain.launch.arguments import check_run_flags
+from elastictrain.train.strategy import SHARDINGS
 from elastictrain._durations import parse_duration
 from elastictrain.errors import ConfigError
 
-__all__ = ["DEFAULT_KINDS", "ChaosConfig"]
+__all__ = ["DEFAULT_KINDS", "RECOVERS_IN_PROCESS", "ChaosConfig", "default_recovery", "kinds_for"]
 
 DEFAULT_KINDS = (FaultKind.KILL_WORKER, FaultKind.KILL_NODE, FaultKind.BOUNCE_NODE, FaultKind.HANG_WORKER,
                  FaultKind.JOIN, FaultKind.KILL_ETCD, FaultKind.HANG_SLEEP, FaultKind.HANG_SPIN, FaultKind.STRAGGLER,
                  FaultKind.KILL_IN_SAVE)
 """Kinds a random run draws from (plus ``kill_etcd_leader`` with a 3-member etcd, ``partition_node`` and
 ``link_cut`` with netns, ``disk_full`` with a checkpoint disk)."""
+
+
+RECOVERS_IN_PROCESS = frozenset({"ddp"})
+"""The shardings whose sessions recover in process today; a sharded session (fsdp, hsdp)
+recovers by restart from the newest checkpoint (docs/sharding.md), so its runs default to
+``recovery="restart"``. Add a sharding here once its session recovers in process."""
+
+
+def default_recovery(sharding: str) -> str:
+    """The recovery of a run whose job trains with ``sharding``: in-process where it recovers in process."""
+    return "in-process" if sharding in RECOVERS_IN_PROCESS else "restart"
+
+
+def kinds_for(recovery: str, kinds: tuple[FaultKind, ...] = DEFAULT_KINDS) -> tuple[FaultKind, ...]:
+    """``kinds`` less those that need in-process recovery, under ``recovery="restart"``."""
+    return kinds if recovery == "in-process" else tuple(k for k in kinds if not k.fault_class.needs_in_process)
 
 
 
@@ -100,8 +117,15 @@ class ChaosConfig:
     """``--max-restarts`` of the nodes (their own worker failures; with ``recovery="restart"``,
     every fault that fails workers uses one on each surviving node)."""
 
-    recovery: str = "in-process"
-    """``--recovery`` of the nodes: ``in-process`` (survivors keep their processes) or ``restart``."""
+    sharding: str = "ddp"
+    """How the job trains its model: ``ddp``, ``fsdp`` or ``hsdp`` (``Session(sharding=...)``). The
+    built-in demo job takes it as ``--sharding`` (the CLI passes it); a script of your own is
+    told in its ``script_args``. It decides the recovery by default (see ``recovery``)."""
+
+    recovery: str = ""
+    """``--recovery`` of the nodes: ``in-process`` (survivors keep their processes) or ``restart``.
+    ``""``: in-process where the sharding recovers in process (:data:`RECOVERS_IN_PROCESS`),
+    else restart; ``in-process`` with a sharding that does not is refused."""
 
     recovery_bound: timedelta | None = None
     """Longest a fault may go without the job training again before the run counts as hung.
@@ -138,6 +162,15 @@ class ChaosConfig:
     """Extra environment of every node and of the reference run."""
 
     def __post_init__(self) -> None:
+        if self.sharding not in SHARDINGS:
+            raise ConfigError(f"sharding must be one of {', '.join(SHARDINGS)}, got {self.sharding!r}")
+        if not self.recovery:
+            object.__setattr__(self, "recovery", default_recovery(self.sharding))
+        if self.recovery not in ("in-process", "restart"):
+            raise ConfigError(f"recovery must be in-process or restart, got {self.recovery!r}")
+        if self.recovery == "in-process" and self.sharding not in RECOVERS_IN_PROCESS:
+            raise ConfigError(f"sharding={self.sharding} recovers by restart only (its session refuses in-process "
+                              "recovery): use recovery='restart' (--recovery restart), or leave recovery unset")
         for name in ("etcd_down", "rejoin_after", "pg_timeout", "join_timeout", "deadline", "hang", "partition",
                      "recovery_bound"):
             value = getattr(self, name)
@@ -170,6 +203,10 @@ class ChaosConfig:
                 raise ConfigError(f"{kind.value} fills a local filesystem; the checkpoints are in "
                                   f"{self.checkpoint_dir}, an object store with no disk of the run's own to fill: "
                                   "leave it out")
+            if fault.needs_in_process and self.recovery != "in-process":
+                raise ConfigError(f"{kind.value} needs in-process recovery (it finds its target through the "
+                                  f"in-process agent's control channel); under {self.recovery} recovery"
+                                  f"{f' (sharding={self.sharding})' if self.sharding != 'ddp' else ''} leave it out")
             if fault.needs_checkpoint_disk and not self.checkpoint_disk_mb:
                 raise ConfigError(f"{kind.value} needs checkpoint_disk_mb (--checkpoint-disk-mb): a filesystem of the "
                                   "run's own to fill, never the host's")

@@ -73,6 +73,10 @@ class Fault(ABC):
     needs_checkpoint_disk: ClassVar[bool] = False
     """It needs the checkpoint directory on a filesystem of the run's own (``checkpoint_disk``)."""
 
+    needs_in_process: ClassVar[bool] = False
+    """It needs the nodes to recover in process (``recovery="in-process"``): it finds its target
+    through the in-process agent's control channel, which a restarting agent does not open."""
+
     def __init__(self, record: FaultRecord, harness: Harness) -> None:
         self.record = record
         self.harness = harness
@@ -340,6 +344,7 @@ class KillInSave(_WorkerFault):
     stay intact. The gate lets the job reach its next save."""
 
     kind = FaultKind.KILL_IN_SAVE
+    needs_in_process = True
 
     def inject(self, now: float) -> bool:
         pid = self._target_worker()

@@ -44,6 +44,8 @@ import io
 import json
 import os
 import re
+import struct
+import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +54,7 @@ from typing import Any
 import torch
 
 from elastictrain.chaos.recorder import MARKER
+from elastictrain.checkpoint import export_safetensors
 from elastictrain.checkpoint.storage import LocalStorage, Storage, storage_for
 
 __all__ = [
@@ -65,6 +68,11 @@ __all__ = [
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _DATA_DIR = re.compile(r"^step_\d+\.data-[0-9a-z-]+$")
+_SHARDED_FORMAT = 2
+"""The manifest's ``format_version`` of a sharded checkpoint (DTensor state, in shards)."""
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,7 +221,8 @@ def verify_checkpoint(checkpoint: CheckpointDir | Path, step: int | None = None)
 
     Independent of :mod:`elastictrain.checkpoint`'s verification (it reads through the ``Storage``
     protocol only): it recomputes every listed file's size and sha256 and requires
-    ``replicated.pt`` and one rank file per saved rank.
+    ``replicated.pt``, one rank file per saved rank and, in a sharded checkpoint (format 2), every
+    shard file its tensor index names.
     """
     checkpoint = _as_dir(checkpoint)
     try:
@@ -226,6 +235,11 @@ def verify_checkpoint(checkpoint: CheckpointDir | Path, step: int | None = None)
     if step is not None and manifest.get("step") != step:
         return f"{checkpoint.name}: manifest names step {manifest.get('step')}"
     needed = {"replicated.pt"} | {f"rank_{r:05d}.pt" for r in range(world)}
+    if manifest.get("format_version") == _SHARDED_FORMAT:
+        try:  # a sharded checkpoint's shards: every file its tensor index names a chunk in
+            needed |= {chunk["file"] for tensor in manifest["tensors"].values() for chunk in tensor["chunks"]}
+        except (KeyError, TypeError, AttributeError) as exc:
+            return f"{checkpoint.name}: malformed tensor index ({exc!r})"
     if needed - files.keys():
         return f"{checkpoint.name}: manifest lacks {sorted(needed - files.keys())}"
     for name, entry in files.items():
@@ -263,11 +277,48 @@ def read_checkpoint(checkpoint: CheckpointDir | Path, step: int) -> Checkpoint:
     stateful = content.get("stateful", {}) if isinstance(content, dict) else {}
     if "model" not in stateful:
         raise ValueError(f"{checkpoint}: no model state")
+    model = stateful["model"]
+    if isinstance(manifest, dict) and manifest.get("format_version") == _SHARDED_FORMAT:
+        # replicated.pt holds a placeholder for each sharded tensor: assemble the full ones from
+        # their chunks through the checkpoint package's export (each chunk checked as it is read).
+        model = _exported_model(checkpoint)
     lineage = next((v["lineage"] for v in stateful.values() if isinstance(v, dict) and v.get(MARKER)), None)
     if lineage is None:  # a recorder given as a dict of extras
         extras = content.get("extras", {})
         lineage = next((v["lineage"] for v in extras.values() if isinstance(v, dict) and v.get(MARKER)), None)
-    return Checkpoint(step, checkpoint, stateful["model"], stateful.get("sampler"), lineage)
+    return Checkpoint(step, checkpoint, model, stateful.get("sampler"), lineage)
+
+
+def _exported_model(checkpoint: CheckpointDir) -> dict[str, torch.Tensor]:
+    """The full model tensors of a sharded checkpoint: exported to one safetensors file, read back."""
+    with tempfile.TemporaryDirectory(prefix="elastictrain-chaos-") as scratch:
+        out = Path(scratch) / "model.safetensors"
+        export_safetensors(str(checkpoint), out)
+        return _read_safetensors(out)
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file (a JSON header, then raw little-endian bytes: no code).
+
+    Raises:
+        ValueError: The file is malformed or holds a dtype this reader does not know.
+    """
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    body = memoryview(data)[8 + length:]
+    out: dict[str, torch.Tensor] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ValueError(f"{path}: {name} has dtype {entry['dtype']!r}")
+        begin, end = entry["data_offsets"]
+        chunk = bytearray(body[begin:end])
+        flat = torch.frombuffer(chunk, dtype=dtype) if chunk else torch.empty(0, dtype=dtype)
+        out[name] = flat.reshape(entry["shape"])
+    return out
 
 
 # --- committed history ------------------------------------------------------------------------

@@ -60,10 +60,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from elastictrain.train.hooks import Hooks
 
-__all__ = ["CHAOS_DIR_ENV", "GATE_ENV", "MARKER", "Recorder", "fingerprint"]
+__all__ = ["CHAOS_DIR_ENV", "FINAL_PARAMETERS", "GATE_ENV", "MARKER", "Recorder", "fingerprint", "is_sharded"]
 
 CHAOS_DIR_ENV = "ELASTICTRAIN_CHAOS_DIR"
 """Where the recorder writes; set by the chaos harness for every node and worker."""
@@ -74,17 +75,32 @@ GATE_ENV = "ELASTICTRAIN_CHAOS_GATE"
 MARKER = "elastictrain_chaos_lineage"
 """Key of the recorder's checkpointed state, so a checker can find it among the extras."""
 
+FINAL_PARAMETERS = "final_parameters.pt"
+"""The job's final full parameters (:meth:`Recorder.final_parameters`), in the evidence directory."""
+
 _NODE_ENV = "ELASTICTRAIN_NODE_NAME"
 
 
 def fingerprint(module: torch.nn.Module) -> str:
-    """sha256 over the bytes of ``module``'s state dict, in key order: equal states, equal prints."""
+    """sha256 over the bytes of ``module``'s state dict, in key order: equal states, equal prints.
+
+    A sharded module's DTensors count by their full tensors, so that a model prints the same
+    sharded (FSDP2, at any world size) as whole: then it is a collective, which every rank of
+    the mesh calls (see :func:`is_sharded`).
+    """
     digest = hashlib.sha256()
     for name, value in module.state_dict().items():
         digest.update(name.encode())
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
         if isinstance(value, torch.Tensor):
             digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:32]
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds DTensor parameters (FSDP2, HSDP): its :func:`fingerprint` is a collective."""
+    return any(isinstance(p, DTensor) for p in module.parameters())
 
 
 _GATE_WAIT = timedelta(days=1)
@@ -188,8 +204,7 @@ class Recorder(Hooks):
         producer = self._lineage[-1]["seg"] if self._lineage else None
         self._lineage.append({"seg": self.segment, "base": step})
         self._linked = True
-        self._emit("restored", step=step, path=path, producer=producer,
-                   fp=fingerprint(self.model) if self.rank == 0 else None)
+        self._emit("restored", step=step, path=path, producer=producer, fp=self._fingerprint())
 
     def on_recovery(self, *, step: int, cause: str, generation: int, world_size: int, seconds: float) -> None:
         """See base class. The group re-formed in place: this segment continues the lineage
@@ -202,11 +217,11 @@ class Recorder(Hooks):
         self._lineage = [*previous, {"seg": self.segment, "base": step}]
         self._linked = True
         self._emit("recovered", step=step, cause=cause[:300], generation=generation, world=world_size,
-                   seconds=round(seconds, 4), fp=fingerprint(self.model) if self.rank == 0 else None)
+                   seconds=round(seconds, 4), fp=self._fingerprint())
 
     def before_save(self, *, step: int) -> None:
         """See base class."""
-        self._emit("save_begin", step=step, fp=fingerprint(self.model) if self.rank == 0 else None)
+        self._emit("save_begin", step=step, fp=self._fingerprint())
 
     def after_save(self, *, step: int, directory: str, seconds: float) -> None:
         """See base class."""
@@ -218,7 +233,7 @@ class Recorder(Hooks):
 
     def on_end(self, *, step: int) -> None:
         """See base class."""
-        self._emit("end", step=step, fp=fingerprint(self.model) if self.rank == 0 else None)
+        self._emit("end", step=step, fp=self._fingerprint())
 
     def on_failure(self, *, error: BaseException) -> None:
         """See base class."""
@@ -303,6 +318,26 @@ class Recorder(Hooks):
         self._emit("config", num_samples=sampler.num_samples, global_batch=config.global_batch_size,
                    drop_last=config.drop_last, epochs=config.epochs, max_steps=config.max_steps,
                    checkpoint_every=config.checkpoint_every)
+
+    def final_parameters(self, weights: dict[str, Any]) -> None:
+        """Write the job's final full parameters (rank 0's ``session.full_state_dict()``, gathered
+        by every rank) as :data:`FINAL_PARAMETERS`, for the final-parameters invariant: what the
+        job trained, besides what its last checkpoint holds. Other ranks' (empty) dicts are ignored."""
+        if not self.enabled or self.rank != 0 or not weights:
+            return
+        assert self.directory is not None  # noqa: S101 - enabled
+        tensors = {name: value.detach().cpu() for name, value in weights.items() if isinstance(value, torch.Tensor)}
+        path = os.path.join(self.directory, FINAL_PARAMETERS)
+        torch.save(tensors, path + ".partial")
+        os.replace(path + ".partial", path)
+
+    def _fingerprint(self) -> str | None:
+        """Rank 0's :func:`fingerprint` of the model (None elsewhere); every rank takes part when
+        the model is sharded (the hooks that call it run on every rank at the same point)."""
+        if not self.enabled or (self.rank != 0 and not is_sharded(self.model)):
+            return None
+        value = fingerprint(self.model)
+        return value if self.rank == 0 else None
 
     def _emit(self, kind: str, **fields: Any) -> None:
         if self._events is not None:

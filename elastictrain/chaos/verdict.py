@@ -16,11 +16,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from elastictrain.chaos import invariants as inv
 from elastictrain.chaos.cluster import Node
 from elastictrain.chaos.config import ChaosConfig
 from elastictrain.chaos.schedule import FaultRecord
-from elastictrain.chaos.recorder import CHAOS_DIR_ENV
+from elastictrain.chaos.recorder import CHAOS_DIR_ENV, FINAL_PARAMETERS
 
 __all__ = ["Verdict", "expected_outcome", "judge"]
 
@@ -128,6 +130,24 @@ def _final_checkpoint(checkpoints: Mapping[int, inv.CheckpointDir]) -> tuple[inv
         return None, f"cannot read the final checkpoint {checkpoints[step]}: {exc}"
 
 
+def _final_parameters(final: inv.Checkpoint, reference: inv.Checkpoint, evidence_dir: Path,
+                      config: ChaosConfig) -> inv.InvariantResult:
+    """The final checkpoint's parameters against the reference's, and the job's own final full
+    parameters (:data:`~elastictrain.chaos.recorder.FINAL_PARAMETERS`, if it wrote them) too."""
+    result = inv.check_final_parameters(final, reference, atol=config.atol, rtol=config.rtol)
+    path = evidence_dir / FINAL_PARAMETERS
+    if result.ok is not True or not path.exists():
+        return result
+    try:
+        weights = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as exc:  # noqa: BLE001 - reported as an invariant failure
+        return inv.InvariantResult(result.name, False, f"cannot read the job's {FINAL_PARAMETERS}: {exc}")
+    live = inv.check_final_parameters(inv.Checkpoint(final.step, path, weights, None, None), reference,
+                                      atol=config.atol, rtol=config.rtol)
+    return inv.InvariantResult(result.name, live.ok, f"checkpoint: {result.detail}; the job's own final "
+                               f"parameters ({FINAL_PARAMETERS}): {live.detail}")
+
+
 def unnoticed_faults(config: ChaosConfig, faults: Sequence[FaultRecord]) -> list[FaultRecord]:
     """The faults the job recovered from only once they ended by themselves, where it should have
     noticed them first (see :meth:`ChaosConfig.noticed_within`): a hang waited out."""
@@ -189,7 +209,7 @@ def judge(config: ChaosConfig, *, run_dir: Path, evidence_dir: Path, nodes: Sequ
             add(inv.InvariantResult("final_parameters", False, f"the reference run failed (exit {reference_exit}"
                                     f"{'; ' + why_not if why_not else ''}); see reference/log.txt"))
         else:
-            add(inv.check_final_parameters(final, reference, atol=config.atol, rtol=config.rtol))
+            add(_final_parameters(final, reference, evidence_dir, config))
 
     add(inv.check_restores(evidence, checkpoints, agent_events))
     add(inv.check_checkpoints_intact(checkpoints))

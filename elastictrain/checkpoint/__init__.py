@@ -9,11 +9,14 @@ state of :mod:`elastictrain.train`, ``elastictrain status``) are public here:
 - :func:`load_state_into`: load a checkpoint's entries into live objects (all checked first);
 - :func:`find_checkpoint`, :func:`step_dir`: the newest committed checkpoint that verifies in a
   storage, and the directory of a step's checkpoint;
+- :func:`region`: the box of a global tensor that a rank of a mesh holds under given placements
+  (``Shard(d)`` as ``torch.chunk`` splits);
 - :func:`export_safetensors`: a checkpoint's model as one safetensors file (``elastictrain
   checkpoint export``).
 """
 
 from ._manifest import find_checkpoint, step_dir
+from ._sharded import region
 from ._snapshot import check_state, load_state_into, map_tensors, validate_state
 from .export import ExportInfo, export_safetensors
 from .coordinator import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
@@ -35,6 +38,7 @@ __all__ = [
     "find_checkpoint",
     "load_state_into",
     "map_tensors",
+    "region",
     "step_dir",
     "validate_state",
 ]

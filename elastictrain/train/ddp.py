@@ -82,7 +82,7 @@ class DDPStrategy(ParallelStrategy):
     def _votes(self) -> int:
         return super()._votes() if self._flag is None else self._flag.raised
 
-    def after_step(self) -> None:
+    def after_step(self, step: int) -> None:
         """See base class. Under in-process recovery DDP's bucket rebuild (DDP would broadcast its
         bucket order in the next forward, out of reach of recovery: a peer lost then would fail
         the training instead of this step), and the buffers broadcast from rank 0 when DDP does

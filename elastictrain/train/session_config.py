@@ -111,6 +111,11 @@ class SessionConfig:
     optimizer; DistributedDataParallel); ``"fsdp"`` (FSDP2: each rank holds a shard of everything)
     or ``"hsdp"`` (sharded within a node, replicated across nodes): see ``docs/sharding.md``."""
 
+    redundancy_every: int | None = None
+    """``sharding="fsdp"``: each rank keeps a copy of a buddy's shards (parameters and optimizer
+    state; the buddy on another node) in host memory, refreshed in the background after every
+    this many steps; None: no copies. See ``docs/sharding.md``."""
+
     ddp_kwargs: Mapping[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of ``DistributedDataParallel`` (e.g. ``find_unused_parameters``)."""
 
@@ -164,6 +169,9 @@ class SessionConfig:
             raise ConfigError(f"hang_bounds must be a HangBounds, got {type(self.hang_bounds).__name__}")
         if self.sharding not in SHARDINGS:
             raise ConfigError(f"sharding must be one of {SHARDINGS}, got {self.sharding!r}")
+        _positive("redundancy_every", self.redundancy_every, allow_none=True)
+        if self.redundancy_every is not None and self.sharding != "fsdp":
+            raise ConfigError(f"redundancy_every needs sharding='fsdp', got sharding={self.sharding!r}")
         if self.recovery not in RECOVERY_MODES:
             raise ConfigError(f"recovery must be one of {RECOVERY_MODES}, got {self.recovery!r}")
         if not isinstance(self.checkpoint_timeout, timedelta):

@@ -253,7 +253,7 @@ class StepLoop:
         assert generation is not None  # noqa: S101 - private invariant
         if generation.model is not None:
             with keeper.collective():  # e.g. DDP's bucket order, the buffers' broadcast
-                keeper.strategy.after_step()
+                keeper.strategy.after_step(state.step)
 
         now = time.perf_counter()
         elapsed, self._clock = now - self._clock, now

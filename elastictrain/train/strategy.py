@@ -183,9 +183,10 @@ class ParallelStrategy(ABC):
         return explicit_vote(wanted, view.placement, group=view.group)
 
     @abstractmethod
-    def after_step(self) -> None:
-        """What the group does after each optimizer step (before :meth:`votes`): e.g. DDP's
-        bucket rebuild and buffer broadcast. Raises a backend error if a collective fails."""
+    def after_step(self, step: int) -> None:
+        """What the group does after the optimizer step of ``step`` (before :meth:`votes`): e.g.
+        DDP's bucket rebuild and buffer broadcast, fsdp's redundancy refresh. Raises a backend
+        error if a collective fails."""
 
     def clip_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Clip the global gradient 2-norm of ``parameters`` to ``max_norm``; returns the norm

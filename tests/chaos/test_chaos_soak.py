@@ -10,6 +10,11 @@
   30) as above (``disk_full`` left out: it fills a local filesystem), the job checkpointing
   into a local S3 server (moto's standalone server, as the S3 integration tests start it);
   ``ELASTICTRAIN_SOAK_S3_RECOVERY=restart`` makes every fault restore from S3.
+- Sharded soaks (``test_soak_of_random_faults_keeps_every_invariant_sharded[fsdp|hsdp]``): the demo
+  job with ``--sharding fsdp`` (3 nodes of 1 worker) and ``hsdp`` (3 nodes of 2 workers),
+  ``ELASTICTRAIN_SOAK_SHARDED_FAULTS`` random faults each (default 20) of every loopback kind
+  but ``kill_in_save``, under restart recovery (sharded sessions do not recover in process yet).
+  Replay: ``elastictrain chaos --sharding hsdp --nproc-per-node 2 --faults N --seed S --etcd-members 3``.
 - A soak with hot spares: ``ELASTICTRAIN_SOAK_SPARE_FAULTS`` random faults (default 20)
   against 3 nodes of a job of 2 nodes (the third waits as a spare).
 - The planted bugs of tests/scripts/chaos_job.py: each must make the
@@ -28,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from elastictrain.chaos import ChaosConfig, FaultKind, parse_schedule, run_chaos
+from elastictrain.chaos.config import kinds_for
 from elastictrain.chaos.schedule import parse_kinds
 from tests.conftest import REPO_ROOT
 from tests.support.s3_server import CREDENTIALS, moto_server, new_bucket
@@ -38,21 +44,23 @@ pytestmark = pytest.mark.soak
 
 
 def _soak(run_dir: Path, *, faults: int, seed: int, kinds: tuple[FaultKind, ...], nodes: int, min_nodes: int,
-          max_nodes: int, etcd_members: int, checkpoint_dir: str = "", recovery: str = "in-process") -> None:
+          max_nodes: int, etcd_members: int, checkpoint_dir: str = "", recovery: str = "", sharding: str = "ddp",
+          nproc_per_node: int = 1) -> None:
     # A gap of up to 5 steps and steps redone, and a straggler trains through 25 slow steps.
     steps_needed = faults * 7 + 12 + (faults * 25 if FaultKind.STRAGGLER in kinds else 0)
     result = run_chaos(ChaosConfig(
         script=JOB, run_dir=str(run_dir), nodes=nodes, min_nodes=min_nodes, max_nodes=max_nodes,
         etcd_members=etcd_members,
         script_args=("--ckpt", "{checkpoint_dir}", "--samples", "384", "--epochs", str(-(-steps_needed // 24)),
-                     "--ckpt-every", "3"),
-        checkpoint_dir=checkpoint_dir, recovery=recovery,
+                     "--ckpt-every", "3", "--sharding", sharding),
+        checkpoint_dir=checkpoint_dir, recovery=recovery, sharding=sharding, nproc_per_node=nproc_per_node,
         faults=faults, seed=seed, kinds=kinds, netns=any(kind.fault_class.needs_netns for kind in kinds),
         checkpoint_disk_mb=256 if any(kind.fault_class.needs_checkpoint_disk for kind in kinds) else 0,
         deadline=3.5 * 3600,
     ))
     report = result.report
-    print(f"\nsoak of {report['faults_injected']} faults (seed {seed}) in {report['duration_s']}s:")
+    print(f"\nsoak of {report['faults_injected']} faults (seed {seed}, {sharding}, {nodes} nodes x {nproc_per_node}) "
+          f"in {report['duration_s']}s:")
     for kind, summary in report["recovery_by_kind"].items():
         print(f"  {kind:17} x{summary['count']}: median {summary['recovery_s_median']}s "
               f"(min {summary['recovery_s_min']}, max {summary['recovery_s_max']}), {summary['steps_redone']} redone")
@@ -95,6 +103,22 @@ def test_soak_with_checkpoints_in_s3_keeps_every_invariant(tmp_path: Path, monke
               kinds=parse_kinds(os.environ.get("ELASTICTRAIN_SOAK_KINDS", kinds)),
               nodes=3, min_nodes=2, max_nodes=3, etcd_members=3, checkpoint_dir=f"s3://{new_bucket(endpoint)}/soak",
               recovery=recovery)
+
+
+@pytest.mark.timeout(4 * 3600)
+@pytest.mark.parametrize(("sharding", "nproc_per_node"), [("fsdp", 1), ("hsdp", 2)], ids=["fsdp", "hsdp"])
+def test_soak_of_random_faults_keeps_every_invariant_sharded(tmp_path: Path, sharding: str,
+                                                             nproc_per_node: int) -> None:
+    # The demo job sharded: fsdp over 2-3 nodes of one worker (uneven shards at 3), hsdp over
+    # 2-3 nodes of 2 (a node is a replica). Sharded sessions recover by restart (the config's
+    # default for them), so kill_in_save, which needs the in-process agent, is left out.
+    every_loopback_kind = ",".join(k.value for k in kinds_for("restart", tuple(FaultKind))
+                                   if not k.fault_class.needs_netns
+                                   and (os.geteuid() == 0 or not k.fault_class.needs_checkpoint_disk))
+    _soak(tmp_path / sharding, faults=int(os.environ.get("ELASTICTRAIN_SOAK_SHARDED_FAULTS", "20")),
+          seed=int(os.environ.get("ELASTICTRAIN_SOAK_SEED", "1")),
+          kinds=parse_kinds(os.environ.get("ELASTICTRAIN_SOAK_KINDS", every_loopback_kind)),
+          nodes=3, min_nodes=2, max_nodes=3, etcd_members=3, sharding=sharding, nproc_per_node=nproc_per_node)
 
 
 @pytest.mark.timeout(3600)

@@ -131,3 +131,52 @@ def test_sharded_step_times_three_shardings_and_reports_each_ranks_state(tmp_pat
     # Each rank holds all of the state under DDP, about a quarter under fsdp, a half under hsdp 2x2.
     assert len(set(held["ddp"])) == 1 and all(0.2 < mb / held["ddp"][0] < 0.3 for mb in held["fsdp"])
     assert all(0.45 < mb / held["ddp"][0] < 0.55 for mb in held["hsdp"])
+
+
+# Slow (about 15 s): sessions with and without redundancy at world size 4 (issue 41).
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_redundancy_cost_times_each_refresh_interval_and_reports_the_host_memory(tmp_path: Path) -> None:
+    out = tmp_path / "redundancy_cost.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/redundancy_cost.py", "--width", "64", "--layers", "1", "--seq", "4",
+         "--steps", "3", "--warmup", "1", "--reps", "1", "--every", "1,2", "--out", str(out)],
+        cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=200,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"off", "every_1", "every_2"}
+    assert results["every_1"]["refreshed"][0] + results["every_1"]["skipped"][0] >= 3
+    # Two snapshots of a rank's shard and two copies of its buddy's: about four shards.
+    for host, shard in zip(results["every_1"]["host_mb_per_rank"], results["every_1"]["shard_mb_per_rank"],
+                           strict=True):
+        assert shard > 0.05 and 3 * shard <= host <= 5 * shard + 0.02
+
+
+# Slow (2-4 min): six recovery trials of 4 workers and checkpoint_sharded.py at a tiny size (issue 41).
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sharded_recovery_times_every_launcher_or_reports_it_unsupported(tmp_path: Path) -> None:
+    out = tmp_path / "sharded_recovery.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/sharded_recovery.py", "--width", "32", "--layers", "1", "--reps", "1",
+         "--action-step", "4", "--ckpt-every", "2", "--out", str(out)],
+        cwd=REPO_ROOT, env=subprocess_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=870,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert set(record["scenarios"]) == {"fsdp_worker_kill", "hsdp_node_loss"}
+    for name, entry in record["scenarios"].items():
+        # The restart-based launchers recover; a launcher the job refuses is named unsupported, with
+        # the job's reason (in-process recovery, until a sharded session recovers in process).
+        for launcher in ("elastictrain_restart", "torchrun_dcp"):
+            assert entry[launcher]["trials_timed"] == 1, (name, launcher, entry[launcher]["errors"])
+            assert SUMMARY_KEYS <= entry[launcher]["recovery_s"].keys()
+            trial = entry[launcher]["trials"][0]
+            assert trial["first_step_after"]["step"] > trial["last_step_before"], (name, launcher)
+            assert isinstance(trial["steps_redone"], int), (name, launcher)
+        inprocess = entry["elastictrain_inprocess"]
+        assert ("unsupported" in inprocess) != ("recovery_s" in inprocess), inprocess
+    assert record["scenarios"]["hsdp_node_loss"]["torchrun_dcp"]["trials"][0]["first_step_after"]["world_size"] == 2
+    assert record["checkpoint"]["results"]["same_values_as_dcp"] is True
+    assert "| fsdp, worker kill" in out.with_suffix(".md").read_text()

@@ -147,7 +147,7 @@ def test_a_sharded_strategy_keeps_an_unsharded_module_and_refuses_calls_before_i
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     strategy = FsdpStrategy()
     assert strategy.unwrapped(model, optimizer) is model  # nothing to rebuild: the first generation's
-    for call in (strategy.no_sync, strategy.after_step):  # nothing wrapped
+    for call in (strategy.no_sync, lambda: strategy.after_step(1)):  # nothing wrapped
         with pytest.raises(SessionError, match="not wrapped"):
             call()
 

@@ -156,8 +156,8 @@ class Copies:
     def __init__(self) -> None:
         self.held: list[Any] = []
 
-    def holdings(self, step: int) -> list[Any]:
-        return [h for h in self.held if h.step == step]
+    def holdings(self) -> list[Any]:
+        return self.held
 
 
 def _shrink(rank: int, strategy: Any, module: Any, optimizer: Any, step: int, pair: Any, view: Any) -> float:

@@ -91,7 +91,7 @@ def test_a_strategy_refuses_per_step_calls_before_it_wraps_a_group_and_a_group_t
     from elastictrain.train import process_group as pg
 
     strategy = DDPStrategy()
-    for call in (lambda: strategy.arm_vote(True), strategy.votes, strategy.after_step, strategy.no_sync):
+    for call in (lambda: strategy.arm_vote(True), strategy.votes, lambda: strategy.after_step(1), strategy.no_sync):
         with pytest.raises(SessionError, match="not wrapped"):
             call()
     strategy.leave()  # a no-op when not wrapped
@@ -140,7 +140,7 @@ def _vote_worker(rank: int, port: int, piggyback: bool, results: Any) -> None:
         strategy.arm_vote(wanted)
         model.zero_grad()
         wrapped(x).sum().backward()
-        strategy.after_step()
+        strategy.after_step(1)
         counts.append(strategy.votes())
     same = all(torch.equal(a.grad, b.grad) for a, b in zip(reference.parameters(), model.parameters()))
     # Three micro-batches, the first two without synchronizing: one vote per step, not per backward.
@@ -150,7 +150,7 @@ def _vote_worker(rank: int, port: int, piggyback: bool, results: Any) -> None:
         with strategy.no_sync():
             wrapped(x).sum().backward()
     wrapped(x).sum().backward()
-    strategy.after_step()
+    strategy.after_step(2)
     counts.append(strategy.votes())
     dist.all_reduce = all_reduce
     strategy.leave()

@@ -5,10 +5,13 @@ Importing it registers ``sharding="fsdp"`` and ``"hsdp"`` for ``Session``
 (:mod:`~elastictrain.train.fsdp.strategy`).
 """
 
+from elastictrain.train.fsdp.buddies import buddies, missing
 from elastictrain.train.fsdp.gradients import clip_grad_norm_, no_sync
+from elastictrain.train.fsdp.holdings import Holding, Region, own_holdings, state_regions
 from elastictrain.train.fsdp.mesh import FSDP_DIMS, HSDP_DIMS, SHARDED_MODES, build_mesh, mesh_shape
 from elastictrain.train.fsdp.optimizer import OptimizerSpec, parameter_fqns, shard_optimizer
 from elastictrain.train.fsdp.precision import REDUCE_DTYPE, mixed_precision_policy
+from elastictrain.train.fsdp.redundancy import Redundancy, RedundancyError, start_redundancy
 from elastictrain.train.fsdp.sharded import Sharded, ShardingConfig, shard
 from elastictrain.train.fsdp.state import (
     ModelState, OptimizerState, full_optimizer_state_dict, full_state_dict, optimizer_order,
@@ -19,9 +22,10 @@ from elastictrain.train.fsdp.units import UnitSpec, shard_model, sharding_units
 
 __all__ = [
     "FSDP_DIMS", "HSDP_DIMS", "REDUCE_DTYPE", "SHARDED_MODES",
-    "FsdpStrategy", "HsdpStrategy", "ModelState", "OptimizerSpec", "OptimizerState", "Sharded", "ShardingConfig",
-    "UnitSpec",
-    "build_mesh", "clip_grad_norm_", "full_optimizer_state_dict", "full_state_dict", "mesh_shape",
-    "mixed_precision_policy", "no_sync", "optimizer_order", "optimizer_state_by_fqn",
-    "optimizer_state_by_id", "parameter_fqns", "shard", "shard_model", "shard_optimizer", "sharding_units",
+    "FsdpStrategy", "Holding", "HsdpStrategy", "ModelState", "OptimizerSpec", "OptimizerState", "Redundancy",
+    "RedundancyError", "Region", "Sharded", "ShardingConfig", "UnitSpec",
+    "buddies", "build_mesh", "clip_grad_norm_", "full_optimizer_state_dict", "full_state_dict", "mesh_shape",
+    "missing", "mixed_precision_policy", "no_sync", "optimizer_order", "optimizer_state_by_fqn",
+    "optimizer_state_by_id", "own_holdings", "parameter_fqns", "shard", "shard_model", "shard_optimizer",
+    "sharding_units", "start_redundancy", "state_regions",
 ]

@@ -29,7 +29,7 @@ from elastictrain.train.fsdp.regions import Move, Plan, Region, TensorSpec, need
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Exchange", "announce", "state_specs"]
+__all__ = ["Exchange", "announce", "buffer_holdings", "state_specs"]
 
 _VERSION = 1
 
@@ -50,6 +50,13 @@ def state_specs(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
                     key = f"optimizer/{names[id(param)]}/{name}"
                     specs[key] = spec(key, value)
     return specs
+
+
+def buffer_holdings(model: torch.nn.Module, step: int) -> list[Holding]:
+    """The model's buffers, whole, as holdings at ``step``: FSDP2 does not shard them, every rank
+    holds all of each (:func:`~elastictrain.train.fsdp.holdings.own_holdings` leaves them out)."""
+    return [Holding(f"model/{fqn}", (0,) * b.dim(), tuple(b.shape), step, b.detach().contiguous())
+            for fqn, b in model.named_buffers()]
 
 
 def _dtype(name: str) -> torch.dtype:

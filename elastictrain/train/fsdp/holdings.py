@@ -1,8 +1,10 @@
-"""What a rank holds of the sharded state: :class:`Holding`, and :func:`own_holdings`.
+"""What a rank holds of the sharded state, region by region: :class:`Holding` and :func:`own_holdings`.
 
-A re-formed group rebuilds its shards from the regions its ranks hold (their own shards of the
-previous generation, and any copies a redundancy source keeps): see
-:mod:`~elastictrain.train.fsdp.exchange`.
+The in-place recovery of a sharded session fills a model rebuilt on a new mesh from what the
+surviving ranks hold in memory: each one's own shards (:func:`own_holdings`) and the copies of
+other ranks' shards that :mod:`~elastictrain.train.fsdp.redundancy` keeps. A holding names its
+tensor by the key it has in the sharded state (``"model/<fqn>"``, ``"optimizer/<fqn>/<state name>"``)
+and its box of the global tensor, as the sharded checkpoint's chunks do.
 """
 
 from __future__ import annotations
@@ -10,12 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
-from elastictrain.errors import ConfigError
-from elastictrain.train.fsdp.regions import chunk_box
+from elastictrain.checkpoint import region
 
-__all__ = ["Holding", "own_holdings"]
+__all__ = ["Holding", "Region", "own_holdings", "state_regions"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,50 +29,67 @@ class Holding:
     tensor: torch.Tensor          # the values (contiguous, CPU for copies)
 
 
-def _holding(key: str, value: torch.Tensor, step: int) -> Holding:
-    """``value``'s local region: a DTensor's own shard (uneven ``Shard(0)`` as ``torch.chunk``
-    makes them, replicated along any ``Replicate`` mesh dimension), a plain tensor's whole box."""
-    if not isinstance(value, DTensor):
-        tensor = value.detach().contiguous()
-        return Holding(key, (0,) * tensor.dim(), tuple(tensor.shape), step, tensor)
-    mesh, shape = value.device_mesh, tuple(value.shape)
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
-        raise ConfigError(f"{key}: this rank is not on the mesh it is sharded over")
-    index, count = 0, 1
-    for dim, placement in enumerate(value.placements):
-        if isinstance(placement, Shard):
-            if placement.dim != 0 or count != 1:
-                raise ConfigError(f"{key}: only one Shard(0) mesh dimension is supported, got {value.placements}")
-            index, count = coordinate[dim], mesh.size(dim)
-        elif not placement.is_replicate():
-            raise ConfigError(f"{key}: placement {placement} is neither Shard(0) nor Replicate")
-    offsets, sizes = chunk_box(shape, index, count)
-    local = value.to_local().detach().contiguous()
+@dataclass(frozen=True, slots=True)
+class Region:
+    """A box of a tensor of the sharded state (keys as :class:`Holding`'s)."""
+
+    key: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+def _holding(key: str, value: torch.Tensor, step: int) -> Holding | None:
+    """``value``'s local region as a holding; None for an empty one (an uneven share's last ranks)."""
+    if isinstance(value, DTensor):
+        coordinate = value.device_mesh.get_coordinate()
+        if coordinate is None:  # this rank is not on the tensor's mesh
+            return None
+        offsets, sizes = region(tuple(value.shape), value.device_mesh.shape, coordinate, value.placements, key)
+        local = value.to_local()
+    else:  # a plain tensor of the state (Adam's step count): every rank holds all of it
+        offsets, sizes, local = (0,) * value.dim(), tuple(value.shape), value
+    if local.numel() == 0:
+        return None
     if tuple(local.shape) != sizes:
-        raise ConfigError(f"{key}: the local shard is {tuple(local.shape)}, torch.chunk's share is {sizes}")
-    return Holding(key, offsets, sizes, step, local)
+        raise ValueError(f"{key}: the local shard has shape {tuple(local.shape)}, its placements say {sizes}")
+    return Holding(key=key, offsets=offsets, sizes=sizes, step=step, tensor=local.detach().contiguous())
+
+
+def _state_tensors(model: torch.nn.Module,
+                   optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of the parameters and the optimizer state, by its key (DTensors as they are)."""
+    found: list[tuple[str, torch.Tensor]] = []
+    fqns = {id(param): fqn for fqn, param in model.named_parameters()}
+    found.extend((f"model/{fqn}", param) for fqn, param in model.named_parameters())
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for name, value in sorted(optimizer.state.get(param, {}).items()):
+                if isinstance(value, torch.Tensor):
+                    found.append((f"optimizer/{fqns[id(param)]}/{name}", value))
+    return found
 
 
 def own_holdings(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> list[Holding]:
-    """This rank's own regions of the sharded state at ``step``: its shards of each parameter and
-    of each optimizer state tensor (under hsdp, its shard group's share), and the buffers whole
-    (FSDP2 does not shard them).
+    """This rank's own shards of the parameters and the optimizer state, as of ``step``.
+
+    The tensors are the live local shards (not copies): take them before the next optimizer step
+    changes them, or copy them. Buffers are not included: every rank holds them whole (the
+    sharded strategy broadcasts them after each step). Non-tensor optimizer state is skipped.
 
     Args:
-        model: The sharded model.
-        optimizer: Its optimizer, over the sharded parameters.
-        step: The committed step the state is at.
+        model: The sharded model (its parameters DTensors; a plain parameter counts as whole).
+        optimizer: Its optimizer, over those parameters.
+        step: The committed step the values are of.
 
     Raises:
-        ConfigError: A tensor sharded otherwise than FSDP2 shards (one ``Shard(0)`` mesh dimension).
+        ValueError: A local shard whose shape is not the one its placements give.
+        ConfigError: A placement other than ``Shard`` or ``Replicate`` (see ``checkpoint.region``).
     """
-    held = [_holding(f"model/{fqn}", param, step) for fqn, param in model.named_parameters()]
-    held += [_holding(f"model/{fqn}", buffer, step) for fqn, buffer in model.named_buffers()]
-    names = {id(param): fqn for fqn, param in model.named_parameters()}
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            for name, value in optimizer.state.get(param, {}).items():
-                if isinstance(value, torch.Tensor):
-                    held.append(_holding(f"optimizer/{names[id(param)]}/{name}", value, step))
-    return held
+    found = [_holding(key, value, step) for key, value in _state_tensors(model, optimizer)]
+    return [holding for holding in found if holding is not None]
+
+
+def state_regions(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[Region]:
+    """The whole state that :func:`own_holdings` takes shards of: one full box per tensor (global
+    shapes), what a rebuild needs covered (see :func:`~elastictrain.train.fsdp.buddies.missing`)."""
+    return [Region(key, (0,) * value.dim(), tuple(value.shape)) for key, value in _state_tensors(model, optimizer)]

@@ -9,10 +9,14 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from elastictrain.errors import ConfigError
+from elastictrain.train.process_group import resolve_timeout
 
 __all__ = ["FSDP_DIMS", "HSDP_DIMS", "SHARDED_MODES", "build_mesh", "mesh_shape"]
 
@@ -52,7 +56,7 @@ def mesh_shape(sharding: str, world_size: int, nproc_per_node: int | None = None
 
 
 def build_mesh(sharding: str, device_type: str, *, nproc_per_node: int | None = None,
-               group: dist.ProcessGroup | None = None) -> DeviceMesh:
+               group: dist.ProcessGroup | None = None, timeout: timedelta | None = None) -> DeviceMesh:
     """The device mesh of ``sharding`` over ``group`` (default: the whole default group); a collective.
 
     Args:
@@ -61,6 +65,11 @@ def build_mesh(sharding: str, device_type: str, *, nproc_per_node: int | None = 
         nproc_per_node: hsdp's shard group width.
         group: Train over this group instead of the default one (fsdp only: the 2-D mesh of hsdp
             forms its sub-groups over the default group).
+        timeout: The collective timeout of hsdp's sub-groups: the default group's, so that a hung
+            or lost peer is noticed as soon as in DDP; None: ``resolve_timeout()`` (``ELASTICTRAIN_PG_TIMEOUT``
+            or 60 s). (``init_device_mesh`` would give them torch's default for the backend, 30
+            minutes for gloo: a rank hung in an hsdp step went unnoticed that long.) fsdp trains
+            over ``group`` itself, with its own timeout.
 
     Raises:
         ConfigError: See :func:`mesh_shape`; hsdp over a group that is not the default one.
@@ -69,9 +78,22 @@ def build_mesh(sharding: str, device_type: str, *, nproc_per_node: int | None = 
         raise ConfigError(f"sharding={sharding!r} needs an initialized process group")
     world = dist.get_world_size(group)
     shape = mesh_shape(sharding, world, nproc_per_node)
-    if group is None or group is dist.group.WORLD:
-        dims = FSDP_DIMS if sharding == "fsdp" else HSDP_DIMS
-        return init_device_mesh(device_type, shape, mesh_dim_names=dims)
-    if sharding == "hsdp":
-        raise ConfigError("hsdp trains over the default process group; got an explicit process_group")
-    return DeviceMesh.from_group(group, device_type, mesh_dim_names=FSDP_DIMS)
+    if group is not None and group is not dist.group.WORLD:
+        if sharding == "hsdp":
+            raise ConfigError("hsdp trains over the default process group; got an explicit process_group")
+        return DeviceMesh.from_group(group, device_type, mesh_dim_names=FSDP_DIMS)
+    if sharding == "fsdp":
+        return init_device_mesh(device_type, shape, mesh_dim_names=FSDP_DIMS)
+    return _hsdp_mesh(device_type, shape, timeout if timeout is not None else resolve_timeout())
+
+
+def _hsdp_mesh(device_type: str, shape: tuple[int, ...], timeout: timedelta) -> DeviceMesh:
+    """hsdp's 2-D mesh over the default group, its sub-groups made here with ``timeout``."""
+    replicas, width = shape
+    ranks = torch.arange(replicas * width).view(replicas, width)
+    # new_group is a collective of the default group: every rank makes every group, in one order.
+    shard_groups = [dist.new_group(ranks[i].tolist(), timeout=timeout) for i in range(replicas)]
+    replicate_groups = [dist.new_group(ranks[:, j].tolist(), timeout=timeout) for j in range(width)]
+    replica, local = divmod(dist.get_rank(), width)
+    return DeviceMesh.from_group([replicate_groups[local], shard_groups[replica]], device_type, mesh=ranks,
+                                 mesh_dim_names=HSDP_DIMS)

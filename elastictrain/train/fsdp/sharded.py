@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, cast
 
 import torch
@@ -53,6 +54,10 @@ class ShardingConfig:
 
     reshard_after_forward: bool = True
     """Free each unit's gathered parameters after its forward (and gather them again for its backward)."""
+
+    timeout: timedelta | None = None
+    """hsdp: the collective timeout of its sub-groups, the default group's (see
+    :func:`~elastictrain.train.fsdp.mesh.build_mesh`); None: ``ELASTICTRAIN_PG_TIMEOUT`` or 60 s."""
 
     def __post_init__(self) -> None:
         if self.sharding not in SHARDED_MODES:
@@ -134,7 +139,8 @@ def shard(model: torch.nn.Module, optimizer: OptimizerSpec, config: ShardingConf
     fqns = parameter_fqns(model)
     if isinstance(optimizer, torch.optim.Optimizer):
         check_unstepped(optimizer, fqns)
-    mesh = build_mesh(config.sharding, param.device.type, nproc_per_node=config.nproc_per_node, group=group)
+    mesh = build_mesh(config.sharding, param.device.type, nproc_per_node=config.nproc_per_node, group=group,
+                      timeout=config.timeout)
     if broadcast:
         _broadcast_module(model, group)
     policy = mixed_precision_policy(precision) if precision is not None else None

@@ -28,7 +28,10 @@ step (:meth:`~FsdpStrategy.covers` plans the region exchange of
 :mod:`~elastictrain.train.fsdp.exchange`: an hsdp replica lost, a node joining an fsdp or hsdp
 job), else from the newest checkpoint (an fsdp rank lost with its shards: the steps since are
 redone, and the ``recovery`` event says how many). The sampler cursor, scheduler and extras
-reach a joining rank by the replicated transfer, as under DDP.
+reach a joining rank by the replicated transfer, as under DDP. With ``redundancy_every`` (fsdp),
+each rank keeps a copy of a buddy's shards in host memory (:attr:`FsdpStrategy.redundancy`): the
+copies of the newest step join the exchange, so a rank lost with its shards costs no disk read
+when its buddy's copy is of that step.
 """
 
 from __future__ import annotations
@@ -42,10 +45,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from elastictrain.errors import SessionError
-from elastictrain.train.fsdp.exchange import Exchange, announce, state_specs
+from elastictrain.train.fsdp.exchange import Exchange, announce, buffer_holdings, state_specs
 from elastictrain.train.fsdp.gradients import clip_grad_norm_, no_sync
 from elastictrain.train.fsdp.holdings import Holding, own_holdings
 from elastictrain.train.fsdp.optimizer import parameter_fqns, shard_optimizer
+from elastictrain.train.fsdp.redundancy import Redundancy, start_redundancy
 from elastictrain.train.fsdp.regions import TensorSpec
 from elastictrain.train.fsdp.sharded import Sharded, ShardingConfig, shard
 from elastictrain.train.fsdp.skeleton import Skeleton
@@ -69,8 +73,9 @@ class HoldingsSource(Protocol):
     """Regions of the sharded state held beyond a rank's own shards (copies of another rank's,
     kept by a redundancy source), offered to the region exchange when the group re-forms."""
 
-    def holdings(self, step: int) -> Sequence[Holding]:
-        """The regions this rank holds at ``step`` (others are ignored). Must not run a collective."""
+    def holdings(self) -> Sequence[Holding]:
+        """The regions this rank holds, each with its step (those of the agreed newest step count).
+        Must not run a collective."""
         ...
 
 
@@ -84,7 +89,7 @@ class FsdpStrategy(ParallelStrategy):
 
     name = "fsdp"
 
-    def __init__(self, precision: str = "fp32") -> None:
+    def __init__(self, precision: str = "fp32", redundancy_every: int | None = None) -> None:
         super().__init__()
         self._precision = precision
         self._sharded: Sharded | None = None
@@ -92,6 +97,9 @@ class FsdpStrategy(ParallelStrategy):
         self._sources: list[HoldingsSource] = []
         self._exchange: Exchange | None = None
         self._received: dict[str, tuple[TensorSpec, torch.Tensor]] | None = None
+        self._redundancy_every = redundancy_every
+        self.redundancy: Redundancy | None = None
+        """The copies of the last generation (kept after it is left: they outlive the group)."""
 
     def add_holdings_source(self, source: HoldingsSource) -> None:
         """Offer ``source``'s regions to the region exchange of each later re-formation."""
@@ -130,6 +138,10 @@ class FsdpStrategy(ParallelStrategy):
             _fill(module, optimizer, received)
         elif restored is not None:
             OptimizerState(module, optimizer).load_state_dict(restored)
+        if self._redundancy_every is not None:
+            self.redundancy = start_redundancy(module, optimizer, every=self._redundancy_every,
+                                               nproc_per_node=view.local_world_size,
+                                               timeout=view.placement.timeout, group=view.group)
         return module
 
     def covers(self, group: Any, agreement: Agreement, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -141,8 +153,11 @@ class FsdpStrategy(ParallelStrategy):
         if isinstance(module, FSDPModule) and step == agreement.step:
             held = own_holdings(module, optimizer, step)
             specs = state_specs(module, optimizer)
+            held += buffer_holdings(module, step)  # FSDP2 does not shard them: every rank holds them whole
+        if self.redundancy is not None:
+            held += self.redundancy.held()  # the buddy's copy (of the step of its last refresh)
         for source in self._sources:
-            held += source.holdings(step)
+            held += source.holdings()
         world = dist.get_world_size(group)
         self._exchange = announce(group, held=held, specs=specs, step=agreement.step or 0,
                                   holders=agreement.holders, shard_width=self._shard_width(world, local_world_size))
@@ -178,7 +193,10 @@ class FsdpStrategy(ParallelStrategy):
         return received
 
     def _leave(self) -> None:
-        """See base class. The model stays sharded (see the module docstring)."""
+        """See base class. The model stays sharded until :meth:`unwrapped` (see the module
+        docstring); the redundancy's refreshes stop, its copies stay (:attr:`redundancy`)."""
+        if self.redundancy is not None:
+            self.redundancy.close()
 
     def no_sync(self) -> contextlib.AbstractContextManager[Any]:
         """See base class: ``set_requires_gradient_sync(False)`` over the backward passes inside."""
@@ -186,13 +204,16 @@ class FsdpStrategy(ParallelStrategy):
         assert self._sharded is not None  # noqa: S101 - set with the view
         return no_sync(self._sharded.module)
 
-    def after_step(self) -> None:
-        """See base class: the buffers broadcast from rank 0 (FSDP2 leaves them to each rank)."""
+    def after_step(self, step: int) -> None:
+        """See base class: the buffers broadcast from rank 0 (FSDP2 leaves them to each rank), then
+        the redundancy's refresh when one is due (its snapshot; the copy is sent in the background)."""
         view = self.view
         assert self._sharded is not None  # noqa: S101 - set with the view
         source = dist.get_global_rank(view.group, 0) if view.group is not None else 0
         for buffer in self._sharded.model.buffers():
             dist.broadcast(buffer, src=source, group=view.group)
+        if self.redundancy is not None:
+            self.redundancy.after_step(step)
 
     def clip_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
         """See base class: the norm over every shard (a collective over the mesh)."""
@@ -218,12 +239,14 @@ class FsdpStrategy(ParallelStrategy):
 
 
 class HsdpStrategy(FsdpStrategy):
-    """Hybrid sharding: shard within each node (``local_world_size`` ranks), replicate across nodes."""
+    """Hybrid sharding: shard within each node (``local_world_size`` ranks), replicate across nodes.
+
+    No redundancy option: the other nodes are its replicas."""
 
     name = "hsdp"
 
     def _config(self, view: GroupView) -> ShardingConfig:
-        return ShardingConfig(sharding="hsdp", nproc_per_node=view.local_world_size)
+        return ShardingConfig(sharding="hsdp", nproc_per_node=view.local_world_size, timeout=view.placement.timeout)
 
     def _shard_width(self, world_size: int, local_world_size: int) -> int:
         """See base class: a node's ranks."""
@@ -264,7 +287,7 @@ def _fill(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def _fsdp(config: SessionConfig) -> FsdpStrategy:
-    return FsdpStrategy(config.precision)
+    return FsdpStrategy(config.precision, config.redundancy_every)
 
 
 def _hsdp(config: SessionConfig) -> HsdpStrategy:

@@ -1,0 +1,413 @@
+"""In-memory redundancy of a sharded model: each rank keeps a copy of another rank's shards.
+
+::
+
+    holders = buddies([rank // nproc_per_node for rank in range(world)])    # holders[r] keeps r's copy
+    redundancy = Redundancy(model, optimizer, new_gloo_group(), new_gloo_group(), every=10,
+                            holder=holders[rank], source=holders.index(rank))
+    for step in ...:
+        ...; optimizer.step()
+        redundancy.after_step(step)           # every 10 steps: snapshot, then send in the background
+    ...                                       # peers lost: the copy is still in this process's memory
+    redundancy.close()
+    recovery_sources = redundancy.holdings()  # own shards + the copy of ``source``'s, each with its step
+
+A refresh, every ``every`` steps after the optimizer step, copies this rank's own shards of the
+parameters and the optimizer state (:func:`~elastictrain.train.fsdp.holdings.own_holdings`) into
+a reusable host buffer (pinned when the shards are on CUDA): that copy is the only time training
+waits. A thread of its own then sends the buffer to the holder and receives the copy of the
+source's shards over a gloo group of its own (never the training group), while training goes on.
+
+A refresh still in flight on any rank when the next one is due skips that one on every rank
+(:attr:`Redundancy.skipped`), never queues it: the ranks agree by a one-integer all-reduce over a
+second gloo group of their own (the vote group, used by the training thread alone), so that
+every rank starts the same refreshes and each exchange meets its peers'.
+
+Every piece of a refresh stays whole until a newer one is: a received copy replaces the held one
+only once complete (two buffers, swapped), and a snapshot goes to the send buffer that does not
+hold the last completed refresh's. A refresh that fails half way (a peer died) ends the refreshes
+(on every rank: the next agreement carries it) and leaves, on every survivor, its own shards and
+the copy it holds as of the last refresh it completed; so the survivors together still hold the
+whole state of one step when a rank dies during a refresh (the step before it, where the dead
+rank's holder did not complete it).
+
+Host memory per rank: two send buffers of its own shard and two buffers of its source's: about
+four shards of parameters and optimizer state (:attr:`Redundancy.host_bytes`); the shards are
+1/world of the state each.
+
+On the wire, per refresh and direction: a header (step, metadata length, payload length; int64),
+the metadata (JSON: each region's key, offsets, sizes, dtype and byte offset), and the payload
+(the regions' bytes). Nothing received is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastictrain.errors import ConfigError
+from elastictrain.train import process_group as pg
+from elastictrain.train.fsdp.buddies import buddies
+from elastictrain.train.fsdp.holdings import Holding, own_holdings
+
+__all__ = ["Redundancy", "RedundancyError", "start_redundancy"]
+
+logger = logging.getLogger(__name__)
+
+_ALIGN = 64
+"""Each region starts at a multiple of this in a buffer (a view of any dtype is aligned)."""
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+              torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+}
+"""The dtypes a copy carries, by their names in the metadata."""
+
+_HEADER, _META, _PAYLOAD = 1, 2, 3
+"""The p2p tags of a refresh's three messages."""
+
+_BUSY, _ENDED = 1, 2
+"""A rank's vote on a due refresh (the maximum wins): one in flight here, the refreshes ended here
+(a failed one); 0: go."""
+
+
+class RedundancyError(RuntimeError):
+    """A refresh did not complete: the copy received is malformed (its header or metadata does not
+    describe its payload), or the refreshes ended on another rank."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Slot:
+    """Where one region lies in a buffer."""
+
+    key: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    dtype: str
+    at: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.sizes) * _DTYPES[self.dtype].itemsize
+
+    def view(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The region's values in ``buffer`` (a view)."""
+        return buffer[self.at:self.at + self.nbytes].view(_DTYPES[self.dtype]).view(self.sizes)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "offsets": list(self.offsets), "sizes": list(self.sizes), "dtype": self.dtype,
+                "at": self.at}
+
+
+def _layout(holdings: list[Holding]) -> tuple[list[_Slot], int]:
+    """Each holding's slot in a buffer, and the buffer's length."""
+    slots, end = [], 0
+    for h in holdings:
+        name = str(h.tensor.dtype).removeprefix("torch.")
+        if name not in _DTYPES:
+            raise ValueError(f"{h.key}: dtype {h.tensor.dtype} cannot be kept as a redundant copy")
+        end = -(-end // _ALIGN) * _ALIGN
+        slots.append(_Slot(h.key, h.offsets, h.sizes, name, end))
+        end += slots[-1].nbytes
+    return slots, end
+
+
+def _parse_slots(meta: bytes, length: int) -> list[_Slot]:
+    """The slots a peer's metadata names, checked against its payload's ``length``.
+
+    Raises:
+        RedundancyError: Malformed metadata, or a region outside the payload.
+    """
+    try:
+        raw = json.loads(meta.decode())
+        slots = [_Slot(str(e["key"]), tuple(int(o) for o in e["offsets"]), tuple(int(s) for s in e["sizes"]),
+                       str(e["dtype"]), int(e["at"])) for e in raw]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise RedundancyError(f"a redundant copy's metadata is malformed: {exc}") from exc
+    for slot in slots:
+        if (slot.dtype not in _DTYPES or len(slot.offsets) != len(slot.sizes) or min((*slot.sizes, 0)) < 0
+                or slot.at < 0 or slot.at % _ALIGN or slot.at + slot.nbytes > length):
+            raise RedundancyError(f"a redundant copy's region {slot.key!r} does not fit its {length}-byte payload")
+    return slots
+
+
+def _host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+
+class Redundancy:
+    """Keeps a copy of the ``source`` rank's shards and sends this rank's to the ``holder`` (see the
+    module docstring). Starts its thread when built; :meth:`close` stops it.
+
+    Args:
+        model: The sharded model (parameters DTensors).
+        optimizer: Its optimizer.
+        group: A gloo group of its own over the ranks, for the sending thread (never the training
+            group: its collectives would interleave with training's from another thread).
+        vote_group: Another gloo group over the same ranks, for the training thread's agreement
+            on which refreshes run.
+        every: Refresh after every this many steps (:meth:`after_step`).
+        holder: The rank of ``group`` that keeps this rank's copy; None: no one (a group of one).
+        source: The rank of ``group`` whose copy this rank keeps; None with ``holder``.
+
+    Raises:
+        ValueError: ``every`` is not positive, or only one of ``holder`` and ``source`` is None.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, group: dist.ProcessGroup,
+                 vote_group: dist.ProcessGroup, *, every: int, holder: int | None, source: int | None) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be a positive int, got {every!r}")
+        if (holder is None) != (source is None):
+            raise ValueError(f"holder and source are both ranks or both None, got {holder!r} and {source!r}")
+        self._model, self._optimizer = model, optimizer
+        self._group, self._vote_group = group, vote_group
+        self.every, self.holder, self.source = every, holder, source
+        self._pin = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
+        self._cond = threading.Condition()
+        self._due: int | None = None  # the step of the refresh in flight
+        self._closing = False
+        self._step = -1  # the last step given to after_step: the live shards' values are of it
+        self._own = [_Snapshot(self._pin), _Snapshot(self._pin)]
+        self._sending = self._own[0]
+        self._completed: int | None = None  # the step of the last refresh this rank completed
+        self._held: list[Holding] = []
+        self._held_buffer = _host_buffer(0, False)
+        self._incoming = _host_buffer(0, False)
+        self.started = 0
+        """Refreshes started (a snapshot taken and handed to the sending thread)."""
+        self.refreshed = 0
+        """Refreshes completed (a copy received and swapped in)."""
+        self.skipped = 0
+        """Refreshes not started because one was still in flight (on some rank) when they were due."""
+        self.failure: BaseException | None = None
+        """Why the refreshes ended (a peer lost), or None."""
+        self.stalled = 0.0
+        """Seconds the training thread spent in due refreshes (the vote and the snapshots)."""
+        self._thread: threading.Thread | None = None
+        if holder is not None:
+            self._thread = threading.Thread(target=self._run, name="elastictrain-redundancy", daemon=True)
+            self._thread.start()
+
+    # --- the training thread --------------------------------------------------------------------
+
+    def after_step(self, step: int) -> bool:
+        """After the optimizer step of ``step`` (every rank calls it, with the same steps): when a
+        refresh is due and no rank has one in flight, snapshot this rank's shards and hand them to
+        the sending thread. Returns whether a refresh started. Once a refresh failed on a rank,
+        the next vote ends the refreshes on every rank (:attr:`failure`).
+
+        Raises:
+            torch's backend error: The vote's all-reduce failed (a peer lost): a collective failure.
+        """
+        self._step = step
+        if self.holder is None or step % self.every:
+            return False
+        with self._cond:
+            if self._closing:
+                return False
+            # A rank whose refreshes ended still votes (2), so that every rank ends them with it.
+            vote = torch.tensor([_ENDED if self.failure is not None else _BUSY if self._due is not None else 0])
+        started = time.perf_counter()
+        try:
+            dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._vote_group)
+            if vote.item() == _ENDED:
+                with self._cond:
+                    if self.failure is None:
+                        self.failure = RedundancyError("the refreshes ended on another rank")
+                        logger.warning("redundancy: the refreshes ended on another rank; they end here at step %d "
+                                       "(this rank keeps the state of step %s)", step, self._completed)
+                return False
+            if vote.item() == _BUSY:
+                self.skipped += 1
+                logger.info("redundancy: a refresh is still in flight; step %d's is skipped", step)
+                return False
+            # The buffer that does not hold the last completed refresh's snapshot (it stays whole).
+            self._sending = next(s for s in self._own if s.step is None or s.step != self._completed)
+            self._sending.take(own_holdings(self._model, self._optimizer, step), step)
+        finally:
+            self.stalled += time.perf_counter() - started
+        with self._cond:
+            self._due = step
+            self.started += 1
+            self._cond.notify_all()
+        return True
+
+    def holdings(self) -> list[Holding]:
+        """What this rank holds: its live shards (of the last step given to :meth:`after_step`),
+        its snapshots of other steps, and the copy of the source's shards of the last refresh it
+        completed (none before the first). Each with its step.
+
+        The snapshots' and the copy's tensors are views of buffers that later refreshes write
+        into: :meth:`close` first to keep them."""
+        with self._cond:
+            held = list(self._held)
+            snapshots = [h for s in self._own if s.step is not None and s.step != self._step for h in s.holdings()]
+        return [*own_holdings(self._model, self._optimizer, self._step), *snapshots, *held]
+
+    def held(self) -> list[Holding]:
+        """The copy of the source's shards alone (see :meth:`holdings`)."""
+        with self._cond:
+            return list(self._held)
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a refresh is being sent and received now."""
+        with self._cond:
+            return self._due is not None
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory of the buffers: two send buffers, the held copy and the incoming one."""
+        return sum(s.buffer.numel() for s in self._own) + self._held_buffer.numel() + self._incoming.numel()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Wait until no refresh is in flight here; returns False if one still is after ``timeout``."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._due is None,
+                                       None if timeout is None else timeout.total_seconds())
+
+    def close(self, timeout: timedelta = timedelta(seconds=5)) -> None:
+        """Stop refreshing, without a collective (peers may be dead). A refresh in flight is given
+        ``timeout`` to end; if it does not, its thread is left (a daemon) and its copy never
+        swapped in. What this rank holds stays (:meth:`holdings`)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout.total_seconds())
+            if self._thread.is_alive():
+                logger.warning("redundancy: a refresh is still in flight after %s; left behind", timeout)
+
+    # --- the sending thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._due is not None or self._closing)
+                if self._closing:
+                    return
+                step = self._due
+            assert step is not None  # noqa: S101 - the wait's predicate
+            try:
+                received = self._exchange(step)
+            except Exception as exc:  # noqa: BLE001 - a lost peer must end the refreshes, not the process
+                logger.warning("redundancy: the refresh of step %d failed, refreshes end (this rank keeps "
+                               "the state of step %s): %s", step, self._completed, exc)
+                with self._cond:
+                    self.failure = exc
+                    self._due = None
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                if not self._closing:  # a copy completed after close() is not swapped in
+                    self._held, self._held_buffer, self._incoming = received, self._incoming, self._held_buffer
+                    self._completed = step
+                    self.refreshed += 1
+                self._due = None
+                self._cond.notify_all()
+
+    def _exchange(self, step: int) -> list[Holding]:
+        """Send the snapshot of ``step`` to the holder, receive the source's into the incoming
+        buffer; return the received regions (views of that buffer).
+
+        Raises:
+            RedundancyError: The source's copy is malformed.
+            torch's backend error: A peer is lost.
+        """
+        sending = self._sending
+        header = torch.tensor([step, sending.meta.numel(), sending.length], dtype=torch.int64)
+        theirs = torch.empty(3, dtype=torch.int64)
+        self._both(header, theirs, _HEADER)
+        their_step, meta_length, length = (int(v) for v in theirs)
+        if their_step != step or meta_length < 0 or length < 0:
+            raise RedundancyError(f"a redundant copy's header is not step {step}'s: {theirs.tolist()}")
+        meta = torch.empty(meta_length, dtype=torch.uint8)
+        if self._incoming.numel() < length:
+            self._incoming = _host_buffer(length, False)
+        self._both(sending.meta, meta, _META)
+        self._both(sending.buffer[:sending.length], self._incoming[:length], _PAYLOAD)
+        slots = _parse_slots(bytes(meta.numpy()), length)
+        return [Holding(key=s.key, offsets=s.offsets, sizes=s.sizes, step=step, tensor=s.view(self._incoming))
+                for s in slots]
+
+    def _both(self, out: torch.Tensor, into: torch.Tensor, tag: int) -> None:
+        """Send ``out`` to the holder and receive ``into`` from the source, at once."""
+        works = []
+        if out.numel():  # the peer knows the length from the header, and posts no receive for nothing
+            works.append(dist.isend(out, group=self._group, group_dst=self.holder, tag=tag))
+        if into.numel():
+            works.append(dist.irecv(into, group=self._group, group_src=self.source, tag=tag))
+        for work in works:
+            if work is not None:
+                work.wait()
+
+
+class _Snapshot:
+    """A reusable host buffer with this rank's shards of one step (reallocated only when their
+    layout grows)."""
+
+    def __init__(self, pin: bool) -> None:
+        self._pin = pin
+        self.buffer = _host_buffer(0, pin)
+        self.slots: list[_Slot] = []
+        self.meta = torch.empty(0, dtype=torch.uint8)
+        self.length = 0
+        self.step: int | None = None
+
+    def take(self, own: list[Holding], step: int) -> None:
+        """Copy ``own`` (the live shards of ``step``) in."""
+        self.step = None  # not a snapshot of any step while it is written
+        slots, length = _layout(own)
+        if slots != self.slots:
+            if length > self.buffer.numel():
+                self.buffer = _host_buffer(length, self._pin)
+            meta = json.dumps([s.to_json() for s in slots]).encode()
+            self.slots, self.length, self.meta = slots, length, torch.frombuffer(bytearray(meta), dtype=torch.uint8)
+        for slot, holding in zip(slots, own, strict=True):
+            slot.view(self.buffer).copy_(holding.tensor, non_blocking=self._pin)
+        if self._pin:
+            torch.cuda.current_stream().synchronize()  # the copies are done before the thread sends them
+        self.step = step
+
+    def holdings(self) -> list[Holding]:
+        """The snapshot's regions (views of the buffer)."""
+        assert self.step is not None  # noqa: S101 - only asked of a taken snapshot
+        return [Holding(key=s.key, offsets=s.offsets, sizes=s.sizes, step=self.step, tensor=s.view(self.buffer))
+                for s in self.slots]
+
+
+def start_redundancy(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, every: int,
+                     nproc_per_node: int, timeout: timedelta | None = None,
+                     group: dist.ProcessGroup | None = None) -> Redundancy:
+    """A :class:`Redundancy` over the default group, buddies on other nodes; a collective (it
+    makes its two gloo groups).
+
+    Args:
+        model: The sharded model.
+        optimizer: Its optimizer.
+        every: Refresh after every this many steps.
+        nproc_per_node: Ranks per node (the launcher numbers a node's ranks contiguously).
+        timeout: The gloo groups' timeout (a refresh to a lost peer fails after it at most).
+        group: The training group; None or the default group (another is refused).
+
+    Raises:
+        ConfigError: A training group other than the default one.
+    """
+    if group is not None and group is not dist.group.WORLD:
+        raise ConfigError("redundancy_every trains over the default process group; got an explicit process_group")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    holders = buddies([r // max(nproc_per_node, 1) for r in range(world)])
+    source = holders.index(rank) if holders[rank] is not None else None
+    return Redundancy(model, optimizer, pg.new_gloo_group(timeout), pg.new_gloo_group(timeout), every=every,
+                      holder=holders[rank], source=source)

@@ -1,0 +1,383 @@
+"""In-memory redundancy of sharded state (issue 41, fsdp): buddies, coverage, and the copies on
+real gloo processes.
+
+The pure parts (who holds whose copy, which regions the survivors' holdings miss) are tested on
+their own. One spawn of four processes, two per "node" (ranks 0-1 and 2-3), then:
+
+- runs a ``Session(sharding="fsdp", redundancy_every=1)`` and one without copies: both end equal,
+  and the copies were refreshed;
+- holds a refresh back by a gate in the test: the refresh call returns, the next step trains
+  (collectives on the training group) while the send is held, the next refresh due is skipped on
+  every rank; released, each rank's copy equals its source's shards of the refreshed step;
+- refreshes every step, then once at a known step: each copy equals its source's shards there
+  (parameters and AdamW state), and rank 0 gathers the full state of that step;
+- fails a refresh on one rank: the next due one ends the refreshes on every rank;
+- kills rank 3 while its next refresh is held back (its holder, rank 1, sees the refresh fail).
+
+The test then rebuilds, from the survivors' holdings alone, the full state of the last step
+they all hold, compares it to the gathered one, and checks that losing rank 3 with its buddy
+rank 1 leaves exactly their shards uncovered. Run as a script, this module is the worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import threading
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from elastictrain.errors import ConfigError
+from elastictrain.train.fsdp.buddies import buddies, missing
+from elastictrain.train.fsdp.holdings import Holding, Region
+from tests.support.ranks import run_ranks
+
+WORLD = 4
+NODES = [0, 0, 1, 1]
+TOLERANCE = 1e-12
+pytestmark = pytest.mark.timeout(180)
+
+
+def _holding(key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], step: int = 5) -> Holding:
+    return Holding(key=key, offsets=offsets, sizes=sizes, step=step, tensor=torch.zeros(sizes))
+
+
+# --- pure parts ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nodes", [[0, 0, 1, 1], [0, 1, 2], [0, 0, 0, 1, 1, 1], [5, 5, 9, 9, 7, 7, 7],
+                                   [0, 1, 0, 1], [0, 0, 0, 1], [0, 0, 0], [0, 1]])
+def test_every_rank_is_held_exactly_once_by_another_rank_on_another_node_when_there_is_one(nodes: list[int]) -> None:
+    holders = buddies(nodes)
+    assert sorted(h for h in holders if h is not None) == list(range(len(nodes)))  # a permutation
+    assert all(h != rank for rank, h in enumerate(holders))
+    largest = max(nodes.count(n) for n in set(nodes))
+    if len(set(nodes)) > 1 and 2 * largest <= len(nodes):
+        assert all(nodes[h] != nodes[rank] for rank, h in enumerate(holders) if h is not None), holders
+    if len(set(nodes)) == 1:  # one node: the next rank
+        assert holders == [(rank + 1) % len(nodes) for rank in range(len(nodes))]
+
+
+def test_buddies_are_the_same_local_rank_on_the_next_node_and_none_for_one_rank() -> None:
+    assert buddies([0, 0, 1, 1, 2, 2]) == [2, 3, 4, 5, 0, 1]
+    assert buddies([3]) == [None]
+    with pytest.raises(ValueError, match="empty"):
+        buddies([])
+
+
+def test_missing_subtracts_holdings_of_the_step_from_the_full_boxes() -> None:
+    needed = [Region("model/w", (0, 0), (7, 4)), Region("optimizer/w/step", (), ())]
+    held = {0: [_holding("model/w", (0, 0), (2, 4)), _holding("optimizer/w/step", (), ())],
+            1: [_holding("model/w", (4, 0), (2, 4)), _holding("model/w", (2, 0), (2, 4), step=4)]}
+    left = missing(held, needed, 5)
+    assert left == [Region("model/w", (2, 0), (2, 4)), Region("model/w", (6, 0), (1, 4))]
+    assert missing(held, needed, 4) == [Region("model/w", (0, 0), (2, 4)), Region("model/w", (4, 0), (3, 4)),
+                                        Region("optimizer/w/step", (), ())]
+    held[2] = [_holding("model/w", (2, 0), (5, 4))]
+    assert missing(held, needed, 5) == []
+    # A box cut out of the middle, in two dimensions: what is left tiles the rest exactly.
+    left = missing({0: [_holding("model/w", (1, 1), (2, 2))]}, needed[:1], 5)
+    mask = torch.zeros(7, 4, dtype=torch.int64)
+    for box in left:
+        mask[box.offsets[0]:box.offsets[0] + box.sizes[0], box.offsets[1]:box.offsets[1] + box.sizes[1]] += 1
+    expected = torch.ones(7, 4, dtype=torch.int64)
+    expected[1:3, 1:3] = 0
+    assert torch.equal(mask, expected)
+    assert missing({}, [Region("model/empty", (0,), (0,))], 5) == []  # an empty tensor needs nothing
+
+
+def test_a_received_copys_metadata_is_checked_against_its_payload() -> None:
+    from elastictrain.train.fsdp.redundancy import RedundancyError, _layout, _parse_slots
+
+    slots, length = _layout([_holding("model/w", (0, 0), (2, 3)), _holding("optimizer/w/step", (), ())])
+    meta = json.dumps([s.to_json() for s in slots]).encode()
+    assert _parse_slots(meta, length) == slots and slots[1].at == 64 and length == 68
+    good = json.loads(meta)
+    for bad, words in [(b"{not json", "malformed"), (b'[{"key": "w"}]', "malformed"),
+                       (json.dumps([{**good[0], "sizes": [2, 30]}]).encode(), "does not fit"),
+                       (json.dumps([{**good[0], "dtype": "object"}]).encode(), "does not fit"),
+                       (json.dumps([{**good[0], "sizes": [-2, 3]}]).encode(), "does not fit"),
+                       (json.dumps([{**good[0], "at": 3}]).encode(), "does not fit")]:
+        with pytest.raises(RedundancyError, match=words):
+            _parse_slots(bad, length)
+
+
+def test_redundancy_every_is_a_positive_int_for_fsdp_only() -> None:
+    from elastictrain.train.session_config import SessionConfig
+
+    assert SessionConfig(global_batch_size=8, sharding="fsdp", redundancy_every=10).redundancy_every == 10
+    for options, words in [({"redundancy_every": 0, "sharding": "fsdp"}, "redundancy_every must be a positive int"),
+                           ({"redundancy_every": True, "sharding": "fsdp"}, "redundancy_every must be"),
+                           ({"redundancy_every": 1}, "redundancy_every needs sharding='fsdp'"),
+                           ({"redundancy_every": 1, "sharding": "hsdp"}, "needs sharding='fsdp'")]:
+        with pytest.raises(ConfigError, match=words) as caught:
+            SessionConfig(global_batch_size=8, **options)
+        assert "\n" not in str(caught.value)
+
+
+# --- real processes on gloo ---------------------------------------------------------------------
+
+
+def _rows(holdings: list[Holding]) -> list[tuple[str, list[int], list[int], int, torch.Tensor]]:
+    """Holdings as data ``torch.load(weights_only=True)`` reads, their tensors copied."""
+    return [(h.key, list(h.offsets), list(h.sizes), h.step, h.tensor.detach().cpu().clone()) for h in holdings]
+
+
+def _as_holdings(rows: list[Any]) -> list[Holding]:
+    return [Holding(key=k, offsets=tuple(o), sizes=tuple(s), step=step, tensor=t) for k, o, s, step, t in rows]
+
+
+def _same(a: list[Any], b: list[Any]) -> bool:
+    return len(a) == len(b) and all(x[:4] == y[:4] and torch.equal(x[4], y[4]) for x, y in zip(a, b, strict=True))
+
+
+def _assemble(holdings: list[Holding], step: int, shapes: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    full = {key: torch.full(shape, float("nan"), dtype=torch.float64) for key, shape in shapes.items()}
+    for h in holdings:
+        if h.step == step:
+            full[h.key][tuple(slice(o, o + s) for o, s in zip(h.offsets, h.sizes, strict=True))] = h.tensor
+    return full
+
+
+def test_copies_follow_their_buddies_do_not_block_the_step_and_rebuild_a_killed_ranks_shards(tmp_path: Path) -> None:
+    run_ranks(__file__, WORLD, str(tmp_path))
+    dumps = {r: torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD)}
+    holders = buddies(NODES)
+    source = {holders[r]: r for r in range(WORLD)}
+    assert holders == [2, 3, 0, 1]
+    # Training with copies refreshed ends where training without them does.
+    session = dumps[0]["session"]
+    assert session["error"] <= TOLERANCE and session["refreshed"] >= 1 and session["held_step"] >= 1
+    for rank, dump in dumps.items():
+        # The gated refresh: the step after it trained while it was held; the next due was skipped.
+        assert dump["gated"] == {"started": True, "in_flight_after": True, "next_started": False, "skipped": 1}
+        assert {row[3] for row in dump["held_gate"]} == {1}
+        assert _same(dump["held_gate"], dumps[source[rank]]["own"][1]), rank
+        # After refreshes every step, and one at step 7: the copy is the source's shards of 7.
+        assert {row[3] for row in dump["held7"]} == {7} and _same(dump["held7"], dumps[source[rank]]["own"][7])
+        assert {row[0].split("/")[0] for row in dump["held7"]} == {"model", "optimizer"}
+        assert any(row[0].endswith("/exp_avg_sq") for row in dump["held7"])
+    assert [dumps[r]["ended"] for r in range(WORLD)] == [
+        {"next_started": False, "failed": True, "refreshed": 0 if r == 2 else 1} for r in range(WORLD)]
+    # Rank 3 died during the refresh of step 8: its holder (rank 1) kept the copy of step 7.
+    assert dumps[1]["failed"] and not dumps[0]["failed"] and not dumps[2]["failed"]
+    survivors = {r: _as_holdings(dumps[r]["final"]) for r in (0, 1, 2)}
+    needed = [Region(k, tuple(o), tuple(s)) for k, o, s in dumps[0]["regions"]]
+    shapes = {region.key: list(region.sizes) for region in needed}
+    assert missing(survivors, needed, 7) == []
+    rank3 = {(row[0], tuple(row[1]), tuple(row[2])) for row in dumps[3]["own"][7] if "step" not in row[0]}
+    assert {(r.key, r.offsets, r.sizes) for r in missing(survivors, needed, 8)} == rank3
+    # The state of step 7 rebuilt from the survivors' memory equals the one gathered before the kill.
+    rebuilt = _assemble([h for holdings in survivors.values() for h in holdings], 7, shapes)
+    full = dumps[0]["full7"]
+    assert len(rebuilt) == len(full) > 10
+    for key, value in full.items():
+        torch.testing.assert_close(rebuilt[key], value.to(torch.float64), atol=0, rtol=0, msg=key)
+    # Every rank's own holdings (uneven Shard(0) boxes, rank 3's empty ones left out) tile it too.
+    tiled = _assemble([h for r in range(WORLD) for h in _as_holdings(dumps[r]["own"][7])], 7, shapes)
+    assert all(torch.equal(tiled[key], value.to(torch.float64)) for key, value in full.items())
+    assert {tuple(row[2]) for row in dumps[3]["own"][7] if row[0] == "model/embed.weight"} == {(1, 5)}
+    assert not [row for row in dumps[3]["own"][7] if row[0].startswith(("model/head.", "model/scale"))]
+    # Rank 3 and its buddy rank 1 both lost: exactly their shards are missing (the step counts are
+    # on every rank), and the caller restores from the checkpoint.
+    lost = missing({r: survivors[r] for r in (0, 2)}, needed, 7)
+    assert lost
+    mask = {key: torch.zeros(shape, dtype=torch.int64) for key, shape in shapes.items()}
+    for region in lost:
+        mask[region.key][tuple(slice(o, o + s) for o, s in zip(region.offsets, region.sizes, strict=True))] += 1
+    expected = {key: torch.zeros(shape, dtype=torch.int64) for key, shape in shapes.items()}
+    for rank in (1, 3):
+        for key, offsets, sizes, _, _ in dumps[rank]["own"][7]:
+            if not key.endswith("/step"):
+                expected[key][tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))] += 1
+    for key in shapes:
+        assert torch.equal(mask[key], expected[key]), key
+    # Host memory: two snapshots of a rank's own shard and two of its source's.
+    for rank, dump in dumps.items():
+        own_bytes = sum(row[4].numel() * row[4].element_size() for row in dump["own"][7])
+        theirs = sum(row[4].numel() * row[4].element_size() for row in dumps[source[rank]]["own"][7])
+        assert 2 * (own_bytes + theirs) <= dump["host_bytes"] <= 2 * (own_bytes + theirs) + 4 * 64 * len(dump["own"][7])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_shards_are_snapshotted_into_pinned_buffers_and_copied_to_the_buddy(tmp_path: Path) -> None:
+    run_ranks(__file__, 2, str(tmp_path), "cuda")
+    dumps = {r: torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)}
+    for rank, dump in dumps.items():
+        assert dump["pinned"] and {row[3] for row in dump["held"]} == {1}
+        assert _same(dump["held"], dumps[1 - rank]["own"])
+
+
+# --- the workers ----------------------------------------------------------------------------------
+
+
+def _cuda_worker(rank: int, out: Path) -> None:
+    """Two ranks on the one GPU, gloo: plain CUDA parameters (each rank's whole model is its
+    "shard"), momentum state, one refresh through pinned snapshot buffers."""
+    import torch.distributed as dist
+
+    from elastictrain.train import process_group as pg
+    from elastictrain.train.fsdp.holdings import own_holdings
+    from elastictrain.train.fsdp.redundancy import Redundancy
+
+    dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=2)
+    torch.manual_seed(rank)
+    model = torch.nn.Linear(5, 3).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 5, device="cuda")).sum().backward()
+    optimizer.step()
+    redundancy = Redundancy(model, optimizer, pg.new_gloo_group(), pg.new_gloo_group(), every=1,
+                            holder=1 - rank, source=1 - rank)
+    assert redundancy.after_step(1) and redundancy.wait(timedelta(seconds=60))
+    redundancy.close()
+    dump = {"own": _rows(own_holdings(model, optimizer, 1)), "held": _rows(redundancy.held()),
+            "pinned": redundancy._sending.buffer.is_pinned()}
+    torch.save(dump, out / f"rank{rank}.pt")
+    dist.barrier()
+    os._exit(0)
+
+
+
+def _session_run(redundancy_every: int | None) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.utils.data import TensorDataset
+
+    import elastictrain
+    from elastictrain.train.worker import WorkerContext
+    from tests.unit.test_fsdp import _net
+
+    model = _net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    data = torch.Generator().manual_seed(5)
+    dataset = TensorDataset(torch.randn(32, 5, generator=data, dtype=torch.float64),
+                            torch.randn(32, 3, generator=data, dtype=torch.float64))
+    context = dataclasses.replace(WorkerContext.from_env({}), local_world_size=2)
+    with elastictrain.Session(model, optimizer, dataset, global_batch_size=8, seed=3, log_every=None,
+                              process_group=dist.group.WORLD, context=context, sharding="fsdp",
+                              redundancy_every=redundancy_every) as session:
+        for step in session.steps():
+            for micro in step:
+                inputs, targets = micro.batch
+                micro.backward(torch.nn.functional.mse_loss(session.model(inputs), targets))
+        full = session.full_state_dict()
+        redundancy = session._keeper.strategy.redundancy
+    return {"full": full, "redundancy": redundancy}
+
+
+def _worker(rank: int, out: Path) -> None:
+    import torch.distributed as dist
+
+    from elastictrain.train import process_group as pg
+    from elastictrain.train.fsdp import full_optimizer_state_dict, full_state_dict, optimizer_order, shard
+    from elastictrain.train.fsdp.holdings import own_holdings, state_regions
+    from elastictrain.train.fsdp.redundancy import Redundancy, RedundancyError
+    from tests.unit.test_fsdp import _net
+
+    dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=WORLD)
+    dump: dict[str, Any] = {}
+
+    plain, copied = _session_run(None), _session_run(1)
+    if rank == 0:
+        error = max((a - b).abs().max().item() for a, b in zip(plain["full"].values(), copied["full"].values(),
+                                                               strict=True))
+        held = copied["redundancy"].held()
+        dump["session"] = {"error": error, "refreshed": copied["redundancy"].refreshed,
+                           "held_step": held[0].step if held else -1}
+
+    class Gated(Redundancy):
+        """Holds each refresh's send back until the test opens the gate."""
+
+        gate = threading.Event()
+
+        def _exchange(self, step: int) -> list[Holding]:
+            assert self.gate.wait(60)
+            return super()._exchange(step)
+
+    model = _net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    shard(model, optimizer)
+    holders = buddies(NODES)
+    timeout = timedelta(seconds=20)
+    redundancy = Gated(model, optimizer, pg.new_gloo_group(timeout), pg.new_gloo_group(timeout), every=1,
+                       holder=holders[rank], source=holders.index(rank))
+
+    def train(step: int) -> None:
+        x = torch.randn(6, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(100 * step + rank))
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    own: dict[int, Any] = {}
+    Gated.gate.clear()
+    train(1)
+    started = redundancy.after_step(1)
+    own[1] = _rows(own_holdings(model, optimizer, 1))
+    train(2)  # its collectives run while the refresh of step 1 is held back
+    in_flight_after = redundancy.in_flight
+    next_started = redundancy.after_step(2)
+    dump["gated"] = {"started": started, "in_flight_after": in_flight_after, "next_started": next_started,
+                     "skipped": redundancy.skipped}
+    Gated.gate.set()
+    assert redundancy.wait(timeout)
+    dump["held_gate"] = _rows(redundancy.held())
+
+    for step in range(3, 7):
+        train(step)
+        redundancy.after_step(step)
+    assert redundancy.wait(timeout)
+    train(7)  # every rank has waited before this step's collectives: the refresh of 7 starts everywhere
+    assert redundancy.after_step(7)
+    own[7] = _rows(own_holdings(model, optimizer, 7))
+    assert redundancy.wait(timeout)
+    dump["held7"] = _rows(redundancy.held())
+    full = full_state_dict(model)
+    optim = full_optimizer_state_dict(model, optimizer)
+    if rank == 0:
+        order = optimizer_order(model, optimizer)
+        # Copies: a plain tensor of the state (Adam's step count) comes back as the live one.
+        dump["full7"] = {f"model/{k}": v.clone() for k, v in full.items()} | {
+            f"optimizer/{order[i]}/{name}": value.clone() for i, state in optim["state"].items()
+            for name, value in state.items()}
+    dump["regions"] = [(r.key, list(r.offsets), list(r.sizes)) for r in state_regions(model, optimizer)]
+    dump["own"] = own
+    dump["host_bytes"] = redundancy.host_bytes
+
+    # A refresh that fails on one rank (rank 2: its copy is refused once received) ends the
+    # refreshes on every rank at the next due step, none left waiting in the vote.
+    class Refusing(Redundancy):
+        def _exchange(self, step: int) -> list[Holding]:
+            received = super()._exchange(step)
+            if rank == 2:
+                raise RedundancyError("refused by the test")
+            return received
+
+    refusing = Refusing(model, optimizer, pg.new_gloo_group(timeout), pg.new_gloo_group(timeout), every=1,
+                        holder=holders[rank], source=holders.index(rank))
+    assert refusing.after_step(100) and refusing.wait(timeout)
+    dump["ended"] = {"next_started": refusing.after_step(101), "failed": refusing.failure is not None,
+                     "refreshed": refusing.refreshed}
+    refusing.close()
+
+    if rank == 3:
+        Gated.gate.clear()  # its refresh of step 8 never sends: it dies holding it back
+    train(8)
+    assert redundancy.after_step(8)
+    if rank == 3:
+        torch.save(dump, out / f"rank{rank}.pt")
+        os._exit(0)
+    assert redundancy.wait(timedelta(seconds=60))
+    redundancy.close()
+    dump["failed"] = redundancy.failure is not None
+    dump["final"] = _rows(redundancy.holdings())
+    torch.save(dump, out / f"rank{rank}.pt")
+    os._exit(0)  # a peer is dead: no teardown of the groups
+
+
+if __name__ == "__main__":
+    (_cuda_worker if sys.argv[3:] == ["cuda"] else _worker)(int(sys.argv[1]), Path(sys.argv[2]))
