@@ -182,6 +182,14 @@ class ParallelStrategy(ABC):
         wanted, self._wanted = self._wanted, False
         return explicit_vote(wanted, view.placement, group=view.group)
 
+    def before_forward(self) -> None:
+        """Run before each micro-batch's forward by the session, where a collective failure
+        discards the step (a failure inside the user's forward would escape the step loop). A
+        strategy whose forward runs collectives (FSDP2's all-gathers) runs them here under
+        in-process recovery. Default: nothing (DDP's forward runs none). Raises the backend's
+        error if a collective fails."""
+        return
+
     @abstractmethod
     def after_step(self, step: int) -> None:
         """What the group does after the optimizer step of ``step`` (before :meth:`votes`): e.g.

@@ -215,6 +215,20 @@ class FsdpStrategy(ParallelStrategy):
         if self.redundancy is not None:
             self.redundancy.after_step(step)
 
+    def before_forward(self) -> None:
+        """See base class: under in-process recovery, every unit's parameters gathered now
+        (``unshard()``), so that the forward runs no collective and a peer lost meanwhile fails
+        here, where the step is discarded and the group re-forms in place. The cost: the whole
+        model's parameters unsharded at once at the start of each forward (each unit reshards
+        after its forward as before). Restart recovery gathers them unit by unit in the forward."""
+        view = self.view
+        if not view.in_process:
+            return
+        assert self._sharded is not None  # noqa: S101 - set with the view
+        for module in self._sharded.model.modules():
+            if isinstance(module, FSDPModule):
+                module.unshard()
+
     def clip_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
         """See base class: the norm over every shard (a collective over the mesh)."""
         return clip_grad_norm_(parameters, max_norm)
