@@ -120,6 +120,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     parser.add_argument("--sync-ckpt", action="store_true", help="synchronous saves (default: async, like _train.py)")
+    parser.add_argument("--sharding", choices=("ddp", "fsdp", "hsdp"), default="ddp",
+                        help="Session(sharding=...): fsdp/hsdp recover in place too (docs/sharding.md)")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps (pacing)")
     parser.add_argument("--first-step-sleep", type=float, default=0.0)
     parser.add_argument("--between-sleep", type=_step_seconds, default=None, help="STEP:SECONDS on rank 0")
@@ -148,7 +150,7 @@ def main() -> None:
         model, optimizer, TensorDataset(data_x, data_y), global_batch_size=args.global_batch,
         epochs=1_000_000, max_steps=args.steps, seed=7, log_every=None, backend="gloo",
         checkpoint_dir=args.ckpt_dir, checkpoint_every=args.ckpt_every, keep_last=2, async_save=not args.sync_ckpt,
-        hooks=[recorder],
+        hooks=[recorder], sharding=args.sharding,
     )
     with session as s:
         recorder.session = s

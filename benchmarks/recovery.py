@@ -207,6 +207,7 @@ class TrialSetup:
     join_flag: bool
     state_mb: float | None = None
     torchrun_script: str = "ddp"
+    sharding: str = "ddp"
     trial: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     rdzv_port: int = field(default_factory=free_port)
 
@@ -223,7 +224,7 @@ class TrialSetup:
         common = ["--events", str(self.workdir / "events.jsonl"), "--ckpt-dir", str(self.workdir / "ckpt")]
         if script_of(self.launcher, self.torchrun_script) == SESSION_SCRIPT.name:
             sized = [] if self.state_mb is None else ["--state-mb", f"{self.state_mb:g}"]
-            return [str(SESSION_SCRIPT), *common, *sized]
+            return [str(SESSION_SCRIPT), *common, *sized, "--sharding", self.sharding]
         if self.state_mb is None:
             return [str(SCRIPT), *common]
         # The same model as _train_session.py's at this size (depth 4, AdamW) and its batch.
@@ -638,18 +639,19 @@ def _aggregate(trials: list[dict[str, Any]]) -> dict[str, Any]:
 def run(scenarios: list[str], launchers: list[str], reps: int, action_step: int = 25,
         recovery_timeout: float = 180.0, start_timeout: float = 240.0, workroot: Path | None = None,
         keep: bool = False, etcd_window: float = 0.0, log=print, state_mb: float | None = None,
-        torchrun_script: str = "ddp") -> dict[str, Any]:
+        torchrun_script: str = "ddp", sharding: str = "ddp") -> dict[str, Any]:
     """All trials, interleaved: for each scenario and repetition, every launcher once (order rotated).
 
     With ``etcd_window``, the first ``elastictrain`` worker-crash trial also measures
     the job's etcd load (see :func:`run_trial`); it is reported as ``etcd_load``.
     ``state_mb`` sizes both training scripts' model (None: each script's default);
-    ``torchrun_script`` is ``"ddp"`` (``_train.py``) or ``"session"`` (``_train_session.py``).
+    ``torchrun_script`` is ``"ddp"`` (``_train.py``) or ``"session"`` (``_train_session.py``);
+    ``sharding`` is the Session script's (``"fsdp"``/``"hsdp"`` recover in place too).
     """
     join_flag = _elastictrain_has_join()
     root = Path(tempfile.mkdtemp(prefix="bench-recovery-", dir=workroot))
     results: dict[str, Any] = {"scenarios": {}, "elastictrain_join_flag": join_flag, "action_step": action_step,
-                               "state_mb": state_mb,
+                               "state_mb": state_mb, "sharding": sharding,
                                "scripts": {ln: script_of(ln, torchrun_script) for ln in launchers}}
     try:
         with private_etcd() as etcd:
@@ -662,7 +664,7 @@ def run(scenarios: list[str], launchers: list[str], reps: int, action_step: int 
                         workdir.mkdir(parents=True)
                         setup = TrialSetup(launcher, SCENARIO[name], workdir, etcd.endpoint, action_step,
                                            recovery_timeout, start_timeout, join_flag, state_mb=state_mb,
-                                           torchrun_script=torchrun_script)
+                                           torchrun_script=torchrun_script, sharding=sharding)
                         window = etcd_window if (launcher == "elastictrain" and name == "worker_crash"
                                                  and "etcd_load" not in results) else 0.0
                         trial = run_trial(setup, etcd_window=window)
@@ -769,6 +771,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="model parameters + AdamW state of both training scripts, MB (0: each script's default)")
     parser.add_argument("--torchrun-script", choices=("ddp", "session"), default="ddp",
                         help="torchrun launchers run _train.py (ddp) or _train_session.py (session)")
+    parser.add_argument("--sharding", choices=("ddp", "fsdp", "hsdp"), default="ddp",
+                        help="the Session script's sharding (the _train.py launchers stay DDP)")
     args = parser.parse_args(argv)
     scenarios = [s for s in args.scenarios.split(",") if s]
     launchers = [ln for ln in args.launchers.split(",") if ln]
@@ -780,7 +784,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown launcher {name!r}; choose from {LAUNCHERS}")
     result = run(scenarios, launchers, args.reps, args.action_step, args.recovery_timeout,
                  keep=args.keep, log=lambda m: print(m, file=sys.stderr, flush=True),
-                 state_mb=args.state_mb or None, torchrun_script=args.torchrun_script)
+                 state_mb=args.state_mb or None, torchrun_script=args.torchrun_script, sharding=args.sharding)
     record = {"benchmark": "recovery", "machine": machine(), "reps": args.reps, **result}
     table = markdown_table(record)
     record["table_md"] = table

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from elastictrain import events
 from elastictrain._control import Assignment, WorkerState
-from elastictrain.errors import CheckpointError, CheckpointWriteError
+from elastictrain.errors import CheckpointError, CheckpointWriteError, SessionError
 from elastictrain.train.hooks import HookDispatcher
 from elastictrain.train.rank_logging import RankLoggerAdapter, follow_context, get_logger
 from elastictrain.train import process_group as pg
@@ -237,7 +237,14 @@ class GroupKeeper:
             "seed": config.seed, "shuffle": config.shuffle, "drop_last": config.drop_last})
         agreement = agree(generation.cpu_group(), holds=holds_state, step=state.step) if generation.in_process else None
         someone_holds = None if agreement is None else agreement.source is not None
-        source = state_source(holds=holds_state, someone_holds=someone_holds, live_transfer=self.strategy.live_transfer)
+        live = self.strategy.live_transfer
+        if live and agreement is not None and agreement.step is not None:
+            # Every rank asks (the inputs are agreed): a sharded strategy's live holders may lack a region.
+            live = self.strategy.covers(generation.cpu_group(), agreement, state.module, state.optimizer,
+                                        step=state.step, local_world_size=self.context.local_world_size)
+        source = state_source(holds=holds_state, someone_holds=someone_holds, live_transfer=live)
+        kept = state.module
+        state.module = self.strategy.unwrapped(state.module, state.optimizer)
         received = False
         if source is StateSource.PEERS:
             assert agreement is not None  # noqa: S101 - PEERS only from an agreement
@@ -248,7 +255,13 @@ class GroupKeeper:
         if config.checkpoint_dir is not None:
             generation.open_checkpoints(config, self.control, on_write_failure=self._on_write_failure)
             if source is StateSource.CHECKPOINT:
+                restored = state.restored
                 self._restore()
+                if state.restored is not restored:
+                    kept = state.module  # filled
+        if state.module is not kept and source is not StateSource.PEERS:
+            raise SessionError(f"the sharded state of step {state.step} is not held by the live ranks "
+                               "(a rank was lost with its shards) and there is no checkpoint to restore")
         if received:
             # Its peers' RNG streams are theirs: a worker that received the state seeds
             # streams of its own, from its rank and generation.
@@ -283,7 +296,7 @@ class GroupKeeper:
         """
         control = self.control
         assert control is not None  # noqa: S101 - only in-process
-        old_world = self.context.world_size
+        old_world, old_step = self.context.world_size, self._state.step
         self._due_since = None
         abandoned: tuple[int, str] | None = None
 
@@ -307,7 +320,7 @@ class GroupKeeper:
         step, cause, seconds = self._state.step, reformed.cause, reformed.seconds
         announce_recovery(self.log, reformed, generation=control.generation, assignment=self._assignment,
                           rank=self.context.rank, old_world_size=old_world, world_size=self.context.world_size,
-                          step=step)
+                          step=step, steps_redone=max(0, old_step - step) if holds_state else 0)
         if abandoned is not None and self.context.rank == 0:
             self._say_abandoned(*abandoned)
         if holds_state:

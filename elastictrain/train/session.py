@@ -166,7 +166,8 @@ class Session:
 
     @property
     def module(self) -> torch.nn.Module:
-        """The model, unwrapped (what the optimizer trains and a checkpoint saves)."""
+        """The model, unwrapped (what the optimizer trains and a checkpoint saves); under
+        sharding, the module of the current generation (see :attr:`model`)."""
         return self._state.module
 
     @property
@@ -192,7 +193,9 @@ class Session:
     @property
     def model(self) -> torch.nn.Module:
         """The model to run forward passes through: wrapped by the strategy (DDP by default) when
-        distributed."""
+        distributed. Read it at each step: a sharded session re-formed in place trains a module
+        rebuilt from the first (FSDP2 shards a module once), so the script's own ``model``
+        variable is not the one trained after a re-formation."""
         return self._loop.model
 
     def full_state_dict(self) -> dict[str, Any]:

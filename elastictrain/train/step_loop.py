@@ -129,6 +129,21 @@ class StepLoop:
         """Marks a step's own collectives (see :meth:`GroupKeeper.collective`)."""
         return self._keeper.collective()
 
+    def before_forward(self) -> BaseException | None:
+        """The strategy's collectives due before a micro-batch's forward
+        (:meth:`~elastictrain.train.strategy.ParallelStrategy.before_forward`); under in-process
+        recovery a collective failure is returned (the step is discarded), not raised."""
+        if not self.wrapped:
+            return None
+        try:
+            with self.collective():
+                self._keeper.strategy.before_forward()
+        except Exception as exc:
+            if self.recovers_in_process and is_collective_failure(exc):
+                return exc
+            raise
+        return None
+
     def inject(self, step: int) -> None:
         """Apply this rank's faults of ``ELASTICTRAIN_INJECT`` in ``step`` (see :mod:`~elastictrain.train.injector`)."""
         if self._injector is not None:

@@ -183,6 +183,10 @@ class Step:
                 batch = next(self._batches)
             except StopIteration:
                 raise SessionError(f"the DataLoader ran out in step {self.number}") from None
+            failed = loop.before_forward()
+            if failed is not None:
+                self.fail(failed)  # discarded before its forward: nothing of it ran
+                return
             loop.count_forwards()
             with loop.precision.autocast():
                 yield MicroStep(self, micro, loop.to_device(batch), index, index == count - 1)

@@ -182,6 +182,14 @@ class ParallelStrategy(ABC):
         wanted, self._wanted = self._wanted, False
         return explicit_vote(wanted, view.placement, group=view.group)
 
+    def before_forward(self) -> None:
+        """Run before each micro-batch's forward by the session, where a collective failure
+        discards the step (a failure inside the user's forward would escape the step loop). A
+        strategy whose forward runs collectives (FSDP2's all-gathers) runs them here under
+        in-process recovery. Default: nothing (DDP's forward runs none). Raises the backend's
+        error if a collective fails."""
+        return
+
     @abstractmethod
     def after_step(self, step: int) -> None:
         """What the group does after the optimizer step of ``step`` (before :meth:`votes`): e.g.
@@ -209,6 +217,33 @@ class ParallelStrategy(ABC):
         """Whether every rank that holds the newest step holds the whole state, so that a rank
         without it can receive it from one live peer (:meth:`transfer_state`). False: the ranks
         restore from the newest checkpoint instead when a rank lacks the state."""
+
+    def covers(self, group: Any, agreement: Agreement, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               *, step: int, local_world_size: int) -> bool:
+        """Whether the live holders of the newest step (``agreement``) hold the whole state, so that
+        :meth:`transfer_state` can give every rank its part of it; called on every rank of a group
+        that forms when some rank holds state and :attr:`live_transfer` is True, before
+        :meth:`unwrapped`. Default: True (every holder holds the whole of a replica). A sharded
+        strategy announces its regions and plans their moves here (a collective over the gloo
+        ``group``); False makes every rank restore the newest checkpoint.
+
+        Args:
+            group: The new generation's gloo group.
+            agreement: What the ranks hold (:func:`~elastictrain.train.state_transfer.agree`).
+            module: The model as the previous generation left it (sharded over its old mesh).
+            optimizer: Its optimizer.
+            step: This rank's committed step.
+            local_world_size: Workers per node in the new generation.
+        """
+        return True
+
+    def unwrapped(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
+        """The module the next generation restores into, receives into and wraps: ``module``
+        itself by default. A strategy whose wrapping cannot be undone (FSDP2 shards a module once)
+        returns a fresh unsharded module of the same structure, its values not yet set, with
+        ``optimizer`` re-pointed at its parameters and its state dropped; the session's model
+        becomes that module (``session.model``, ``session.module``). No collective."""
+        return module
 
     def transfer_state(self, group: Any, agreement: Agreement, objects: Mapping[str, Any], *, step: int) -> bool:
         """Bring the ranks without the newest state to it from live holders (a collective over the

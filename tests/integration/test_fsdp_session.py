@@ -62,20 +62,6 @@ def test_an_fsdp_job_resized_2_3_2_by_restarts_reaches_the_parameters_of_an_unin
         torch.testing.assert_close(final["model"][name], value, atol=ATOL, rtol=RTOL, msg=name)
 
 
-@pytest.mark.timeout(120)
-def test_a_sharded_job_under_in_process_recovery_fails_at_once_in_one_line(tmp_path: Path) -> None:
-    from tests.conftest import run_reporting_hangs, subprocess_env
-    from tests.integration.test_session_elastic import JOB
-
-    result = run_reporting_hangs(
-        [sys.executable, "-m", "elastictrain", "run", "--nproc-per-node", "2", JOB, str(tmp_path / "out"),
-         "--sharding", "fsdp", "--epochs", "1"],
-        timeout=90, env=subprocess_env(OMP_NUM_THREADS="1"), cwd=tmp_path)
-    assert result.returncode != 0
-    said = "sharding='fsdp' does not recover in process yet: run with --recovery restart"
-    assert said in result.stderr and "job failed after 0 restart(s)" in result.stderr, result.stderr[-3000:]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_an_hsdp_job_of_2_nodes_of_2_workers_reaches_the_parameters_of_a_ddp_run(tmp_path: Path) -> None:

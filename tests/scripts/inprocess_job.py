@@ -13,7 +13,7 @@ a known step). ``--wait-before-session FILE`` makes the worker wait for FILE aft
 model (a slow model build or data load). ``--stall-save RANK:FILE`` makes RANK's first
 checkpoint write at world size 2 stall for good, writing its pid to ``FILE`` (a test then kills
 its node while its peers wait for its files); ``--async-save`` saves asynchronously.
-``--api elastic`` trains through ``run_elastic`` instead of a Session.
+``--api elastic`` trains through ``run_elastic`` instead of a Session; ``--sharding fsdp|hsdp`` shards it.
 ``--hang-floor S`` sets the session's ``HangBounds(step_floor=S)``. Work that must not be taken
 for a hang: ``--first-step-sleep S`` (every rank's first step takes S seconds more, as a
 compilation would), ``--between-sleep RANK:STEP:S`` (RANK runs S seconds of its own code after
@@ -83,7 +83,7 @@ def with_session(args: argparse.Namespace, out: Path) -> None:
     session = elastictrain.Session(model, optimizer, TensorDataset(x, y), global_batch_size=32, micro_batch_size=8,
                                    epochs=100, max_steps=args.steps, seed=7, log_every=None,
                                    checkpoint_dir=str(out / "ckpt"), checkpoint_every=args.ckpt_every,
-                                   async_save=args.async_save,
+                                   async_save=args.async_save, sharding=args.sharding,
                                    hang_bounds=elastictrain.HangBounds(step_floor=timedelta(seconds=args.hang_floor)))
     first = True
     with session as s:
@@ -114,7 +114,11 @@ def with_session(args: argparse.Namespace, out: Path) -> None:
                                           "env": {name: os.environ.get(name) for name in TORCH_ENV}})
             if args.between_sleep and (s.rank, step.number) == args.between_sleep[:2]:
                 time.sleep(args.between_sleep[2])
-    torch.save(model.state_dict(), out / f"final-{session.rank}.pt")
+        # Sharded: the full tensors gathered on rank 0 (a collective). The session's model, not
+        # `model`: a sharded session re-formed in place trains a module rebuilt from the first.
+        weights = s.full_state_dict() if args.sharding != "ddp" else model.state_dict()
+    if weights:
+        torch.save(weights, out / f"final-{session.rank}.pt")
 
 
 def _stall(stage: str, path: str) -> None:
@@ -167,6 +171,7 @@ def main() -> None:
     parser.add_argument("--first-step-sleep", type=float, default=0.0)
     parser.add_argument("--between-sleep", type=_triple, default=None)
     parser.add_argument("--long-call", type=_triple, default=None)
+    parser.add_argument("--sharding", choices=("ddp", "fsdp", "hsdp"), default="ddp")
     args = parser.parse_args()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)

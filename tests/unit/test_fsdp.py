@@ -136,25 +136,46 @@ def test_session_shardings_build_the_fsdp_and_hsdp_strategies() -> None:
 
     for name, kind in (("fsdp", FsdpStrategy), ("hsdp", HsdpStrategy)):
         strategy = create_strategy(SessionConfig(global_batch_size=8, sharding=name))
-        assert type(strategy) is kind and strategy.name == name and not strategy.live_transfer
+        assert type(strategy) is kind and strategy.name == name and strategy.live_transfer
 
 
-def test_a_sharded_strategy_refuses_in_process_recovery_in_one_line() -> None:
+def test_a_sharded_strategy_keeps_an_unsharded_module_and_refuses_calls_before_it_wraps() -> None:
     from elastictrain.errors import SessionError
-    from elastictrain.train import process_group as pg
     from elastictrain.train.fsdp import FsdpStrategy
-    from elastictrain.train.strategy import GroupView
 
-    placement = pg.Placement(torch.device("cpu"), "gloo", pg.resolve_timeout(10), 0, 2, owned=False)
-    view = GroupView(placement=placement, group=None, in_process=True, local_world_size=1)
     model = _net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     strategy = FsdpStrategy()
-    with pytest.raises(ConfigError, match="does not recover in process yet: run with --recovery restart") as caught:
-        strategy.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), view, identical=False)
-    assert "\n" not in str(caught.value)
+    assert strategy.unwrapped(model, optimizer) is model  # nothing to rebuild: the first generation's
     for call in (strategy.no_sync, lambda: strategy.after_step(1)):  # nothing wrapped
         with pytest.raises(SessionError, match="not wrapped"):
             call()
+
+
+def test_a_skeleton_holds_no_storage_and_builds_fresh_modules_of_the_same_structure() -> None:
+    from elastictrain.train.fsdp.skeleton import Skeleton
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3))
+    model[1].register_buffer("table", torch.arange(3.0), persistent=False)
+    model[2].bias.requires_grad_(False)
+    skeleton = Skeleton(model)
+    kept = skeleton._model  # what it holds: no storage but the non-persistent buffer
+    assert all(t.is_meta for t in kept.state_dict(keep_vars=True).values()) and not kept[1].table.is_meta
+    first, second = skeleton.build(torch.device("cpu")), skeleton.build(torch.device("cpu"))
+    assert [(n, p.shape, p.requires_grad) for n, p in first.named_parameters()] == [
+        (n, p.shape, p.requires_grad) for n, p in model.named_parameters()]
+    assert not any(p.is_meta for p in first.parameters()) and list(first.state_dict()) == list(model.state_dict())
+    assert torch.equal(first[1].table, model[1].table) and "1.table" not in first.state_dict()
+    assert first[0].weight is not second[0].weight and first[0].weight is not model[0].weight
+
+
+def test_a_skeleton_keeps_a_shared_parameter_shared() -> None:
+    from elastictrain.train.fsdp.skeleton import Skeleton
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3, bias=False), torch.nn.Linear(3, 3, bias=False))
+    model[1].weight = model[0].weight
+    fresh = Skeleton(model).build(torch.device("cpu"))
+    assert fresh[0].weight is fresh[1].weight and len(list(fresh.parameters())) == 1
 
 
 # --- real processes on gloo ---------------------------------------------------------------------

@@ -10,45 +10,73 @@ policy from the session's ``precision``, beside its autocast and GradScaler), gl
 clipping, the scheduler, the sampler and hooks work as under DDP; buffers are broadcast from
 rank 0 after each step (FSDP2 does not synchronize them; DDP broadcasts them in its forward).
 
-State: a rank holds shards, no replica, so there is no live transfer to a rank that lacks the
-state (:attr:`~FsdpStrategy.live_transfer` is False). The session restores a checkpoint before
+State: a rank holds shards, no replica; a rank that lacks the state receives its rows from the
+ranks that hold them (the region exchange, below), when they hold them all. The session restores a checkpoint before
 it wraps, into the still unsharded model and optimizer (full tensors, assembled from a sharded
 checkpoint at any world size and mesh, or a DDP one's); :meth:`~FsdpStrategy.wrap` shards the
 model and moves the restored optimizer state onto the shards. From then on the model and the
 optimizer are saved through :class:`~elastictrain.train.fsdp.state.ModelState` and
 :class:`~elastictrain.train.fsdp.state.OptimizerState`: each rank writes its own shards.
 
-Not yet: recovery in place. With ``redundancy_every`` (fsdp), each rank keeps a copy of a buddy's
-shards in host memory (:attr:`FsdpStrategy.redundancy`), for that recovery to rebuild from.
-``fully_shard`` turns the model into shards of one mesh for good, so
-a group cannot re-form in the same process; under in-process recovery :meth:`~FsdpStrategy.wrap`
-refuses in one line, a ``ConfigError`` (run with ``--recovery restart``: the agent restarts the workers, which
-restore from the newest checkpoint at the new world size).
+Recovery in place (the default ``recovery="in-process"``): ``fully_shard`` turns a module into
+shards of one mesh for good, so the strategy keeps a storage-less skeleton of the unsharded model
+(:class:`~elastictrain.train.fsdp.skeleton.Skeleton`, taken before the first shard) and each
+re-formed generation trains a fresh module built from it (:meth:`~FsdpStrategy.unwrapped`: the
+session's model becomes that module, and the same optimizer object is re-pointed at it). The fresh
+module is filled from the ranks' memory when the live ranks hold every region of the newest
+step (:meth:`~FsdpStrategy.covers` plans the region exchange of
+:mod:`~elastictrain.train.fsdp.exchange`: an hsdp replica lost, a node joining an fsdp or hsdp
+job), else from the newest checkpoint (an fsdp rank lost with its shards: the steps since are
+redone, and the ``recovery`` event says how many). The sampler cursor, scheduler and extras
+reach a joining rank by the replicated transfer, as under DDP. With ``redundancy_every`` (fsdp),
+each rank keeps a copy of a buddy's shards in host memory (:attr:`FsdpStrategy.redundancy`): the
+copies of the newest step join the exchange, so a rank lost with its shards costs no disk read
+when its buddy's copy is of that step.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
-from elastictrain.errors import ConfigError, SessionError
+from elastictrain.errors import SessionError
+from elastictrain.train.fsdp.exchange import Exchange, announce, buffer_holdings, state_specs
 from elastictrain.train.fsdp.gradients import clip_grad_norm_, no_sync
+from elastictrain.train.fsdp.holdings import Holding, own_holdings
+from elastictrain.train.fsdp.optimizer import parameter_fqns, shard_optimizer
 from elastictrain.train.fsdp.redundancy import Redundancy, start_redundancy
+from elastictrain.train.fsdp.regions import TensorSpec
 from elastictrain.train.fsdp.sharded import Sharded, ShardingConfig, shard
+from elastictrain.train.fsdp.skeleton import Skeleton
 from elastictrain.train.fsdp.state import ModelState, OptimizerState, full_state_dict
 from elastictrain.train.precision import MixedPrecision
+from elastictrain.train.state_transfer import Agreement, transfer
 from elastictrain.train.strategy import GroupView, ParallelStrategy, register_strategy
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Mapping, Sequence
 
     from elastictrain.train.session_config import SessionConfig
 
-__all__ = ["FsdpStrategy", "HsdpStrategy"]
+__all__ = ["FsdpStrategy", "HoldingsSource", "HsdpStrategy"]
+
+_SHARDED_OBJECTS = ("model", "optimizer")
+"""The state objects the region exchange rebuilds; the others travel by the replicated transfer."""
+
+
+class HoldingsSource(Protocol):
+    """Regions of the sharded state held beyond a rank's own shards (copies of another rank's,
+    kept by a redundancy source), offered to the region exchange when the group re-forms."""
+
+    def holdings(self) -> Sequence[Holding]:
+        """The regions this rank holds, each with its step (those of the agreed newest step count).
+        Must not run a collective."""
+        ...
 
 
 class FsdpStrategy(ParallelStrategy):
@@ -57,8 +85,6 @@ class FsdpStrategy(ParallelStrategy):
     Args:
         precision: The session's precision (``SessionConfig.precision``): bf16 and fp16 become
             FSDP2's mixed precision policy.
-        redundancy_every: Keep a copy of a buddy's shards in host memory, refreshed after every
-            this many steps (:mod:`~elastictrain.train.fsdp.redundancy`); None: no copies.
     """
 
     name = "fsdp"
@@ -67,9 +93,21 @@ class FsdpStrategy(ParallelStrategy):
         super().__init__()
         self._precision = precision
         self._sharded: Sharded | None = None
+        self._skeleton: Skeleton | None = None
+        self._sources: list[HoldingsSource] = []
+        self._exchange: Exchange | None = None
+        self._received: dict[str, tuple[TensorSpec, torch.Tensor]] | None = None
         self._redundancy_every = redundancy_every
         self.redundancy: Redundancy | None = None
         """The copies of the last generation (kept after it is left: they outlive the group)."""
+
+    def add_holdings_source(self, source: HoldingsSource) -> None:
+        """Offer ``source``'s regions to the region exchange of each later re-formation."""
+        self._sources.append(source)
+
+    def _shard_width(self, world_size: int, local_world_size: int) -> int:
+        """Ranks per shard group: the whole group under fsdp."""
+        return world_size
 
     def _config(self, view: GroupView) -> ShardingConfig:
         return ShardingConfig(sharding="fsdp")
@@ -80,24 +118,25 @@ class FsdpStrategy(ParallelStrategy):
         moves onto the shards.
 
         Raises:
-            ConfigError: In-process recovery, or a world the hsdp mesh does not tile (one line).
-            SessionError: The model was sharded by an earlier group.
+            ConfigError: A world the hsdp mesh does not tile (one line).
+            SessionError: The model was sharded by an earlier group (pass :meth:`unwrapped`'s).
         """
-        if view.in_process:
-            # A ConfigError: the launcher fails the job at once rather than restart into it again.
-            raise ConfigError(f"sharding={self.name!r} does not recover in process yet: run with --recovery "
-                              "restart (or Session(recovery='restart')), and a fault restarts from the checkpoint")
         if isinstance(module, FSDPModule):
-            raise SessionError(f"the model is already sharded by an earlier group: sharding={self.name!r} cannot "
-                               "re-form its group in this process")
+            raise SessionError(f"the model is already sharded by an earlier group: sharding={self.name!r} shards "
+                               "the module unwrapped() gives")
+        if view.in_process and self._skeleton is None:
+            self._skeleton = Skeleton(module)  # before fully_shard: a later generation builds from it
         # A restore before the first wrap filled the unsharded optimizer (full tensors): set it
         # aside, shard, and load it onto the shards.
         restored = optimizer.state_dict() if optimizer.state else None
         optimizer.state.clear()
         precision = MixedPrecision(self._precision, view.placement.device)
+        received, self._received, self._exchange = self._received, None, None
         self._sharded = shard(module, optimizer, self._config(view), precision=precision, group=view.group,
-                              broadcast=not identical)
-        if restored is not None:
+                              broadcast=not identical and received is None)
+        if received is not None:
+            _fill(module, optimizer, received)
+        elif restored is not None:
             OptimizerState(module, optimizer).load_state_dict(restored)
         if self._redundancy_every is not None:
             self.redundancy = start_redundancy(module, optimizer, every=self._redundancy_every,
@@ -105,9 +144,57 @@ class FsdpStrategy(ParallelStrategy):
                                                timeout=view.placement.timeout, group=view.group)
         return module
 
+    def covers(self, group: Any, agreement: Agreement, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               *, step: int, local_world_size: int) -> bool:
+        """See base class: this rank's own shards (and a holdings source's regions) announced, the
+        moves planned for the new layout; a collective over ``group``."""
+        held: list[Holding] = []
+        specs = {}
+        if isinstance(module, FSDPModule) and step == agreement.step:
+            held = own_holdings(module, optimizer, step)
+            specs = state_specs(module, optimizer)
+            held += buffer_holdings(module, step)  # FSDP2 does not shard them: every rank holds them whole
+        if self.redundancy is not None:
+            held += self.redundancy.held()  # the buddy's copy (of the step of its last refresh)
+        for source in self._sources:
+            held += source.holdings()
+        world = dist.get_world_size(group)
+        self._exchange = announce(group, held=held, specs=specs, step=agreement.step or 0,
+                                  holders=agreement.holders, shard_width=self._shard_width(world, local_world_size))
+        return self._exchange.covered
+
+    def unwrapped(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
+        """See base class: a sharded module gives way to a fresh one built from the skeleton, on the
+        same device, its values unset until a restore or the region exchange fills them."""
+        if not isinstance(module, FSDPModule):
+            return module
+        if self._skeleton is None:
+            raise SessionError(f"sharding={self.name!r} took no skeleton of the model before sharding it")
+        device = next(module.parameters()).device
+        fresh = self._skeleton.build(device)
+        shard_optimizer(optimizer, parameter_fqns(module), dict(fresh.named_parameters()))
+        optimizer.state.clear()
+        return fresh
+
+    def transfer_state(self, group: Any, agreement: Agreement, objects: Mapping[str, Any], *, step: int) -> bool:
+        """See base class: the replicated objects (sampler cursor, scheduler, scaler, extras) by the
+        replicated transfer; each rank's regions of the model and optimizer by the exchange
+        :meth:`covers` planned, applied to the shards by :meth:`wrap`.
+
+        Raises:
+            SessionError: :meth:`covers` planned no covered exchange.
+        """
+        if self._exchange is None or not self._exchange.covered:
+            raise SessionError(f"sharding={self.name!r}: no covered region exchange was planned")
+        rest = {name: obj for name, obj in objects.items() if name not in _SHARDED_OBJECTS}
+        received = transfer(group, agreement, rest, step=step)
+        self._received = self._exchange.run(group)
+        self._exchange = None
+        return received
+
     def _leave(self) -> None:
-        """See base class. The model stays sharded (see the module docstring); the redundancy's
-        refreshes stop, its copies stay (:attr:`redundancy`)."""
+        """See base class. The model stays sharded until :meth:`unwrapped` (see the module
+        docstring); the redundancy's refreshes stop, its copies stay (:attr:`redundancy`)."""
         if self.redundancy is not None:
             self.redundancy.close()
 
@@ -128,6 +215,20 @@ class FsdpStrategy(ParallelStrategy):
         if self.redundancy is not None:
             self.redundancy.after_step(step)
 
+    def before_forward(self) -> None:
+        """See base class: under in-process recovery, every unit's parameters gathered now
+        (``unshard()``), so that the forward runs no collective and a peer lost meanwhile fails
+        here, where the step is discarded and the group re-forms in place. The cost: the whole
+        model's parameters unsharded at once at the start of each forward (each unit reshards
+        after its forward as before). Restart recovery gathers them unit by unit in the forward."""
+        view = self.view
+        if not view.in_process:
+            return
+        assert self._sharded is not None  # noqa: S101 - set with the view
+        for module in self._sharded.model.modules():
+            if isinstance(module, FSDPModule):
+                module.unshard()
+
     def clip_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
         """See base class: the norm over every shard (a collective over the mesh)."""
         return clip_grad_norm_(parameters, max_norm)
@@ -141,8 +242,8 @@ class FsdpStrategy(ParallelStrategy):
 
     @property
     def live_transfer(self) -> bool:
-        """See base class: False, a rank holds shards, not a replica."""
-        return False
+        """See base class: True, when :meth:`covers` finds every region held by a live rank."""
+        return True
 
     def full_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
         """See base class: gathered to rank 0's CPU memory, ``{}`` on other ranks; a collective."""
@@ -160,6 +261,43 @@ class HsdpStrategy(FsdpStrategy):
 
     def _config(self, view: GroupView) -> ShardingConfig:
         return ShardingConfig(sharding="hsdp", nproc_per_node=view.local_world_size, timeout=view.placement.timeout)
+
+    def _shard_width(self, world_size: int, local_world_size: int) -> int:
+        """See base class: a node's ranks."""
+        return local_world_size
+
+
+def _fill(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+          received: Mapping[str, tuple[TensorSpec, torch.Tensor]]) -> None:
+    """Copy the region exchange's boxes into the new shards' local tensors, and build the optimizer's
+    state on the shards from them (a state tensor shaped as its parameter is sharded as it is).
+
+    Raises:
+        SessionError: A box does not fit its shard (the layouts disagree).
+    """
+    def put(key: str, local: torch.Tensor) -> None:
+        box = received[key][1]
+        if tuple(box.shape) != tuple(local.shape):
+            raise SessionError(f"{key}: the exchange brought a box of {tuple(box.shape)} for a shard of "
+                               f"{tuple(local.shape)}")
+        local.copy_(box)
+
+    with torch.no_grad():
+        for fqn, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            put(f"model/{fqn}", tensor.to_local() if isinstance(tensor, DTensor) else tensor)
+        for fqn, param in module.named_parameters():
+            prefix = f"optimizer/{fqn}/"
+            state: dict[str, Any] = {}
+            for key in sorted(k for k in received if k.startswith(prefix)):
+                name, box = key[len(prefix):], received[key][1]
+                if isinstance(param, DTensor) and received[key][0].sharded:
+                    value = torch.empty_like(param)
+                    put(key, cast(DTensor, value).to_local())
+                else:
+                    value = box if box.dim() == 0 else box.to(param.device)
+                state[name] = value
+            if state:
+                optimizer.state[param] = state
 
 
 def _fsdp(config: SessionConfig) -> FsdpStrategy:

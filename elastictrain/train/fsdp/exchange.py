@@ -1,0 +1,194 @@
+"""The region exchange: a re-formed sharded group rebuilds its shards from its ranks' memory.
+
+After the new group forms, every rank announces the regions it holds at the agreed newest step
+(its own shards of the previous generation, :func:`~elastictrain.train.fsdp.holdings.own_holdings`,
+and any copies a redundancy source adds) and the tensors of the state (key, global shape,
+dtype): small JSON metadata, gathered as bytes, never unpickled. Every rank then plans the same
+moves (:func:`~elastictrain.train.fsdp.regions.plan_exchange`) for the boxes the new layout gives
+each rank; when a region is held by no rank, :attr:`Exchange.covered` is False and the caller
+restores the newest checkpoint instead (every rank knows it from the same plan). Otherwise
+:meth:`Exchange.run` moves the bytes point to point over the gloo group and returns this
+rank's boxes, which the strategy copies into the local tensors of its new shards.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from elastictrain.errors import SessionError
+from elastictrain.train.fsdp.holdings import Holding
+from elastictrain.train.fsdp.regions import Move, Plan, Region, TensorSpec, needed_regions, plan_exchange
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Exchange", "announce", "buffer_holdings", "state_specs"]
+
+_VERSION = 1
+
+
+def state_specs(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, tuple[TensorSpec, torch.dtype]]:
+    """Each tensor of a sharded model's state (the keys of
+    :func:`~elastictrain.train.fsdp.holdings.own_holdings`), with its global shape and dtype."""
+    def spec(key: str, value: torch.Tensor) -> tuple[TensorSpec, torch.dtype]:
+        return TensorSpec(key, tuple(value.shape), isinstance(value, DTensor) and any(
+            p.is_shard() for p in value.placements)), value.dtype
+
+    specs = {f"model/{fqn}": spec(f"model/{fqn}", t) for fqn, t in [*model.named_parameters(), *model.named_buffers()]}
+    names = {id(param): fqn for fqn, param in model.named_parameters()}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for name, value in optimizer.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor):
+                    key = f"optimizer/{names[id(param)]}/{name}"
+                    specs[key] = spec(key, value)
+    return specs
+
+
+def buffer_holdings(model: torch.nn.Module, step: int) -> list[Holding]:
+    """The model's buffers, whole, as holdings at ``step``: FSDP2 does not shard them, every rank
+    holds all of each (:func:`~elastictrain.train.fsdp.holdings.own_holdings` leaves them out)."""
+    return [Holding(f"model/{fqn}", (0,) * b.dim(), tuple(b.shape), step, b.detach().contiguous())
+            for fqn, b in model.named_buffers()]
+
+
+def _dtype(name: str) -> torch.dtype:
+    value = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(value, torch.dtype):
+        raise SessionError(f"a peer announced an unknown dtype {name!r}")
+    return value
+
+
+def _gather_json(group: Any, mine: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's ``mine`` (JSON), gathered over ``group``; a collective."""
+    data = torch.frombuffer(bytearray(json.dumps(mine).encode()), dtype=torch.uint8)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=group)
+    longest = max(int(s.item()) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[:data.numel()] = data
+    everyone = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(everyone, padded, group=group)
+    return [json.loads(bytes(t[:int(s.item())].tolist()).decode()) for t, s in zip(everyone, sizes, strict=True)]
+
+
+def _global_rank(group: Any, rank: int) -> int:
+    return dist.get_global_rank(group, rank) if group is not None else rank
+
+
+def _rows(tensor: torch.Tensor, offset: int, rows: tuple[int, int]) -> torch.Tensor:
+    """Rows ``rows`` (global) of ``tensor``, whose first row is global row ``offset``; a 0-d tensor whole."""
+    if tensor.dim() == 0:
+        return tensor
+    return tensor.narrow(0, rows[0] - offset, rows[1] - rows[0])
+
+
+@dataclass(frozen=True, slots=True)
+class Exchange:
+    """What the ranks agreed to move (see the module docstring)."""
+
+    rank: int
+    """This rank in the new group."""
+    plan: Plan
+    """Every rank's moves, and what no rank holds."""
+    needs: tuple[Region, ...]
+    """This rank's boxes in the new layout."""
+    specs: dict[str, tuple[TensorSpec, torch.dtype]]
+    """Each tensor of the state, with its dtype."""
+    held: tuple[Holding, ...]
+    """What this rank holds at the agreed step."""
+
+    @property
+    def covered(self) -> bool:
+        """Whether the ranks' memory holds every region of the state at the agreed step."""
+        return self.plan.covered
+
+    def run(self, group: Any) -> dict[str, tuple[TensorSpec, torch.Tensor]]:
+        """Move the bytes: this rank's box of each tensor, by key, with the tensor's spec (a collective over the gloo
+        ``group``: every rank runs it, each posting its sends and receives in the plan's order).
+
+        Raises:
+            SessionError: The plan is not covered.
+            RuntimeError: A send or receive failed (a peer died).
+        """
+        if not self.covered:
+            raise SessionError(f"{len(self.plan.uncovered)} region(s) of the sharded state are held by no rank")
+        out = {need.key: (need, torch.empty(need.sizes, dtype=self.specs[need.key][1])) for need in self.needs}
+        works = []
+        for tag, move in enumerate(self.plan.moves):
+            if self.rank == move.dst:
+                need, tensor = out[move.key]
+                target = _rows(tensor, need.offsets[0] if need.sizes else 0, move.rows)
+                if move.src == self.rank:
+                    target.copy_(self._source(move))
+                else:
+                    works.append(dist.irecv(target, _global_rank(group, move.src), group=group, tag=tag))
+            elif self.rank == move.src:
+                works.append(dist.isend(self._source(move).contiguous(), _global_rank(group, move.dst),
+                                        group=group, tag=tag))
+        for work in works:
+            if work is not None:
+                work.wait()
+        moved = sum(m.rows[1] - m.rows[0] for m in self.plan.moves if m.src != m.dst)
+        logger.debug("exchanged %d region(s), %d row(s) between ranks", len(self.plan.moves), moved)
+        return {key: (self.specs[key][0], tensor) for key, (_, tensor) in out.items()}
+
+    def _source(self, move: Move) -> torch.Tensor:
+        for held in self.held:
+            start = held.offsets[0] if held.sizes else 0
+            stop = start + (held.sizes[0] if held.sizes else 1)
+            if held.key == move.key and start <= move.rows[0] and stop >= move.rows[1]:
+                return _rows(held.tensor, start, move.rows).to("cpu")
+        raise SessionError(f"the plan has rank {self.rank} send rows {move.rows} of {move.key}, which it does not hold")
+
+
+def announce(group: Any, *, held: Sequence[Holding], specs: dict[str, tuple[TensorSpec, torch.dtype]], step: int,
+             holders: Sequence[int], shard_width: int) -> Exchange:
+    """Say what this rank holds at ``step``, learn what every rank holds, and plan the moves; a
+    collective over the gloo ``group``.
+
+    Args:
+        group: The new generation's gloo group.
+        held: This rank's holdings (any step: those at ``step`` count).
+        specs: The tensors of the state, as this rank knows them (:func:`state_specs`; a rank
+            that holds nothing passes ``{}`` and learns them from the holders).
+        step: The agreed newest step.
+        holders: The ranks that hold ``step`` (their announcements count).
+        shard_width: Ranks per shard group in the new layout (see
+            :func:`~elastictrain.train.fsdp.regions.needed_regions`).
+
+    Raises:
+        SessionError: No holder announced the state's tensors, or a peer announced bad metadata.
+        RuntimeError: The collective failed (a peer died).
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    current = tuple(h for h in held if h.step == step)
+    mine = {"version": _VERSION, "step": step,
+            "regions": [[h.key, list(h.offsets), list(h.sizes)] for h in current],
+            "specs": [[s.key, list(s.shape), s.sharded, str(d)] for s, d in specs.values()]}
+    everyone = _gather_json(group, mine)
+    regions: list[Region] = []
+    known: dict[str, tuple[TensorSpec, torch.dtype]] = {}
+    for peer, said in enumerate(everyone):
+        if peer not in holders or said.get("version") != _VERSION or said.get("step") != step:
+            continue
+        regions += [Region(peer, str(key), tuple(map(int, offsets)), tuple(map(int, sizes)))
+                    for key, offsets, sizes in said["regions"]]
+        for key, shape, sharded, dtype in said["specs"]:
+            known.setdefault(str(key), (TensorSpec(str(key), tuple(map(int, shape)), bool(sharded)), _dtype(dtype)))
+    if not known:
+        raise SessionError(f"no rank announced the sharded state of step {step}")
+    needs = needed_regions((s for s, _ in known.values()), world, shard_width)
+    plan = plan_exchange(regions, needs)
+    if plan.uncovered:
+        logger.info("the ranks' memory lacks %d region(s) of step %d (first: %s rows %s of rank %d's share)",
+                    len(plan.uncovered), step, plan.uncovered[0].key, plan.uncovered[0].rows, plan.uncovered[0].rank)
+    return Exchange(rank, plan, tuple(n for n in needs if n.rank == rank), known, current)

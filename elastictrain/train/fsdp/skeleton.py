@@ -1,0 +1,56 @@
+"""The structure of the user's unsharded model, kept at no memory cost: :class:`Skeleton`.
+
+``fully_shard`` can be applied to a module once: a group that re-forms in place cannot shard the
+same module over its new mesh. So before the first ``fully_shard`` the strategy keeps a skeleton
+of the model (a deep copy whose parameters and persistent buffers are on the meta device: no
+storage), and each later generation builds a fresh module from it (:meth:`Skeleton.build`), shards
+that over its mesh, and fills it from the survivors' memory or the newest checkpoint.
+Non-persistent buffers (caches a module computes when built, saved by no checkpoint) are kept
+with their values: they are small, and nothing else could bring them back.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+__all__ = ["Skeleton"]
+
+
+class Skeleton:
+    """A storage-less copy of an unsharded model (see the module docstring).
+
+    Args:
+        model: The unsharded model, before any ``fully_shard``.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        memo: dict[int, object] = {}
+        for param in model.parameters():
+            memo[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="meta"),
+                                                 requires_grad=param.requires_grad)
+        for tensor in model.state_dict(keep_vars=True).values():  # parameters and persistent buffers
+            if id(tensor) not in memo:
+                memo[id(tensor)] = torch.empty_like(tensor, device="meta")
+        self._model = copy.deepcopy(model, memo)
+
+    def build(self, device: torch.device) -> torch.nn.Module:
+        """A fresh module of the model's structure on ``device``: parameters and persistent buffers
+        allocated but not initialised (the caller fills them), non-persistent buffers as they were
+        when the skeleton was taken. A shared parameter stays shared."""
+        fresh = copy.deepcopy(self._model)
+        made: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for module in fresh.modules():
+                for name, param in list(module.named_parameters(recurse=False, remove_duplicate=False)):
+                    if id(param) not in made:
+                        made[id(param)] = torch.nn.Parameter(torch.empty_like(param, device=device),
+                                                             requires_grad=param.requires_grad)
+                    setattr(module, name, made[id(param)])
+                for name, buffer in list(module.named_buffers(recurse=False, remove_duplicate=False)):
+                    if id(buffer) not in made:
+                        made[id(buffer)] = (torch.empty_like(buffer, device=device) if buffer.is_meta
+                                            else buffer.to(device))
+                    setattr(module, name, made[id(buffer)])  # a buffer stays one, persistent or not
+        return fresh

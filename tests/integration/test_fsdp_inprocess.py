@@ -1,0 +1,103 @@
+"""Sharded sessions recover in place (issue 41, part 2): survivors keep their processes and their
+shards, and a re-formed group rebuilds its model from the ranks' memory when they hold it all.
+
+Real node agents (each node its own ``elastictrain run``) run ``tests/scripts/inprocess_job.py``
+sharded. fsdp 2 -> 3 -> 2 nodes: the joining node receives its shards from the survivors (0 steps
+redone, no checkpoint read); the node killed takes its shards with it, so the survivors restore
+the newest checkpoint in their processes and redo the steps since (the ``recovery`` event says how
+many). hsdp, 2 nodes of 2 workers, a node killed: the other replica holds every shard, 0 redone,
+no checkpoint read. Both end equal to an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.test_inprocess_recovery import (
+    assert_same_parameters, events, finish, records, reference, start_node, wait_until,
+)
+
+
+def _world_steps(out: Path, world: int) -> list[dict[str, Any]]:
+    return [r for r in records(out) if r["world"] == world]
+
+
+def _reformations(out: Path) -> list[dict[str, Any]]:
+    """Rank 0's ``recovery`` events (the agents' own say what they saw, without the worlds)."""
+    return [e for e in events(out, "recovery") if "old_world_size" in e]
+
+
+def _say(out: Path) -> None:
+    for event in _reformations(out):
+        print(f"recovery: world {event['old_world_size']} -> {event['world_size']} at step {event['step']}, "
+              f"{event['steps_redone']} committed step(s) redone, {event['seconds']} s ({event['cause'][:80]})")
+    for event in events(out, "restore"):
+        print(f"restore: step {event['step']} at world size {event['world_size']}")
+
+
+@pytest.mark.slow  # about 55 s on 2 idle cores: the default suite keeps tests/unit/test_fsdp_exchange.py
+@pytest.mark.timeout(300)
+def test_an_fsdp_job_resized_2_3_2_in_place_ends_equal_to_an_uninterrupted_run(
+        etcd_server: Any, run_id: str, tmp_path: Path) -> None:
+    out = tmp_path / "job"
+
+    def node() -> Any:
+        return start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.5", "--sharding", "fsdp",
+                          min_nodes=2, max_nodes=3)
+
+    nodes = [node(), node()]
+    wait_until(lambda: len({r["rank"] for r in _world_steps(out, 2) if r["step"] >= 2}) == 2, "step 2 at world 2",
+               nodes)
+    pids = {r["pid"] for r in _world_steps(out, 2)}
+    nodes.append(node())
+    wait_until(lambda: len({r["rank"] for r in _world_steps(out, 3)}) == 3 and max(
+        r["step"] for r in _world_steps(out, 3)) >= min(r["step"] for r in _world_steps(out, 3)) + 3,
+        "3 steps at world 3", nodes)
+    victim = nodes[2]
+    os.killpg(victim.pid, signal.SIGKILL)  # the node's agent and its worker: a machine dying
+    victim.wait()
+    outputs = finish(nodes[:2])
+    _say(out)
+    assert [n.returncode for n in nodes[:2]] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    grown, shrunk = ([e for e in _reformations(out) if (e["old_world_size"], e["world_size"]) == pair]
+                     for pair in ((2, 3), (3, 2)))
+    assert len(grown) == 1 and grown[0]["steps_redone"] == 0, grown
+    # The join read no checkpoint; the loss restored the newest one, and redid the steps since.
+    restores = events(out, "restore")
+    assert len(restores) == 1 and len(shrunk) == 1 and restores[0]["step"] == shrunk[0]["step"], (restores, shrunk)
+    joined_at = min(r["step"] for r in _world_steps(out, 3))
+    lost_at = max(r["step"] for r in _world_steps(out, 3))
+    assert shrunk[0]["steps_redone"] == lost_at - restores[0]["step"] > 0, shrunk
+    survivors = {r["pid"] for r in _world_steps(out, 2) if r["step"] > joined_at}
+    assert survivors == pids and len(survivors) == 2, "a survivor was restarted"
+    assert_same_parameters(reference(tmp_path), __import__("torch").load(out / "final-0.pt", weights_only=True))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_hsdp_job_that_loses_a_node_trains_on_with_no_step_redone_and_no_checkpoint_read(
+        etcd_server: Any, run_id: str, tmp_path: Path) -> None:
+    out = tmp_path / "job"
+    # A hang floor of 30 s: the first step after the re-formation took over 5 s on shared cores.
+    nodes = [start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.1", "--sharding", "hsdp",
+                        "--hang-floor", "30", min_nodes=1, max_nodes=2, extra=("--nproc-per-node", "2"))
+             for _ in range(2)]
+    wait_until(lambda: len({r["rank"] for r in _world_steps(out, 4) if r["step"] >= 12}) == 4, "step 12 at world 4",
+               nodes)
+    pids = {r["pid"] for r in _world_steps(out, 4)}
+    victim = nodes[1]
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    outputs = finish(nodes[:1])
+    _say(out)
+    assert nodes[0].returncode == 0, outputs[0][-3000:]
+    lost = [e for e in _reformations(out) if (e["old_world_size"], e["world_size"]) == (4, 2)]
+    assert len(lost) == 1 and lost[0]["steps_redone"] == 0, lost
+    assert not events(out, "restore"), "a checkpoint was read"
+    assert {r["pid"] for r in _world_steps(out, 2)} <= pids, "a survivor was restarted"
+    assert_same_parameters(reference(tmp_path), __import__("torch").load(out / "final-0.pt", weights_only=True))
