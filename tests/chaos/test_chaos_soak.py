@@ -13,7 +13,8 @@
 - Sharded soaks (``test_soak_of_random_faults_keeps_every_invariant_sharded[fsdp|hsdp]``): the demo
   job with ``--sharding fsdp`` (3 nodes of 1 worker) and ``hsdp`` (3 nodes of 2 workers),
   ``ELASTICTRAIN_SOAK_SHARDED_FAULTS`` random faults each (default 20) of every loopback kind
-  but ``kill_in_save``, under restart recovery (sharded sessions do not recover in process yet).
+  under in-process recovery (``ELASTICTRAIN_SOAK_SHARDED_RECOVERY=restart``: restart recovery,
+  without ``kill_in_save``).
   Replay: ``elastictrain chaos --sharding hsdp --nproc-per-node 2 --faults N --seed S --etcd-members 3``.
 - A soak with hot spares: ``ELASTICTRAIN_SOAK_SPARE_FAULTS`` random faults (default 20)
   against 3 nodes of a job of 2 nodes (the third waits as a spare).
@@ -44,7 +45,7 @@ pytestmark = pytest.mark.soak
 
 
 def _soak(run_dir: Path, *, faults: int, seed: int, kinds: tuple[FaultKind, ...], nodes: int, min_nodes: int,
-          max_nodes: int, etcd_members: int, checkpoint_dir: str = "", recovery: str = "", sharding: str = "ddp",
+          max_nodes: int, etcd_members: int, checkpoint_dir: str = "", recovery: str = "in-process", sharding: str = "ddp",
           nproc_per_node: int = 1) -> None:
     # A gap of up to 5 steps and steps redone, and a straggler trains through 25 slow steps.
     steps_needed = faults * 7 + 12 + (faults * 25 if FaultKind.STRAGGLER in kinds else 0)
@@ -110,15 +111,18 @@ def test_soak_with_checkpoints_in_s3_keeps_every_invariant(tmp_path: Path, monke
 def test_soak_of_random_faults_keeps_every_invariant_sharded(tmp_path: Path, sharding: str,
                                                              nproc_per_node: int) -> None:
     # The demo job sharded: fsdp over 2-3 nodes of one worker (uneven shards at 3), hsdp over
-    # 2-3 nodes of 2 (a node is a replica). Sharded sessions recover by restart (the config's
-    # default for them), so kill_in_save, which needs the in-process agent, is left out.
-    every_loopback_kind = ",".join(k.value for k in kinds_for("restart", tuple(FaultKind))
+    # 2-3 nodes of 2 (a node is a replica). ELASTICTRAIN_SOAK_SHARDED_RECOVERY: in-process (the
+    # default: the shards are rebuilt in place) or restart (kill_in_save, which needs the
+    # in-process agent, is then left out).
+    recovery = os.environ.get("ELASTICTRAIN_SOAK_SHARDED_RECOVERY", "in-process")
+    every_loopback_kind = ",".join(k.value for k in kinds_for(recovery, tuple(FaultKind))
                                    if not k.fault_class.needs_netns
                                    and (os.geteuid() == 0 or not k.fault_class.needs_checkpoint_disk))
     _soak(tmp_path / sharding, faults=int(os.environ.get("ELASTICTRAIN_SOAK_SHARDED_FAULTS", "20")),
           seed=int(os.environ.get("ELASTICTRAIN_SOAK_SEED", "1")),
           kinds=parse_kinds(os.environ.get("ELASTICTRAIN_SOAK_KINDS", every_loopback_kind)),
-          nodes=3, min_nodes=2, max_nodes=3, etcd_members=3, sharding=sharding, nproc_per_node=nproc_per_node)
+          nodes=3, min_nodes=2, max_nodes=3, etcd_members=3, sharding=sharding, nproc_per_node=nproc_per_node,
+          recovery=recovery)
 
 
 @pytest.mark.timeout(3600)
