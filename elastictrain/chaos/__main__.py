@@ -34,7 +34,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from elastictrain.chaos.config import DEFAULT_KINDS, ChaosConfig, kinds_for
+from elastictrain.chaos.config import DEFAULT_KINDS, ChaosConfig, default_recovery, kinds_for
 from elastictrain.chaos.schedule import FaultKind, parse_kinds, parse_schedule
 from elastictrain.chaos.harness import run_chaos
 from elastictrain.errors import ConfigError, ElasticTrainError
@@ -89,8 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default ddp); fsdp and hsdp recover by restart only today, so their runs default to "
                    "--recovery restart and leave out kill_in_save. hsdp shards within a node: give "
                    "--nproc-per-node 2 or more")
-    p.add_argument("--recovery", choices=("in-process", "restart"), default="in-process",
-                   help="--recovery of the nodes (default: in-process)")
+    p.add_argument("--recovery", choices=("in-process", "restart"), default=None,
+                   help="--recovery of the nodes (default: in-process with --sharding ddp, else restart)")
     p.add_argument("--recovery-bound", type=float, default=None, help="seconds a fault may go without training "
                    "before the run counts as hung (default: 120 + pg timeout + the fault's own duration)")
     p.add_argument("--deadline", type=float, default=1800.0, help="seconds before the whole run is stopped (default 1800)")
@@ -120,7 +120,7 @@ def config_from(args: argparse.Namespace) -> ChaosConfig:
     if args.step_time < 0 or not math.isfinite(args.step_time):
         raise ConfigError(f"--step-time must be a finite number of seconds >= 0, got {args.step_time}")
     schedule = tuple(parse_schedule(args.schedule))
-    recovery = args.recovery
+    recovery = args.recovery or default_recovery(args.sharding)
     if args.kinds:
         kinds = parse_kinds(args.kinds)
     else:

@@ -19,13 +19,25 @@ from elastictrain.train.strategy import SHARDINGS
 from elastictrain._durations import parse_duration
 from elastictrain.errors import ConfigError
 
-__all__ = ["DEFAULT_KINDS", "ChaosConfig", "kinds_for"]
+__all__ = ["DEFAULT_KINDS", "RECOVERS_IN_PROCESS", "ChaosConfig", "default_recovery", "kinds_for"]
 
 DEFAULT_KINDS = (FaultKind.KILL_WORKER, FaultKind.KILL_NODE, FaultKind.BOUNCE_NODE, FaultKind.HANG_WORKER,
                  FaultKind.JOIN, FaultKind.KILL_ETCD, FaultKind.HANG_SLEEP, FaultKind.HANG_SPIN, FaultKind.STRAGGLER,
                  FaultKind.KILL_IN_SAVE)
 """Kinds a random run draws from (plus ``kill_etcd_leader`` with a 3-member etcd, ``partition_node`` and
 ``link_cut`` with netns, ``disk_full`` with a checkpoint disk)."""
+
+
+RECOVERS_IN_PROCESS = frozenset({"ddp"})
+"""The shardings whose runs default to in-process recovery. A sharded session (fsdp, hsdp)
+recovers in place in the cases its tests cover (a join, an hsdp node lost), but a random-fault
+soak in process does not pass yet (docs/sharding.md): its runs default to ``recovery="restart"``;
+``recovery="in-process"`` runs them in process all the same (to reproduce that soak)."""
+
+
+def default_recovery(sharding: str) -> str:
+    """The recovery of a run whose job trains with ``sharding``: in-process where it recovers in process."""
+    return "in-process" if sharding in RECOVERS_IN_PROCESS else "restart"
 
 
 def kinds_for(recovery: str, kinds: tuple[FaultKind, ...] = DEFAULT_KINDS) -> tuple[FaultKind, ...]:
@@ -109,11 +121,11 @@ class ChaosConfig:
     sharding: str = "ddp"
     """How the job trains its model: ``ddp``, ``fsdp`` or ``hsdp`` (``Session(sharding=...)``). The
     built-in demo job takes it as ``--sharding`` (the CLI passes it); a script of your own is
-    told in its ``script_args``. Every sharding recovers in process (a sharded session rebuilds
-    its shards in place) or by restart."""
+    told in its ``script_args``. It decides the recovery by default (see ``recovery``)."""
 
-    recovery: str = "in-process"
-    """``--recovery`` of the nodes: ``in-process`` (survivors keep their processes) or ``restart``."""
+    recovery: str = ""
+    """``--recovery`` of the nodes: ``in-process`` (survivors keep their processes) or ``restart``.
+    ``""``: in-process for the shardings of :data:`RECOVERS_IN_PROCESS`, else restart."""
 
     recovery_bound: timedelta | None = None
     """Longest a fault may go without the job training again before the run counts as hung.
@@ -152,6 +164,8 @@ class ChaosConfig:
     def __post_init__(self) -> None:
         if self.sharding not in SHARDINGS:
             raise ConfigError(f"sharding must be one of {', '.join(SHARDINGS)}, got {self.sharding!r}")
+        if not self.recovery:
+            object.__setattr__(self, "recovery", default_recovery(self.sharding))
         if self.recovery not in ("in-process", "restart"):
             raise ConfigError(f"recovery must be in-process or restart, got {self.recovery!r}")
         for name in ("etcd_down", "rejoin_after", "pg_timeout", "join_timeout", "deadline", "hang", "partition",

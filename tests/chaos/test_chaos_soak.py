@@ -13,8 +13,7 @@
 - Sharded soaks (``test_soak_of_random_faults_keeps_every_invariant_sharded[fsdp|hsdp]``): the demo
   job with ``--sharding fsdp`` (3 nodes of 1 worker) and ``hsdp`` (3 nodes of 2 workers),
   ``ELASTICTRAIN_SOAK_SHARDED_FAULTS`` random faults each (default 20) of every loopback kind
-  under in-process recovery (``ELASTICTRAIN_SOAK_SHARDED_RECOVERY=restart``: restart recovery,
-  without ``kill_in_save``).
+  but ``kill_in_save``, under restart recovery (sharded sessions do not recover in process yet).
   Replay: ``elastictrain chaos --sharding hsdp --nproc-per-node 2 --faults N --seed S --etcd-members 3``.
 - A soak with hot spares: ``ELASTICTRAIN_SOAK_SPARE_FAULTS`` random faults (default 20)
   against 3 nodes of a job of 2 nodes (the third waits as a spare).
@@ -45,7 +44,7 @@ pytestmark = pytest.mark.soak
 
 
 def _soak(run_dir: Path, *, faults: int, seed: int, kinds: tuple[FaultKind, ...], nodes: int, min_nodes: int,
-          max_nodes: int, etcd_members: int, checkpoint_dir: str = "", recovery: str = "in-process", sharding: str = "ddp",
+          max_nodes: int, etcd_members: int, checkpoint_dir: str = "", recovery: str = "", sharding: str = "ddp",
           nproc_per_node: int = 1) -> None:
     # A gap of up to 5 steps and steps redone, and a straggler trains through 25 slow steps.
     steps_needed = faults * 7 + 12 + (faults * 25 if FaultKind.STRAGGLER in kinds else 0)
@@ -111,10 +110,10 @@ def test_soak_with_checkpoints_in_s3_keeps_every_invariant(tmp_path: Path, monke
 def test_soak_of_random_faults_keeps_every_invariant_sharded(tmp_path: Path, sharding: str,
                                                              nproc_per_node: int) -> None:
     # The demo job sharded: fsdp over 2-3 nodes of one worker (uneven shards at 3), hsdp over
-    # 2-3 nodes of 2 (a node is a replica). ELASTICTRAIN_SOAK_SHARDED_RECOVERY: in-process (the
-    # default: the shards are rebuilt in place) or restart (kill_in_save, which needs the
-    # in-process agent, is then left out).
-    recovery = os.environ.get("ELASTICTRAIN_SOAK_SHARDED_RECOVERY", "in-process")
+    # 2-3 nodes of 2 (a node is a replica). Restart recovery (the config's default for them:
+    # kill_in_save, which needs the in-process agent, is left out); ELASTICTRAIN_SOAK_SHARDED_RECOVERY
+    # =in-process runs them in process (it does not pass yet: docs/sharding.md).
+    recovery = os.environ.get("ELASTICTRAIN_SOAK_SHARDED_RECOVERY", "restart")
     every_loopback_kind = ",".join(k.value for k in kinds_for(recovery, tuple(FaultKind))
                                    if not k.fault_class.needs_netns
                                    and (os.geteuid() == 0 or not k.fault_class.needs_checkpoint_disk))
