@@ -24,4 +24,16 @@ if elastictrain run --recovery restart --nproc-per-node gpu examples/mlp.py --st
 else
   echo "restart mode on the GPU: FAILED"; tail -30 "$out"; failed=1
 fi
+# Sharded training on the GPU (issue 41): FSDP2 over NCCL, bf16, sharded checkpoints, then the
+# same job again restoring them (world 1 on a one-GPU machine: the mesh and the checkpoint paths).
+ckpt=$(mktemp -d)
+for steps in 40 60; do
+  if elastictrain run --recovery restart --nproc-per-node gpu examples/transformer_lm.py --sharding fsdp \
+      --precision bf16 --steps "$steps" --checkpoint-dir "$ckpt" --keep-checkpoints >"$out" 2>&1 \
+      && { [ "$steps" = 40 ] || grep -q "restored step 40" "$out"; }; then
+    echo "fsdp on the GPU (to step $steps): OK"
+  else
+    echo "fsdp on the GPU (to step $steps): FAILED"; tail -30 "$out"; failed=1
+  fi
+done
 exit "$failed"
