@@ -1,13 +1,23 @@
-"""Run a worker script as the ranks of one gloo job: one process per rank, all waited for."""
+"""Run ranks of one gloo job in processes of their own and wait for them: a worker script per rank
+(:func:`run_ranks`), or functions started from :func:`rank_context` that report on a queue
+(:func:`next_report`)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import queue
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
+
+EXIT_DRAIN_S = 5.0
+"""How long a report may still be on its way once the process that sent it has exited (a
+``multiprocessing`` queue's feeder thread flushes it as the process exits)."""
 
 
 def run_ranks(script: str, world: int, *args: str, timeout: float = 160) -> None:
@@ -25,3 +35,43 @@ def run_ranks(script: str, world: int, *args: str, timeout: float = 160) -> None
                 p.kill()
                 p.wait()
     assert [p.returncode for p in procs] == [0] * world, "\n".join(o[-4000:] for o in outputs)
+
+
+RANK_PRELOAD = ["torch.distributed", "torch.nn.parallel", "elastictrain.train"]
+"""What the ranks' forkserver imports once (see :func:`rank_context`)."""
+
+
+def rank_context() -> multiprocessing.context.BaseContext:
+    """The context to start a test's ranks in: each a fork of one server per test process that has
+    imported torch (:data:`RANK_PRELOAD`), as the launcher forks its workers, not a fresh interpreter
+    importing torch again (2-3 s of CPU a rank, the most of what these tests cost).
+
+    The server starts at the first rank and keeps the environment of that moment: a rank sets what
+    it needs of ``os.environ`` itself.
+    """
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(RANK_PRELOAD)
+    return context
+
+
+def next_report(results: Any, watched: list[Any], timeout: float) -> Any:
+    """The next report on the ``multiprocessing`` queue ``results``, waiting ``timeout`` seconds at most.
+
+    Fails as soon as a process of ``watched`` (those still to report) has exited and no report came
+    within :data:`EXIT_DRAIN_S` after: with its exit code, rather than after the whole ``timeout``.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return results.get(timeout=0.2)
+        except queue.Empty:
+            pass
+        gone = [p for p in watched if p.exitcode is not None]
+        if gone:
+            try:
+                return results.get(timeout=EXIT_DRAIN_S)
+            except queue.Empty:
+                codes = ", ".join(f"{p.name} (pid {p.pid}) exited {p.exitcode}" for p in gone)
+                raise AssertionError(f"{codes} without reporting") from None
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no report within {timeout:g}s")
