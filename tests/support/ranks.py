@@ -5,11 +5,14 @@
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.context
 import os
 import queue
 import subprocess
 import sys
+import tempfile
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -41,15 +44,45 @@ RANK_PRELOAD = ["torch.distributed", "torch.nn.parallel", "elastictrain.train"]
 """What the ranks' forkserver imports once (see :func:`rank_context`)."""
 
 
-def rank_context() -> multiprocessing.context.BaseContext:
+class RankProcess(multiprocessing.context.ForkServerProcess):
+    """A process forked from the ranks' forkserver that writes its output to :attr:`log`: the server's
+    own stdout and stderr are those of the test that started it (pytest's capture of that test)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        fd, self.log = tempfile.mkstemp(prefix="rank-", suffix=".log")
+        os.close(fd)
+        weakref.finalize(self, os.unlink, self.log)
+
+    def run(self) -> None:
+        fd = os.open(self.log, os.O_WRONLY | os.O_APPEND)
+        for stream in (1, 2):
+            os.dup2(fd, stream)
+        os.close(fd)
+        super().run()
+
+    def output(self, limit: int = 4000) -> str:
+        """The last ``limit`` characters this process wrote."""
+        try:
+            return Path(self.log).read_text(errors="replace")[-limit:]
+        except OSError:
+            return ""
+
+
+class _RankContext(multiprocessing.context.ForkServerContext):
+    Process = RankProcess  # type: ignore[assignment]
+
+
+def rank_context() -> multiprocessing.context.ForkServerContext:
     """The context to start a test's ranks in: each a fork of one server per test process that has
     imported torch (:data:`RANK_PRELOAD`), as the launcher forks its workers, not a fresh interpreter
-    importing torch again (2-3 s of CPU a rank, the most of what these tests cost).
+    importing torch again (2-3 s of CPU a rank, the most of what these tests cost). Its processes
+    are :class:`RankProcess`es.
 
     The server starts at the first rank and keeps the environment of that moment: a rank sets what
     it needs of ``os.environ`` itself.
     """
-    context = multiprocessing.get_context("forkserver")
+    context = _RankContext()
     context.set_forkserver_preload(RANK_PRELOAD)
     return context
 
@@ -71,7 +104,8 @@ def next_report(results: Any, watched: list[Any], timeout: float) -> Any:
             try:
                 return results.get(timeout=EXIT_DRAIN_S)
             except queue.Empty:
-                codes = ", ".join(f"{p.name} (pid {p.pid}) exited {p.exitcode}" for p in gone)
-                raise AssertionError(f"{codes} without reporting") from None
+                said = "".join(f"\n--- {p.name} (pid {p.pid}) exited {p.exitcode} without reporting ---\n"
+                               + (p.output() if isinstance(p, RankProcess) else "") for p in gone)
+                raise AssertionError(said) from None
         if time.monotonic() > deadline:
             raise AssertionError(f"no report within {timeout:g}s")

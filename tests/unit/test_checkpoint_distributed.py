@@ -1,14 +1,11 @@
 """Multi-rank checkpoints: the commit protocol with thread ranks, and real gloo processes across world sizes.
 
-Run as a script, this module is the worker the process tests spawn.
+The process tests run :func:`_worker` as each rank, forked from the ranks' forkserver.
 """
 
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -21,11 +18,11 @@ from elastictrain.checkpoint import CheckpointManager, Coordinator, LocalStorage
 from elastictrain.checkpoint.manager import COPY_STAGE
 from elastictrain.errors import CheckpointError
 from tests.support.leave import leave_together
+from tests.support.ranks import RankProcess, rank_context
 
 pytestmark = pytest.mark.timeout(60)
 
 T = TypeVar("T")
-REPO = Path(__file__).resolve().parents[2]
 
 
 class ThreadHub:
@@ -151,22 +148,27 @@ def _raise(exc: BaseException) -> None:
     raise exc
 
 
-def spawn(role: str, world_size: int, *args: str) -> list[subprocess.Popen[bytes]]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    return [
-        subprocess.Popen([sys.executable, __file__, role, str(rank), str(world_size), *args], env=env)
-        for rank in range(world_size)
-    ]
+def spawn(role: str, world_size: int, *args: str) -> list[RankProcess]:
+    """Start :func:`_worker` as every rank of ``world_size``, forked from the ranks' forkserver."""
+    context = rank_context()
+    procs = [context.Process(target=_worker, args=(role, rank, world_size, *args), name=f"{role} rank {rank}")
+             for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    return procs
 
 
-def join(procs: list[subprocess.Popen[bytes]]) -> None:
+def join(procs: list[RankProcess]) -> None:
     try:
-        codes = [p.wait(timeout=45) for p in procs]
+        for p in procs:
+            p.join(timeout=45)
     finally:
         for p in procs:
-            if p.poll() is None:
+            if p.is_alive():
                 p.kill()
-    assert codes == [0] * len(procs)
+                p.join()
+    assert [p.exitcode for p in procs] == [0] * len(procs), "".join(
+        f"\n--- {p.name} exited {p.exitcode} ---\n{p.output()}" for p in procs)
 
 
 def test_checkpoint_of_two_ddp_ranks_restores_the_same_model_on_three_ranks_and_on_one(tmp_path: Path) -> None:
@@ -256,6 +258,3 @@ def _worker(role: str, rank: int, world_size: int, store: str, ckpt: str, out: s
         torch.save(result, Path(out) / f"restored{rank}.pt")
     leave_together()
 
-
-if __name__ == "__main__":
-    _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:8])
