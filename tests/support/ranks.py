@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,28 @@ def rank_context() -> multiprocessing.context.ForkServerContext:
     context = _RankContext()
     context.set_forkserver_preload(RANK_PRELOAD)
     return context
+
+
+def fork_ranks(target: Callable[..., None], world: int, args_of: Callable[[int], tuple[Any, ...]], *,
+               timeout: float = 90) -> None:
+    """Run ``target(*args_of(rank))`` for every rank of ``world``, forked from :func:`rank_context`'s
+    server; wait ``timeout`` seconds for each at most, and fail with the output of every rank that did
+    not exit 0."""
+    context = rank_context()
+    procs = [context.Process(target=target, args=args_of(rank), name=f"rank {rank}") for rank in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    failed = [p for p in procs if p.exitcode != 0]
+    assert not failed, "".join(f"\n--- {p.name} exited {p.exitcode} ---\n{p.output()}" for p in failed)
 
 
 def next_report(results: Any, watched: list[Any], timeout: float) -> Any:

@@ -18,7 +18,7 @@ from elastictrain.checkpoint import CheckpointManager, Coordinator, LocalStorage
 from elastictrain.checkpoint.manager import COPY_STAGE
 from elastictrain.errors import CheckpointError
 from tests.support.leave import leave_together
-from tests.support.ranks import RankProcess, rank_context
+from tests.support.ranks import fork_ranks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -148,34 +148,13 @@ def _raise(exc: BaseException) -> None:
     raise exc
 
 
-def spawn(role: str, world_size: int, *args: str) -> list[RankProcess]:
-    """Start :func:`_worker` as every rank of ``world_size``, forked from the ranks' forkserver."""
-    context = rank_context()
-    procs = [context.Process(target=_worker, args=(role, rank, world_size, *args), name=f"{role} rank {rank}")
-             for rank in range(world_size)]
-    for p in procs:
-        p.start()
-    return procs
-
-
-def join(procs: list[RankProcess]) -> None:
-    try:
-        for p in procs:
-            p.join(timeout=45)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    assert [p.exitcode for p in procs] == [0] * len(procs), "".join(
-        f"\n--- {p.name} exited {p.exitcode} ---\n{p.output()}" for p in procs)
-
-
 def test_checkpoint_of_two_ddp_ranks_restores_the_same_model_on_three_ranks_and_on_one(tmp_path: Path) -> None:
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
-    join(spawn("save", 2, str(tmp_path / "store-save"), str(ckpt), str(out), "async"))
-    join(spawn("restore", 3, str(tmp_path / "store-restore"), str(ckpt), str(out)))
+    fork_ranks(_worker, 2, lambda rank: ("save", rank, 2, str(tmp_path / "store-save"), str(ckpt), str(out), "async"),
+               timeout=45)
+    fork_ranks(_worker, 3, lambda rank: ("restore", rank, 3, str(tmp_path / "store-restore"), str(ckpt), str(out)),
+               timeout=45)
 
     expected = torch.load(out / "expected.pt", weights_only=True)
     saved_draws = [torch.load(out / f"draw{r}.pt", weights_only=True) for r in range(2)]
@@ -202,7 +181,8 @@ def test_overlapped_saves_of_two_ddp_ranks_hold_the_state_of_their_step(tmp_path
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
     # DDP all-reduces on the training thread while rank 0's copy and the commit run in the background.
-    join(spawn("save", 2, str(tmp_path / "store"), str(ckpt), str(out), "overlap"))
+    fork_ranks(_worker, 2, lambda rank: ("save", rank, 2, str(tmp_path / "store"), str(ckpt), str(out), "overlap"),
+               timeout=45)
     for step in (2, 4):  # keep_last=2: both are there
         expected = torch.load(out / f"at{step}.pt", weights_only=True)
         model = torch.nn.Linear(8, 4)
