@@ -338,8 +338,8 @@ def _file_init(tmp_path: Path) -> str:
 
 def _run_ranks(world: int, target: Any, args_of: Any, port: int | None = None, *,
                init_method: str | None = None) -> dict[int, tuple]:
-    """Run ``target(rank, WHERE, *args_of(rank), results)`` in ``world`` spawned processes, WHERE being
-    ``init_method`` if given, else ``port`` (a free one if none), for workers that form their group
+    """Run ``target(rank, WHERE, *args_of(rank), results)`` in ``world`` forked ranks (rank_context), WHERE
+    being ``init_method`` if given, else ``port`` (a free one if none), for workers that form their group
     the product's way; each puts ``(rank, *report)`` on ``results``. Returns every rank's report, by
     rank; fails as soon as a rank exits without reporting."""
     ctx = rank_context()
