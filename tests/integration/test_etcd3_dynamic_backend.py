@@ -6,7 +6,6 @@ cannot fail shows up as one that also passes for a backend we know is wrong.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from datetime import timedelta
 from typing import Any
@@ -20,6 +19,7 @@ from elastictrain.etcd.lease import RunLease
 from elastictrain.rendezvous.dynamic import Etcd3RendezvousBackend
 from elastictrain.rendezvous.keys import RunKeys
 from tests.conftest import make_client
+from tests.support.ranks import next_report, rank_context
 
 
 class FakeRendezvousBackend(RendezvousBackend):
@@ -196,7 +196,7 @@ def _racer(endpoint: str, run_id: str, token: int, name: bytes, start: Any, resu
 def test_concurrent_set_state_from_processes_has_exactly_one_winner(etcd_server: Any, run_id: str) -> None:
     backend = Etcd3RendezvousBackend(make_client(etcd_server.endpoint), run_id)
     _, token, _ = backend.set_state(b"initial")  # type: ignore[misc]
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     n = 6
     start, results = ctx.Barrier(n), ctx.Queue()
     procs = [
@@ -205,9 +205,15 @@ def test_concurrent_set_state_from_processes_has_exactly_one_winner(etcd_server:
     ]
     for p in procs:
         p.start()
-    outcome = [results.get(timeout=60) for _ in procs]
-    for p in procs:
-        p.join(timeout=30)
+    try:
+        outcome = []
+        while len(outcome) < n:
+            outcome.append(next_report(results, [p for p in procs if p.exitcode not in (None, 0)], timeout=60))
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
     winners = [name for name, won in outcome if won]
     assert len(winners) == 1
     state, _ = backend.get_state()  # type: ignore[misc]

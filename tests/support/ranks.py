@@ -1,13 +1,27 @@
-"""Run a worker script as the ranks of one gloo job: one process per rank, all waited for."""
+"""Run ranks of one gloo job in processes of their own and wait for them: a worker script per rank
+(:func:`run_ranks`), or functions started from :func:`rank_context` that report on a queue
+(:func:`next_report`)."""
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.context
 import os
+import queue
 import subprocess
 import sys
+import tempfile
+import time
+import weakref
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
+
+EXIT_DRAIN_S = 5.0
+"""How long a report may still be on its way once the process that sent it has exited (a
+``multiprocessing`` queue's feeder thread flushes it as the process exits)."""
 
 
 def run_ranks(script: str, world: int, *args: str, timeout: float = 160) -> None:
@@ -25,3 +39,96 @@ def run_ranks(script: str, world: int, *args: str, timeout: float = 160) -> None
                 p.kill()
                 p.wait()
     assert [p.returncode for p in procs] == [0] * world, "\n".join(o[-4000:] for o in outputs)
+
+
+RANK_PRELOAD = ["torch.distributed", "torch.nn.parallel", "elastictrain.train"]
+"""What the ranks' forkserver imports once (see :func:`rank_context`)."""
+
+
+class RankProcess(multiprocessing.context.ForkServerProcess):
+    """A process forked from the ranks' forkserver that writes its output to :attr:`log`: the server's
+    own stdout and stderr are those of the test that started it (pytest's capture of that test)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        fd, self.log = tempfile.mkstemp(prefix="rank-", suffix=".log")
+        os.close(fd)
+        weakref.finalize(self, os.unlink, self.log)
+
+    def run(self) -> None:
+        fd = os.open(self.log, os.O_WRONLY | os.O_APPEND)
+        for stream in (1, 2):
+            os.dup2(fd, stream)
+        os.close(fd)
+        super().run()
+
+    def output(self, limit: int = 4000) -> str:
+        """The last ``limit`` characters this process wrote."""
+        try:
+            return Path(self.log).read_text(errors="replace")[-limit:]
+        except OSError:
+            return ""
+
+
+class _RankContext(multiprocessing.context.ForkServerContext):
+    Process = RankProcess  # type: ignore[assignment]
+
+
+def rank_context() -> multiprocessing.context.ForkServerContext:
+    """The context to start a test's ranks in: each a fork of one server per test process that has
+    imported torch (:data:`RANK_PRELOAD`), as the launcher forks its workers, not a fresh interpreter
+    importing torch again (2-3 s of CPU a rank, the most of what these tests cost). Its processes
+    are :class:`RankProcess`es.
+
+    The server starts at the first rank and keeps the environment of that moment: a rank sets what
+    it needs of ``os.environ`` itself.
+    """
+    context = _RankContext()
+    context.set_forkserver_preload(RANK_PRELOAD)
+    return context
+
+
+def fork_ranks(target: Callable[..., None], world: int, args_of: Callable[[int], tuple[Any, ...]], *,
+               timeout: float = 90) -> None:
+    """Run ``target(*args_of(rank))`` for every rank of ``world``, forked from :func:`rank_context`'s
+    server; wait ``timeout`` seconds for each at most, and fail with the output of every rank that did
+    not exit 0."""
+    context = rank_context()
+    procs = [context.Process(target=target, args=args_of(rank), name=f"rank {rank}") for rank in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    failed = [p for p in procs if p.exitcode != 0]
+    assert not failed, "".join(f"\n--- {p.name} exited {p.exitcode} ---\n{p.output()}" for p in failed)
+
+
+def next_report(results: Any, watched: list[Any], timeout: float) -> Any:
+    """The next report on the ``multiprocessing`` queue ``results``, waiting ``timeout`` seconds at most.
+
+    Fails as soon as a process of ``watched`` (those still to report) has exited and no report came
+    within :data:`EXIT_DRAIN_S` after: with its exit code, rather than after the whole ``timeout``.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return results.get(timeout=0.2)
+        except queue.Empty:
+            pass
+        gone = [p for p in watched if p.exitcode is not None]
+        if gone:
+            try:
+                return results.get(timeout=EXIT_DRAIN_S)
+            except queue.Empty:
+                said = "".join(f"\n--- {p.name} (pid {p.pid}) exited {p.exitcode} without reporting ---\n"
+                               + (p.output() if isinstance(p, RankProcess) else "") for p in gone)
+                raise AssertionError(said) from None
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no report within {timeout:g}s")

@@ -1,14 +1,11 @@
 """Multi-rank checkpoints: the commit protocol with thread ranks, and real gloo processes across world sizes.
 
-Run as a script, this module is the worker the process tests spawn.
+The process tests run :func:`_worker` as each rank, forked from the ranks' forkserver.
 """
 
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -21,11 +18,11 @@ from elastictrain.checkpoint import CheckpointManager, Coordinator, LocalStorage
 from elastictrain.checkpoint.manager import COPY_STAGE
 from elastictrain.errors import CheckpointError
 from tests.support.leave import leave_together
+from tests.support.ranks import fork_ranks
 
 pytestmark = pytest.mark.timeout(60)
 
 T = TypeVar("T")
-REPO = Path(__file__).resolve().parents[2]
 
 
 class ThreadHub:
@@ -151,29 +148,13 @@ def _raise(exc: BaseException) -> None:
     raise exc
 
 
-def spawn(role: str, world_size: int, *args: str) -> list[subprocess.Popen[bytes]]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    return [
-        subprocess.Popen([sys.executable, __file__, role, str(rank), str(world_size), *args], env=env)
-        for rank in range(world_size)
-    ]
-
-
-def join(procs: list[subprocess.Popen[bytes]]) -> None:
-    try:
-        codes = [p.wait(timeout=45) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert codes == [0] * len(procs)
-
-
 def test_checkpoint_of_two_ddp_ranks_restores_the_same_model_on_three_ranks_and_on_one(tmp_path: Path) -> None:
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
-    join(spawn("save", 2, str(tmp_path / "store-save"), str(ckpt), str(out), "async"))
-    join(spawn("restore", 3, str(tmp_path / "store-restore"), str(ckpt), str(out)))
+    fork_ranks(_worker, 2, lambda rank: ("save", rank, 2, str(tmp_path / "store-save"), str(ckpt), str(out), "async"),
+               timeout=45)
+    fork_ranks(_worker, 3, lambda rank: ("restore", rank, 3, str(tmp_path / "store-restore"), str(ckpt), str(out)),
+               timeout=45)
 
     expected = torch.load(out / "expected.pt", weights_only=True)
     saved_draws = [torch.load(out / f"draw{r}.pt", weights_only=True) for r in range(2)]
@@ -200,7 +181,8 @@ def test_overlapped_saves_of_two_ddp_ranks_hold_the_state_of_their_step(tmp_path
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
     # DDP all-reduces on the training thread while rank 0's copy and the commit run in the background.
-    join(spawn("save", 2, str(tmp_path / "store"), str(ckpt), str(out), "overlap"))
+    fork_ranks(_worker, 2, lambda rank: ("save", rank, 2, str(tmp_path / "store"), str(ckpt), str(out), "overlap"),
+               timeout=45)
     for step in (2, 4):  # keep_last=2: both are there
         expected = torch.load(out / f"at{step}.pt", weights_only=True)
         model = torch.nn.Linear(8, 4)
@@ -256,6 +238,3 @@ def _worker(role: str, rank: int, world_size: int, store: str, ckpt: str, out: s
         torch.save(result, Path(out) / f"restored{rank}.pt")
     leave_together()
 
-
-if __name__ == "__main__":
-    _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:8])

@@ -3,8 +3,8 @@ checksums on every rank that loads, fencing of stale worlds, readers racing rete
 and saves whose barrier follows the writer's progress.
 
 Thread ranks stand in for hosts: a rank whose storage root is a symlink sees what a node
-with its own mount would see once the symlink is re-pointed. Run as a script, this module
-is the worker of the real-process (gloo) test.
+with its own mount would see once the symlink is re-pointed. The real-process (gloo) tests run
+:func:`_slow_writer` and :func:`_stopped_peer` as ranks forked from the ranks' forkserver.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,11 +25,11 @@ import torch
 from elastictrain.launch import status_report
 from elastictrain.checkpoint import CheckpointManager, LocalStorage
 from elastictrain.errors import CheckpointError
+from tests.support.ranks import fork_ranks, rank_context
 from tests.unit.test_checkpoint_distributed import ThreadCoordinator, ThreadHub, run_ranks
 
 pytestmark = pytest.mark.timeout(60)
 
-REPO = Path(__file__).resolve().parents[2]
 HOST = socket.gethostname()
 
 
@@ -235,17 +233,8 @@ def test_status_verify_checksums_without_a_checkpoint_dir_is_one_line_and_a_usag
 
 def test_a_save_that_writes_for_longer_than_the_collective_timeout_commits(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, str(rank), str(tmp_path / "store"), str(ckpt)], env=env)
-             for rank in range(2)]
-    try:
-        codes = [p.wait(timeout=50) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
     # Before: rank 1 waited for rank 0's write in a gloo all_gather and timed out after 2 s.
-    assert codes == [0, 0]
+    fork_ranks(_slow_writer, 2, lambda rank: (rank, str(tmp_path / "store"), str(ckpt)), timeout=50)
     with CheckpointManager(ckpt) as mgr:
         info = mgr.restore(_big_state())
     assert info is not None and info.step == 1 and info.world_size == 2
@@ -256,21 +245,25 @@ def test_a_save_waiting_for_a_rank_stops_waiting_when_the_group_is_superseded(tm
     # kills it and announces a new generation. Rank 0 waited for rank 1's files for the whole
     # stall deadline (here 120 s; 60 s in the test that found it) before its barrier failed.
     ckpt, flag = tmp_path / "ckpt", tmp_path / "superseded"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, str(rank), str(tmp_path / "store"), str(ckpt), str(flag)],
-                              env=env) for rank in range(2)]
+    context = rank_context()
+    procs = [context.Process(target=_stopped_peer, args=(rank, str(tmp_path / "store"), str(ckpt), str(flag)),
+                             name=f"rank {rank}") for rank in range(2)]
+    for p in procs:
+        p.start()
     try:
         deadline = time.monotonic() + 60
         while Path(f"/proc/{procs[1].pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
-            assert time.monotonic() < deadline and procs[1].poll() is None, "rank 1 never stopped"
+            assert time.monotonic() < deadline and procs[1].exitcode is None, "rank 1 never stopped"
             time.sleep(0.1)
         procs[1].kill()  # what the agent's hang detector does
         flag.touch()  # and the new generation it publishes
-        assert procs[0].wait(timeout=60) == 0  # its save failed at the barrier, well before the stall deadline
+        procs[0].join(timeout=60)  # its save failed at the barrier, well before the stall deadline
+        assert procs[0].exitcode == 0, procs[0].output()
     finally:
         for p in procs:
-            if p.poll() is None:
+            if p.is_alive():
                 p.kill()
+            p.join()
 
 
 def _stopped_peer(rank: int, store: str, ckpt: str, flag: str) -> None:
@@ -322,8 +315,3 @@ def _slow_writer(rank: int, store: str, ckpt: str) -> None:
         mgr.save(1, _big_state())
     dist.destroy_process_group()
 
-
-if __name__ == "__main__":
-    if len(sys.argv) > 4:
-        _stopped_peer(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4])
-    _slow_writer(int(sys.argv[1]), sys.argv[2], sys.argv[3])

@@ -3,8 +3,8 @@ restored at other world sizes and meshes (fsdp 4 -> 3 -> 1, fsdp 4 -> hsdp 2x2, 
 DDP -> fsdp).
 
 One 4-rank job saves every case, one 3-rank job restores them, and the test process (world size
-1, no process group) restores into plain tensors, corrupts copies and exports. Run as a script,
-this module is the worker the tests spawn.
+1, no process group) restores into plain tensors, corrupts copies and exports. The jobs run
+:func:`_worker` as each rank, forked from the ranks' forkserver (tests/support/ranks.py).
 """
 
 from __future__ import annotations
@@ -12,11 +12,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import pickle
 import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,10 +24,10 @@ import torch
 from elastictrain.checkpoint import CheckpointManager, LocalStorage, export_safetensors
 from elastictrain.errors import CheckpointMismatchError, CorruptCheckpointError, NonFiniteStateError
 from elastictrain.launch.cli import main as cli_main
+from tests.support.ranks import fork_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
-REPO = Path(__file__).resolve().parents[2]
 SIZES = [(6, 10), (10, 7), (7, 5)]
 """The model's Linear layers: dim 0 of 10, 7 and 5 split over 4 ranks is 3,3,3,1 / 2,2,2,1 / 2,2,1,0."""
 HSDP_SHAPES = {"a": (9, 4), "b": (5,), "c": (3, 3, 2)}
@@ -83,16 +80,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _spawn(role: str, world_size: int, tmp: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, role, str(rank), str(world_size), str(tmp)], env=env)
-             for rank in range(world_size)]
-    try:
-        codes = [p.wait(timeout=90) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert codes == [0] * world_size
+    fork_ranks(_worker, world_size, lambda rank: (role, rank, world_size, tmp))
 
 
 @pytest.fixture(scope="module")
@@ -537,6 +525,3 @@ def _worker(role: str, rank: int, world_size: int, tmp: Path) -> None:
             torch.save(result, tmp / "D_at3.pt")
     leave_together()
 
-
-if __name__ == "__main__":
-    _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]))

@@ -8,9 +8,7 @@ Real 2-process gloo groups on CPU: the classification was written from what thes
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 import os
-import socket
 import time
 from typing import Any
 
@@ -19,14 +17,22 @@ import torch
 import torch.distributed as dist
 
 from elastictrain._torch_compat import COLLECTIVE_ERRORS, is_collective_failure
+from tests.support.ranks import next_report, rank_context
 
 pytestmark = pytest.mark.timeout(90)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def _group(rank: int, ports: Any) -> dist.TCPStore:
+    """Form the group of 2 on a store rank 0 hosts, at a port it binds (0: the system's pick) and
+    passes to rank 1: a free port picked for them could be taken by another test meanwhile."""
+    timeout = datetime.timedelta(seconds=20)
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timeout, wait_for_workers=False)
+        ports.put(store.port)
+    else:
+        store = dist.TCPStore("127.0.0.1", ports.get(timeout=60), 2, False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
+    return store
 
 
 def _report(results: Any, exc: BaseException) -> None:
@@ -34,9 +40,8 @@ def _report(results: Any, exc: BaseException) -> None:
                  is_collective_failure(exc)))
 
 
-def _peer_dies_in_all_reduce(rank: int, port: int, results: Any) -> None:
-    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=20))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=20))
+def _peer_dies_in_all_reduce(rank: int, ports: Any, results: Any) -> None:
+    _group(rank, ports)
     tensor = torch.ones(1000)
     dist.all_reduce(tensor)
     if rank == 1:
@@ -51,9 +56,8 @@ def _peer_dies_in_all_reduce(rank: int, port: int, results: Any) -> None:
     os._exit(0)
 
 
-def _store_host_dies(rank: int, port: int, results: Any) -> None:
-    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=20))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=20))
+def _store_host_dies(rank: int, ports: Any, results: Any) -> None:
+    store = _group(rank, ports)
     dist.all_reduce(torch.ones(1))
     if rank == 0:
         time.sleep(0.3)
@@ -67,15 +71,15 @@ def _store_host_dies(rank: int, port: int, results: Any) -> None:
     os._exit(0)
 
 
-def _run(target: Any) -> tuple[str, bool, str, bool]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=target, args=(rank, port, results)) for rank in range(2)]
+def _run(target: Any, reporter: int) -> tuple[str, bool, str, bool]:
+    """Run ``target`` as ranks 0 and 1; the report of rank ``reporter`` (the other one dies)."""
+    ctx = rank_context()
+    results, ports = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=target, args=(rank, ports, results), name=f"rank {rank}") for rank in range(2)]
     for proc in procs:
         proc.start()
     try:
-        return results.get(timeout=60)
+        return next_report(results, [procs[reporter]], timeout=60)
     finally:
         for proc in procs:
             proc.join(10)
@@ -84,7 +88,7 @@ def _run(target: Any) -> tuple[str, bool, str, bool]:
 
 
 def test_gloo_raises_a_plain_runtime_error_naming_gloo_when_a_peer_dies_and_it_is_a_collective_failure() -> None:
-    name, typed, message, classified = _run(_peer_dies_in_all_reduce)
+    name, typed, message, classified = _run(_peer_dies_in_all_reduce, reporter=0)
     # torch 2.13's gloo gives no DistError: only its words tell (hence _UNTYPED_MARKERS' "gloo").
     assert name == "RuntimeError" and not typed, (name, message)
     assert "gloo" in message.lower(), message
@@ -92,7 +96,7 @@ def test_gloo_raises_a_plain_runtime_error_naming_gloo_when_a_peer_dies_and_it_i
 
 
 def test_a_group_whose_store_host_died_raises_a_typed_dist_error_and_it_is_a_collective_failure() -> None:
-    name, typed, message, classified = _run(_store_host_dies)
+    name, typed, message, classified = _run(_store_host_dies, reporter=1)
     assert typed, (name, message)  # DistNetworkError ("Broken pipe")
     assert classified, (name, message)
 

@@ -28,6 +28,7 @@ from elastictrain.errors import SessionError
 from elastictrain.train.recovery import describe
 from elastictrain.launch.hang_detector import HangDetector
 from elastictrain.launch.worker_group import Channel, FailureBudget
+from tests.support.ranks import next_report, rank_context
 
 
 def _assignment(generation: int, **changes: Any) -> Assignment:
@@ -329,18 +330,35 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _run_ranks(world: int, target: Any, args_of: Any, port: int | None = None) -> dict[int, tuple]:
-    """Run ``target(rank, port, *args_of(rank), results)`` in ``world`` spawned processes; each
-    puts ``(rank, *report)`` on ``results``. Returns every rank's report, by rank."""
-    ctx = mp.get_context("spawn")
+def _file_init(tmp_path: Path) -> str:
+    """An ``init_method`` of this test's own: a free port, released and passed to the ranks, can be
+    taken by another test before rank 0 binds it (rank 0 then dies and its peers wait)."""
+    return f"file://{tmp_path / 'group-init'}"
+
+
+def _run_ranks(world: int, target: Any, args_of: Any, port: int | None = None, *,
+               init_method: str | None = None) -> dict[int, tuple]:
+    """Run ``target(rank, WHERE, *args_of(rank), results)`` in ``world`` forked ranks (rank_context), WHERE
+    being ``init_method`` if given, else ``port`` (a free one if none), for workers that form their group
+    the product's way; each puts ``(rank, *report)`` on ``results``. Returns every rank's report, by
+    rank; fails as soon as a rank exits without reporting."""
+    ctx = rank_context()
     results = ctx.Queue()
-    port = port if port is not None else _free_port()
-    procs = [ctx.Process(target=target, args=(rank, port, *args_of(rank), results)) for rank in range(world)]
+    where = init_method if init_method is not None else port if port is not None else _free_port()
+    procs = [ctx.Process(target=target, args=(rank, where, *args_of(rank), results), name=f"rank {rank}")
+             for rank in range(world)]
     for p in procs:
         p.start()
-    out = {rank: tuple(report) for rank, *report in (results.get(timeout=120) for _ in procs)}
-    for p in procs:
-        p.join(timeout=30)
+    out: dict[int, tuple] = {}
+    try:
+        while len(out) < world:
+            rank, *report = next_report(results, [p for r, p in enumerate(procs) if r not in out], timeout=120)
+            out[rank] = tuple(report)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
     return out
 
 
@@ -357,12 +375,12 @@ class _DictOut(torch.nn.Module):
         return "a method of the user's model"
 
 
-def _ddp_worker(rank: int, port: int, results: Any) -> None:
+def _ddp_worker(rank: int, init_method: str, results: Any) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from elastictrain.train.ddp import BoundaryFlag
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
     torch.manual_seed(0)
     model = _DictOut()
     plain = DistributedDataParallel(model)
@@ -391,8 +409,8 @@ def _ddp_worker(rank: int, port: int, results: Any) -> None:
     dist.destroy_process_group()
 
 
-def test_the_boundary_flag_rides_on_ddps_all_reduce_and_leaves_the_gradients_as_ddps_own() -> None:
-    out = _run_ranks(2, _ddp_worker, lambda rank: ())
+def test_the_boundary_flag_rides_on_ddps_all_reduce_and_leaves_the_gradients_as_ddps_own(tmp_path: Path) -> None:
+    out = _run_ranks(2, _ddp_worker, lambda rank: (), init_method=_file_init(tmp_path))
     for rank in (0, 1):
         same, raised, described, keys = out[rank]
         assert same, f"rank {rank}: gradients differ from DDP's default all-reduce"
@@ -419,10 +437,10 @@ def test_the_boundary_flag_says_which_outputs_it_cannot_carry() -> None:
         assert flag(torch.zeros(1, 2)).out.shape == (1, 1)  # no backward follows: nothing to carry
 
 
-def _refused_worker(rank: int, port: int, results: Any) -> None:
+def _refused_worker(rank: int, init_method: str, results: Any) -> None:
     from elastictrain.train.state_transfer import agree, transfer
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
     state = {"extras": {"handle": object()} if rank == 0 else {}}  # nothing weights-only can load
     agreement = agree(None, holds=rank == 0, step=3 if rank == 0 else 0)
@@ -435,18 +453,18 @@ def _refused_worker(rank: int, port: int, results: Any) -> None:
     dist.destroy_process_group()
 
 
-def test_a_state_that_cannot_be_sent_fails_every_rank_at_once() -> None:
-    out = _run_ranks(2, _refused_worker, lambda rank: ())
+def test_a_state_that_cannot_be_sent_fails_every_rank_at_once(tmp_path: Path) -> None:
+    out = _run_ranks(2, _refused_worker, lambda rank: (), init_method=_file_init(tmp_path))
     assert out[0][0].startswith("ConfigError") and "builtins.object" in out[0][0], out[0]
     assert out[1][0].startswith("ConfigError: rank 0 could not send"), out[1]
     assert out[1][1] < 30, f"the receiver waited {out[1][1]:.0f}s"
 
 
-def _transfer_worker(rank: int, port: int, holds: bool, results: Any) -> None:
+def _transfer_worker(rank: int, init_method: str, holds: bool, results: Any) -> None:
     from elastictrain.train.sampler import ElasticSampler
     from elastictrain.train.state_transfer import agree, transfer
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=3)
     torch.manual_seed(rank)  # different weights on every rank
     model = torch.nn.Linear(1024, 512)  # its weight and Adam's moments of it (2 MiB each) go on their own
     optimizer = torch.optim.Adam(model.parameters())
@@ -468,10 +486,10 @@ def _transfer_worker(rank: int, port: int, holds: bool, results: Any) -> None:
     dist.destroy_process_group()
 
 
-def test_the_newest_state_goes_from_a_live_holder_to_the_ranks_without_it() -> None:
+def test_the_newest_state_goes_from_a_live_holder_to_the_ranks_without_it(tmp_path: Path) -> None:
     # Rank 0 holds step 7, rank 1 holds step 6 (it missed the last step), rank 2 is new.
     holds = {0: True, 1: True, 2: False}
-    out = _run_ranks(3, _transfer_worker, lambda rank: (holds[rank],))
+    out = _run_ranks(3, _transfer_worker, lambda rank: (holds[rank],), init_method=_file_init(tmp_path))
     for rank in range(3):
         step, source, receivers, received, params, cursor, extras, optimizer_entries = out[rank]
         assert (step, source, receivers) == (7, 0, (1, 2))
@@ -480,10 +498,10 @@ def test_the_newest_state_goes_from_a_live_holder_to_the_ranks_without_it() -> N
         assert cursor == out[0][5] and extras == {"note": "rank 0"} and optimizer_entries == 2
 
 
-def _routing_worker(rank: int, port: int, step: int, results: Any) -> None:
+def _routing_worker(rank: int, init_method: str, step: int, results: Any) -> None:
     from elastictrain.train.state_transfer import agree, transfer
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=5)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=5)
     torch.manual_seed(rank)
     model = torch.nn.Linear(1024, 512)  # 2 MiB of weight: a message of its own
     extras = {"from": rank}
@@ -493,11 +511,11 @@ def _routing_worker(rank: int, port: int, step: int, results: Any) -> None:
     dist.destroy_process_group()
 
 
-def test_each_rank_without_the_state_receives_it_from_one_holder_the_holders_taking_turns() -> None:
+def test_each_rank_without_the_state_receives_it_from_one_holder_the_holders_taking_turns(tmp_path: Path) -> None:
     # Ranks 0 and 2 hold step 7 (here with different weights and extras, to tell whose arrives),
     # rank 1 holds step 6 and ranks 3 and 4 are new: 1 and 4 receive from 0, 3 from 2.
     steps = {0: 7, 1: 6, 2: 7, 3: 0, 4: 0}
-    out = _run_ranks(5, _routing_worker, lambda rank: (steps[rank],))
+    out = _run_ranks(5, _routing_worker, lambda rank: (steps[rank],), init_method=_file_init(tmp_path))
     got = {rank: (received, source) for rank, (received, source, _) in out.items()}
     assert got == {0: (False, 0), 1: (True, 0), 2: (False, 2), 3: (True, 2), 4: (True, 0)}, got
     assert out[1][2] == out[4][2] == out[0][2] != out[3][2] == out[2][2]
@@ -543,8 +561,8 @@ def test_the_transferred_state_comes_back_equal_in_tensors_of_its_own() -> None:
     assert got["nested"][1] == {"x": None}
 
 
-def test_nobody_holding_state_means_every_rank_reads_the_checkpoint() -> None:
-    out = _run_ranks(3, _transfer_worker, lambda rank: (False,))
+def test_nobody_holding_state_means_every_rank_reads_the_checkpoint(tmp_path: Path) -> None:
+    out = _run_ranks(3, _transfer_worker, lambda rank: (False,), init_method=_file_init(tmp_path))
     assert all(out[rank][:4] == (None, None, (), False) for rank in range(3))
 
 
@@ -669,16 +687,20 @@ def test_a_peer_lost_after_a_groups_first_step_discards_the_next_step_and_does_n
     # DDP broadcasts rank 0's bucket order in the forward after its first synchronized backward:
     # a collective inside the user's forward, whose failure would escape the step loop. The
     # session rebuilds the buckets at the step boundary instead, where a failure is a recovery.
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     port = _free_port()
     controls = _control_dirs(tmp_path, port)
     procs = [ctx.Process(target=_peer_lost_worker, args=(rank, port, controls[rank], results)) for rank in range(2)]
     for p in procs:
         p.start()
-    rank, applied, outcome = results.get(timeout=120)
-    for p in procs:
-        p.join(timeout=30)
+    try:
+        rank, applied, outcome = next_report(results, procs[1:], timeout=120)  # rank 0 dies on purpose
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
     assert procs[0].exitcode == 3
     assert rank == 1 and applied == [1]
     assert outcome.startswith("JobEnded"), f"the survivor's training failed: {outcome}"
@@ -952,7 +974,7 @@ def test_a_new_worker_whose_first_group_fails_to_form_joins_the_next_generation(
     # its node's budget and backed off its replacement by up to 30 s).
     port, next_port = _free_port(), _free_port()
     control = Path(_control_dirs(tmp_path, port)[1])  # rank 1's node, at generation 1
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     ckpt = tmp_path / "ckpt"
     with _short_session(str(ckpt), max_steps=2) as session:  # a checkpoint of step 2 (world 1)
@@ -972,7 +994,8 @@ def test_a_new_worker_whose_first_group_fails_to_form_joins_the_next_generation(
                                              master_port=next_port, ranks={"0": 0}))
         # The first group failed before any rank held state: the next one, where still none
         # does, restores the checkpoint (rather than take the fresh model for a step's).
-        assert results.get(timeout=60) == ((0, 1, 3, 2, "finished") if loop == "session" else (0, 1, [1], "finished"))
+        expected = (0, 1, 3, 2, "finished") if loop == "session" else (0, 1, [1], "finished")
+        assert next_report(results, procs[:1], timeout=60) == expected
     finally:
         for proc in procs:
             proc.join(timeout=30)
@@ -988,7 +1011,7 @@ def test_a_worker_whose_groups_keep_failing_to_form_fails_after_a_few(tmp_path: 
     port = _free_port()
     control = Path(_control_dirs(tmp_path, port)[1])  # rank 1's node, at generation 1
     ckpt = tmp_path / "ckpt"
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     proc = ctx.Process(target=_abandoned_worker, args=(port, str(control), str(ckpt), results))
     deadline = time.monotonic() + 90
@@ -1001,7 +1024,7 @@ def test_a_worker_whose_groups_keep_failing_to_form_fails_after_a_few(tmp_path: 
             port = _free_port()
             write_assignment(control, Assignment(generation=generation + 1, round=generation, world_size=2,
                                                  master_addr="127.0.0.1", master_port=port, ranks={"0": 1}))
-        outcome = results.get(timeout=60)
+        outcome = next_report(results, [proc], timeout=60)
         assert outcome[-1].startswith("DistNetworkError"), outcome
     finally:
         proc.join(timeout=30)
