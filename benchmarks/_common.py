@@ -100,6 +100,15 @@ def run_gloo_workers(script: str, world: int, options: dict[str, Any]) -> Any:
         return json.loads(Path(options["result"]).read_text())
 
 
+def worker_or_main(worker: Callable[[int, str, dict[str, Any]], None], main: Callable[[], Any]) -> None:
+    """The entry point of a script that :func:`run_gloo_workers` runs: ``--worker RANK STORE OPTIONS``
+    runs ``worker`` (a rank of the job), anything else the script's ``main``."""
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]))
+    else:
+        main()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -309,3 +318,13 @@ def emit(record: dict[str, Any], out: Path | None) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(line + "\n")
     print(line, flush=True)
+
+
+def emit_with_table(record: dict[str, Any], table: str, out: Path | None) -> None:
+    """:func:`emit` ``record`` with its markdown ``table`` in it (``table_md``), print the table on
+    stderr, and write it beside ``out`` (``.md``)."""
+    record["table_md"] = table
+    emit(record, out)
+    print("\n" + table, file=sys.stderr, flush=True)
+    if out is not None:
+        out.with_suffix(".md").write_text(table + "\n")

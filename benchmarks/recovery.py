@@ -104,7 +104,7 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import (
-    BENCH_DIR, BIN_DIR, NODE_ENV, TRIAL_ENV, EventLog, Proc, emit, free_port, kill_pids, machine,
+    BENCH_DIR, BIN_DIR, NODE_ENV, TRIAL_ENV, EventLog, Proc, emit_with_table, free_port, kill_pids, machine,
     metrics_delta, processes_of, ratio, scrape_metrics, summarize, wait_until,
 )
 
@@ -786,12 +786,7 @@ def main(argv: list[str] | None = None) -> int:
                  keep=args.keep, log=lambda m: print(m, file=sys.stderr, flush=True),
                  state_mb=args.state_mb or None, torchrun_script=args.torchrun_script, sharding=args.sharding)
     record = {"benchmark": "recovery", "machine": machine(), "reps": args.reps, **result}
-    table = markdown_table(record)
-    record["table_md"] = table
-    emit(record, args.out)
-    print("\n" + table, file=sys.stderr, flush=True)
-    if args.out is not None:
-        args.out.with_suffix(".md").write_text(table + "\n")
+    emit_with_table(record, markdown_table(record), args.out)
     return 0
 
 

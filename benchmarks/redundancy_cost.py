@@ -31,7 +31,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import emit, machine, run_gloo_workers, summarize  # noqa: E402 - after the path is set
+from benchmarks._common import emit, machine, run_gloo_workers, summarize, worker_or_main  # noqa: E402 - after the path is set
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "redundancy_cost.json"
 WORLD = 4
@@ -157,7 +157,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        _worker(int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]))
-    else:
-        main()
+    worker_or_main(_worker, main)

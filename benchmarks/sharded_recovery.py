@@ -61,7 +61,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import BENCH_DIR, emit, machine, ratio
+from benchmarks._common import BENCH_DIR, emit_with_table, machine, ratio
 from benchmarks.recovery import (
     Scenario, TrialSetup, _aggregate, _cell, _elastictrain_has_join, private_etcd, run_trial,
 )
@@ -250,12 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_checkpoint:
         record["checkpoint"] = checkpoint_stall(args.width, args.layers, args.reps, args.start_timeout)
     record["machine_after"] = machine()["loadavg_1_5_15"]
-    table = markdown_table(record, launchers)
-    record["table_md"] = table
-    emit(record, args.out)
-    print("\n" + table, file=sys.stderr, flush=True)
-    if args.out is not None:
-        args.out.with_suffix(".md").write_text(table + "\n")
+    emit_with_table(record, markdown_table(record, launchers), args.out)
     return 0
 
 
