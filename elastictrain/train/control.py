@@ -201,13 +201,27 @@ class WorkerControl:
     def collective(self) -> Iterator[None]:
         """Mark the step's own collectives (its backward, its application): only a wait there
         may be taken for stuck (:meth:`on_stuck`), not one in the caller's code between steps
-        (an evaluation's), which the next step boundary ends in order."""
+        (an evaluation's), which the next step boundary ends in order.
+
+        One inside a step's compute (:attr:`Section.STEP`: fsdp gathers the parameters before
+        the forward) owes its peers nothing they are not waiting in too: while in it the worker
+        is judged by its process alone (as in :attr:`Section.NONE`), else a peer that waits there
+        for a hung rank would pass for hung itself; the step's clock starts again when it returns."""
+        owed = self.section == Section.STEP
+        if owed:
+            self.section, self._deadline = Section.NONE, 0.0
+            self._write()
         self._in_collective, self._collective_at = True, now()
         try:
             yield
         finally:
             with self._lock:
                 self._in_collective = False
+            if owed:
+                self.section, self._section_at = Section.STEP, now()
+                bound = self._clock.bound(Section.STEP)
+                self._deadline = self._section_at + bound if bound else 0.0
+                self._write()
 
     def set_state(self, state: int) -> None:
         self.state = state

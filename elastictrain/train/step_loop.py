@@ -135,6 +135,7 @@ class StepLoop:
         recovery a collective failure is returned (the step is discarded), not raised."""
         if not self.wrapped:
             return None
+        began = time.perf_counter()
         try:
             with self.collective():
                 self._keeper.strategy.before_forward()
@@ -142,6 +143,9 @@ class StepLoop:
             if self.recovers_in_process and is_collective_failure(exc):
                 return exc
             raise
+        finally:
+            if self._step_at is not None:  # a wait for the peers is no compute of this rank's
+                self._step_at += time.perf_counter() - began
         return None
 
     def inject(self, step: int) -> None:

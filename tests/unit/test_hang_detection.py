@@ -126,6 +126,43 @@ def test_a_worker_says_its_section_and_deadline_and_a_long_call_widens_it(tmp_pa
         table.close()
 
 
+def test_a_collective_inside_a_step_owes_no_deadline_and_the_step_clock_starts_again_after_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The in-process fsdp soak: a peer waiting in the all-gather before its forward (inside its
+    # step) for a rank hung in that step passed 5 s past its step bound and was killed as hung too.
+    from elastictrain.train import control as control_module
+
+    ProgressTable(tmp_path, 1, create=True).close()
+    clock = [100.0]
+    monkeypatch.setattr(control_module, "now", lambda: clock[0])
+    control = WorkerControl(str(tmp_path), 0, 1, hang_bounds=BOUNDS)
+    table = ProgressTable(tmp_path, 1)
+    detector = HangDetector(activity=RUNNING)
+    try:
+        control.set_state(WorkerState.TRAINING)
+        for _ in range(3):
+            control.enter(Section.STEP)
+            clock[0] += 0.05
+            control.enter(Section.NONE)
+        control.enter(Section.STEP)
+        with control.collective():  # waits 30 s for a peer hung in its step
+            clock[0] += 30.0
+            slot = table.read(0)
+            assert (slot.section, slot.deadline) == (Section.NONE, 0.0)
+            assert detector.hung([table.read(0)], clock[0], {0: table.read(0).pid}) == []
+        slot = table.read(0)
+        assert (slot.section, slot.section_at, slot.deadline) == (Section.STEP, clock[0], clock[0] + 5.0)
+        clock[0] += 6.0  # its own compute past the bound: hung
+        assert detector.hung([table.read(0)], clock[0], {0: table.read(0).pid}) == [0]
+        control.enter(Section.NONE)
+        with control.collective():  # a collective out of a step (the backward's) leaves the section be
+            assert (table.read(0).section, table.read(0).deadline) == (Section.NONE, 0.0)
+        assert table.read(0).section == Section.NONE
+    finally:
+        control.close()
+        table.close()
+
+
 _STACKS = """\
 Thread 0x00007f61543ff6c0 (most recent call first):
   File "/usr/lib/python3.11/threading.py", line 331 in wait
