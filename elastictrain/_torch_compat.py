@@ -44,6 +44,7 @@ __all__ = [
     "LOCAL_AGENT_OVERRIDES",
     "PINNED_TORCH",
     "COLLECTIVE_ERRORS",
+    "clear_dtensor_caches",
     "event_log_handlers",
     "import_ddp_modules",
     "is_collective_failure",
@@ -204,6 +205,26 @@ def import_ddp_modules() -> None:
     """Import :data:`DDP_MODULES` (a worker forkserver does, once)."""
     for module in DDP_MODULES:
         importlib.import_module(module)
+
+
+def clear_dtensor_caches() -> None:
+    """Forget DTensor's cached sharding decisions (its Python and C++ sharding-propagation caches).
+
+    torch compares device meshes by shape, dimension names and device type, not by rank or process
+    group: a mesh of a group re-formed in place equals the last group's when the world size is the
+    same, and a decision cached for the old mesh (its coordinate: where this rank's shard starts)
+    would be reused with the rank's old place (tests/unit/test_fsdp_reform.py). Call it before
+    sharding over a new group's mesh.
+
+    Raises:
+        TorchCompatError: torch no longer has ``torch.distributed.tensor.debug._clear_sharding_prop_cache``.
+    """
+    from torch.distributed.tensor import debug  # DTensor's debug module: only sharded jobs import it
+
+    clear = getattr(debug, "_clear_sharding_prop_cache", None)
+    if clear is None:
+        raise _fail("has no torch.distributed.tensor.debug._clear_sharding_prop_cache")
+    clear()
 
 
 def remaining_restarts(agent: SimpleElasticAgent) -> int:

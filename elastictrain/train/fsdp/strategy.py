@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from elastictrain._torch_compat import clear_dtensor_caches
 from elastictrain.errors import SessionError
 from elastictrain.train.fsdp.exchange import Exchange, announce, buffer_holdings, state_specs
 from elastictrain.train.fsdp.gradients import clip_grad_norm_, no_sync
@@ -130,6 +131,8 @@ class FsdpStrategy(ParallelStrategy):
         # aside, shard, and load it onto the shards.
         restored = optimizer.state_dict() if optimizer.state else None
         optimizer.state.clear()
+        if view.in_process:
+            clear_dtensor_caches()  # the last group's mesh equals this one's for torch: its cached decisions go
         precision = MixedPrecision(self._precision, view.placement.device)
         received, self._received, self._exchange = self._received, None, None
         self._sharded = shard(module, optimizer, self._config(view), precision=precision, group=view.group,

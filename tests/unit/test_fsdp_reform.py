@@ -1,0 +1,92 @@
+"""An fsdp strategy re-formed in place at the same world size, each rank at the other's old rank.
+
+Seen in the in-process fsdp soak (a node replaced: world 2 -> 2, the survivor's rank 1 -> 0): the
+first optimizer step after the checkpoint was restored in place failed with ``output with shape
+[1, 32] doesn't match the broadcast shape [0, 32]``. torch compares device meshes by shape and
+dimension names, not by rank, so DTensor's cached sharding decisions of the first generation
+(keyed on its mesh) were reused for the second one's equal mesh, old coordinate included: the
+restored optimizer state was cut at the rank's old place, its parameters at the new one.
+
+Two forked gloo ranks: generation 1 shards a model whose last layer has one row (rank 0 holds it,
+rank 1 holds none) and trains a step; generation 2 is a new default group with the ranks swapped,
+restores the full state as a checkpoint restore does (into the unsharded module the skeleton
+builds, then sharded by ``wrap``) and trains the next step, which must equal an unsharded model's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.support.ranks import fork_ranks
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def test_an_fsdp_group_reformed_with_its_ranks_swapped_restores_and_steps_at_the_new_ranks(tmp_path: Path) -> None:
+    fork_ranks(_rank, 2, lambda rank: (rank, tmp_path), timeout=80)
+    errors = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert errors == [{"step_error": 0.0}, {"step_error": 0.0}], errors
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+
+
+def _step(module: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor],
+          rows: Any, world: int = 1) -> None:
+    x, y = batch
+    # Each rank's share of the batch mean (its rows' sum over the batch's size), times the world
+    # size: FSDP averages the gradients over the ranks.
+    torch.nn.functional.mse_loss(module(x[rows]), y[rows], reduction="sum").div(len(x)).mul(world).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _rank(rank: int, out: Path) -> None:
+    import torch.distributed as dist
+
+    from elastictrain.train import process_group as pg
+    from elastictrain.train.fsdp.state import full_optimizer_state_dict, full_state_dict
+    from elastictrain.train.fsdp.strategy import FsdpStrategy
+    from elastictrain.train.strategy import GroupView
+
+    def view(now: int) -> GroupView:
+        placement = pg.Placement(torch.device("cpu"), "gloo", pg.resolve_timeout(30), now, 2, owned=False)
+        return GroupView(placement=placement, group=None, in_process=True, local_world_size=1)
+
+    data = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 4, generator=data, dtype=torch.float64),
+                torch.randn(4, 1, generator=data, dtype=torch.float64)) for _ in range(2)]
+    model, reference = _model(), _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for batch in batches:
+        _step(reference, ref_optimizer, batch, slice(None))
+
+    dist.init_process_group("gloo", init_method=f"file://{out / 'store-1'}", rank=rank, world_size=2)
+    strategy = FsdpStrategy()
+    module = strategy.wrap(model, optimizer, view(rank), identical=False)
+    _step(module, optimizer, batches[0], slice(2 * rank, 2 * rank + 2), 2)
+    # What the checkpoint of step 1 holds: full tensors (every rank reads them all).
+    saved = [full_state_dict(module), full_optimizer_state_dict(module, optimizer)]
+    dist.broadcast_object_list(saved, src=0)
+    strategy.leave()
+    dist.destroy_process_group()
+
+    swapped = 1 - rank  # the next generation: a new group, each rank at the other's place
+    dist.init_process_group("gloo", init_method=f"file://{out / 'store-2'}", rank=swapped, world_size=2)
+    fresh = strategy.unwrapped(module, optimizer)
+    fresh.load_state_dict(saved[0])  # the restore, before the wrap (as the session's)
+    optimizer.load_state_dict(saved[1])
+    module = strategy.wrap(fresh, optimizer, view(swapped), identical=False)
+    _step(module, optimizer, batches[1], slice(2 * swapped, 2 * swapped + 2), 2)
+    after = full_state_dict(module)  # on rank 0 only
+    error = max((after[k] - v).abs().max().item() for k, v in reference.state_dict().items()) if after else 0.0
+    (out / f"rank{swapped}.json").write_text(json.dumps({"step_error": round(error, 12)}))
+    dist.barrier()
