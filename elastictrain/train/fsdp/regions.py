@@ -6,7 +6,7 @@ the new layout gives it (:func:`needed_regions`); the ranks hold the boxes they 
 own shards of the previous generation, copies a redundancy source keeps). :func:`plan_exchange`
 picks, for each needed row range, one holder: the rank itself when it holds it, else the holder
 that has sent the fewest elements so far (the lowest rank on a tie), and reports the regions that
-no rank holds. No torch, no I/O: every rank computes the same plan from the same announcements.
+no rank holds. Each move's rows lie in one region its sender announced. No torch, no I/O: every rank computes the same plan from the same announcements.
 """
 
 from __future__ import annotations
@@ -154,7 +154,10 @@ def plan_exchange(held: Sequence[Region], needs: Sequence[Region]) -> Plan:
             else:
                 src = min(able, key=lambda r: (sent.get(r, 0), r))
                 sent[src] = sent.get(src, 0) + (high - low) * per_row
-            if pieces and pieces[-1][0] == src and pieces[-1][2] == low:
+            # One move is sent from one holding: pieces of two (a rank's own shard and the copy it
+            # keeps of a neighbour's) stay two moves.
+            if pieces and pieces[-1][0] == src and pieces[-1][2] == low and any(
+                    h.rank == src and h.rows[0] <= pieces[-1][1] and h.rows[1] >= high for h in holders):
                 pieces[-1] = (src, pieces[-1][1], high)
             else:
                 pieces.append((src, low, high))
