@@ -34,7 +34,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from elastictrain.chaos.config import DEFAULT_KINDS, ChaosConfig, default_recovery, kinds_for
+from elastictrain.chaos.config import DEFAULT_KINDS, ChaosConfig, default_recovery, demo_sharding_args, kinds_for
 from elastictrain.chaos.schedule import FaultKind, parse_kinds, parse_schedule
 from elastictrain.chaos.harness import run_chaos
 from elastictrain.errors import ConfigError, ElasticTrainError
@@ -106,14 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _demo_args(args: argparse.Namespace, schedule_steps: int) -> tuple[str, ...]:
+def _demo_args(args: argparse.Namespace, schedule_steps: int, recovery: str) -> tuple[str, ...]:
     if args.faults:
         steps = args.faults * (args.gap[1] + 2) + 12
     else:
         steps = schedule_steps + 12
     epochs = max(2, math.ceil(steps / _DEMO_STEPS_PER_EPOCH))
     return ("--ckpt", "{checkpoint_dir}", "--epochs", str(epochs), "--step-time", str(args.step_time),
-            "--sharding", args.sharding)
+            *demo_sharding_args(args.sharding, recovery))
 
 
 def config_from(args: argparse.Namespace) -> ChaosConfig:
@@ -134,7 +134,7 @@ def config_from(args: argparse.Namespace) -> ChaosConfig:
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
     if args.script is None:
-        script, script_args = DEMO_JOB, list(_demo_args(args, max((f.at_step for f in schedule), default=0)))
+        script, script_args = DEMO_JOB, list(_demo_args(args, max((f.at_step for f in schedule), default=0), recovery))
     else:
         script = args.script
     run_dir = args.run_dir or str(Path("elastictrain-runs") / time.strftime("chaos-%Y%m%d-%H%M%S"))

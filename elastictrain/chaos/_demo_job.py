@@ -2,7 +2,7 @@
 
 Usage: python _demo_job.py --ckpt DIR [--samples N] [--global-batch G] [--micro-batch M]
                            [--epochs E] [--ckpt-every K] [--step-time SECONDS] [--ballast-mb MB]
-                           [--sharding ddp|fsdp|hsdp]
+                           [--sharding ddp|fsdp|hsdp] [--redundancy-every N]
 
 Each sample carries its own index, and the recorder logs the indices the
 batches actually held (not the sampler's plan), so a DataLoader that diverged
@@ -43,6 +43,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--step-time", type=float, default=0.0)
     parser.add_argument("--ballast-mb", type=float, default=0.0)
     parser.add_argument("--sharding", choices=SHARDINGS, default="ddp")
+    parser.add_argument("--redundancy-every", type=int, default=None)
     args = parser.parse_args(argv)
 
     context = elastictrain.WorkerContext.from_env()
@@ -61,6 +62,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     with elastictrain.Session(
         model, optimizer, dataset, global_batch_size=args.global_batch, micro_batch_size=args.micro_batch,
         epochs=args.epochs, seed=11, scheduler=scheduler, checkpoint_dir=args.ckpt, sharding=args.sharding,
+        redundancy_every=args.redundancy_every,
         # Every checkpoint is kept, so the invariants can verify each one a restore loaded.
         checkpoint_every=args.ckpt_every, keep_last=10_000, sync_loss=True, log_every=None,
         hooks=[recorder],

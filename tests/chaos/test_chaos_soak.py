@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 
 from elastictrain.chaos import ChaosConfig, FaultKind, parse_schedule, run_chaos
-from elastictrain.chaos.config import kinds_for
+from elastictrain.chaos.config import default_recovery, demo_sharding_args, kinds_for
 from elastictrain.chaos.schedule import parse_kinds
 from tests.conftest import REPO_ROOT
 from tests.support.s3_server import CREDENTIALS, moto_server, new_bucket
@@ -52,7 +52,8 @@ def _soak(run_dir: Path, *, faults: int, seed: int, kinds: tuple[FaultKind, ...]
         script=JOB, run_dir=str(run_dir), nodes=nodes, min_nodes=min_nodes, max_nodes=max_nodes,
         etcd_members=etcd_members,
         script_args=("--ckpt", "{checkpoint_dir}", "--samples", "384", "--epochs", str(-(-steps_needed // 24)),
-                     "--ckpt-every", "3", "--sharding", sharding),
+                     "--ckpt-every", "3", *demo_sharding_args(sharding, recovery or default_recovery(sharding),
+                                         int(os.environ.get("ELASTICTRAIN_SOAK_REDUNDANCY_EVERY", "1")))),
         checkpoint_dir=checkpoint_dir, recovery=recovery, sharding=sharding, nproc_per_node=nproc_per_node,
         faults=faults, seed=seed, kinds=kinds, netns=any(kind.fault_class.needs_netns for kind in kinds),
         checkpoint_disk_mb=256 if any(kind.fault_class.needs_checkpoint_disk for kind in kinds) else 0,
