@@ -6,7 +6,8 @@ the new layout gives it (:func:`needed_regions`); the ranks hold the boxes they 
 own shards of the previous generation, copies a redundancy source keeps). :func:`plan_exchange`
 picks, for each needed row range, one holder: the rank itself when it holds it, else the holder
 that has sent the fewest elements so far (the lowest rank on a tie), and reports the regions that
-no rank holds. Each move's rows lie in one region its sender announced. No torch, no I/O: every rank computes the same plan from the same announcements.
+no rank holds. Each move's rows lie in one region its sender announced. No torch, no I/O: every
+rank computes the same plan from the same announcements.
 """
 
 from __future__ import annotations
