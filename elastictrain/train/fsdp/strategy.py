@@ -64,10 +64,47 @@ if TYPE_CHECKING:
 
     from elastictrain.train.session_config import SessionConfig
 
-__all__ = ["FsdpStrategy", "HoldingsSource", "HsdpStrategy"]
+__all__ = ["FsdpStrategy", "HoldingsSource", "HsdpStrategy", "Hyperparameters"]
 
 _SHARDED_OBJECTS = ("model", "optimizer")
 """The state objects the region exchange rebuilds; the others travel by the replicated transfer."""
+
+
+_HYPERPARAMETERS = "optimizer_hyperparameters"
+"""The name the optimizer's param-group settings travel under in the replicated transfer."""
+
+
+class Hyperparameters:
+    """An optimizer's param-group settings (learning rate, momentum, weight decay, ...: what a
+    scheduler changes), without their parameters, as a state object of the replicated transfer.
+
+    The region exchange moves the optimizer's state tensors only: without these, a rank that joins
+    in place would train its first step at the settings its own optimizer was built with (its
+    learning rate, not the one the survivors' scheduler had set).
+
+    Args:
+        optimizer: The session's optimizer.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"groups": [settings of each param group, "params" left out]}``."""
+        return {"groups": [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Set each param group's settings to the sender's.
+
+        Raises:
+            SessionError: The sender's optimizer has another number of param groups.
+        """
+        groups = state["groups"]
+        if len(groups) != len(self.optimizer.param_groups):
+            raise SessionError(f"the optimizer received {len(groups)} param group(s)' settings for its "
+                               f"{len(self.optimizer.param_groups)}")
+        for group, settings in zip(self.optimizer.param_groups, groups, strict=True):
+            group.update(settings)
 
 
 class HoldingsSource(Protocol):
@@ -190,6 +227,8 @@ class FsdpStrategy(ParallelStrategy):
         if self._exchange is None or not self._exchange.covered:
             raise SessionError(f"sharding={self.name!r}: no covered region exchange was planned")
         rest = {name: obj for name, obj in objects.items() if name not in _SHARDED_OBJECTS}
+        if "optimizer" in objects:  # the exchange moves its state tensors, not its groups' settings
+            rest[_HYPERPARAMETERS] = Hyperparameters(getattr(objects["optimizer"], "optimizer", objects["optimizer"]))
         received = transfer(group, agreement, rest, step=step)
         self._received = self._exchange.run(group)
         self._exchange = None
