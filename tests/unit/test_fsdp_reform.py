@@ -53,6 +53,56 @@ def test_an_fsdp_group_reformed_with_its_ranks_swapped_restores_and_steps_at_the
     assert reformed["swapped_step_error"] == 0.0, reformed
 
 
+@pytest.mark.slow  # 4 forked ranks: 42 s on the 2 shared cores at load 15 (the 2-rank cases above: 18 s)
+def test_an_hsdp_rank_that_leaves_in_place_fails_a_peer_blocked_on_it_in_a_sub_group_at_once(tmp_path: Path) -> None:
+    # The in-process hsdp soak: after each hang or kill the job trained again only after 20 s (the
+    # collective timeout): a survivor blocked in a collective of an hsdp sub-group (a node's shard
+    # group, a replicate group) on a peer that had left to re-form waited it out, since only the
+    # default group's connections were severed on leave. 4 ranks, 2 nodes of 2; rank 3 waits in
+    # its shard group's all-reduce for rank 2, which leaves instead (timeout 30 s).
+    fork_ranks(_hsdp_leave, 4, lambda rank: (rank, tmp_path), timeout=80)
+    waited = json.loads((tmp_path / "waited.json").read_text())
+    assert waited["error"] and waited["seconds"] < 10, waited
+
+
+def _hsdp_leave(rank: int, out: Path) -> None:
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from elastictrain.train.fsdp.strategy import HsdpStrategy
+
+    dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=4,
+                            timeout=datetime.timedelta(seconds=30))
+    model = _model()
+    strategy = HsdpStrategy()
+    view = _view(rank, 4)
+    view = type(view)(placement=view.placement, group=None, in_process=True, local_world_size=2)
+    module = strategy.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), view, identical=False)
+    shard_group = next(iter(module.parameters())).device_mesh.get_group("shard")
+    dist.barrier()
+    if rank == 2:
+        time.sleep(1.0)
+        strategy.leave()  # re-forms in place: no collective, its groups left behind
+        deadline = time.monotonic() + 40
+        while not (out / "waited.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)  # lives on (as a survivor does) until its peer is done waiting
+    elif rank == 3:
+        began = time.monotonic()
+        error = ""
+        try:
+            dist.all_reduce(torch.ones(1), group=shard_group)
+        except RuntimeError as exc:
+            error = str(exc)[:200]
+        (out / "waited.json").write_text(json.dumps({"seconds": time.monotonic() - began, "error": error}))
+    if rank < 2:
+        time.sleep(2.0)
+    import os
+
+    os._exit(0)  # the groups are in no state for torch's teardown
+
+
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()

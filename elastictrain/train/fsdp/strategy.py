@@ -55,6 +55,7 @@ from elastictrain.train.fsdp.regions import TensorSpec
 from elastictrain.train.fsdp.sharded import Sharded, ShardingConfig, shard
 from elastictrain.train.fsdp.skeleton import Skeleton
 from elastictrain.train.fsdp.state import ModelState, OptimizerState, full_state_dict
+from elastictrain.train import peer_connections
 from elastictrain.train.precision import MixedPrecision
 from elastictrain.train.state_transfer import Agreement, transfer
 from elastictrain.train.strategy import GroupView, ParallelStrategy, register_strategy
@@ -236,7 +237,11 @@ class FsdpStrategy(ParallelStrategy):
 
     def _leave(self) -> None:
         """See base class. The model stays sharded until :meth:`unwrapped` (see the module
-        docstring); the redundancy's refreshes stop, its copies stay (:attr:`redundancy`)."""
+        docstring); the redundancy's refreshes stop, its copies stay (:attr:`redundancy`). The
+        mesh's sub-groups (hsdp's) are severed: a peer blocked on this rank in one of their
+        collectives fails at once (the default group's are the generation's to sever)."""
+        if self._sharded is not None:
+            peer_connections.sever(*self._sharded.mesh.get_all_groups())
         if self.redundancy is not None:
             self.redundancy.close()
 
