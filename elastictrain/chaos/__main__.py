@@ -12,7 +12,7 @@ Examples::
     # (root) each node in its own network namespace; cut one off etcd and its peers for 30 s at step 6
     elastictrain chaos --netns --schedule partition_node@6
 
-    # the demo job sharded: FSDP2 over 2 nodes x 2 workers, restart recovery from sharded checkpoints
+    # the demo job sharded: FSDP2 over 2 nodes x 2 workers, recovering in place (copies of the shards in memory)
     elastictrain chaos --sharding fsdp --nproc-per-node 2 --faults 6 --seed 1
 
     # checkpoints in S3 or a compatible store (an empty prefix) instead of the run directory
@@ -86,11 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--join-timeout", type=float, default=60.0, help="--join-timeout of the nodes, seconds (default 60)")
     p.add_argument("--max-restarts", type=int, default=1000, help="--max-restarts of the nodes (default 1000)")
     p.add_argument("--sharding", choices=SHARDINGS, default="ddp", help="the demo job's Session(sharding=...) "
-                   "(default ddp); fsdp and hsdp recover by restart only today, so their runs default to "
-                   "--recovery restart and leave out kill_in_save. hsdp shards within a node: give "
+                   "(default ddp); fsdp recovers in process with a copy of each rank's shards on another "
+                   "node, refreshed every step (--redundancy-every 1). hsdp shards within a node: give "
                    "--nproc-per-node 2 or more")
     p.add_argument("--recovery", choices=("in-process", "restart"), default=None,
-                   help="--recovery of the nodes (default: in-process with --sharding ddp, else restart)")
+                   help="--recovery of the nodes (default in-process; restart leaves out kill_in_save)")
     p.add_argument("--recovery-bound", type=float, default=None, help="seconds a fault may go without training "
                    "before the run counts as hung (default: 120 + pg timeout + the fault's own duration)")
     p.add_argument("--deadline", type=float, default=1800.0, help="seconds before the whole run is stopped (default 1800)")

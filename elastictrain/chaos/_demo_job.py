@@ -11,8 +11,9 @@ per step) so that faults land mid-run instead of after a job that took a second.
 ``--ballast-mb`` adds that many MB of state the job checkpoints (and a new worker receives)
 without training it: saves take long enough for a fault to land inside one.
 ``--sharding fsdp|hsdp`` trains the model sharded (FSDP2; hsdp shards within a node): its
-checkpoints are sharded, and a sharded session recovers by restart only today (run the nodes with
-``--recovery restart``; ``elastictrain chaos --sharding`` does). At the end every rank gathers
+checkpoints are sharded, and it recovers in place; ``--redundancy-every N`` (fsdp) keeps a copy of
+each rank's shards on its buddy, refreshed every N steps (``elastictrain chaos --sharding fsdp``
+passes 1 under in-process recovery). At the end every rank gathers
 the full parameters (``session.full_state_dict()``) and rank 0 writes them for the
 final-parameters invariant (:meth:`~elastictrain.chaos.Recorder.final_parameters`).
 It doubles as an example of a script instrumented for chaos runs.

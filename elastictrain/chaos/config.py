@@ -28,11 +28,9 @@ DEFAULT_KINDS = (FaultKind.KILL_WORKER, FaultKind.KILL_NODE, FaultKind.BOUNCE_NO
 ``link_cut`` with netns, ``disk_full`` with a checkpoint disk)."""
 
 
-RECOVERS_IN_PROCESS = frozenset({"ddp"})
-"""The shardings whose runs default to in-process recovery. A sharded session (fsdp, hsdp)
-recovers in place in the cases its tests cover (a join, an hsdp node lost), but a random-fault
-soak in process does not pass yet (docs/sharding.md): its runs default to ``recovery="restart"``;
-``recovery="in-process"`` runs them in process all the same (to reproduce that soak)."""
+RECOVERS_IN_PROCESS = frozenset({"ddp", "fsdp", "hsdp"})
+"""The shardings whose runs default to in-process recovery: every one (the sharded soaks pass in
+process, docs/sharding.md). ``recovery="restart"`` runs a job by restarts instead."""
 
 
 def default_recovery(sharding: str) -> str:
