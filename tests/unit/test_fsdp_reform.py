@@ -108,6 +108,23 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
 
 
+def _job(*, seed: int, lowered_lr: float | None = None) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
+                                                                  torch.nn.Module, torch.optim.Optimizer,
+                                                                  torch.nn.Module]:
+    """Two batches, the model and its SGD (lr 0.1, momentum), and the unsharded reference after both
+    steps (the learning rate set to ``lowered_lr`` after each, as a scheduler would)."""
+    data = torch.Generator().manual_seed(seed)
+    batches = [(torch.randn(4, 4, generator=data, dtype=torch.float64),
+                torch.randn(4, 1, generator=data, dtype=torch.float64)) for _ in range(2)]
+    model, reference = _model(), _model()
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for batch in batches:
+        _step(reference, ref_optimizer, batch, slice(None))
+        if lowered_lr is not None:
+            ref_optimizer.param_groups[0]["lr"] = lowered_lr
+    return batches, model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), reference
+
+
 def _step(module: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor],
           rows: Any, world: int = 1) -> None:
     x, y = batch
@@ -146,15 +163,7 @@ def _join(rank: int) -> tuple[list[float], float]:
     from elastictrain.train.fsdp.strategy import FsdpStrategy
     from elastictrain.train.state_transfer import agree
 
-    data = torch.Generator().manual_seed(2)
-    batches = [(torch.randn(4, 4, generator=data, dtype=torch.float64),
-                torch.randn(4, 1, generator=data, dtype=torch.float64)) for _ in range(2)]
-    model, reference = _model(), _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    for batch in batches:
-        _step(reference, ref_optimizer, batch, slice(None))
-        ref_optimizer.param_groups[0]["lr"] = 0.05
+    batches, model, optimizer, reference = _job(seed=2, lowered_lr=0.05)
     strategy = FsdpStrategy()
     solo = dist.new_group([0])
     step = 0
@@ -188,14 +197,7 @@ def _swap(rank: int, out: Path) -> tuple[int, float]:
     def view(now: int) -> Any:
         return _view(now, 2)
 
-    data = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(4, 4, generator=data, dtype=torch.float64),
-                torch.randn(4, 1, generator=data, dtype=torch.float64)) for _ in range(2)]
-    model, reference = _model(), _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    for batch in batches:
-        _step(reference, ref_optimizer, batch, slice(None))
+    batches, model, optimizer, reference = _job(seed=1)
 
     dist.init_process_group("gloo", init_method=f"file://{out / 'store-1'}", rank=rank, world_size=2)
     strategy = FsdpStrategy()
