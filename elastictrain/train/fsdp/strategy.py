@@ -49,6 +49,7 @@ from elastictrain.errors import SessionError
 from elastictrain.train.fsdp.exchange import Exchange, announce, buffer_holdings, state_specs
 from elastictrain.train.fsdp.gradients import clip_grad_norm_, no_sync
 from elastictrain.train.fsdp.holdings import Holding, own_holdings
+from elastictrain.train.fsdp.mesh import mesh_shape
 from elastictrain.train.fsdp.optimizer import parameter_fqns, shard_optimizer
 from elastictrain.train.fsdp.redundancy import Redundancy, start_redundancy
 from elastictrain.train.fsdp.regions import TensorSpec
@@ -137,6 +138,8 @@ class FsdpStrategy(ParallelStrategy):
         self._exchange: Exchange | None = None
         self._received: dict[str, tuple[TensorSpec, torch.Tensor]] | None = None
         self._redundancy_every = redundancy_every
+        self._mesh_shapes: set[tuple[int, ...]] = set()
+        """The shapes of the meshes this process has sharded over (see :meth:`_wrap`)."""
         self.redundancy: Redundancy | None = None
         """The copies of the last generation (kept after it is left: they outlive the group)."""
 
@@ -169,11 +172,17 @@ class FsdpStrategy(ParallelStrategy):
         # aside, shard, and load it onto the shards.
         restored = optimizer.state_dict() if optimizer.state else None
         optimizer.state.clear()
-        if view.in_process:
-            clear_dtensor_caches()  # the last group's mesh equals this one's for torch: its cached decisions go
+        config = self._config(view)
+        shape = mesh_shape(config.sharding, view.placement.world_size, config.nproc_per_node)
+        if shape in self._mesh_shapes:
+            # torch takes this mesh for the earlier one of its shape (it compares meshes by shape
+            # and names, not by rank): DTensor's decisions cached for that one must go. A mesh of
+            # a new shape is equal to none (its first step does not pay for the caches' refill).
+            clear_dtensor_caches()
+        self._mesh_shapes.add(shape)
         precision = MixedPrecision(self._precision, view.placement.device)
         received, self._received, self._exchange = self._received, None, None
-        self._sharded = shard(module, optimizer, self._config(view), precision=precision, group=view.group,
+        self._sharded = shard(module, optimizer, config, precision=precision, group=view.group,
                               broadcast=not identical and received is None)
         if received is not None:
             _fill(module, optimizer, received)
