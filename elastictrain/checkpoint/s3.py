@@ -44,6 +44,7 @@ import logging
 import os
 import random
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -163,6 +164,8 @@ class S3Storage:
         self._concurrency = concurrency
         self._bucket_checked = False
         self._attempts = attempts if attempts is not None else _attempts()
+        self._spare: list[bytearray] = []  # segment buffers, warm: see _take_buffer
+        self._spare_lock = threading.Lock()
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> S3Storage:
@@ -322,6 +325,24 @@ class S3Storage:
         """One create-only ``PutObject`` (``body`` is sent as it is: no copy)."""
         self._call("writing", key, "put_object", Key=key, Body=body, IfNoneMatch="*", **(
             {"Metadata": metadata} if metadata else {}))
+
+    def _take_buffer(self) -> bytearray:
+        """A buffer of ``part_size`` bytes for a segment, one a segment used before if there is.
+
+        Kept for the next segment and the next file (up to ``concurrency + 1`` of them, as many as
+        one file has in use): the first touch of fresh memory page-faults, which makes a copy into
+        it several times slower than into memory written before.
+        """
+        with self._spare_lock:
+            if self._spare:
+                return self._spare.pop()
+        return bytearray(self._part_size)
+
+    def _give_buffer(self, buffer: bytearray) -> None:
+        """Keep ``buffer`` (no longer read) for ``_take_buffer``, if it is a whole segment's."""
+        with self._spare_lock:
+            if len(buffer) == self._part_size and len(self._spare) <= self._concurrency:
+                self._spare.append(buffer)
 
     def write_if_unchanged(self, path: str, data: bytes, *, tag: str) -> None:
         """See :class:`~elastictrain.checkpoint.storage.ObjectStore`: one ``PutObject`` with
@@ -523,13 +544,17 @@ class _Writer:
     At most ``concurrency`` segments are in flight: ``write`` waits for the oldest beyond that,
     so memory stays bounded and a stalled upload stops the writer (the manager's bound sees no
     progress). Each byte is copied once, into its segment (the caller may reuse its buffer once
-    ``write`` returns, so a segment cannot be a view of it).
+    ``write`` returns, so a segment cannot be a view of it), and but for a file's first and last
+    segment into memory a segment used before (``S3Storage._take_buffer``).
     """
 
     def __init__(self, storage: S3Storage, key: str) -> None:
         self._storage = storage
         self._key = key
+        # The first segment grows as it fills (a small file never takes a segment's memory); the
+        # next ones are buffers of part_size, reused (S3Storage._take_buffer), filled in place.
         self._buffer = bytearray()
+        self._fill = 0
         self._segments: list[Future[None]] = []
         self._sizes: list[int] = []
         self._nonce: str | None = None
@@ -541,15 +566,17 @@ class _Writer:
         part = self._storage._part_size  # noqa: SLF001 - one module
         start = 0
         while start < size:
-            if len(self._buffer) == part:  # a full segment, and more bytes follow it
-                self._submit(self._buffer)
-                self._buffer = bytearray()
-            if not self._buffer and size - start > part:  # a whole segment, sliced out of data at once
-                self._submit(bytes(view[start:start + part]))
-                start += part
-                continue
-            taken = min(part - len(self._buffer), size - start)
-            self._buffer += view[start:start + taken]
+            if self._fill == part:  # a full segment, and more bytes follow it
+                self._submit()
+                self._buffer, self._fill = self._storage._take_buffer(), 0  # noqa: SLF001
+            taken = min(part - self._fill, size - start)
+            if len(self._buffer) > self._fill:  # a segment buffer: filled in place
+                # Through a memoryview: a bytearray's own slice assignment copies the source first.
+                with memoryview(self._buffer) as target:
+                    target[self._fill:self._fill + taken] = view[start:start + taken]
+            else:
+                self._buffer += view[start:start + taken]
+            self._fill += taken
             start += taken
         return size
 
@@ -559,7 +586,8 @@ class _Writer:
     def _segment_key(self, number: int) -> str:
         return f"{self._key}{_SEGMENTS}{self._nonce}/{number:06d}"
 
-    def _submit(self, chunk: bytes | bytearray) -> None:
+    def _submit(self) -> None:
+        """Send the buffer's bytes as the next segment (the buffer is the segment's until it is stored)."""
         storage = self._storage
         if self._pool is None:
             self._nonce = os.urandom(8).hex()
@@ -567,18 +595,25 @@ class _Writer:
         in_flight = [f for f in self._segments if not f.done()]
         if len(in_flight) >= storage._concurrency:  # noqa: SLF001
             in_flight[0].result()  # backpressure (raises the segment's error at once)
-        key = self._segment_key(len(self._segments) + 1)
-        self._sizes.append(len(chunk))
-        self._segments.append(self._pool.submit(storage._put, key, chunk))  # noqa: SLF001
+        buffer = self._buffer
+        del buffer[self._fill:]  # the last segment: only what was written
+        self._sizes.append(len(buffer))
+        self._segments.append(self._pool.submit(self._send, self._segment_key(len(self._segments) + 1), buffer))
+        self._buffer, self._fill = bytearray(), 0
+
+    def _send(self, key: str, buffer: bytearray) -> None:
+        try:
+            self._storage._put(key, buffer)  # noqa: SLF001
+        finally:
+            self._storage._give_buffer(buffer)  # noqa: SLF001
 
     def finish(self) -> None:
         storage = self._storage
         if self._pool is None:
             storage._put(self._key, self._buffer)  # noqa: SLF001
             return
-        if self._buffer:
-            self._submit(self._buffer)
-            self._buffer = bytearray()
+        if self._fill:
+            self._submit()
         for future in self._segments:
             future.result()
         self._close_pool()
