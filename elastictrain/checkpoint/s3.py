@@ -25,7 +25,9 @@ threads, hashed in order as they arrive. A file in segments reads back through t
 The client is boto3's: credentials, region and endpoint come from where the AWS SDKs look for
 them (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``, ``AWS_PROFILE`` and
 ``~/.aws/config``/``credentials``, instance and pod roles, ``AWS_ENDPOINT_URL`` or
-``AWS_ENDPOINT_URL_S3`` for a compatible store). Throttling (503 ``SlowDown``), 5xx answers,
+``AWS_ENDPOINT_URL_S3`` for a compatible store; no CRC32 of the bodies unless
+``AWS_REQUEST_CHECKSUM_CALCULATION``/``AWS_RESPONSE_CHECKSUM_VALIDATION`` ask for it: the
+manifest's sha256 covers every byte). Throttling (503 ``SlowDown``), 5xx answers,
 timeouts and broken connections are retried here, with exponential backoff and jitter (0.05 s
 doubling to at most 5 s; ``AWS_MAX_ATTEMPTS`` attempts, default 10), not by botocore: its
 backoff (doubling from 1 s to 20 s) would hold a save for minutes of a stall that the manager's
@@ -103,9 +105,17 @@ def _client() -> Any:
     except ImportError as exc:
         raise ImportError("checkpoints in s3:// need boto3: pip install 'elastictrain[s3]'") from exc
     # One attempt per botocore call: S3Storage retries (see the module docstring).
-    config = Config(retries={"mode": "standard", "total_max_attempts": 1},
-                    max_pool_connections=2 * _DEFAULT_CONCURRENCY + 4, connect_timeout=10, read_timeout=60)
-    return boto3.session.Session().client("s3", config=config)
+    options: dict[str, Any] = {"retries": {"mode": "standard", "total_max_attempts": 1},
+                               "max_pool_connections": 2 * _DEFAULT_CONCURRENCY + 4, "connect_timeout": 10,
+                               "read_timeout": 60}
+    # No CRC32 of every body sent and received (botocore's default since 1.36) unless the
+    # environment asks for it: the manifest's sha256 already checks every byte end to end, the
+    # signature (plain HTTP) or TLS guards the wire, and several S3 compatibles refuse the
+    # checksum headers. It is a pass over each byte on the trainer's cores.
+    for option in ("request_checksum_calculation", "response_checksum_validation"):
+        if f"AWS_{option.upper()}" not in os.environ:
+            options[option] = "when_required"
+    return boto3.session.Session().client("s3", config=Config(**options))
 
 
 def _code(exc: BaseException) -> tuple[str, int]:

@@ -110,11 +110,13 @@ def test_checkpoint_s3_saves_restores_and_uploads_to_a_local_s3_server_and_repor
     for name in ("result", "result_pinned"):
         result = record[name]
         for key in ("torch_save_local", "memcpy_floor", "s3_async_stall", "s3_async_total", "s3_overlap_stall",
-                    "s3_overlap_lost", "s3_restore", "s3storage_upload", "boto3_put_object", "boto3_multipart",
+                    "s3_overlap_lost", "s3_restore", "s3storage_upload", "boto3_put_object",
+                    "boto3_put_object_same_client", "boto3_multipart",
                     "boto3_multipart_complete", "s3storage_upload_cpu_client", "s3storage_upload_cpu_server",
                     "overlap_window_cpu_client", "overlap_window_cpu_server", "compute_alone_cpu_client"):
             assert SUMMARY_KEYS <= result[key].keys() and result[key]["n"] == 1, (name, key, result[key])
         assert {"s3_overlap_stall_over_torch_save", "s3_async_stall_over_memcpy_floor", "upload_throughput_over_put",
+                "upload_throughput_over_put_same_client",
                 "upload_throughput_over_plain_multipart", "s3storage_upload_mb_per_s", "boto3_put_object_mb_per_s",
                 "overlap_extra_cpu_client", "overlap_extra_cpu_server"} <= result.keys()
         assert result["replicated_bytes"] > 4 << 20

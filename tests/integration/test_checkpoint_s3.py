@@ -160,6 +160,14 @@ def test_of_two_writers_of_one_large_file_exactly_one_succeeds_and_the_loser_del
     assert _keys(s3_env, bucket) == ["blob", *(f"{index['segments']}/{n:06d}" for n in (1, 2, 3))]
 
 
+def test_the_client_sends_no_crc32_of_each_body_unless_the_environment_asks(
+        s3_env: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = S3Storage("any").client.meta.config  # the manifest's sha256 covers the bytes
+    assert (config.request_checksum_calculation, config.response_checksum_validation) == ("when_required",) * 2
+    monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", "when_supported")
+    assert S3Storage("any").client.meta.config.request_checksum_calculation == "when_supported"
+
+
 CRASH_SCRIPT = """\
 import os, sys, torch
 from elastictrain.checkpoint import CheckpointManager
