@@ -220,6 +220,14 @@ def test_a_save_killed_at_any_stage_restores_the_previous_checkpoint_and_the_nex
     assert step == 3 and torch.equal(weight, newer.weight)
 
 
+def test_a_save_aborts_the_multipart_uploads_an_earlier_version_left_open(s3_env: str, bucket: str) -> None:
+    # elastictrain before segments uploaded large files in parts; a crash left the upload open.
+    client(s3_env).create_multipart_upload(Bucket=bucket, Key="run/step_00000001.data-0badc0de/replicated.pt")
+    with CheckpointManager("run", storage=S3Storage(bucket, part_size=PART)) as manager:
+        manager.save(2, {"model": _model(2)})
+    assert _uploads(s3_env, bucket) == []
+
+
 def test_a_stale_writer_cannot_replace_a_newer_worlds_commit_of_the_same_step(s3_env: str, bucket: str) -> None:
     url = f"s3://{bucket}/run"
     old_model, new_model = _model(1), _model(2)
