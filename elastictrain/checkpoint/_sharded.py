@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from elastictrain._chunks import chunk_span
 from elastictrain.errors import ConfigError
 
 from . import _index as index
@@ -109,11 +110,8 @@ def region(shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence
         if type(placement) is not Shard:  # Partial, or a strided shard (a subclass of Shard)
             raise ConfigError(f"{what}: placement {placement} cannot be checkpointed; Shard(d) and Replicate() can")
         dim = placement.dim % len(shape)
-        count, at = mesh_shape[mesh_dim], coordinate[mesh_dim]
-        step = -(-sizes[dim] // count)
-        start = min(at * step, sizes[dim])
+        start, sizes[dim] = chunk_span(sizes[dim], coordinate[mesh_dim], mesh_shape[mesh_dim])
         offsets[dim] += start
-        sizes[dim] = max(0, min(step, sizes[dim] - start))
     return tuple(offsets), tuple(sizes)
 
 
