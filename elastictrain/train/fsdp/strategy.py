@@ -3,7 +3,8 @@
 
 :class:`FsdpStrategy` shards the session's model over the group with
 :func:`~elastictrain.train.fsdp.sharded.shard` (one unit per direct child that holds parameters,
-then the root); :class:`HsdpStrategy` over a 2-D mesh, sharded within each node
+then the root, unless ``shard_units`` picks others: see :mod:`~elastictrain.train.fsdp.units`);
+:class:`HsdpStrategy` over a 2-D mesh, sharded within each node
 (``local_world_size`` wide) and replicated across nodes. The session's optimizer object is kept,
 re-pointed at the shards. Accumulation (:meth:`~FsdpStrategy.no_sync`), mixed precision (FSDP2's
 policy from the session's ``precision``, beside its autocast and GradScaler), global-norm
@@ -54,6 +55,7 @@ from elastictrain.train.fsdp.regions import TensorSpec
 from elastictrain.train.fsdp.sharded import Sharded, ShardingConfig, shard
 from elastictrain.train.fsdp.skeleton import Skeleton
 from elastictrain.train.fsdp.state import ModelState, OptimizerState, full_state_dict
+from elastictrain.train.fsdp.units import UnitSpec
 from elastictrain.train.precision import MixedPrecision
 from elastictrain.train.state_transfer import Agreement, transfer
 from elastictrain.train.strategy import GroupView, ParallelStrategy, register_strategy
@@ -85,13 +87,19 @@ class FsdpStrategy(ParallelStrategy):
     Args:
         precision: The session's precision (``SessionConfig.precision``): bf16 and fp16 become
             FSDP2's mixed precision policy.
+        redundancy_every: See ``SessionConfig.redundancy_every``.
+        units: The FSDP units (``SessionConfig.shard_units``). A module a later generation builds
+            from the skeleton is sharded into the units of the same FQNs as the first generation's.
     """
 
     name = "fsdp"
 
-    def __init__(self, precision: str = "fp32", redundancy_every: int | None = None) -> None:
+    def __init__(self, precision: str = "fp32", redundancy_every: int | None = None, *,
+                 units: UnitSpec | None = None) -> None:
         super().__init__()
         self._precision = precision
+        self._units = units
+        self._unit_fqns: frozenset[str] | None = None
         self._sharded: Sharded | None = None
         self._skeleton: Skeleton | None = None
         self._sources: list[HoldingsSource] = []
@@ -110,7 +118,15 @@ class FsdpStrategy(ParallelStrategy):
         return world_size
 
     def _config(self, view: GroupView) -> ShardingConfig:
-        return ShardingConfig(sharding="fsdp")
+        return ShardingConfig(sharding="fsdp", units=self._units_now())
+
+    def _units_now(self) -> UnitSpec | None:
+        """The units of this generation's module: ``units`` for the first; for a module rebuilt from
+        the skeleton, the FQNs the first chose (a predicate may have judged the modules by identity)."""
+        chosen = self._unit_fqns
+        if chosen is None:
+            return self._units
+        return lambda fqn, _module: fqn in chosen
 
     def _wrap(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, view: GroupView, *,
               identical: bool) -> torch.nn.Module:
@@ -134,6 +150,9 @@ class FsdpStrategy(ParallelStrategy):
         received, self._received, self._exchange = self._received, None, None
         self._sharded = shard(module, optimizer, self._config(view), precision=precision, group=view.group,
                               broadcast=not identical and received is None)
+        if self._unit_fqns is None:
+            self._unit_fqns = frozenset(fqn for fqn, unit in module.named_modules()
+                                        if fqn and isinstance(unit, FSDPModule))
         if received is not None:
             _fill(module, optimizer, received)
         elif restored is not None:
@@ -260,7 +279,8 @@ class HsdpStrategy(FsdpStrategy):
     name = "hsdp"
 
     def _config(self, view: GroupView) -> ShardingConfig:
-        return ShardingConfig(sharding="hsdp", nproc_per_node=view.local_world_size, timeout=view.placement.timeout)
+        return ShardingConfig(sharding="hsdp", units=self._units_now(), nproc_per_node=view.local_world_size,
+                              timeout=view.placement.timeout)
 
     def _shard_width(self, world_size: int, local_world_size: int) -> int:
         """See base class: a node's ranks."""
@@ -301,11 +321,11 @@ def _fill(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def _fsdp(config: SessionConfig) -> FsdpStrategy:
-    return FsdpStrategy(config.precision, config.redundancy_every)
+    return FsdpStrategy(config.precision, config.redundancy_every, units=config.shard_units)
 
 
 def _hsdp(config: SessionConfig) -> HsdpStrategy:
-    return HsdpStrategy(config.precision)
+    return HsdpStrategy(config.precision, units=config.shard_units)
 
 
 register_strategy("fsdp", _fsdp)
