@@ -258,6 +258,20 @@ class ParallelStrategy(ABC):
             raise SessionError(f"the {self.name} strategy holds no replicated state to transfer live")
         return transfer(group, agreement, objects, step=step)
 
+    def rebuild_step(self, agreement: Agreement) -> int | None:
+        """The step :meth:`transfer_state` brought every rank to: the agreed newest one
+        (``agreement.step``, the default), or an older one that :meth:`covers` found the live ranks
+        hold whole when they lack part of the newest (a sharded strategy's in-memory copies: every
+        rank rolls back to it and the steps after it are redone)."""
+        return agreement.step
+
+    def keep_state(self, objects: Callable[[], Mapping[str, Any]]) -> None:
+        """Given once by the session: its training state by name, as a checkpoint writes it
+        (:meth:`~elastictrain.train.group_keeper.GroupKeeper.objects`), for a strategy that keeps
+        copies of older steps in memory to roll back to (fsdp's ``redundancy_every``). Default:
+        not kept."""
+        return
+
     @abstractmethod
     def full_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
         """The model's full (unsharded) tensors by name, for export or evaluation; rank 0's is
