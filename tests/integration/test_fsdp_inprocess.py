@@ -13,7 +13,7 @@ the survivors roll back from memory to the newest step they hold whole (their sn
 buddy's copy of the last refresh) and redo at most ``redundancy_every`` steps, in their first
 processes, ending equal to an uninterrupted run with each sample once per epoch: a worker failing
 in step 9 with copies every 3 steps (fast: back to step 6, 2 steps redone), and a node killed at
-a random moment out of 3 with copies every step (slow).
+a random moment out of 3 with copies every step and every 3 steps (slow).
 """
 
 from __future__ import annotations
@@ -110,13 +110,14 @@ def test_an_fsdp_worker_lost_with_its_shards_rolls_the_survivor_back_to_the_copi
     assert_same_parameters(reference(tmp_path), __import__("torch").load(out / "final-0.pt", weights_only=True))
 
 
-@pytest.mark.slow  # about 40 s on 2 idle cores: the default suite keeps the worker's loss above
+@pytest.mark.slow  # about 25 s each on 2 idle cores: the default suite keeps the worker's loss above
 @pytest.mark.timeout(300)
-def test_an_fsdp_node_killed_at_random_rebuilds_from_copies_of_every_step_with_at_most_one_step_redone(
-        etcd_server: Any, run_id: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("every", [1, 3])
+def test_an_fsdp_node_killed_at_random_rebuilds_from_the_copies_with_at_most_redundancy_every_steps_redone(
+        etcd_server: Any, run_id: str, tmp_path: Path, every: int) -> None:
     out = tmp_path / "job"
     nodes = [start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.2", "--sharding", "fsdp",
-                        "--redundancy-every", "1", "--no-checkpoint", min_nodes=2, max_nodes=3)
+                        "--redundancy-every", str(every), "--no-checkpoint", min_nodes=2, max_nodes=3)
              for _ in range(3)]
     wait_until(lambda: len({r["rank"] for r in _world_steps(out, 3) if r["step"] >= 10}) == 3, "step 10 at world 3",
                nodes)
@@ -127,7 +128,7 @@ def test_an_fsdp_node_killed_at_random_rebuilds_from_copies_of_every_step_with_a
     outputs = finish(nodes[:2])
     _say(out)
     assert [n.returncode for n in nodes[:2]] == [0, 0], "\n".join(o[-3000:] for o in outputs)
-    _assert_rolled_back_in_memory(out, 1, (3, 2))
+    _assert_rolled_back_in_memory(out, every, (3, 2))
     survivors = {r["pid"] for r in _world_steps(out, 2)}
     assert survivors <= pids and len(survivors) == 2, "a survivor was restarted"
     _assert_each_sample_once_per_epoch(out)
