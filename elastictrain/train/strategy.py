@@ -220,9 +220,10 @@ class ParallelStrategy(ABC):
 
     def covers(self, group: Any, agreement: Agreement, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                *, step: int, local_world_size: int) -> bool:
-        """Whether the live holders of the newest step (``agreement``) hold the whole state, so that
-        :meth:`transfer_state` can give every rank its part of it; called on every rank of a group
-        that forms when some rank holds state and :attr:`live_transfer` is True, before
+        """Whether the live holders of the newest step (``agreement``) hold the whole state (or, for a
+        strategy that keeps older steps in memory, the live ranks hold an older step whole:
+        :meth:`rebuild_step`), so that :meth:`transfer_state` can give every rank its part of it;
+        called on every rank of a group that forms when some rank holds state and :attr:`live_transfer` is True, before
         :meth:`unwrapped`. Default: True (every holder holds the whole of a replica). A sharded
         strategy announces its regions and plans their moves here (a collective over the gloo
         ``group``); False makes every rank restore the newest checkpoint.
