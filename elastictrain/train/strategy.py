@@ -220,9 +220,10 @@ class ParallelStrategy(ABC):
 
     def covers(self, group: Any, agreement: Agreement, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                *, step: int, local_world_size: int) -> bool:
-        """Whether the live holders of the newest step (``agreement``) hold the whole state, so that
-        :meth:`transfer_state` can give every rank its part of it; called on every rank of a group
-        that forms when some rank holds state and :attr:`live_transfer` is True, before
+        """Whether the live holders of the newest step (``agreement``) hold the whole state (or, for a
+        strategy that keeps older steps in memory, the live ranks hold an older step whole:
+        :meth:`rebuild_step`), so that :meth:`transfer_state` can give every rank its part of it;
+        called on every rank of a group that forms when some rank holds state and :attr:`live_transfer` is True, before
         :meth:`unwrapped`. Default: True (every holder holds the whole of a replica). A sharded
         strategy announces its regions and plans their moves here (a collective over the gloo
         ``group``); False makes every rank restore the newest checkpoint.
@@ -257,6 +258,20 @@ class ParallelStrategy(ABC):
         if not self.live_transfer:
             raise SessionError(f"the {self.name} strategy holds no replicated state to transfer live")
         return transfer(group, agreement, objects, step=step)
+
+    def rebuild_step(self, agreement: Agreement) -> int | None:
+        """The step :meth:`transfer_state` brought every rank to: the agreed newest one
+        (``agreement.step``, the default), or an older one that :meth:`covers` found the live ranks
+        hold whole when they lack part of the newest (a sharded strategy's in-memory copies: every
+        rank rolls back to it and the steps after it are redone)."""
+        return agreement.step
+
+    def keep_state(self, objects: Callable[[], Mapping[str, Any]]) -> None:
+        """Given once by the session: its training state by name, as a checkpoint writes it
+        (:meth:`~elastictrain.train.group_keeper.GroupKeeper.objects`), for a strategy that keeps
+        copies of older steps in memory to roll back to (fsdp's ``redundancy_every``). Default:
+        not kept."""
+        return
 
     @abstractmethod
     def full_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:

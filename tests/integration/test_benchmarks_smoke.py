@@ -164,7 +164,7 @@ def test_redundancy_cost_times_each_refresh_interval_and_reports_the_host_memory
         assert shard > 0.05 and 3 * shard <= host <= 5 * shard + 0.02
 
 
-# Slow (2-4 min): six recovery trials of 4 workers and checkpoint_sharded.py at a tiny size (issue 41).
+# Slow (2-4 min): seven recovery trials of 4 workers and checkpoint_sharded.py at a tiny size (issue 41).
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_sharded_recovery_times_every_launcher_or_reports_it_unsupported(tmp_path: Path) -> None:
@@ -188,6 +188,11 @@ def test_sharded_recovery_times_every_launcher_or_reports_it_unsupported(tmp_pat
             assert isinstance(trial["steps_redone"], int), (name, launcher)
         inprocess = entry["elastictrain_inprocess"]
         assert ("unsupported" in inprocess) != ("recovery_s" in inprocess), inprocess
+    # In process with a buddy's copies refreshed every step: the fsdp state from memory, <= 1 step redone.
+    copies = record["scenarios"]["fsdp_worker_kill"]["elastictrain_redundancy"]
+    assert copies["trials_timed"] == 1 and copies["trials"][0]["state_from"] == ["peers"], copies
+    assert copies["trials"][0]["steps_redone"] <= 1, copies
+    assert "unsupported" in record["scenarios"]["hsdp_node_loss"]["elastictrain_redundancy"]
     assert record["scenarios"]["hsdp_node_loss"]["torchrun_dcp"]["trials"][0]["first_step_after"]["world_size"] == 2
     assert record["checkpoint"]["results"]["same_values_as_dcp"] is True
     assert "| fsdp, worker kill" in out.with_suffix(".md").read_text()

@@ -13,7 +13,9 @@ a known step). ``--wait-before-session FILE`` makes the worker wait for FILE aft
 model (a slow model build or data load). ``--stall-save RANK:FILE`` makes RANK's first
 checkpoint write at world size 2 stall for good, writing its pid to ``FILE`` (a test then kills
 its node while its peers wait for its files); ``--async-save`` saves asynchronously.
-``--api elastic`` trains through ``run_elastic`` instead of a Session; ``--sharding fsdp|hsdp`` shards it.
+``--api elastic`` trains through ``run_elastic`` instead of a Session; ``--sharding fsdp|hsdp`` shards it,
+``--redundancy-every N`` keeps fsdp's in-memory copies, ``--no-checkpoint`` configures no checkpoint.
+Each step's line also has the epoch and this rank's sample indices (``indices``).
 ``--hang-floor S`` sets the session's ``HangBounds(step_floor=S)``. Work that must not be taken
 for a hang: ``--first-step-sleep S`` (every rank's first step takes S seconds more, as a
 compilation would), ``--between-sleep RANK:STEP:S`` (RANK runs S seconds of its own code after
@@ -82,8 +84,10 @@ def with_session(args: argparse.Namespace, out: Path) -> None:
             time.sleep(0.05)
     session = elastictrain.Session(model, optimizer, TensorDataset(x, y), global_batch_size=32, micro_batch_size=8,
                                    epochs=100, max_steps=args.steps, seed=7, log_every=None,
-                                   checkpoint_dir=str(out / "ckpt"), checkpoint_every=args.ckpt_every,
+                                   checkpoint_dir=None if args.no_checkpoint else str(out / "ckpt"),
+                                   checkpoint_every=None if args.no_checkpoint else args.ckpt_every,
                                    async_save=args.async_save, sharding=args.sharding,
+                                   redundancy_every=args.redundancy_every,
                                    hang_bounds=elastictrain.HangBounds(step_floor=timedelta(seconds=args.hang_floor)))
     first = True
     with session as s:
@@ -104,13 +108,16 @@ def with_session(args: argparse.Namespace, out: Path) -> None:
                     time.sleep(0.05)
             if args.fast_at_world is None or s.world_size < args.fast_at_world:
                 time.sleep(args.step_sleep)
+            indices: list[int] = []
             for micro in step:
                 inputs, targets = micro.batch
+                indices += micro.indices
                 micro.backward(torch.nn.functional.mse_loss(s.model(inputs), targets))
             if step.discarded:  # a peer died during it: it runs again in the re-formed group
                 continue
             _append(out / "steps.jsonl", {"rank": s.rank, "pid": os.getpid(), "step": step.number,
-                                          "world": s.world_size, "t": time.time(),
+                                          "world": s.world_size, "t": time.time(), "epoch": step.epoch,
+                                          "indices": indices,
                                           "env": {name: os.environ.get(name) for name in TORCH_ENV}})
             if args.between_sleep and (s.rank, step.number) == args.between_sleep[:2]:
                 time.sleep(args.between_sleep[2])
@@ -172,6 +179,8 @@ def main() -> None:
     parser.add_argument("--between-sleep", type=_triple, default=None)
     parser.add_argument("--long-call", type=_triple, default=None)
     parser.add_argument("--sharding", choices=("ddp", "fsdp", "hsdp"), default="ddp")
+    parser.add_argument("--redundancy-every", type=int, default=None)
+    parser.add_argument("--no-checkpoint", action="store_true")
     args = parser.parse_args()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)

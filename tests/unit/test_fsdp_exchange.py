@@ -2,7 +2,8 @@
 
 One spawn of 3 processes: (a) a tensor and a 0-d value held as a 4-rank layout (rank 0 also
 keeps lost rank 3's shard, as a redundancy copy would) reshape to 3 ranks' boxes; without that
-copy every rank learns the state is not covered. (b) The fsdp strategy grows 2 -> 3 ranks in
+copy every rank learns the state is not covered; with that copy of an older step only (and
+every rank's snapshot of it), every rank rebuilds that older step. (b) The fsdp strategy grows 2 -> 3 ranks in
 place: ranks 0-1 shard a model (Adam, 2 steps), then all 3 re-form; the full model and optimizer
 state after equal those before, and a step after equals the same step of an unsharded copy. (c)
 It shrinks 3 -> 2: rank 2 leaves, its shards copied to rank 0 beforehand and offered through the
@@ -31,6 +32,7 @@ def test_shards_held_in_memory_reshape_to_a_new_layout_and_a_strategy_grows_in_p
     run_ranks(__file__, WORLD, str(tmp_path), timeout=100)
     checks = json.loads((tmp_path / "rank0.json").read_text())
     assert checks == {"reshaped_4_to_3": True, "uncovered_without_copy": [True, True, True],
+                      "rolled_back_to_older_step": [True, True, True],
                       "grown_state_error": 0.0, "grown_step_error": 0.0, "shrunk_from_copies_error": 0.0,
                       "rank2_received": True}, checks
 
@@ -53,14 +55,24 @@ def _reshape(rank: int) -> tuple[bool, list[bool]]:
     copy = [held(3)] if rank == 0 else []
     specs = {"model/w": (TensorSpec("model/w", (11, 3), True), torch.float32),
              "optimizer/w/step": (TensorSpec("optimizer/w/step", (), False), torch.float32)}
-    exchange = announce(dist.group.WORLD, held=mine + copy, specs=specs, step=7, holders=(0, 1, 2), shard_width=3)
+    exchange = announce(dist.group.WORLD, held=mine + copy, specs=specs, replicated=(7,), newest=7, shard_width=3)
     boxes = exchange.run(dist.group.WORLD)
     reshaped = (torch.equal(boxes["model/w"][1], torch.chunk(full, 3)[rank])
                 and torch.equal(boxes["optimizer/w/step"][1], step))
-    lacking = announce(dist.group.WORLD, held=mine, specs=specs, step=7, holders=(0, 1, 2), shard_width=3)
+    lacking = announce(dist.group.WORLD, held=mine, specs=specs, replicated=(7,), newest=7, shard_width=3)
+    # Step 7 lacks rank 3's shard; step 5 (an older refresh: every rank's snapshot, and rank 0's copy
+    # of rank 3's) is held whole, and its replicated state by ranks 1 and 2: the rebuild rolls back to it.
+    older = full + 100
+    snapshot = [Holding(h.key, h.offsets, h.sizes, 5, older[h.offsets[0]:h.offsets[0] + h.sizes[0]].clone()
+                        if h.sizes else step.clone()) for h in mine + copy]
+    rolled = announce(dist.group.WORLD, held=mine + snapshot, specs=specs, replicated=(7, 5) if rank else (7,),
+                      newest=7, shard_width=3)
+    boxes = rolled.run(dist.group.WORLD)
+    rolled_back = (rolled.step == 5 and rolled.holders == (1, 2)
+                   and torch.equal(boxes["model/w"][1], torch.chunk(older, 3)[rank]))
     flags = [None] * WORLD
-    dist.all_gather_object(flags, not lacking.covered)  # the test's own processes
-    return reshaped, [bool(f) for f in flags]
+    dist.all_gather_object(flags, (not lacking.covered and lacking.step is None, rolled_back))  # the test's own
+    return reshaped, [bool(f[0]) for f in flags] + [bool(f[1]) for f in flags]
 
 
 class Net(torch.nn.Module):
@@ -210,7 +222,8 @@ def _worker(rank: int, out: Path) -> None:
     dist.all_gather_object(flags, received)
     if rank == 0:
         (out / "rank0.json").write_text(json.dumps({
-            "reshaped_4_to_3": reshaped, "uncovered_without_copy": uncovered,
+            "reshaped_4_to_3": reshaped, "uncovered_without_copy": uncovered[:WORLD],
+            "rolled_back_to_older_step": uncovered[WORLD:],
             "grown_state_error": round(state_error, 5), "grown_step_error": round(step_error, 5),
             "shrunk_from_copies_error": shrunk_error,
             "rank2_received": flags == [False, False, True]}))

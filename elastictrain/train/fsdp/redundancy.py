@@ -31,6 +31,12 @@ the copy it holds as of the last refresh it completed; so the survivors together
 whole state of one step when a rank dies during a refresh (the step before it, where the dead
 rank's holder did not complete it).
 
+With each snapshot of its own shards, a rank keeps the replicated state of that step (the
+sampler cursor, scheduler, scaler, step counter and extras the constructor's ``replicated``
+gives, its RNG states and the model's buffers: :class:`Kept`), so that the group can roll back
+to the step of a refresh (:meth:`Redundancy.roll_back`) when the survivors hold that step whole
+and not the newest (:mod:`~elastictrain.train.fsdp.rollback`).
+
 Host memory per rank: two send buffers of its own shard and two buffers of its source's: about
 four shards of parameters and optimizer state (:attr:`Redundancy.host_bytes`); the shards are
 1/world of the state each.
@@ -42,11 +48,13 @@ the metadata (JSON: each region's key, offsets, sizes, dtype and byte offset), a
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -54,12 +62,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastictrain.checkpoint import capture_rng, load_state_into, restore_rng
 from elastictrain.errors import ConfigError
 from elastictrain.train import process_group as pg
 from elastictrain.train.fsdp.buddies import buddies
 from elastictrain.train.fsdp.holdings import Holding, own_holdings
 
-__all__ = ["Redundancy", "RedundancyError", "start_redundancy"]
+__all__ = ["Kept", "Redundancy", "RedundancyError", "start_redundancy"]
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +150,31 @@ def _parse_slots(meta: bytes, length: int) -> list[_Slot]:
     return slots
 
 
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """The replicated state of one step, kept with the snapshot of this rank's shards of that step:
+    what a roll back to it restores besides the shards (:meth:`Redundancy.roll_back`)."""
+
+    stateful: dict[str, Any]
+    """Each object's ``state_dict()`` (the sampler cursor, scheduler, scaler, step counter), a deep copy."""
+    extras: dict[str, Any]
+    """The plain-dict state (the user's dict extras), a deep copy."""
+    rng: dict[str, Any]
+    """This process's RNG states (as a checkpoint keeps them)."""
+    buffers: list[Holding]
+    """The model's buffers, whole (every rank holds them; FSDP2 does not shard them), cloned."""
+
+    @classmethod
+    def capture(cls, objects: Mapping[str, Any], model: torch.nn.Module, step: int) -> Kept:
+        """``objects``' state (dicts as extras, the others by ``state_dict()``), this process's RNG
+        and ``model``'s buffers, copied now (the objects go on changing)."""
+        stateful = {n: copy.deepcopy(o.state_dict()) for n, o in objects.items() if not isinstance(o, dict)}
+        extras = {n: copy.deepcopy(o) for n, o in objects.items() if isinstance(o, dict)}
+        buffers = [Holding(f"model/{fqn}", (0,) * b.dim(), tuple(b.shape), step, b.detach().to("cpu", copy=True))
+                   for fqn, b in model.named_buffers()]
+        return cls(stateful, extras, capture_rng(), buffers)
+
+
 def _host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
@@ -159,13 +193,18 @@ class Redundancy:
         every: Refresh after every this many steps (:meth:`after_step`).
         holder: The rank of ``group`` that keeps this rank's copy; None: no one (a group of one).
         source: The rank of ``group`` whose copy this rank keeps; None with ``holder``.
+        replicated: The replicated state a roll back restores besides the shards (the sampler
+            cursor, scheduler, scaler, step counter, extras; by name, as a checkpoint names them):
+            each snapshot keeps a copy of it (:class:`Kept`), with the RNG and the buffers.
+            None: the snapshots keep the shards alone.
 
     Raises:
         ValueError: ``every`` is not positive, or only one of ``holder`` and ``source`` is None.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, group: dist.ProcessGroup,
-                 vote_group: dist.ProcessGroup, *, every: int, holder: int | None, source: int | None) -> None:
+                 vote_group: dist.ProcessGroup, *, every: int, holder: int | None, source: int | None,
+                 replicated: Callable[[], Mapping[str, Any]] | None = None) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive int, got {every!r}")
         if (holder is None) != (source is None):
@@ -173,6 +212,7 @@ class Redundancy:
         self._model, self._optimizer = model, optimizer
         self._group, self._vote_group = group, vote_group
         self.every, self.holder, self.source = every, holder, source
+        self._replicated = replicated
         self._pin = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
         self._cond = threading.Condition()
         self._due: int | None = None  # the step of the refresh in flight
@@ -235,6 +275,8 @@ class Redundancy:
             # The buffer that does not hold the last completed refresh's snapshot (it stays whole).
             self._sending = next(s for s in self._own if s.step is None or s.step != self._completed)
             self._sending.take(own_holdings(self._model, self._optimizer, step), step)
+            if self._replicated is not None:
+                self._sending.kept = Kept.capture(self._replicated(), self._model, step)
         finally:
             self.stalled += time.perf_counter() - started
         with self._cond:
@@ -259,6 +301,38 @@ class Redundancy:
         """The copy of the source's shards alone (see :meth:`holdings`)."""
         with self._cond:
             return list(self._held)
+
+    def kept_holdings(self) -> list[Holding]:
+        """What a roll back can rebuild from, each with its step: this rank's snapshots of its own
+        shards (with the buffers kept with them) and the copy of the source's; not the live shards
+        (their step is the caller's to say: a step that failed after its optimizer step may not
+        have reached :meth:`after_step`)."""
+        with self._cond:
+            snapshots = [s for s in self._own if s.step is not None]
+            held = list(self._held)
+        return [*(h for s in snapshots for h in s.holdings()),
+                *(h for s in snapshots if s.kept is not None for h in s.kept.buffers), *held]
+
+    def kept_steps(self) -> list[int]:
+        """The steps whose replicated state this rank kept (:class:`Kept`), newest first."""
+        with self._cond:
+            return sorted((s.step for s in self._own if s.step is not None and s.kept is not None), reverse=True)
+
+    def roll_back(self, step: int, objects: Mapping[str, Any]) -> None:
+        """Load the replicated state kept at ``step`` into ``objects`` (by name, as given to the
+        constructor's ``replicated``) and set this process's RNG to that step's; no collective.
+        The kept copy stays as it was (a re-formation that fails later rolls back again).
+
+        Raises:
+            ValueError: No replicated state kept at ``step``.
+            CheckpointMismatchError: It does not fit ``objects``.
+        """
+        with self._cond:
+            kept = next((s.kept for s in self._own if s.step == step and s.kept is not None), None)
+        if kept is None:
+            raise ValueError(f"no replicated state kept at step {step} (kept: {self.kept_steps()})")
+        load_state_into(objects, copy.deepcopy(kept.stateful), copy.deepcopy(kept.extras), step)
+        restore_rng({"rng": kept.rng}, where=f"the redundancy's snapshot of step {step}")
 
     @property
     def in_flight(self) -> bool:
@@ -364,10 +438,12 @@ class _Snapshot:
         self.meta = torch.empty(0, dtype=torch.uint8)
         self.length = 0
         self.step: int | None = None
+        self.kept: Kept | None = None
+        """The replicated state of :attr:`step`, when the redundancy keeps it."""
 
     def take(self, own: list[Holding], step: int) -> None:
         """Copy ``own`` (the live shards of ``step``) in."""
-        self.step = None  # not a snapshot of any step while it is written
+        self.step, self.kept = None, None  # not a snapshot of any step while it is written
         slots, length = _layout(own)
         if slots != self.slots:
             if length > self.buffer.numel():
@@ -389,7 +465,8 @@ class _Snapshot:
 
 def start_redundancy(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, every: int,
                      nproc_per_node: int, timeout: timedelta | None = None,
-                     group: dist.ProcessGroup | None = None) -> Redundancy:
+                     group: dist.ProcessGroup | None = None,
+                     replicated: Callable[[], Mapping[str, Any]] | None = None) -> Redundancy:
     """A :class:`Redundancy` over the default group, buddies on other nodes; a collective (it
     makes its two gloo groups).
 
@@ -400,6 +477,7 @@ def start_redundancy(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *
         nproc_per_node: Ranks per node (the launcher numbers a node's ranks contiguously).
         timeout: The gloo groups' timeout (a refresh to a lost peer fails after it at most).
         group: The training group; None or the default group (another is refused).
+        replicated: The replicated state each snapshot keeps a copy of (see :class:`Redundancy`).
 
     Raises:
         ConfigError: A training group other than the default one.
@@ -410,4 +488,4 @@ def start_redundancy(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *
     holders = buddies([r // max(nproc_per_node, 1) for r in range(world)])
     source = holders.index(rank) if holders[rank] is not None else None
     return Redundancy(model, optimizer, pg.new_gloo_group(timeout), pg.new_gloo_group(timeout), every=every,
-                      holder=holders[rank], source=source)
+                      holder=holders[rank], source=source, replicated=replicated)

@@ -15,6 +15,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from elastictrain._chunks import chunk_span
+
 __all__ = ["Move", "Plan", "Region", "TensorSpec", "chunk_box", "needed_regions", "plan_exchange"]
 
 
@@ -26,15 +28,10 @@ def chunk_box(shape: tuple[int, ...], index: int, count: int) -> tuple[tuple[int
     Raises:
         ValueError: ``index`` is not in ``range(count)``.
     """
-    if not 0 <= index < count:
-        raise ValueError(f"chunk index {index} is not in range({count})")
+    start, size = chunk_span(shape[0] if shape else 0, index, count)
     if not shape:
         return (), ()
-    rows = shape[0]
-    size = math.ceil(rows / count) if rows else 0
-    start = min(rows, index * size)
-    stop = min(rows, start + size)
-    return (start, *(0,) * (len(shape) - 1)), (stop - start, *shape[1:])
+    return (start, *(0,) * (len(shape) - 1)), (size, *shape[1:])
 
 
 @dataclass(frozen=True, slots=True)

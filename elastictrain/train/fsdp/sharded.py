@@ -32,7 +32,7 @@ from elastictrain.train.fsdp.mesh import SHARDED_MODES, build_mesh
 from elastictrain.train.fsdp.optimizer import OptimizerSpec, check_unstepped, parameter_fqns, shard_optimizer
 from elastictrain.train.fsdp.precision import mixed_precision_policy
 from elastictrain.train.fsdp.state import ModelState, OptimizerState, full_state_dict
-from elastictrain.train.fsdp.units import UnitSpec, check_shardable, shard_model
+from elastictrain.train.fsdp.units import UnitSpec, check_shardable, check_units, shard_model
 from elastictrain.train.precision import MixedPrecision
 
 __all__ = ["Sharded", "ShardingConfig", "shard"]
@@ -47,7 +47,8 @@ class ShardingConfig:
 
     units: UnitSpec | None = None
     """The FSDP units: None for each direct child that holds parameters; a block class (or a
-    predicate ``(fqn, module) -> bool``) for transformers. See :mod:`~elastictrain.train.fsdp.units`."""
+    collection of classes, or a predicate ``(fqn, module) -> bool``) for transformers. A unit never
+    splits a shared parameter. See :mod:`~elastictrain.train.fsdp.units`."""
 
     nproc_per_node: int | None = None
     """hsdp: ranks per node, the width of a shard group (the launcher's ``--nproc-per-node``)."""
@@ -62,6 +63,8 @@ class ShardingConfig:
     def __post_init__(self) -> None:
         if self.sharding not in SHARDED_MODES:
             raise ConfigError(f"sharding must be one of {SHARDED_MODES}, got {self.sharding!r}")
+        if self.units is not None:
+            check_units(self.units)
 
 
 @dataclass(frozen=True, slots=True)

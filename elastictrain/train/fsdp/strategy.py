@@ -3,7 +3,8 @@
 
 :class:`FsdpStrategy` shards the session's model over the group with
 :func:`~elastictrain.train.fsdp.sharded.shard` (one unit per direct child that holds parameters,
-then the root); :class:`HsdpStrategy` over a 2-D mesh, sharded within each node
+then the root, unless ``shard_units`` picks others: see :mod:`~elastictrain.train.fsdp.units`);
+:class:`HsdpStrategy` over a 2-D mesh, sharded within each node
 (``local_world_size`` wide) and replicated across nodes. The session's optimizer object is kept,
 re-pointed at the shards. Accumulation (:meth:`~FsdpStrategy.no_sync`), mixed precision (FSDP2's
 policy from the session's ``precision``, beside its autocast and GradScaler), global-norm
@@ -23,20 +24,24 @@ shards of one mesh for good, so the strategy keeps a storage-less skeleton of th
 (:class:`~elastictrain.train.fsdp.skeleton.Skeleton`, taken before the first shard) and each
 re-formed generation trains a fresh module built from it (:meth:`~FsdpStrategy.unwrapped`: the
 session's model becomes that module, and the same optimizer object is re-pointed at it). The fresh
-module is filled from the ranks' memory when the live ranks hold every region of the newest
-step (:meth:`~FsdpStrategy.covers` plans the region exchange of
+module is filled from the ranks' memory when the live ranks hold every region of a step
+(:meth:`~FsdpStrategy.covers` plans the region exchange of
 :mod:`~elastictrain.train.fsdp.exchange`: an hsdp replica lost, a node joining an fsdp or hsdp
-job), else from the newest checkpoint (an fsdp rank lost with its shards: the steps since are
-redone, and the ``recovery`` event says how many). The sampler cursor, scheduler and extras
-reach a joining rank by the replicated transfer, as under DDP. With ``redundancy_every`` (fsdp),
-each rank keeps a copy of a buddy's shards in host memory (:attr:`FsdpStrategy.redundancy`): the
-copies of the newest step join the exchange, so a rank lost with its shards costs no disk read
-when its buddy's copy is of that step.
+job), else from the newest checkpoint (an fsdp rank lost with its shards and no copy of them:
+the steps since are redone, and the ``recovery`` event says how many). The sampler cursor,
+scheduler and extras reach a joining rank by the replicated transfer, as under DDP. With
+``redundancy_every`` (fsdp), each rank keeps a copy of a buddy's shards in host memory
+(:attr:`FsdpStrategy.redundancy`), and with each snapshot of its own shards the replicated state
+of that step (:meth:`~FsdpStrategy.keep_state`): when a rank is lost with its shards, the live
+ranks rebuild from the newest step they hold whole, the newest one or the step of the last
+refresh every rank completed, rolling back to it from memory (no disk read); the steps after it,
+``redundancy_every`` at most, are redone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
@@ -54,16 +59,19 @@ from elastictrain.train.fsdp.regions import TensorSpec
 from elastictrain.train.fsdp.sharded import Sharded, ShardingConfig, shard
 from elastictrain.train.fsdp.skeleton import Skeleton
 from elastictrain.train.fsdp.state import ModelState, OptimizerState, full_state_dict
+from elastictrain.train.fsdp.units import UnitSpec
 from elastictrain.train.precision import MixedPrecision
 from elastictrain.train.state_transfer import Agreement, transfer
 from elastictrain.train.strategy import GroupView, ParallelStrategy, register_strategy
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping, Sequence
+    from collections.abc import Callable, Iterable, Mapping, Sequence
 
     from elastictrain.train.session_config import SessionConfig
 
 __all__ = ["FsdpStrategy", "HoldingsSource", "HsdpStrategy"]
+
+logger = logging.getLogger(__name__)
 
 _SHARDED_OBJECTS = ("model", "optimizer")
 """The state objects the region exchange rebuilds; the others travel by the replicated transfer."""
@@ -85,19 +93,28 @@ class FsdpStrategy(ParallelStrategy):
     Args:
         precision: The session's precision (``SessionConfig.precision``): bf16 and fp16 become
             FSDP2's mixed precision policy.
+        redundancy_every: See ``SessionConfig.redundancy_every``.
+        units: The FSDP units (``SessionConfig.shard_units``). A module a later generation builds
+            from the skeleton is sharded into the units of the same FQNs as the first generation's.
     """
 
     name = "fsdp"
 
-    def __init__(self, precision: str = "fp32", redundancy_every: int | None = None) -> None:
+    def __init__(self, precision: str = "fp32", redundancy_every: int | None = None, *,
+                 units: UnitSpec | None = None) -> None:
         super().__init__()
         self._precision = precision
+        self._units = units
+        self._unit_fqns: frozenset[str] | None = None
         self._sharded: Sharded | None = None
         self._skeleton: Skeleton | None = None
         self._sources: list[HoldingsSource] = []
         self._exchange: Exchange | None = None
         self._received: dict[str, tuple[TensorSpec, torch.Tensor]] | None = None
         self._redundancy_every = redundancy_every
+        self._objects: Callable[[], Mapping[str, Any]] | None = None
+        self._live_step: int | None = None  # the step of the live state covers() announced, if any
+        self._rebuilt: int | None = None  # the step transfer_state() brought this rank to
         self.redundancy: Redundancy | None = None
         """The copies of the last generation (kept after it is left: they outlive the group)."""
 
@@ -110,7 +127,15 @@ class FsdpStrategy(ParallelStrategy):
         return world_size
 
     def _config(self, view: GroupView) -> ShardingConfig:
-        return ShardingConfig(sharding="fsdp")
+        return ShardingConfig(sharding="fsdp", units=self._units_now())
+
+    def _units_now(self) -> UnitSpec | None:
+        """The units of this generation's module: ``units`` for the first; for a module rebuilt from
+        the skeleton, the FQNs the first chose (a predicate may have judged the modules by identity)."""
+        chosen = self._unit_fqns
+        if chosen is None:
+            return self._units
+        return lambda fqn, _module: fqn in chosen
 
     def _wrap(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, view: GroupView, *,
               identical: bool) -> torch.nn.Module:
@@ -134,6 +159,9 @@ class FsdpStrategy(ParallelStrategy):
         received, self._received, self._exchange = self._received, None, None
         self._sharded = shard(module, optimizer, self._config(view), precision=precision, group=view.group,
                               broadcast=not identical and received is None)
+        if self._unit_fqns is None:
+            self._unit_fqns = frozenset(fqn for fqn, unit in module.named_modules()
+                                        if fqn and isinstance(unit, FSDPModule))
         if received is not None:
             _fill(module, optimizer, received)
         elif restored is not None:
@@ -141,26 +169,36 @@ class FsdpStrategy(ParallelStrategy):
         if self._redundancy_every is not None:
             self.redundancy = start_redundancy(module, optimizer, every=self._redundancy_every,
                                                nproc_per_node=view.local_world_size,
-                                               timeout=view.placement.timeout, group=view.group)
+                                               timeout=view.placement.timeout, group=view.group,
+                                               replicated=self._replicated if self._objects is not None else None)
         return module
 
     def covers(self, group: Any, agreement: Agreement, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                *, step: int, local_world_size: int) -> bool:
-        """See base class: this rank's own shards (and a holdings source's regions) announced, the
-        moves planned for the new layout; a collective over ``group``."""
+        """See base class: what this rank holds announced, each piece with its step (its live shards
+        and buffers at its committed ``step``, the redundancy's snapshots and copy at the steps of its
+        refreshes, a holdings source's regions), the step to rebuild at picked (the newest one the
+        live ranks hold whole: maybe older than the agreed newest, and every rank then rolls back
+        to it, see :mod:`~elastictrain.train.fsdp.rollback`) and the moves planned for the new
+        layout; a collective over ``group``."""
         held: list[Holding] = []
+        replicated: list[int] = []
         specs = {}
-        if isinstance(module, FSDPModule) and step == agreement.step:
+        self._live_step = self._rebuilt = None
+        if isinstance(module, FSDPModule):  # still the previous generation's: its state is this rank's `step`
             held = own_holdings(module, optimizer, step)
-            specs = state_specs(module, optimizer)
             held += buffer_holdings(module, step)  # FSDP2 does not shard them: every rank holds them whole
+            specs = state_specs(module, optimizer)
+            replicated.append(step)
+            self._live_step = step
         if self.redundancy is not None:
-            held += self.redundancy.held()  # the buddy's copy (of the step of its last refresh)
+            held += self.redundancy.kept_holdings()  # its snapshots and the buddy's copy, of the refreshes' steps
+            replicated += self.redundancy.kept_steps()
         for source in self._sources:
             held += source.holdings()
         world = dist.get_world_size(group)
-        self._exchange = announce(group, held=held, specs=specs, step=agreement.step or 0,
-                                  holders=agreement.holders, shard_width=self._shard_width(world, local_world_size))
+        self._exchange = announce(group, held=held, specs=specs, replicated=replicated, newest=agreement.step or 0,
+                                  shard_width=self._shard_width(world, local_world_size))
         return self._exchange.covered
 
     def unwrapped(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
@@ -177,20 +215,44 @@ class FsdpStrategy(ParallelStrategy):
         return fresh
 
     def transfer_state(self, group: Any, agreement: Agreement, objects: Mapping[str, Any], *, step: int) -> bool:
-        """See base class: the replicated objects (sampler cursor, scheduler, scaler, extras) by the
-        replicated transfer; each rank's regions of the model and optimizer by the exchange
-        :meth:`covers` planned, applied to the shards by :meth:`wrap`.
+        """See base class: every rank brought to the step :meth:`covers` picked (:meth:`rebuild_step`).
+        The replicated objects (sampler cursor, scheduler, scaler, extras) come from this rank's own
+        memory where it holds that step (its live objects, or the redundancy's copy of an older
+        step, which :meth:`~elastictrain.train.fsdp.redundancy.Redundancy.roll_back` loads, RNG
+        included), else by the replicated transfer from a rank that does; each rank's regions of the
+        model and optimizer by the exchange :meth:`covers` planned, applied to the shards by :meth:`wrap`.
 
         Raises:
             SessionError: :meth:`covers` planned no covered exchange.
         """
-        if self._exchange is None or not self._exchange.covered:
+        exchange = self._exchange
+        if exchange is None or exchange.step is None:
             raise SessionError(f"sharding={self.name!r}: no covered region exchange was planned")
+        target = exchange.step
         rest = {name: obj for name, obj in objects.items() if name not in _SHARDED_OBJECTS}
-        received = transfer(group, agreement, rest, step=step)
-        self._received = self._exchange.run(group)
-        self._exchange = None
+        if exchange.rank in exchange.holders and target != self._live_step:
+            assert self.redundancy is not None  # noqa: S101 - only the redundancy keeps other steps' state
+            self.redundancy.roll_back(target, rest)
+            logger.info("rolled back to step %d from this rank's memory (the state of step %s is not held whole "
+                        "by the live ranks)", target, agreement.step)
+        receivers = tuple(r for r in range(dist.get_world_size(group)) if r not in exchange.holders)
+        received = transfer(group, Agreement(target, exchange.holders, receivers), rest, step=target)
+        self._received = exchange.run(group)
+        self._exchange, self._rebuilt = None, target
         return received
+
+    def rebuild_step(self, agreement: Agreement) -> int | None:
+        """See base class: the step :meth:`covers` picked, once :meth:`transfer_state` brought every rank to it."""
+        return self._rebuilt if self._rebuilt is not None else agreement.step
+
+    def keep_state(self, objects: Callable[[], Mapping[str, Any]]) -> None:
+        """See base class: the redundancy keeps the replicated part (all but the model and the
+        optimizer, which its snapshots hold shard by shard) with each snapshot."""
+        self._objects = objects
+
+    def _replicated(self) -> dict[str, Any]:
+        assert self._objects is not None  # noqa: S101 - only given to the redundancy with objects
+        return {name: obj for name, obj in self._objects().items() if name not in _SHARDED_OBJECTS}
 
     def _leave(self) -> None:
         """See base class. The model stays sharded until :meth:`unwrapped` (see the module
@@ -260,7 +322,8 @@ class HsdpStrategy(FsdpStrategy):
     name = "hsdp"
 
     def _config(self, view: GroupView) -> ShardingConfig:
-        return ShardingConfig(sharding="hsdp", nproc_per_node=view.local_world_size, timeout=view.placement.timeout)
+        return ShardingConfig(sharding="hsdp", units=self._units_now(), nproc_per_node=view.local_world_size,
+                              timeout=view.placement.timeout)
 
     def _shard_width(self, world_size: int, local_world_size: int) -> int:
         """See base class: a node's ranks."""
@@ -301,11 +364,11 @@ def _fill(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def _fsdp(config: SessionConfig) -> FsdpStrategy:
-    return FsdpStrategy(config.precision, config.redundancy_every)
+    return FsdpStrategy(config.precision, config.redundancy_every, units=config.shard_units)
 
 
 def _hsdp(config: SessionConfig) -> HsdpStrategy:
-    return HsdpStrategy(config.precision)
+    return HsdpStrategy(config.precision, units=config.shard_units)
 
 
 register_strategy("fsdp", _fsdp)
