@@ -156,7 +156,9 @@ class S3Storage:
         client: A boto3 S3 client; ``None`` makes one the standard way (see the module).
         part_size: Bytes per segment of a file written (and per range read), at least 1 MiB; a
             file of at most this many bytes is one object.
-        concurrency: Segments uploaded (and downloaded) at once, per file.
+        concurrency: Segments uploaded (and downloaded) at once, per file. The storage keeps up
+            to ``concurrency + 1`` segment buffers (``part_size`` each: 288 MiB by default) from
+            one file to the next, so that the copy into them does not page-fault.
         attempts: Tries of each request that meets throttling, a server error, a timeout or a
             broken connection; ``None``: ``AWS_MAX_ATTEMPTS``, else 10.
     """
@@ -465,11 +467,11 @@ class S3Storage:
         return self._size(self._key(path))
 
     def exists(self, path: str) -> bool:
-        """See base class: an object, or a prefix with objects under it."""
+        """See base class: an object (a file, or a file's index), or a prefix with objects under it."""
         key = self._key(path)
         if key:
             try:
-                self._size(key)
+                self._call("reading the size of", key, "head_object", Key=key)
                 return True
             except FileNotFoundError:
                 pass
