@@ -416,8 +416,8 @@ class S3Storage:
         if _SEGMENTED not in (head.get("Metadata") or {}):
             if size <= self._part_size:
                 return [(key, None, size)]
-            return [(key, (start, end - 1), end - start)
-                    for start in range(0, size, self._part_size) if (end := min(start + self._part_size, size))]
+            ends = [(start, min(start + self._part_size, size)) for start in range(0, size, self._part_size)]
+            return [(key, (start, end - 1), end - start) for start, end in ends]
         raw = self._body(key, self._call("reading", key, "get_object", Key=key))
         directory, _, name = key.rpartition("/")
         try:
@@ -546,8 +546,8 @@ class _Writer:
     """The write-only file ``S3Storage.open_write`` yields.
 
     Bytes gather into a segment of ``part_size``; a file that ends within its first segment is
-    one create-only ``PutObject`` at its key. Once a first segment is full, the file is stored
-    in segments: each full segment goes out at once, as its own create-only ``PutObject`` on a
+    one create-only ``PutObject`` at its key. Once more bytes follow a full first segment, the
+    file is stored in segments: each full segment goes out at once, as its own create-only ``PutObject`` on a
     few threads, under ``<key>.seg-<nonce>/`` (the nonce keeps two writers of one key apart:
     of the two, the one whose index lands first wins, as for a single object); ``finish``
     waits for them all, then writes the file's index at the key itself, create-only: the
