@@ -83,7 +83,7 @@ import torch
 
 from benchmarks._common import emit, free_port, machine, ratio, summarize
 from benchmarks.checkpoint_stall import WIDTH, build_state
-from elastictrain.checkpoint import CheckpointManager
+from elastictrain.checkpoint import CheckpointManager, map_tensors
 from elastictrain.checkpoint.s3 import S3Storage
 
 _WRITE = 64 << 20
@@ -153,7 +153,9 @@ def _plain_multipart(client: Any, bucket: str, key: str, payload: bytes, part_si
 
 def _warm_copies(state: dict[str, Any]) -> Callable[[], None]:
     """A function that copies every tensor storage of ``state`` into warm buffers of its size."""
-    sources = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in _tensors(state)}
+    found: list[torch.Tensor] = []
+    map_tensors({k: v.state_dict() for k, v in state.items()}, found.append)
+    sources = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in found}
     pairs = [(torch.empty(0, dtype=torch.uint8).set_(s), torch.zeros(s.nbytes(), dtype=torch.uint8))
              for s in sources.values()]
 
@@ -163,23 +165,6 @@ def _warm_copies(state: dict[str, Any]) -> Callable[[], None]:
 
     copy()  # the buffers' pages are touched: warm, as the managers' copy pools are
     return copy
-
-
-def _tensors(state: dict[str, Any]) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-
-    def walk(obj: Any) -> None:
-        if isinstance(obj, torch.Tensor):
-            found.append(obj.detach())
-        elif isinstance(obj, dict):
-            for value in obj.values():
-                walk(value)
-        elif isinstance(obj, (list, tuple)):
-            for value in obj:
-                walk(value)
-
-    walk({k: v.state_dict() for k, v in state.items()})
-    return found
 
 
 def measure(mb: int, reps: int, warmup: int, batch: int, part_size: int, endpoint: str, server: int,
