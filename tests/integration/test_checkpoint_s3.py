@@ -402,7 +402,7 @@ def test_restore_and_status_skip_a_checkpoint_whose_object_does_not_match_its_ma
 
 
 @pytest.mark.parametrize("damage", ["segment", "index"])
-def test_restore_skips_a_checkpoint_with_a_flipped_byte_in_a_segment_or_a_damaged_index(
+def test_restore_and_status_skip_a_checkpoint_with_a_flipped_byte_in_a_segment_or_a_damaged_index(
         s3_env: str, bucket: str, damage: str) -> None:
     first, second = _model(11, width=1800), _model(12, width=1800)
     with CheckpointManager("run", storage=S3Storage(bucket, part_size=PART)) as manager:
@@ -419,6 +419,7 @@ def test_restore_skips_a_checkpoint_with_a_flipped_byte_in_a_segment_or_a_damage
     else:  # an index whose sizes no longer add up to the file's
         body["sizes"][0] -= 1
         client(s3_env).put_object(Bucket=bucket, Key=index, Body=json.dumps(body).encode(), Metadata=metadata)
+    assert status_report.newest_checkpoint(f"s3://{bucket}/run", checksums=True)["step"] == 1
     step, weight = _restored_weight(f"s3://{bucket}/run", width=1800)
     assert step == 1 and torch.equal(weight, first.weight)
 
