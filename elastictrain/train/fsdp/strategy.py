@@ -33,6 +33,11 @@ reach a joining rank by the replicated transfer, as under DDP. With ``redundancy
 each rank keeps a copy of a buddy's shards in host memory (:attr:`FsdpStrategy.redundancy`): the
 copies of the newest step join the exchange, so a rank lost with its shards costs no disk read
 when its buddy's copy is of that step.
+
+Under in-process recovery the mesh is made of failsafe groups
+(:mod:`~elastictrain.train.fsdp.failsafe_group`, one :class:`SwallowedFailure` per generation): a unit's
+all-gather that fails inside the user's forward is recorded (:meth:`FsdpStrategy.swallowed`), not
+raised there, and the step loop discards the step at its end.
 """
 
 from __future__ import annotations
