@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 import statistics
 import sys
 import time
@@ -31,7 +29,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import emit, machine, run_gloo_workers, summarize, worker_or_main  # noqa: E402 - after the path is set
+from benchmarks._common import (  # noqa: E402 - after the path is set
+    emit, finish_gloo_worker, machine, run_gloo_workers, summarize, worker_or_main,
+)
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "redundancy_cost.json"
 WORLD = 4
@@ -100,11 +100,7 @@ def _worker(rank: int, store: str, options: dict[str, Any]) -> None:
             runs[str(every)].append(_run(every, options))
     everyone: list[Any] = [None] * WORLD
     dist.all_gather_object(everyone, runs)
-    if rank == 0:
-        Path(options["result"]).write_text(json.dumps(everyone))
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)  # without torch's teardown of the gloo groups (see tests/support/leave.py)
+    finish_gloo_worker(rank, everyone, options["result"])
 
 
 def _median(runs: list[dict[str, Any]], name: str) -> float:

@@ -129,6 +129,19 @@ class StepLoop:
         """Marks a step's own collectives (see :meth:`GroupKeeper.collective`)."""
         return self._keeper.collective()
 
+    def swallowing(self) -> contextlib.AbstractContextManager[Any]:
+        """Around a micro-batch's forward and backward: under in-process recovery the strategy
+        records a collective failure inside instead of raising it in the user's code
+        (:meth:`~elastictrain.train.strategy.ParallelStrategy.swallowing`)."""
+        if not (self.wrapped and self.recovers_in_process):
+            return contextlib.nullcontext()
+        return self._keeper.strategy.swallowing()
+
+    def swallowed(self) -> BaseException | None:
+        """The collective failure the strategy recorded inside :meth:`swallowing`, if one was: the
+        step is discarded."""
+        return self._keeper.strategy.swallowed() if self.wrapped else None
+
     def before_forward(self) -> BaseException | None:
         """The strategy's collectives due before a micro-batch's forward
         (:meth:`~elastictrain.train.strategy.ParallelStrategy.before_forward`); under in-process

@@ -144,6 +144,23 @@ def test_sharded_step_times_three_shardings_and_reports_each_ranks_state(tmp_pat
     assert all(0.45 < mb / held["ddp"][0] < 0.55 for mb in held["hsdp"])
 
 
+# Slow (about 10 s): a sharded forward's unsharded parameters, three modes at world size 2 (issue 41).
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_sharded_forward_reports_what_each_mode_holds_unsharded_at_once(tmp_path: Path) -> None:
+    out = tmp_path / "sharded_forward.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/sharded_forward.py", "--mb", "1", "--layers", "4", "--reps", "1", "--steps", "2",
+         "--warmup", "1", "--out", str(out)],
+        cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=160,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    share = {mode: results[mode]["unsharded_share_of_model"] for mode in ("plain", "gather", "failsafe")}
+    # The full gather holds the whole model; plain FSDP2 and the failsafe groups a block (and the head).
+    assert share["gather"] == 1.0 and share["failsafe"] == share["plain"] < 0.5, share
+
+
 # Slow (about 15 s): sessions with and without redundancy at world size 4 (issue 41).
 @pytest.mark.slow
 @pytest.mark.timeout(240)

@@ -196,3 +196,32 @@ def test_an_hsdp_job_that_loses_a_node_trains_on_with_no_step_redone_and_no_chec
     assert not events(out, "restore"), "a checkpoint was read"
     assert {r["pid"] for r in _world_steps(out, 2)} <= pids, "a survivor was restarted"
     assert_same_parameters(reference(tmp_path), __import__("torch").load(out / "final-0.pt", weights_only=True))
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_killed_while_its_peer_is_inside_the_forward_is_recovered_in_place_and_the_step_discarded(
+        etcd_server: Any, run_id: str, tmp_path: Path) -> None:
+    """The survivor's next unit gathers its parameters from the dead peer inside the user's forward:
+    the failure is recorded (not raised there), the forward and backward finish on garbage, and the
+    step is discarded at its end; the survivor keeps its process, re-forms alone, and ends equal to
+    an uninterrupted run."""
+    out, gate = tmp_path / "job", tmp_path / "gate"
+    nodes = [start_node(etcd_server.endpoint, run_id, out, "--sharding", "fsdp", "--hold-in-forward", f"12:{gate}",
+                        "--hang-floor", "30", min_nodes=1, max_nodes=2) for _ in range(2)]
+    held = [Path(f"{gate}.held-{rank}") for rank in range(2)]
+    wait_until(lambda: all(path.exists() for path in held), "both ranks inside a forward at world 2", nodes)
+    pids = {int(path.read_text()) for path in held}
+    victim = nodes[1]
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    gate.touch()
+    outputs = finish(nodes[:1])
+    _say(out)
+    assert nodes[0].returncode == 0, outputs[0][-3000:]
+    lost = [e for e in _reformations(out) if (e["old_world_size"], e["world_size"]) == (2, 1)]
+    assert len(lost) == 1 and "was discarded" in lost[0]["cause"], lost
+    discarded = int(lost[0]["cause"].split("in step ")[1].split()[0])
+    assert discarded >= 12 and not [r for r in _world_steps(out, 2) if r["step"] == discarded], "applied at world 2"
+    survivors = {r["pid"] for r in _world_steps(out, 1) if r["step"] >= discarded}
+    assert len(survivors) == 1 and survivors <= pids, "the survivor was restarted"
+    assert_same_parameters(reference(tmp_path), __import__("torch").load(out / "final-0.pt", weights_only=True))

@@ -36,6 +36,11 @@ of that step (:meth:`~FsdpStrategy.keep_state`): when a rank is lost with its sh
 ranks rebuild from the newest step they hold whole, the newest one or the step of the last
 refresh every rank completed, rolling back to it from memory (no disk read); the steps after it,
 ``redundancy_every`` at most, are redone.
+
+Under in-process recovery the mesh is made of failsafe groups
+(:mod:`~elastictrain.train.fsdp.failsafe_group`, one :class:`SwallowedFailure` per generation): a unit's
+all-gather that fails inside the user's forward is recorded (:meth:`FsdpStrategy.swallowed`), not
+raised there, and the step loop discards the step at its end.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from torch.distributed.tensor import DTensor
 
 from elastictrain.errors import SessionError
 from elastictrain.train.fsdp.exchange import Exchange, announce, buffer_holdings, state_specs
+from elastictrain.train.fsdp.failsafe_group import SwallowedFailure
 from elastictrain.train.fsdp.gradients import clip_grad_norm_, no_sync
 from elastictrain.train.fsdp.holdings import Holding, own_holdings
 from elastictrain.train.fsdp.optimizer import parameter_fqns, shard_optimizer
@@ -117,6 +123,7 @@ class FsdpStrategy(ParallelStrategy):
         self._rebuilt: int | None = None  # the step transfer_state() brought this rank to
         self.redundancy: Redundancy | None = None
         """The copies of the last generation (kept after it is left: they outlive the group)."""
+        self._failures: SwallowedFailure | None = None
 
     def add_holdings_source(self, source: HoldingsSource) -> None:
         """Offer ``source``'s regions to the region exchange of each later re-formation."""
@@ -157,8 +164,9 @@ class FsdpStrategy(ParallelStrategy):
         optimizer.state.clear()
         precision = MixedPrecision(self._precision, view.placement.device)
         received, self._received, self._exchange = self._received, None, None
+        self._failures = SwallowedFailure() if view.in_process else None
         self._sharded = shard(module, optimizer, self._config(view), precision=precision, group=view.group,
-                              broadcast=not identical and received is None)
+                              broadcast=not identical and received is None, failures=self._failures)
         if self._unit_fqns is None:
             self._unit_fqns = frozenset(fqn for fqn, unit in module.named_modules()
                                         if fqn and isinstance(unit, FSDPModule))
@@ -257,6 +265,7 @@ class FsdpStrategy(ParallelStrategy):
     def _leave(self) -> None:
         """See base class. The model stays sharded until :meth:`unwrapped` (see the module
         docstring); the redundancy's refreshes stop, its copies stay (:attr:`redundancy`)."""
+        self._failures = None
         if self.redundancy is not None:
             self.redundancy.close()
 
@@ -278,18 +287,26 @@ class FsdpStrategy(ParallelStrategy):
             self.redundancy.after_step(step)
 
     def before_forward(self) -> None:
-        """See base class: under in-process recovery, every unit's parameters gathered now
-        (``unshard()``), so that the forward runs no collective and a peer lost meanwhile fails
-        here, where the step is discarded and the group re-forms in place. The cost: the whole
-        model's parameters unsharded at once at the start of each forward (each unit reshards
-        after its forward as before). Restart recovery gathers them unit by unit in the forward."""
-        view = self.view
-        if not view.in_process:
-            return
-        assert self._sharded is not None  # noqa: S101 - set with the view
-        for module in self._sharded.model.modules():
-            if isinstance(module, FSDPModule):
-                module.unshard()
+        """See base class: raises the collective failure swallowed earlier in the step, if one was
+        (the step is then discarded before this forward). Each unit gathers its parameters in
+        the forward, as plain FSDP2 does."""
+        _ = self.view
+        failed = self.swallowed()
+        if failed is not None:
+            raise failed
+
+    def swallowing(self) -> contextlib.AbstractContextManager[Any]:
+        """See base class: under in-process recovery the mesh is made of failsafe groups
+        (:mod:`~elastictrain.train.fsdp.failsafe_group`): inside, a failed all-gather or
+        reduce-scatter is recorded, and it and the later collectives of the mesh return at once."""
+        _ = self.view
+        if self._failures is None:
+            return contextlib.nullcontext()
+        return self._failures.swallowing()
+
+    def swallowed(self) -> BaseException | None:
+        """See base class."""
+        return self._failures.failure if self._failures is not None else None
 
     def clip_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
         """See base class: the norm over every shard (a collective over the mesh)."""
