@@ -444,15 +444,15 @@ class Redundancy:
                     return
             assert step is not None and copying is not None  # noqa: S101 - the wait's predicate, set together
             try:
-                self._copy(sending, *copying, step)
-            finally:
-                with self._cond:
-                    self._copying = None  # the live shards may change now
-                    self.peak_host_bytes = max(self.peak_host_bytes, self._host_bytes())
-                    self._cond.notify_all()
-            try:
+                try:
+                    self._copy(sending, *copying, step)
+                finally:
+                    with self._cond:
+                        self._copying = None  # the live shards may change now
+                        self.peak_host_bytes = max(self.peak_host_bytes, self._host_bytes())
+                        self._cond.notify_all()
                 received = self._exchange(step)
-            except Exception as exc:  # noqa: BLE001 - a lost peer must end the refreshes, not the process
+            except Exception as exc:  # noqa: BLE001 - a lost peer (or memory) must end the refreshes, not the process
                 logger.warning("redundancy: the refresh of step %d failed, refreshes end (this rank keeps "
                                "the state of step %s): %s", step, self._completed, exc)
                 with self._cond:
