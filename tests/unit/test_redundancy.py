@@ -209,6 +209,11 @@ def test_copies_follow_their_buddies_do_not_block_the_step_and_rebuild_a_killed_
     assert all(torch.equal(tiled[key], value.to(torch.float64)) for key, value in full.items())
     assert {tuple(row[2]) for row in dumps[3]["own"][7] if row[0] == "model/embed.weight"} == {(1, 5)}
     assert not [row for row in dumps[3]["own"][7] if row[0].startswith(("model/head.", "model/scale"))]
+    # Node 1 (ranks 2 and 3) lost during that refresh: rank 0 completed it (the copy of rank 2's
+    # shards of 8) and rank 1 did not (rank 3's of 7); rank 0 still offers the copy of 7 it
+    # replaced, so ranks 0 and 1 hold step 7 whole.
+    assert {h.step for h in survivors[0] if h.key == "model/embed.weight" and h.offsets == (4, 0)} >= {7, 8}
+    assert missing({r: survivors[r] for r in (0, 1)}, needed, 7) == []
     # Rank 3 and its buddy rank 1 both lost: exactly their shards are missing (the step counts are
     # on every rank), and the caller restores from the checkpoint.
     lost = missing({r: survivors[r] for r in (0, 2)}, needed, 7)

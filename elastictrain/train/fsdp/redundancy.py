@@ -35,7 +35,10 @@ hold the last completed refresh's. A refresh that fails half way (a peer died) e
 (on every rank: the next agreement carries it) and leaves, on every survivor, its own shards and
 the copy it holds as of the last refresh it completed; so the survivors together still hold the
 whole state of one step when a rank dies during a refresh (the step before it, where the dead
-rank's holder did not complete it).
+rank's holder did not complete it). A rank that completed a refresh also keeps offering the copy
+it replaced until the next refresh starts (every rank holds the newer one then): when a node is
+lost during a refresh that one of its ranks' holders completed and another did not, the step
+before is still held whole.
 
 With each snapshot of its own shards, a rank keeps the replicated state of that step (the
 sampler cursor, scheduler, scaler, step counter and extras the constructor's ``replicated``
@@ -255,6 +258,7 @@ class Redundancy:
         self._sending = self._own[0]
         self._completed: int | None = None  # the step of the last refresh this rank completed
         self._held: list[Holding] = []
+        self._previous: list[Holding] = []  # the copy the last swap replaced, while its buffer is kept
         self._held_buffer = _host_buffer(0, False)
         self._incoming = _host_buffer(0, False)
         self.started = 0
@@ -317,6 +321,7 @@ class Redundancy:
                 # The buffer that does not hold the last completed refresh's snapshot (it stays whole).
                 self._sending = next(s for s in self._own if s.step is None or s.step != self._completed)
                 self._sending.clear()
+                self._previous = []  # its buffer receives this refresh: every rank holds the last one now
                 self._copying = (layout, kept)
                 self._due = step
                 self.started += 1
@@ -349,28 +354,30 @@ class Redundancy:
     def holdings(self) -> list[Holding]:
         """What this rank holds: its live shards (of the last step given to :meth:`after_step`),
         its snapshots of other steps, and the copy of the source's shards of the last refresh it
-        completed (none before the first). Each with its step.
+        completed (none before the first), with the copy it replaced until the next refresh
+        starts (then every rank holds the newer one). Each with its step.
 
         The snapshots' and the copy's tensors are views of buffers that later refreshes write
         into: :meth:`close` first to keep them."""
         with self._cond:
-            held = list(self._held)
+            held = [*self._held, *self._previous]
             snapshots = [h for s in self._own if s.step is not None and s.step != self._step for h in s.holdings()]
         return [*own_holdings(self._model, self._optimizer, self._step), *snapshots, *held]
 
     def held(self) -> list[Holding]:
-        """The copy of the source's shards alone (see :meth:`holdings`)."""
+        """The copy of the source's shards of the last refresh completed, alone (see :meth:`holdings`)."""
         with self._cond:
             return list(self._held)
 
     def kept_holdings(self) -> list[Holding]:
         """What a roll back can rebuild from, each with its step: this rank's snapshots of its own
-        shards (with the buffers kept with them) and the copy of the source's; not the live shards
+        shards (with the buffers kept with them) and the copies of the source's (see
+        :meth:`holdings`); not the live shards
         (their step is the caller's to say: a step that failed after its optimizer step may not
         have reached :meth:`after_step`)."""
         with self._cond:
             snapshots = [s for s in self._own if s.step is not None]
-            held = list(self._held)
+            held = [*self._held, *self._previous]
         return [*(h for s in snapshots for h in s.holdings()),
                 *(h for s in snapshots if s.kept is not None for h in s.kept.buffers), *held]
 
@@ -464,6 +471,7 @@ class Redundancy:
                 return
             with self._cond:
                 if not self._closing:  # a copy completed after close() is not swapped in
+                    self._previous = self._held  # still whole, in what becomes the incoming buffer
                     self._held, self._held_buffer, self._incoming = received, self._incoming, self._held_buffer
                     self._completed = step
                     self.refreshed += 1
@@ -500,7 +508,7 @@ class Redundancy:
         for snapshot in self._own:
             if snapshot is not self._sending:
                 snapshot.release()
-        self._incoming = _host_buffer(0, False)
+        self._incoming, self._previous = _host_buffer(0, False), []
 
     def _exchange(self, step: int) -> list[Holding]:
         """Send the snapshot of ``step`` to the holder, receive the source's into the incoming
