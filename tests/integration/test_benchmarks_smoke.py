@@ -7,6 +7,7 @@ for that, and ``python -m benchmarks --mode quick|full`` is where numbers come f
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -93,8 +94,8 @@ def test_step_overhead_runs_the_three_loops_in_turns_and_reports_each(tmp_path: 
     assert row.count("%") == 2 and f"{tiny['inprocess_paired_overhead_pct']:+.1f}%" in row, row
 
 
-# In the default suite (21 s on the 2-core VM at load 13; one repetition, no warm-up): nothing else runs
-# this benchmark's code (issue 44).
+# In the default suite (both configurations, shared cores and pinned, one repetition each, no
+# warm-up; 18 s on the 2-core VM at load 6): nothing else runs this benchmark's code (issue 44).
 @pytest.mark.timeout(180)
 def test_checkpoint_s3_saves_restores_and_uploads_to_a_local_s3_server_and_reports_each(tmp_path: Path) -> None:
     out = tmp_path / "checkpoint_s3.json"
@@ -104,13 +105,23 @@ def test_checkpoint_s3_saves_restores_and_uploads_to_a_local_s3_server_and_repor
         cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=160,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(out.read_text())["result"]
-    for key in ("torch_save_local", "s3_async_stall", "s3_async_total", "s3_overlap_stall", "s3_overlap_lost",
-                "s3_restore", "s3storage_upload", "boto3_put_object", "boto3_multipart", "boto3_multipart_complete"):
-        assert SUMMARY_KEYS <= result[key].keys() and result[key]["n"] == 1, (key, result[key])
-    assert {"s3_overlap_stall_over_torch_save", "upload_throughput_over_put", "upload_throughput_over_plain_multipart",
-            "s3storage_upload_mb_per_s", "boto3_put_object_mb_per_s"} <= result.keys()
-    assert result["replicated_bytes"] > 4 << 20
+    record = json.loads(out.read_text())
+    assert record["configs"] == ["shared", "pinned"]
+    for name in ("result", "result_pinned"):
+        result = record[name]
+        for key in ("torch_save_local", "memcpy_floor", "s3_async_stall", "s3_async_total", "s3_overlap_stall",
+                    "s3_overlap_lost", "s3_restore", "s3storage_upload", "boto3_put_object",
+                    "boto3_put_object_same_client", "boto3_multipart",
+                    "boto3_multipart_complete", "s3storage_upload_cpu_client", "s3storage_upload_cpu_server",
+                    "overlap_window_cpu_client", "overlap_window_cpu_server", "compute_alone_cpu_client"):
+            assert SUMMARY_KEYS <= result[key].keys() and result[key]["n"] == 1, (name, key, result[key])
+        assert {"s3_overlap_stall_over_torch_save", "s3_async_stall_over_memcpy_floor", "upload_throughput_over_put",
+                "upload_throughput_over_put_same_client",
+                "upload_throughput_over_plain_multipart", "s3storage_upload_mb_per_s", "boto3_put_object_mb_per_s",
+                "overlap_extra_cpu_client", "overlap_extra_cpu_server"} <= result.keys()
+        assert result["replicated_bytes"] > 4 << 20
+    assert record["result"]["cpus"] == sorted(os.sched_getaffinity(0)) and record["result_pinned"]["cpus"] == [0]
+    assert record["result_pinned"]["torch_threads"] == 1
 
 
 # Slow (about 10 s): sessions of three shardings at world size 4 (issue 41).
