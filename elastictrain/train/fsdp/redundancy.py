@@ -259,6 +259,7 @@ class Redundancy:
         self._completed: int | None = None  # the step of the last refresh this rank completed
         self._held: list[Holding] = []
         self._previous: list[Holding] = []  # the copy the last swap replaced, while its buffer is kept
+        self._their_layout: tuple[tuple[bytes, int], list[_Slot]] | None = None  # the source's metadata, parsed
         self._held_buffer = _host_buffer(0, False)
         self._incoming = _host_buffer(0, False)
         self.started = 0
@@ -530,7 +531,10 @@ class Redundancy:
             self._incoming = _host_buffer(length, False)
         self._both(sending.meta, meta, _META)
         self._both(sending.buffer[:sending.length], self._incoming[:length], _PAYLOAD)
-        slots = _parse_slots(bytes(meta.numpy()), length)
+        said = (bytes(meta.numpy()), length)
+        if self._their_layout is None or self._their_layout[0] != said:  # parsed once while it stays the same
+            self._their_layout = (said, _parse_slots(*said))
+        slots = self._their_layout[1]
         return [Holding(key=s.key, offsets=s.offsets, sizes=s.sizes, step=step, tensor=s.view(self._incoming))
                 for s in slots]
 
