@@ -9,14 +9,21 @@ their own. One spawn of four processes, two per "node" (ranks 0-1 and 2-3), then
 - holds a refresh back by a gate in the test: the refresh call returns, the next step trains
   (collectives on the training group) while the send is held, the next refresh due is skipped on
   every rank; released, each rank's copy equals its source's shards of the refreshed step;
-- refreshes every step, then once at a known step: each copy equals its source's shards there
-  (parameters and AdamW state), and rank 0 gathers the full state of that step;
+- the skipped refresh leaves each rank's snapshot and copy of the refreshed step, a consistent pair;
+- refreshes every step, then once at a known step (an AdamW state tensor replaced before it, as
+  a restore does): each copy equals its source's shards there (parameters and AdamW state), and
+  rank 0 gathers the full state of that step;
+- on another model, a copy held back by a gate: the next optimizer step waits for it, and the
+  snapshot holds the refreshed step's values; refreshes every ``RELEASE_FROM`` steps leave two
+  shards per rank between refreshes (four at the peak), and the ranks' kept holdings cover the
+  last refresh's step;
 - fails a refresh on one rank: the next due one ends the refreshes on every rank;
 - kills rank 3 while its next refresh is held back (its holder, rank 1, sees the refresh fail).
 
 The test then rebuilds, from the survivors' holdings alone, the full state of the last step
-they all hold, compares it to the gathered one, and checks that losing rank 3 with its buddy
-rank 1 leaves exactly their shards uncovered. Run as a script, this module is the worker.
+they all hold, compares it to the gathered one, checks that ranks 0 and 1 alone (node 1 lost
+during that refresh, which rank 0 completed and rank 1 did not) still hold it whole, and that
+losing rank 3 with its buddy rank 1 leaves exactly their shards uncovered. Run as a script, this module is the worker.
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ keep their values until the next optimizer step (the forward and backward only r
 copy runs beside the next step's forward and backward; an optimizer step pre-hook holds the next
 optimizer step back only if the copy has not finished by then. Which shards and where each lies in
 the buffer is worked out once and reused while the tensors stay the same (a check of their keys
-and storage per refresh), so the training thread's stall is the agreement and the capture of the
-replicated state (:class:`Kept`), not a pass over every tensor.
+and storage per refresh), so the training thread's stall is the agreement, that check and the
+capture of the replicated state (:class:`Kept`), not every tensor's region worked out again.
 
 A refresh still in flight on any rank when the next one is due skips that one on every rank
 (:attr:`Redundancy.skipped`), never queues it and never stalls the step: the ranks agree by a
