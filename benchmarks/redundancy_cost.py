@@ -105,16 +105,17 @@ def _calibrate(options: dict[str, Any]) -> tuple[int, float]:
     import torch.distributed as dist
 
     width, target = options["width"], options["target_step_ms"]
-    step_ms = 0.0
-    for _ in range(CALIBRATION_TRIES):
+    tries = 0
+    while True:
+        tries += 1
         trial = {**options, "width": width, "steps": CALIBRATION_STEPS, "warmup": 2}
         measured = [_run(None, trial)["step_s"] * 1e3]
         dist.broadcast_object_list(measured, src=0)
         step_ms = measured[0]
-        if abs(step_ms / target - 1) <= 0.1:
-            break
-        width = max(16, round(width * math.sqrt(target / step_ms) / 16) * 16)  # 4 heads: a multiple of 4
-    return width, step_ms
+        scaled = max(16, round(width * math.sqrt(target / step_ms) / 16) * 16)  # 4 heads: a multiple of 4
+        if abs(step_ms / target - 1) <= 0.1 or scaled == width or tries == CALIBRATION_TRIES:
+            return width, step_ms  # the width measured last, with its step
+        width = scaled
 
 
 def _worker(rank: int, store: str, options: dict[str, Any]) -> None:
