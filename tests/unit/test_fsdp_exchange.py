@@ -37,6 +37,30 @@ def test_shards_held_in_memory_reshape_to_a_new_layout_and_a_strategy_grows_in_p
                       "rank2_received": True}, checks
 
 
+def test_a_move_the_plan_merged_over_two_adjacent_holdings_is_sent_joined() -> None:
+    # Three ranks of one worker, rank 2 lost: rank 1 holds its own rows 4-8 and the copy of rank
+    # 0's rows 0-4 (its source), adjacent. The new rank 0 needs rows 0-6 and may take them all
+    # from rank 1, which the plan says as one move (0, 6) over both holdings.
+    from elastictrain.errors import SessionError
+    from elastictrain.train.fsdp.exchange import Exchange
+    from elastictrain.train.fsdp.holdings import Holding
+    from elastictrain.train.fsdp.regions import Region, TensorSpec, plan_exchange
+
+    full = torch.arange(12 * 2, dtype=torch.float32).reshape(12, 2)
+    held = [Holding("model/w", (4, 0), (4, 2), 3, full[4:8].clone()),
+            Holding("model/w", (0, 0), (4, 2), 3, full[0:4].clone())]
+    plan = plan_exchange([Region(1, "model/w", (4, 0), (4, 2)), Region(1, "model/w", (0, 0), (4, 2))],
+                         [Region(0, "model/w", (0, 0), (6, 2))])
+    assert [(m.src, m.dst, m.rows) for m in plan.moves] == [(1, 0, (0, 6))]
+    specs = {"model/w": (TensorSpec("model/w", (12, 2), True), torch.float32)}
+    exchange = Exchange(1, 3, plan, (1,), (), specs, tuple(held))
+    assert torch.equal(exchange._source(plan.moves[0]), full[0:6])
+    # Rows no holding has are still refused in one line.
+    gap = Exchange(1, 3, plan, (1,), (), specs, (held[0],))
+    with pytest.raises(SessionError, match=r"send rows \(0, 6\) of model/w, which it does not hold"):
+        gap._source(plan.moves[0])
+
+
 def _reshape(rank: int) -> tuple[bool, list[bool]]:
     import torch.distributed as dist
 

@@ -152,12 +152,23 @@ class Exchange:
         return {key: (self.specs[key][0], tensor) for key, (_, tensor) in out.items()}
 
     def _source(self, move: Move) -> torch.Tensor:
-        for held in self.held:
-            start = held.offsets[0] if held.sizes else 0
-            stop = start + (held.sizes[0] if held.sizes else 1)
-            if held.key == move.key and start <= move.rows[0] and stop >= move.rows[1]:
-                return _rows(held.tensor, start, move.rows).to("cpu")
-        raise SessionError(f"the plan has rank {self.rank} send rows {move.rows} of {move.key}, which it does not hold")
+        """The rows ``move`` sends, from this rank's holdings: one holding's, or adjacent ones'
+        joined (the plan merges a rank's adjacent pieces into one move: its own snapshot beside
+        the copy of the neighbouring rank's shard)."""
+        low, high = move.rows
+        parts: list[torch.Tensor] = []
+        while low < high:
+            for held in self.held:
+                start = held.offsets[0] if held.sizes else 0
+                stop = start + (held.sizes[0] if held.sizes else 1)
+                if held.key == move.key and start <= low < stop:
+                    parts.append(_rows(held.tensor, start, (low, min(stop, high))).to("cpu"))
+                    low = min(stop, high)
+                    break
+            else:
+                raise SessionError(f"the plan has rank {self.rank} send rows {move.rows} of {move.key}, which it "
+                                   "does not hold")
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def announce(group: Any, *, held: Sequence[Holding], specs: dict[str, tuple[TensorSpec, torch.dtype]],
