@@ -8,6 +8,7 @@ JSON-lines file that ``benchmarks/_train.py`` appends to.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -23,7 +24,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = ROOT / "benchmarks"
@@ -98,6 +99,35 @@ def run_gloo_workers(script: str, world: int, options: dict[str, Any]) -> Any:
         if codes != [0] * world:
             sys.exit(f"a worker failed: exit codes {codes}")
         return json.loads(Path(options["result"]).read_text())
+
+
+def finish_gloo_worker(rank: int, result: Any, path: str) -> NoReturn:
+    """End a rank of a :func:`run_gloo_workers` job: rank 0 writes ``result`` (JSON) to ``path``;
+    every rank waits for the others and exits 0 without torch's teardown of the gloo groups (see
+    ``tests/support/leave.py``)."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        Path(path).write_text(json.dumps(result))
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def layer_width(mb: float, layers: int) -> int:
+    """The width of ``layers`` square float32 layers holding ``mb`` MB of weights."""
+    return max(8, int((mb * 1e6 / 4 / layers) ** 0.5))
+
+
+def add_step_options(parser: argparse.ArgumentParser, *, layers: int, out: Path) -> None:
+    """The options of a script that times steps of a model of ``--layers`` square layers holding
+    ``--mb`` MB of float32 parameters: ``--steps`` after ``--warmup``, ``--reps`` times."""
+    parser.add_argument("--mb", type=float, default=100.0, help="MB of float32 parameters (AdamW adds twice that)")
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=out)
 
 
 def worker_or_main(worker: Callable[[int, str, dict[str, Any]], None], main: Callable[[], Any]) -> None:

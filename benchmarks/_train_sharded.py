@@ -7,7 +7,8 @@ The job of ``sharded_recovery.py``: the same model, data and event file under tw
   its launcher and the session allow: ``elastictrain run --recovery restart`` restarts every
   worker from the newest checkpoint; under ``--recovery in-process`` a session whose sharding
   does not recover in process refuses at start, in one line (the driver reports the
-  combination as unsupported).
+  combination as unsupported). ``--redundancy-every N`` (fsdp) keeps a copy of a buddy's shards
+  in host memory, refreshed every N steps: a worker lost with its shards is rebuilt from memory.
 - ``--loop dcp``: what a torchrun user writes today: ``fully_shard`` (each direct child that
   holds parameters, then the root, as the session's default units), AdamW, and
   ``torch.distributed.checkpoint`` ``save``/``load`` with its ``FileSystemWriter``/``Reader``
@@ -98,7 +99,7 @@ def _session_loop(args: argparse.Namespace, log: _Log, model: nn.Module, optimiz
     session = elastictrain.Session(
         model, optimizer, data, global_batch_size=args.global_batch, epochs=1_000_000, max_steps=args.steps,
         seed=7, log_every=None, backend="gloo", sharding=args.sharding, checkpoint_dir=args.ckpt_dir,
-        checkpoint_every=args.ckpt_every, keep_last=2, hooks=[recorder],
+        checkpoint_every=args.ckpt_every, keep_last=2, hooks=[recorder], redundancy_every=args.redundancy_every,
     )
     with session as s:
         recorder.session = s
@@ -186,6 +187,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=100_000, help="stop after this many applied steps")
     parser.add_argument("--ckpt-every", type=int, default=5)
+    parser.add_argument("--redundancy-every", type=int, default=None,
+                        help="session loop, fsdp: keep a buddy's shards in memory, refreshed every N steps")
     args = parser.parse_args()
 
     log = _Log(args.events)

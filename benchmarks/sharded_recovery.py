@@ -21,7 +21,13 @@ Launchers (``--launchers``, interleaved trial by trial, the order rotating each 
   ``Session(sharding=...)``: survivors keep their processes, where the session's sharding
   recovers in process. Until it does, the session refuses at start in one line and the
   combination is reported as ``unsupported`` (with that line), not timed: once the session
-  accepts it, the same command measures it.
+  accepts it, the same command measures it. An fsdp worker lost takes its shards with it: the
+  survivors restore the newest checkpoint in place.
+- ``elastictrain_redundancy``: the same, with ``Session(redundancy_every=1)`` (fsdp only): each
+  rank keeps a copy of a buddy's shards in host memory, refreshed every step, and the survivors
+  rebuild the lost worker's shards from memory (the newest step they hold whole: at most one step
+  redone), no checkpoint read. Each trial says where the state came from (``state_from``, from
+  rank 0's ``recovery`` event: ``peers`` is the live ranks' memory).
 - ``elastictrain_restart``: ``elastictrain run --recovery restart``, the same Session job:
   every worker restarts and restores the newest sharded checkpoint (elastictrain's format,
   resharded to the new world).
@@ -38,7 +44,8 @@ unless ``--no-checkpoint``, its JSON under ``checkpoint``.
 
     # issue 41's table (run it alone, ~1 h on 2 cores):
     python benchmarks/sharded_recovery.py --width 512 --layers 8 --reps 3 \\
-        --launchers elastictrain_inprocess,elastictrain_restart,torchrun_dcp --out benchmarks/results/sharded41.json
+        --launchers elastictrain_redundancy,elastictrain_inprocess,elastictrain_restart,torchrun_dcp \\
+        --out benchmarks/results/sharded41.json
     # a smoke run (a tiny model):
     python benchmarks/sharded_recovery.py --width 32 --layers 1 --reps 1 --action-step 4 --ckpt-every 2
 
@@ -67,7 +74,9 @@ from benchmarks.recovery import (
 )
 
 SCRIPT = BENCH_DIR / "_train_sharded.py"
-LAUNCHERS = ("elastictrain_inprocess", "elastictrain_restart", "torchrun_dcp")
+LAUNCHERS = ("elastictrain_redundancy", "elastictrain_inprocess", "elastictrain_restart", "torchrun_dcp")
+REDUNDANCY = "elastictrain_redundancy"
+"""In process with ``redundancy_every=1``: the fsdp state rebuilt from the buddies' copies in memory."""
 SCENARIOS: dict[str, tuple[str, Scenario]] = {
     "fsdp_worker_kill": ("fsdp", Scenario("worker_crash", nodes=2, min_nodes=2, max_nodes=2, world_after=4,
                                           nproc_per_node=2)),
@@ -109,9 +118,18 @@ class ShardedTrial(TrialSetup):
     def script(self) -> list[str]:
         """See base class."""
         loop = "dcp" if self.launcher == "torchrun_dcp" else "session"
+        copies = ["--redundancy-every", "1"] if self.launcher == REDUNDANCY else []
         return [str(SCRIPT), "--events", str(self.workdir / "events.jsonl"), "--ckpt-dir", str(self.workdir / "ckpt"),
                 "--loop", loop, "--sharding", self.sharding, "--width", str(self.width), "--layers", str(self.layers),
-                "--ckpt-every", str(self.ckpt_every)]
+                "--ckpt-every", str(self.ckpt_every), *copies]
+
+    def command(self, node: int) -> list[str]:
+        """See base class: the redundancy launcher is ``elastictrain run --recovery in-process``."""
+        cmd = super().command(node)
+        if self.launcher == REDUNDANCY:
+            at = cmd.index(str(SCRIPT))
+            cmd[at:at] = ["--recovery", "in-process"]
+        return cmd
 
 
 def refusal(workdir: Path) -> str | None:
@@ -137,6 +155,8 @@ def run(scenarios: list[str], launchers: list[str], reps: int, *, action_step: i
                 sharding, scenario = SCENARIOS[name]
                 trials: dict[str, list[dict[str, Any]]] = {ln: [] for ln in launchers}
                 unsupported: dict[str, str] = {}
+                if REDUNDANCY in launchers and sharding != "fsdp":
+                    unsupported[REDUNDANCY] = f"redundancy_every is fsdp's ({sharding}: the other nodes are replicas)"
                 for rep in range(reps):
                     order = launchers[rep % len(launchers):] + launchers[:rep % len(launchers)]
                     for launcher in (ln for ln in order if ln not in unsupported):
@@ -147,6 +167,8 @@ def run(scenarios: list[str], launchers: list[str], reps: int, *, action_step: i
                                              width=width, layers=layers, ckpt_every=ckpt_every)
                         trial = run_trial(setup)
                         trial["rep"] = rep
+                        trial["state_from"] = sorted({str(e["state_from"]) for e in trial.get("run_events", [])
+                                                      if e.get("kind") == "recovery" and "state_from" in e})
                         refused = refusal(workdir) if "error" in trial else None
                         if refused is not None:
                             unsupported[launcher] = refused
@@ -162,7 +184,7 @@ def run(scenarios: list[str], launchers: list[str], reps: int, *, action_step: i
                 for launcher in launchers:
                     entry[launcher] = ({"unsupported": unsupported[launcher]} if launcher in unsupported
                                        else {**_aggregate(trials[launcher]), "trials": trials[launcher]})
-                for ours in ("elastictrain_inprocess", "elastictrain_restart"):
+                for ours in (REDUNDANCY, "elastictrain_inprocess", "elastictrain_restart"):
                     if ours in launchers and "torchrun_dcp" in launchers:
                         entry[f"ratio_{ours}_over_torchrun_dcp"] = ratio(
                             entry[ours].get("recovery_s"), entry["torchrun_dcp"].get("recovery_s"))
@@ -200,6 +222,8 @@ def markdown_table(record: dict[str, Any], launchers: list[str]) -> str:
                                else _cell(e.get("recovery_s")) for e in stats])
         row("↳ committed steps redone", ["—" if "unsupported" in e else _cell(e.get("steps_redone"), digits=0, unit="")
                                         for e in stats])
+        row("↳ state from", ["—" if "unsupported" in e else ", ".join(sorted(
+            {s for t in e.get("trials", []) for s in t.get("state_from", [])} or {"restart"})) for e in stats])
     ckpt = record.get("checkpoint")
     if ckpt is not None and "results" in ckpt:
         found = ckpt["results"]

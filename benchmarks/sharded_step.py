@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 import statistics
 import sys
 import time
@@ -30,17 +28,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import emit, machine, run_gloo_workers, summarize, worker_or_main  # noqa: E402 - after the path is set
+from benchmarks._common import (  # noqa: E402 - after the path is set
+    add_step_options, emit, finish_gloo_worker, layer_width, machine, run_gloo_workers, summarize, worker_or_main,
+)
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "sharded_step.json"
 MODES = ("ddp", "fsdp", "hsdp")
 WORLD = 4
 GLOBAL_BATCH = 16
-
-
-def _width(mb: float, layers: int) -> int:
-    """The width of ``layers`` square float32 layers holding ``mb`` MB of weights."""
-    return max(8, int((mb * 1e6 / 4 / layers) ** 0.5))
 
 
 def _local_bytes(tensors: Any) -> int:
@@ -91,7 +86,7 @@ def _worker(rank: int, store: str, options: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
-    width = _width(options["mb"], options["layers"])
+    width = layer_width(options["mb"], options["layers"])
     rates: dict[str, list[float]] = {mode: [] for mode in MODES}
     held: dict[str, list[int]] = {mode: [] for mode in MODES}
     for rep in range(options["reps"]):
@@ -101,21 +96,12 @@ def _worker(rank: int, store: str, options: dict[str, Any]) -> None:
             held[mode].append(state)
     everyone: list[Any] = [None] * WORLD
     dist.all_gather_object(everyone, held)
-    if rank == 0:
-        Path(options["result"]).write_text(json.dumps({"width": width, "rates": rates, "held": everyone}))
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)  # without torch's teardown of the gloo group (see tests/support/leave.py)
+    finish_gloo_worker(rank, {"width": width, "rates": rates, "held": everyone}, options["result"])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mb", type=float, default=100.0, help="MB of float32 parameters (AdamW adds twice that)")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    add_step_options(parser, layers=4, out=DEFAULT_OUT)
     args = parser.parse_args()
     before = machine()
     raw = run_gloo_workers(__file__, WORLD, {**vars(args), "out": None})

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.events import handlers as _event_handlers
+from torch.distributed import distributed_c10d as _c10d
 from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
 
 from elastictrain.errors import TorchCompatError
@@ -49,6 +50,7 @@ __all__ = [
     "import_ddp_modules",
     "is_collective_failure",
     "process_context",
+    "python_group_name",
     "rebuild_ddp_buckets",
     "release_semaphore_names",
     "remaining_restarts",
@@ -196,9 +198,34 @@ def _check() -> None:
     for module in DDP_MODULES:
         if importlib.util.find_spec(module) is None:
             raise _fail(f"has no module {module}")
+    _check_python_groups()
+
+
+def _check_python_groups() -> None:
+    """What a process group written in Python (a ``ProcessGroup`` subclass a registered backend's
+    creator returns, :mod:`elastictrain.train.fsdp.failsafe_group`) relies on."""
+    helper = inspect.getsource(_c10d._new_process_group_helper)  # noqa: SLF001 - checked here
+    if "issubclass(type(backend_class), ProcessGroup)" not in helper:
+        raise _fail("no longer adopts a ProcessGroup subclass that a registered backend's creator returns as the group")
+    if not isinstance(getattr(_c10d._world, "pg_names", None), dict):  # noqa: SLF001 - checked here
+        raise _fail("has no distributed_c10d._world.pg_names (the registered name of each process group)")
 
 
 _check()
+
+
+def python_group_name(group: dist.ProcessGroup) -> str:
+    """The name torch registered a process group written in Python under (``new_group`` names it).
+
+    torch keeps a group's name in its C++ backends, which a ``ProcessGroup`` subclass written in
+    Python has none of: its ``group_name`` raises ("ProcessGroup name not set"), and
+    ``DeviceMesh.from_group`` needs it. torch's own Python group (``multi_threaded_pg``) reads it
+    here too.
+
+    Raises:
+        KeyError: ``group`` was not made by ``new_group`` (or was destroyed).
+    """
+    return str(_c10d._world.pg_names[group])  # noqa: SLF001 - checked above
 
 
 def import_ddp_modules() -> None:

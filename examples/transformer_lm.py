@@ -22,9 +22,9 @@ checkpoint (see docs/sharding.md), so run it with ``--recovery restart``::
 
     elastictrain run --local-nodes 2 --nproc-per-node 2 --recovery restart examples/transformer_lm.py --sharding hsdp
 
-Sharded, the output layer is a layer of its own instead of the embedding's transpose: a
-session shards each direct child of the model, and a tied weight used outside its child does
-not shard yet.
+Sharded, each transformer block is an FSDP unit of its own (``shard_units``: gathered for its
+forward and backward only, as torchtitan wraps each block); the embedding and the output layer
+share one weight (tied, GPT-2 style), so they stay together in the root's unit.
 
 Checkpoints go to ``--checkpoint-dir`` (default: under the temp dir, named
 after the run id) and are removed when the job finishes, unless
@@ -95,14 +95,15 @@ class CharWindows(Dataset):
 
 
 class TinyLM(nn.Module):
-    """Pre-norm decoder-only transformer with a causal mask and tied embeddings (unless ``tied=False``)."""
+    """Pre-norm decoder-only transformer with a causal mask and tied embeddings."""
 
-    def __init__(self, vocab: int, length: int, width: int, layers: int, heads: int, *, tied: bool = True) -> None:
+    def __init__(self, vocab: int, length: int, width: int, layers: int, heads: int) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
-        # Untied: a head of its own (a sharded session shards each child; a tied weight used
-        # in the root's forward would be a shard there).
-        self.head = None if tied else nn.Linear(width, vocab, bias=False)
+        # Tied by holding the embedding's weight in the output layer (not ``h @ embed.weight.T``
+        # in the root's forward): sharded, a unit must hold every module that uses a weight.
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
         self.position = nn.Parameter(torch.zeros(length, width))
         block = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.1, batch_first=True,
                                            norm_first=True, activation="gelu")
@@ -116,7 +117,7 @@ class TinyLM(nn.Module):
         h = self.embed(ids) + self.position[:n]
         h = self.blocks(h, mask=self.mask[:n, :n], is_causal=True)
         h = self.norm(h)
-        return h @ self.embed.weight.T if self.head is None else self.head(h)
+        return self.head(h)
 
 
 class Throughput(elastictrain.Hooks):
@@ -193,7 +194,7 @@ def main() -> None:
 
     data = CharWindows(generate_corpus(400_000), args.length)
     torch.manual_seed(0)  # identical initial weights on every rank and every restart
-    model = TinyLM(len(data.vocab), args.length, args.width, args.layers, args.heads, tied=args.sharding == "ddp")
+    model = TinyLM(len(data.vocab), args.length, args.width, args.layers, args.heads)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and n != "position"]
     rest = [p for n, p in model.named_parameters() if p.dim() < 2 or n == "position"]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
@@ -207,6 +208,8 @@ def main() -> None:
         epochs=1_000, max_steps=args.steps, seed=1,
         scheduler=scheduler, grad_clip_norm=1.0, precision=args.precision,
         checkpoint_dir=checkpoint_dir, checkpoint_every=args.checkpoint_every, sharding=args.sharding,
+        # Sharded: one unit per transformer block (then the root: embedding, tied head, norm).
+        shard_units=None if args.sharding == "ddp" else {nn.TransformerEncoderLayer},
         hooks=[Throughput(args.length, every=25), BestLoss(best)], extra_state={"best": best},
         sync_loss=True, log_every=None,
     ) as session:
@@ -224,8 +227,7 @@ def main() -> None:
         if session.rank == 0:
             log.info("trained to step %d in %.1fs; best loss %.3f at step %d", session.step, elapsed,
                      best["loss"], best["step"])
-            whole = TinyLM(len(data.vocab), args.length, args.width, args.layers, args.heads,
-                           tied=args.sharding == "ddp").to(session.device)
+            whole = TinyLM(len(data.vocab), args.length, args.width, args.layers, args.heads).to(session.device)
             whole.load_state_dict(weights)
             for prompt in ("17+25=", "the small "):
                 log.info("sample: %r", complete(whole, data, prompt, 14, session.device))

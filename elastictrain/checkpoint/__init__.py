@@ -7,6 +7,8 @@ state of :mod:`elastictrain.train`, ``elastictrain status``) are public here:
   holds only what ``torch.load(weights_only=True)`` reads back;
 - :func:`map_tensors`: a copy of such an object with each tensor replaced;
 - :func:`load_state_into`: load a checkpoint's entries into live objects (all checked first);
+- :func:`capture_rng`, :func:`restore_rng`: this process's RNG states as a checkpoint keeps them,
+  and back (fsdp's redundancy keeps them with each in-memory snapshot);
 - :func:`find_checkpoint`, :func:`step_dir`: the newest committed checkpoint that verifies in a
   storage, and the directory of a step's checkpoint;
 - :func:`region`: the box of a global tensor that a rank of a mesh holds under given placements
@@ -17,7 +19,7 @@ state of :mod:`elastictrain.train`, ``elastictrain status``) are public here:
 
 from ._manifest import find_checkpoint, step_dir
 from ._sharded import region
-from ._snapshot import check_state, load_state_into, map_tensors, validate_state
+from ._snapshot import capture_rng, check_state, load_state_into, map_tensors, restore_rng, validate_state
 from .export import ExportInfo, export_safetensors
 from .coordinator import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
 from .manager import CheckpointManager, RestoreInfo, Stateful
@@ -33,12 +35,14 @@ __all__ = [
     "SingleProcessCoordinator",
     "TorchDistributedCoordinator",
     "ExportInfo",
+    "capture_rng",
     "check_state",
     "export_safetensors",
     "find_checkpoint",
     "load_state_into",
     "map_tensors",
     "region",
+    "restore_rng",
     "step_dir",
     "validate_state",
 ]

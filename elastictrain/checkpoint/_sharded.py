@@ -7,7 +7,8 @@ writes the local shard of each DTensor (``local_chunks``) into its ``shards_<ran
 (``write_shards``), raw bytes streamed from the snapshot buffers, unless another replica writes the
 same shard: along ``Replicate`` mesh dimensions the replicas share the work, each tensor going to
 the replica with the fewest bytes so far, so that every shard is written exactly once and the
-replicas write about as much as each other.
+replicas write about as much as each other. One DTensor object under two keys (a tied weight, as
+the sharded model's state gives it) is written once and indexed under both.
 
 Placements: ``Shard(d)`` (uneven shards as ``torch.chunk`` makes them) and ``Replicate`` on a
 mesh of any number of dimensions (fsdp ``(Shard(0),)``, hsdp ``(Replicate(), Shard(0))``). A
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from elastictrain._chunks import chunk_span
 from elastictrain.errors import ConfigError
 
 from . import _index as index
@@ -54,6 +56,9 @@ class TensorInfo:
     path: tuple[Any, ...]
     dtype: torch.dtype
     shape: tuple[int, ...]
+    same_as: str | None = None
+    """The key of an earlier DTensor of the state that is this very object (a tied weight under
+    two names): its chunks are written once, and the index lists them under both keys."""
 
 
 @dataclass(slots=True)
@@ -109,11 +114,8 @@ def region(shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence
         if type(placement) is not Shard:  # Partial, or a strided shard (a subclass of Shard)
             raise ConfigError(f"{what}: placement {placement} cannot be checkpointed; Shard(d) and Replicate() can")
         dim = placement.dim % len(shape)
-        count, at = mesh_shape[mesh_dim], coordinate[mesh_dim]
-        step = -(-sizes[dim] // count)
-        start = min(at * step, sizes[dim])
+        start, sizes[dim] = chunk_span(sizes[dim], coordinate[mesh_dim], mesh_shape[mesh_dim])
         offsets[dim] += start
-        sizes[dim] = max(0, min(step, sizes[dim] - start))
     return tuple(offsets), tuple(sizes)
 
 
@@ -135,6 +137,7 @@ def local_chunks(leaves: list[tuple[tuple[Any, ...], DTensor]]) -> tuple[list[Te
     chunks: list[LocalChunk] = []
     seen: set[str] = set()
     loads: dict[int, list[int]] = {}  # bytes assigned to each replica, by the number of replicas
+    first: dict[int, str] = {}  # id(DTensor) -> the key it was first found under
     ordered = sorted(leaves, key=lambda leaf: index.key_of(leaf[0]))
     for path, tensor in ordered:
         key = index.key_of(path)
@@ -147,6 +150,10 @@ def local_chunks(leaves: list[tuple[tuple[Any, ...], DTensor]]) -> tuple[list[Te
         if index.dtype_name(tensor.dtype) is None:
             raise ConfigError(f"{what}: dtype {tensor.dtype} cannot be checkpointed in shards")
         shape = tuple(tensor.shape)
+        if id(tensor) in first:  # the same tensor under a second name (tied weights): its bytes once
+            infos.append(TensorInfo(key=key, path=path, dtype=tensor.dtype, shape=shape, same_as=first[id(tensor)]))
+            continue
+        first[id(tensor)] = key
         infos.append(TensorInfo(key=key, path=path, dtype=tensor.dtype, shape=shape))
         mesh = tensor.device_mesh
         # Every rank counts every tensor (from global shapes only), so that all agree on the writers.
@@ -203,10 +210,14 @@ def write_shards(storage: Storage, directory: str, name: str, chunks: list[Local
 
 
 def build_index(infos: list[TensorInfo], records: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
-    """The manifest's ``tensors``: every DTensor of the save with the chunks the ranks wrote of it."""
+    """The manifest's ``tensors``: every DTensor of the save with the chunks the ranks wrote of it
+    (a tied weight's under each of its keys)."""
     by_key: dict[str, list[dict[str, Any]]] = {info.key: [] for info in infos}
     for key, record in records:
         by_key[key].append(record)
+    for info in infos:
+        if info.same_as is not None:  # a tied weight's second name: the first's chunks, the same bytes
+            by_key[info.key] = by_key[info.same_as]
     return {info.key: {"path": list(info.path), "dtype": index.dtype_name(info.dtype), "shape": list(info.shape),
                        "chunks": sorted(by_key[info.key], key=lambda r: (r["offsets"], r["file"]))}
             for info in infos}

@@ -5,20 +5,29 @@ differently there (see :class:`~elastictrain.checkpoint.storage.ObjectStore`): e
 its files under a prefix of the save's own, and the checkpoint is committed by its manifest,
 written last with a create-only conditional write (``If-None-Match: *``).
 
-Every ``open_write`` is create-only: a small file is one ``PutObject``, a large one a multipart
-upload whose parts go out on a few threads while ``torch.save`` streams into the file object
-(the bytes come straight from the snapshot in memory: no temporary file); the
-``CompleteMultipartUpload`` carries the condition. Of two writers of one key exactly one
-succeeds, the other gets ``FileExistsError`` (S3's 412 ``PreconditionFailed``, or 409
-``ConditionalRequestConflict`` while the two race). The one replacement, a manifest of a step
-saved again, is ``write_if_unchanged``: a ``PutObject`` with ``If-Match`` on the ETag read.
-A reader downloads a file once (``read_hashed``): ranges on a few threads, hashed in order as
-they arrive.
+Every ``open_write`` is create-only (``If-None-Match: *``), and no write is a multipart upload: a
+small file is one ``PutObject``; a file larger than ``part_size`` is stored in segments, objects
+of ``part_size`` under ``<key>.seg-<nonce>/``, each one ``PutObject`` sent on a few threads as
+soon as ``torch.save`` has streamed it into the file object (the bytes come straight from the
+snapshot in memory, each copied once: no temporary file), then the file's index at the key
+itself: JSON naming the segments' prefix and sizes, its size in the object's metadata. That
+index, written create-only once every segment is stored, is the file's creation: of two writers
+of one key exactly one succeeds, the other gets ``FileExistsError`` (S3's 412
+``PreconditionFailed``, or 409 ``ConditionalRequestConflict`` while the two race). Why segments
+and not a multipart upload: ``docs/checkpoint.md`` (a ``CompleteMultipartUpload`` makes the
+server assemble the object again; segments need no such step, retry one at a time, and work on
+stores whose multipart support is weak). The one replacement, a manifest of a step saved again,
+is ``write_if_unchanged``: a ``PutObject`` with ``If-Match`` on the ETag read. A reader
+downloads a file once (``read_hashed``): ranges of an object, or its segments, on a few
+threads, hashed in order as they arrive. A file in segments reads back through this class
+(``elastictrain checkpoint export`` writes a checkpoint's model as one safetensors file).
 
 The client is boto3's: credentials, region and endpoint come from where the AWS SDKs look for
 them (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``, ``AWS_PROFILE`` and
 ``~/.aws/config``/``credentials``, instance and pod roles, ``AWS_ENDPOINT_URL`` or
-``AWS_ENDPOINT_URL_S3`` for a compatible store). Throttling (503 ``SlowDown``), 5xx answers,
+``AWS_ENDPOINT_URL_S3`` for a compatible store; no CRC32 of the bodies unless
+``AWS_REQUEST_CHECKSUM_CALCULATION``/``AWS_RESPONSE_CHECKSUM_VALIDATION`` ask for it: the
+manifest's sha256 covers every byte). Throttling (503 ``SlowDown``), 5xx answers,
 timeouts and broken connections are retried here, with exponential backoff and jitter (0.05 s
 doubling to at most 5 s; ``AWS_MAX_ATTEMPTS`` attempts, default 10), not by botocore: its
 backoff (doubling from 1 s to 20 s) would hold a save for minutes of a stall that the manager's
@@ -32,9 +41,11 @@ import collections
 import contextlib
 import hashlib
 import io
+import json
 import logging
 import os
 import random
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -46,9 +57,14 @@ __all__ = ["S3Storage", "S3Error", "parse_url", "is_url"]
 logger = logging.getLogger(__name__)
 
 SCHEME = "s3://"
-_MIN_PART = 5 << 20
-"""S3's smallest part of a multipart upload (all but the last)."""
+_MIN_PART = 1 << 20
 _DEFAULT_PART = 32 << 20
+_SEGMENTS = ".seg-"
+"""A large file's segments are the objects under ``<key>.seg-<nonce>/``."""
+_SEGMENTED = "elastictrain-segmented"
+"""User metadata (``x-amz-meta-``) of a file's index: the file's size in bytes."""
+_INDEX_FORMAT = "elastictrain-segments-1"
+_SEGMENT_DIR = re.compile(r".+\.seg-[0-9a-f]{16}")
 _DEFAULT_CONCURRENCY = 8
 _DEFAULT_ATTEMPTS = 10
 _BACKOFF_BASE = 0.05
@@ -89,9 +105,17 @@ def _client() -> Any:
     except ImportError as exc:
         raise ImportError("checkpoints in s3:// need boto3: pip install 'elastictrain[s3]'") from exc
     # One attempt per botocore call: S3Storage retries (see the module docstring).
-    config = Config(retries={"mode": "standard", "total_max_attempts": 1},
-                    max_pool_connections=2 * _DEFAULT_CONCURRENCY + 4, connect_timeout=10, read_timeout=60)
-    return boto3.session.Session().client("s3", config=config)
+    options: dict[str, Any] = {"retries": {"mode": "standard", "total_max_attempts": 1},
+                               "max_pool_connections": 2 * _DEFAULT_CONCURRENCY + 4, "connect_timeout": 10,
+                               "read_timeout": 60}
+    # No CRC32 of every body sent and received (botocore's default since 1.36) unless the
+    # environment asks for it: the manifest's sha256 already checks every byte end to end, the
+    # signature (plain HTTP) or TLS guards the wire, and several S3 compatibles refuse the
+    # checksum headers. It is a pass over each byte on the trainer's cores.
+    for option in ("request_checksum_calculation", "response_checksum_validation"):
+        if f"AWS_{option.upper()}" not in os.environ:
+            options[option] = "when_required"
+    return boto3.session.Session().client("s3", config=Config(**options))
 
 
 def _code(exc: BaseException) -> tuple[str, int]:
@@ -130,9 +154,11 @@ class S3Storage:
         bucket: The bucket; it must exist.
         prefix: The key prefix every path is under (``""``: the bucket's root).
         client: A boto3 S3 client; ``None`` makes one the standard way (see the module).
-        part_size: Bytes per part of a multipart upload (at least 5 MiB); a file smaller than
-            this is one ``PutObject``.
-        concurrency: Parts uploaded (and ranges downloaded) at once, per file.
+        part_size: Bytes per segment of a file written (and per range read), at least 1 MiB; a
+            file of at most this many bytes is one object.
+        concurrency: Segments uploaded (and downloaded) at once, per file. The storage keeps up
+            to ``concurrency + 1`` segment buffers (``part_size`` each: 288 MiB by default) from
+            one file to the next, so that the copy into them does not page-fault.
         attempts: Tries of each request that meets throttling, a server error, a timeout or a
             broken connection; ``None``: ``AWS_MAX_ATTEMPTS``, else 10.
     """
@@ -140,7 +166,7 @@ class S3Storage:
     def __init__(self, bucket: str, prefix: str = "", *, client: Any = None, part_size: int = _DEFAULT_PART,
                  concurrency: int = _DEFAULT_CONCURRENCY, attempts: int | None = None) -> None:
         if part_size < _MIN_PART:
-            raise ValueError(f"part_size must be at least {_MIN_PART} bytes (S3's minimum), got {part_size}")
+            raise ValueError(f"part_size must be at least {_MIN_PART} bytes, got {part_size}")
         if concurrency < 1:
             raise ValueError(f"concurrency must be positive, got {concurrency}")
         self._bucket = bucket
@@ -150,6 +176,8 @@ class S3Storage:
         self._concurrency = concurrency
         self._bucket_checked = False
         self._attempts = attempts if attempts is not None else _attempts()
+        self._spare: list[bytearray] = []  # segment buffers, warm: see _take_buffer
+        self._spare_lock = threading.Lock()
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> S3Storage:
@@ -263,19 +291,26 @@ class S3Storage:
             token = page.get("NextContinuationToken")
 
     def list_dir(self, path: str) -> list[str]:
-        """See base class. A prefix without objects "does not exist" (``FileNotFoundError``)."""
+        """See base class. A prefix without objects "does not exist" (``FileNotFoundError``); a
+        file stored in segments is one name (its segments' prefix is not listed)."""
         prefix = self._dir(path)
         names: set[str] = set()
         for page in self._list(prefix, delimiter=True):
             names.update(o["Key"][len(prefix):] for o in page.get("Contents", []))
             names.update(p["Prefix"][len(prefix):].rstrip("/") for p in page.get("CommonPrefixes", []))
         names.discard("")
+        if any(_SEGMENT_DIR.fullmatch(n) for n in names):
+            # Segments whose index was never written (a crashed writer) stay hidden too: garbage
+            # under a data prefix that retention deletes, never a file.
+            names = {n for n in names if not _SEGMENT_DIR.fullmatch(n)}
         if not names:
             raise FileNotFoundError(f"no objects under {self.location_of_key(prefix)}")
         return sorted(names)
 
     def list_sizes(self, path: str) -> dict[str, int]:
-        """See :class:`~elastictrain.checkpoint.storage.ObjectStore`."""
+        """See :class:`~elastictrain.checkpoint.storage.ObjectStore`. Every object: the segments
+        of a file being written too (``<name>.seg-<nonce>/<n>``), so the bytes stored so far
+        grow as it is written."""
         prefix = self._dir(path)
         return {o["Key"][len(prefix):]: int(o["Size"]) for page in self._list(prefix, delimiter=False)
                 for o in page.get("Contents", [])}
@@ -290,16 +325,36 @@ class S3Storage:
     def open_write(self, path: str) -> Iterator[BinaryIO]:
         """See base class. Create-only (``If-None-Match: *``); durable once S3 answered."""
         key = self._key(path)
-        upload = _Upload(self, key)
+        writer = _Writer(self, key)
         try:
-            yield upload  # type: ignore[misc]  # a write-only file object
-            upload.finish()
+            yield writer  # type: ignore[misc]  # a write-only file object
+            writer.finish()
         except BaseException:
-            upload.abort()
+            writer.abort()
             raise
 
-    def _put(self, key: str, body: bytes | bytearray | memoryview) -> None:
-        self._call("writing", key, "put_object", Key=key, Body=bytes(body), IfNoneMatch="*")
+    def _put(self, key: str, body: bytes | bytearray, *, metadata: dict[str, str] | None = None) -> None:
+        """One create-only ``PutObject`` (``body`` is sent as it is: no copy)."""
+        self._call("writing", key, "put_object", Key=key, Body=body, IfNoneMatch="*", **(
+            {"Metadata": metadata} if metadata else {}))
+
+    def _take_buffer(self) -> bytearray:
+        """A buffer of ``part_size`` bytes for a segment, one a segment used before if there is.
+
+        Kept for the next segment and the next file (up to ``concurrency + 1`` of them, as many as
+        one file has in use): the first touch of fresh memory page-faults, which makes a copy into
+        it several times slower than into memory written before.
+        """
+        with self._spare_lock:
+            if self._spare:
+                return self._spare.pop()
+        return bytearray(self._part_size)
+
+    def _give_buffer(self, buffer: bytearray) -> None:
+        """Keep ``buffer`` (no longer read) for ``_take_buffer``, if it is a whole segment's."""
+        with self._spare_lock:
+            if len(buffer) == self._part_size and len(self._spare) <= self._concurrency:
+                self._spare.append(buffer)
 
     def write_if_unchanged(self, path: str, data: bytes, *, tag: str) -> None:
         """See :class:`~elastictrain.checkpoint.storage.ObjectStore`: one ``PutObject`` with
@@ -308,60 +363,85 @@ class S3Storage:
         self._call("replacing", key, "put_object", Key=key, Body=bytes(data), IfMatch=tag)
 
     def read_tagged(self, path: str) -> tuple[bytes, str]:
-        """See :class:`~elastictrain.checkpoint.storage.ObjectStore`: one ``GetObject``; the tag is the ETag."""
+        """See :class:`~elastictrain.checkpoint.storage.ObjectStore`: one ``GetObject``; the tag is the ETag.
+
+        Raises:
+            S3Error: ``path`` is a file stored in segments (a large one, not a manifest).
+        """
         key = self._key(path)
         response = self._call("reading", key, "get_object", Key=key)
+        if _SEGMENTED in (response.get("Metadata") or {}):
+            raise S3Error(f"reading {self.location_of_key(key)}: a file of segments has no single version to replace")
         return self._body(key, response), str(response["ETag"])
 
     @contextlib.contextmanager
     def open_read(self, path: str) -> Iterator[BinaryIO]:
-        """See base class. Reads the whole object into memory (in ranges, on a few threads):
-        ``torch.load`` needs a seekable file."""
+        """See base class. Reads the whole file into memory (in ranges or segments, on a few
+        threads): ``torch.load`` needs a seekable file."""
         yield io.BytesIO(self._download(self._key(path), None))
 
     def read_hashed(self, path: str) -> tuple[bytes, str]:
-        """See :class:`~elastictrain.checkpoint.storage.ObjectStore`: ranges download on a few
-        threads while the bytes already here are hashed, in order."""
+        """See :class:`~elastictrain.checkpoint.storage.ObjectStore`: ranges or segments download
+        on a few threads while the bytes already here are hashed, in order."""
         digest = hashlib.sha256()
         return self._download(self._key(path), digest.update), digest.hexdigest()
 
     def _download(self, key: str, on_chunk: Callable[[bytes], None] | None) -> bytes:
-        """The whole object ``key``, in ranges of ``part_size`` with at most ``concurrency`` in
-        flight; ``on_chunk`` sees each range in order as it arrives."""
-        size = self._size(key)
-        ranges = [(start, min(start + self._part_size, size) - 1) for start in range(0, size, self._part_size)]
-        if len(ranges) <= 1:
-            chunks = [self._get(key, None)]
+        """The whole file ``key``, at most ``concurrency`` requests in flight (see ``_pieces``);
+        ``on_chunk`` sees each piece in order as it arrives."""
+        pieces = self._pieces(key)
+        if len(pieces) == 1:
+            chunks = [self._get(*pieces[0])]
             if on_chunk is not None:
                 on_chunk(chunks[0])
         else:
             chunks = []
-            with ThreadPoolExecutor(min(self._concurrency, len(ranges)), thread_name_prefix="elastictrain-s3") as pool:
+            with ThreadPoolExecutor(min(self._concurrency, len(pieces)), thread_name_prefix="elastictrain-s3") as pool:
                 pending: collections.deque[Future[bytes]] = collections.deque()
-                for byte_range in ranges:
-                    pending.append(pool.submit(self._get, key, byte_range))
+                for piece in pieces:
+                    pending.append(pool.submit(self._get, *piece))
                     if len(pending) >= self._concurrency:  # bounded memory: consume the oldest first
                         chunks.append(self._consume(pending.popleft(), on_chunk))
                 while pending:
                     chunks.append(self._consume(pending.popleft(), on_chunk))
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         del chunks
-        if len(data) != size:  # replaced while read: the checksum would fail anyway
-            raise S3Error(f"reading {self.location_of_key(key)}: got {len(data)} bytes of {size}")
         return data
+
+    def _pieces(self, key: str) -> list[tuple[str, tuple[int, int] | None, int]]:
+        """The GETs that read file ``key``, in order, as (key, byte range or ``None``, size): ranges
+        of ``part_size`` of one object, or the segments its index lists."""
+        head = self._call("reading the size of", key, "head_object", Key=key)
+        size = self._file_size(key, head)
+        if _SEGMENTED not in (head.get("Metadata") or {}):
+            if size <= self._part_size:
+                return [(key, None, size)]
+            ends = [(start, min(start + self._part_size, size)) for start in range(0, size, self._part_size)]
+            return [(key, (start, end - 1), end - start) for start, end in ends]
+        raw = self._body(key, self._call("reading", key, "get_object", Key=key))
+        directory, _, name = key.rpartition("/")
+        try:
+            prefix, sizes = _parse_index(raw, name, size)
+        except ValueError as exc:  # data, not code: a damaged index is a file that cannot be read
+            raise S3Error(f"reading {self.location_of_key(key)}: a damaged index of segments ({exc})") from exc
+        base = f"{directory}/{prefix}" if directory else prefix
+        return [(f"{base}/{n:06d}", None, s) for n, s in enumerate(sizes, 1)]
 
     @staticmethod
     def _consume(future: Future[bytes], on_chunk: Callable[[bytes], None] | None) -> bytes:
         chunk = future.result()
         if on_chunk is not None:
-            on_chunk(chunk)  # hashlib releases the GIL: the other ranges keep downloading
+            on_chunk(chunk)  # hashlib releases the GIL: the other pieces keep downloading
         return chunk
 
-    def _get(self, key: str, byte_range: tuple[int, int] | None) -> bytes:
+    def _get(self, key: str, byte_range: tuple[int, int] | None, size: int) -> bytes:
         kwargs: dict[str, Any] = {"Key": key}
         if byte_range is not None:
             kwargs["Range"] = f"bytes={byte_range[0]}-{byte_range[1]}"
-        return self._body(key, self._call("reading", key, "get_object", **kwargs))
+        data = self._body(key, self._call("reading", key, "get_object", **kwargs))
+        if len(data) != size:  # replaced while read: the checksum would fail anyway
+            raise S3Error(f"reading {self.location_of_key(key)}: got {len(data)} bytes of {size}")
+        return data
 
     def _body(self, key: str, response: dict[str, Any]) -> bytes:
         try:
@@ -369,19 +449,29 @@ class S3Storage:
         except Exception as exc:  # the connection broke mid-body
             raise S3Error(f"reading {self.location_of_key(key)}: {exc}") from exc
 
+    def _file_size(self, key: str, head: dict[str, Any]) -> int:
+        """The size of file ``key`` from its ``HeadObject``: the object's, or the one its index records."""
+        recorded = (head.get("Metadata") or {}).get(_SEGMENTED)
+        if recorded is None:
+            return int(head["ContentLength"])
+        try:
+            return int(recorded)
+        except ValueError as exc:
+            raise S3Error(f"reading {self.location_of_key(key)}: a damaged index of segments") from exc
+
     def _size(self, key: str) -> int:
-        return int(self._call("reading the size of", key, "head_object", Key=key)["ContentLength"])
+        return self._file_size(key, self._call("reading the size of", key, "head_object", Key=key))
 
     def size(self, path: str) -> int:
         """See base class."""
         return self._size(self._key(path))
 
     def exists(self, path: str) -> bool:
-        """See base class: an object, or a prefix with objects under it."""
+        """See base class: an object (a file, or a file's index), or a prefix with objects under it."""
         key = self._key(path)
         if key:
             try:
-                self._size(key)
+                self._call("reading the size of", key, "head_object", Key=key)
                 return True
             except FileNotFoundError:
                 pass
@@ -400,21 +490,37 @@ class S3Storage:
         raise S3Error(f"an object store cannot rename {self.location(src)} atomically")
 
     def delete(self, path: str) -> None:
-        """See base class: the object ``path`` and every object under ``path/``."""
+        """See base class: the object ``path``, the segments of a file there, and every object
+        under ``path/``."""
         key = self._key(path)
-        keys = [key] if key else []
-        keys += [o["Key"] for page in self._list(self._dir(path), delimiter=False) for o in page.get("Contents", [])]
+        if not key:
+            prefixes, keys = [""], []
+        else:
+            # One listing finds the object and the prefixes that belong to it: ``path/`` and its
+            # segments' (``path.seg-<nonce>/``: one per writer, a crashed one's too).
+            prefixes, keys = [], [key]
+            for page in self._list(key, delimiter=True):
+                prefixes += [p["Prefix"] for p in page.get("CommonPrefixes", [])
+                             if p["Prefix"] == f"{key}/" or (p["Prefix"].startswith(key + _SEGMENTS)
+                                                             and _SEGMENT_DIR.fullmatch(p["Prefix"][:-1]))]
+        keys += [o["Key"] for prefix in prefixes for page in self._list(prefix, delimiter=False)
+                 for o in page.get("Contents", [])]
+        self._delete_keys(keys, key)
+
+    def _delete_keys(self, keys: list[str], key: str) -> None:
+        """Delete ``keys`` (those of file or directory ``key``), a batch per request."""
         for start in range(0, len(keys), _DELETE_BATCH):
             batch = keys[start:start + _DELETE_BATCH]
             reply = self._call("deleting", key, "delete_objects",
                                Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
             failed = [e for e in reply.get("Errors", []) if e.get("Code") != "NoSuchKey"]
             if failed:
-                raise S3Error(f"deleting {self.location(path)}: {len(failed)} object(s) not deleted "
+                raise S3Error(f"deleting {self.location_of_key(key)}: {len(failed)} object(s) not deleted "
                               f"({failed[0].get('Code')})")
 
     def abort_uploads(self, path: str, *, started_before: float) -> int:
-        """See :class:`~elastictrain.checkpoint.storage.ObjectStore`."""
+        """See :class:`~elastictrain.checkpoint.storage.ObjectStore`. This class starts no
+        multipart upload; an earlier version of it did, and a crash left them open."""
         prefix = self._dir(path)
         aborted = 0
         kwargs: dict[str, Any] = {"Prefix": prefix}
@@ -436,94 +542,132 @@ class S3Storage:
         return f"S3Storage({self.location_of_key(self._prefix)!r})"
 
 
-class _Upload:
-    """The write-only file ``S3Storage.open_write`` yields: a ``PutObject`` if the bytes fit one
-    part, else a multipart upload whose parts go out on a few threads as they fill.
+class _Writer:
+    """The write-only file ``S3Storage.open_write`` yields.
 
-    At most ``concurrency`` parts are in flight: ``write`` waits for the oldest beyond that, so
-    memory stays bounded and a stalled upload stops the writer (the manager's bound sees no
-    progress)."""
+    Bytes gather into a segment of ``part_size``; a file that ends within its first segment is
+    one create-only ``PutObject`` at its key. Once more bytes follow a full first segment, the
+    file is stored in segments: each full segment goes out at once, as its own create-only ``PutObject`` on a
+    few threads, under ``<key>.seg-<nonce>/`` (the nonce keeps two writers of one key apart:
+    of the two, the one whose index lands first wins, as for a single object); ``finish``
+    waits for them all, then writes the file's index at the key itself, create-only: the
+    segments' sizes, in order (see ``_index_body``). Until that index exists, the file does not.
+
+    At most ``concurrency`` segments are in flight: ``write`` waits for the oldest beyond that,
+    so memory stays bounded and a stalled upload stops the writer (the manager's bound sees no
+    progress). Each byte is copied once, into its segment (the caller may reuse its buffer once
+    ``write`` returns, so a segment cannot be a view of it), and but for a file's first and last
+    segment into memory a segment used before (``S3Storage._take_buffer``).
+    """
 
     def __init__(self, storage: S3Storage, key: str) -> None:
         self._storage = storage
         self._key = key
+        # The first segment grows as it fills (a small file never takes a segment's memory); the
+        # next ones are buffers of part_size, reused (S3Storage._take_buffer), filled in place.
         self._buffer = bytearray()
-        self._upload_id: str | None = None
-        self._parts: list[Future[dict[str, Any]]] = []
+        self._fill = 0
+        self._segments: list[Future[None]] = []
+        self._sizes: list[int] = []
+        self._nonce: str | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
-        self._size = 0
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
-        # One copy of each byte: a part is sliced straight out of ``data`` where it can be (the
-        # caller may reuse its buffer once this returns, so the part cannot be a view of it).
         view = memoryview(data).cast("B")
         size = len(view)
         part = self._storage._part_size  # noqa: SLF001 - one module
         start = 0
-        if self._buffer:
-            start = min(part - len(self._buffer), size)
-            self._buffer += view[:start]
-            if len(self._buffer) == part:
-                self._submit(self._buffer)
-                self._buffer = bytearray()
-        while size - start >= part:
-            self._submit(bytes(view[start:start + part]))
-            start += part
-        if start < size:
-            self._buffer += view[start:]
-        self._size += size
+        while start < size:
+            if self._fill == part:  # a full segment, and more bytes follow it
+                self._submit()
+                self._buffer, self._fill = self._storage._take_buffer(), 0  # noqa: SLF001
+            taken = min(part - self._fill, size - start)
+            if len(self._buffer) > self._fill:  # a segment buffer: filled in place
+                # Through a memoryview: a bytearray's own slice assignment copies the source first.
+                with memoryview(self._buffer) as target:
+                    target[self._fill:self._fill + taken] = view[start:start + taken]
+            else:
+                self._buffer += view[start:start + taken]
+            self._fill += taken
+            start += taken
         return size
 
     def flush(self) -> None:
         pass
 
-    def _submit(self, chunk: bytes | bytearray) -> None:
-        storage = self._storage
-        if self._upload_id is None:
-            reply = storage._call("starting an upload of", self._key, "create_multipart_upload",  # noqa: SLF001
-                                  Key=self._key)
-            self._upload_id = reply["UploadId"]
-            self._pool = ThreadPoolExecutor(storage._concurrency, thread_name_prefix="elastictrain-s3")  # noqa: SLF001
-        assert self._pool is not None  # noqa: S101 - made with the upload
-        in_flight = [f for f in self._parts if not f.done()]
-        if len(in_flight) >= storage._concurrency:  # noqa: SLF001
-            in_flight[0].result()  # backpressure (raises the part's error at once)
-        number = len(self._parts) + 1
-        self._parts.append(self._pool.submit(self._upload_part, number, chunk))
+    def _segment_key(self, number: int) -> str:
+        return f"{self._key}{_SEGMENTS}{self._nonce}/{number:06d}"
 
-    def _upload_part(self, number: int, chunk: bytes | bytearray) -> dict[str, Any]:
-        reply = self._storage._call("uploading part of", self._key, "upload_part",  # noqa: SLF001
-                                    Key=self._key, UploadId=self._upload_id, PartNumber=number, Body=chunk)
-        return {"PartNumber": number, "ETag": reply["ETag"]}
+    def _submit(self) -> None:
+        """Send the buffer's bytes as the next segment (the buffer is the segment's until it is stored)."""
+        storage = self._storage
+        if self._pool is None:
+            self._nonce = os.urandom(8).hex()
+            self._pool = ThreadPoolExecutor(storage._concurrency, thread_name_prefix="elastictrain-s3")  # noqa: SLF001
+        in_flight = [f for f in self._segments if not f.done()]
+        if len(in_flight) >= storage._concurrency:  # noqa: SLF001
+            in_flight[0].result()  # backpressure (raises the segment's error at once)
+        buffer = self._buffer
+        del buffer[self._fill:]  # the last segment: only what was written
+        self._sizes.append(len(buffer))
+        self._segments.append(self._pool.submit(self._send, self._segment_key(len(self._segments) + 1), buffer))
+        self._buffer, self._fill = bytearray(), 0
+
+    def _send(self, key: str, buffer: bytearray) -> None:
+        try:
+            self._storage._put(key, buffer)  # noqa: SLF001
+        finally:
+            self._storage._give_buffer(buffer)  # noqa: SLF001
 
     def finish(self) -> None:
         storage = self._storage
-        if self._upload_id is None:
+        if self._pool is None:
             storage._put(self._key, self._buffer)  # noqa: SLF001
             return
-        if self._buffer or not self._parts:
-            self._submit(self._buffer)
-            self._buffer = bytearray()
-        parts = [f.result() for f in self._parts]
-        storage._call("completing the upload of", self._key, "complete_multipart_upload",  # noqa: SLF001
-                      Key=self._key, UploadId=self._upload_id, MultipartUpload={"Parts": parts}, IfNoneMatch="*")
+        if self._fill:
+            self._submit()
+        for future in self._segments:
+            future.result()
         self._close_pool()
+        # The file's commit: create-only, so of two writers of this key exactly one succeeds.
+        storage._put(self._key, _index_body(f"{self._key.rpartition('/')[2]}{_SEGMENTS}{self._nonce}", self._sizes),  # noqa: SLF001
+                     metadata={_SEGMENTED: str(sum(self._sizes))})
 
     def abort(self) -> None:
-        """Give the parts up (best effort: a crash leaves them to ``abort_uploads``)."""
-        for future in self._parts:
+        """Give the segments up (best effort: what a crash or a stalled request leaves is under
+        the save's data prefix, which retention deletes)."""
+        for future in self._segments:
             future.cancel()
         self._close_pool()
-        if self._upload_id is not None:
+        done = [self._segment_key(n) for n, f in enumerate(self._segments, 1)
+                if f.done() and not f.cancelled() and f.exception() is None]
+        if done:
             try:
-                self._storage._call("aborting the upload of", self._key, "abort_multipart_upload",  # noqa: SLF001
-                                    Key=self._key, UploadId=self._upload_id)
+                self._storage._delete_keys(done, self._key)  # noqa: SLF001
             except OSError as exc:
-                logger.info("could not abort the upload of %s: %s", self._storage.location_of_key(self._key), exc)
+                logger.info("could not delete the segments of %s: %s", self._storage.location_of_key(self._key), exc)
 
     def _close_pool(self) -> None:
         if self._pool is not None:
-            # Not waiting: a part blocked on a stalled connection must not hold the caller.
+            # Not waiting: a segment blocked on a stalled connection must not hold the caller.
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+
+
+def _index_body(prefix: str, sizes: list[int]) -> bytes:
+    """The index of a file stored in segments: JSON, read back as data only (``_parse_index``)."""
+    return json.dumps({"format": _INDEX_FORMAT, "segments": prefix, "sizes": sizes}).encode()
+
+
+def _parse_index(raw: bytes, name: str, size: int) -> tuple[str, list[int]]:
+    """The segment prefix (relative to the file's directory) and sizes of an index; ``ValueError``
+    when it is not one of a file ``name`` of ``size`` bytes."""
+    index = json.loads(raw)
+    if not isinstance(index, dict) or index.get("format") != _INDEX_FORMAT:
+        raise ValueError("not an index of segments")
+    prefix, sizes = index.get("segments"), index.get("sizes")
+    if not isinstance(prefix, str) or not re.fullmatch(re.escape(name + _SEGMENTS) + "[0-9a-f]{16}", prefix):
+        raise ValueError(f"bad segment prefix {prefix!r}")
+    if not isinstance(sizes, list) or not all(type(s) is int and s > 0 for s in sizes) or sum(sizes) != size:
+        raise ValueError(f"segment sizes do not add up to {size} bytes")
+    return prefix, sizes

@@ -113,8 +113,10 @@ class ObjectStore(Storage, Protocol):
     """
 
     def list_sizes(self, path: str) -> dict[str, int]:
-        """Return every file under directory ``path`` (recursively, by path relative to it) with
-        its size, in one listing; ``{}`` when there is none."""
+        """Return every object under directory ``path`` (recursively, by path relative to it) with
+        its size, in one listing; ``{}`` when there is none. A store may keep a large file as
+        several objects (``S3Storage``'s segments): their sizes add up to the bytes stored so
+        far, which grow while a file is written (the manager's progress)."""
         ...
 
     def abort_uploads(self, path: str, *, started_before: float) -> int:

@@ -75,6 +75,7 @@ class GroupKeeper:
         self.config = config
         self.strategy: ParallelStrategy = create_strategy(config)
         """How the model trains over each generation's group (``config.sharding``)."""
+        self.strategy.keep_state(self.objects)
         self.hooks = hooks
         self.context = context
         self.log: RankLoggerAdapter = get_logger(__name__, context)
@@ -89,6 +90,8 @@ class GroupKeeper:
         self._on_write_failure = on_write_failure
         self._assignment: Assignment | None = None
         self._due_since: float | None = None
+        self._formed: tuple[StateSource, int | None] | None = None
+        """Where the last formation's state came from, and the newest step the ranks held then."""
 
     @property
     def in_process(self) -> bool:
@@ -249,8 +252,9 @@ class GroupKeeper:
         if source is StateSource.PEERS:
             assert agreement is not None  # noqa: S101 - PEERS only from an agreement
             received = self.strategy.transfer_state(generation.cpu_group(), agreement, self.objects(), step=state.step)
-            if received:
-                state.step = agreement.step or 0
+            # The newest step, or an older one the live ranks hold whole (a sharded strategy's copies).
+            state.step = self.strategy.rebuild_step(agreement) or 0
+        self._formed = (source, agreement.step if agreement is not None else None)
         sampler.set_world(self.context.rank, self.context.world_size)
         if config.checkpoint_dir is not None:
             generation.open_checkpoints(config, self.control, on_write_failure=self._on_write_failure)
@@ -318,9 +322,14 @@ class GroupKeeper:
                                    recovery_timeout=self.config.recovery_timeout)
         self.recoveries += 1
         step, cause, seconds = self._state.step, reformed.cause, reformed.seconds
+        source, newest = self._formed or (None, None)
+        # The committed steps the group does again: from the newest any live rank held to the step
+        # its state came from (a checkpoint's, or an older step the ranks held whole in memory).
+        newest = max(newest or 0, old_step if holds_state else 0)
         announce_recovery(self.log, reformed, generation=control.generation, assignment=self._assignment,
                           rank=self.context.rank, old_world_size=old_world, world_size=self.context.world_size,
-                          step=step, steps_redone=max(0, old_step - step) if holds_state else 0)
+                          step=step, steps_redone=max(0, newest - step),
+                          state_from=source.value if source is not None else None)
         if abandoned is not None and self.context.rank == 0:
             self._say_abandoned(*abandoned)
         if holds_state:

@@ -239,17 +239,21 @@ def reform_in_place(control: WorkerControl, cause: str, *, leave: Callable[[str]
 
 def announce_recovery(log: logging.Logger | logging.LoggerAdapter[Any], reformed: Reformed, *, generation: int,
                       assignment: Assignment | None, rank: int, old_world_size: int, world_size: int,
-                      step: int, steps_redone: int = 0) -> None:
+                      step: int, steps_redone: int = 0, state_from: str | None = None) -> None:
     """Say a re-formation in one line, and rank 0 in a ``recovery`` event (with the fault its agent
-    handed it in ``assignment``, if any: this rank saw only its effect, and the committed steps
-    the group redoes: a restore from a checkpoint older than the step it had reached)."""
+    handed it in ``assignment``, if any: this rank saw only its effect, the committed steps the
+    group redoes: a restore from a checkpoint older than the step it had reached, or a roll back
+    to an older step the ranks held whole in memory, and ``state_from``, where the state came
+    from: ``"peers"``, the live ranks' memory, or ``"checkpoint"``)."""
     fault = Fault.from_json(assignment.fault) if assignment is not None else None
     said = f"{fault.describe()}; here: " if fault is not None else ""
-    log.info("recovered in %.2fs (%s%s): generation %d, world size %d -> %d, step %d%s (%s)", reformed.seconds, said,
+    log.info("recovered in %.2fs (%s%s): generation %d, world size %d -> %d, step %d%s%s (%s)", reformed.seconds, said,
              reformed.cause, generation, old_world_size, world_size, step,
-             f", {steps_redone} committed step(s) to redo" if steps_redone else "", describe_phases(reformed.phases))
+             f", {steps_redone} committed step(s) to redo" if steps_redone else "",
+             f", state from {state_from}" if state_from else "", describe_phases(reformed.phases))
     if rank == 0:
         events.emit("recovery", cause=reformed.cause, generation=generation, seconds=round(reformed.seconds, 4),
                     old_world_size=old_world_size, world_size=world_size, step=step, steps_redone=steps_redone,
+                    **({"state_from": state_from} if state_from is not None else {}),
                     **({"fault": fault.to_json()} if fault is not None else {}),
                     **{name: round(value, 4) for name, value in reformed.phases.items()})

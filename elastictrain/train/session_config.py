@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastictrain.train import process_group as pg
 from elastictrain._control import RECOVERY_MODES
@@ -14,6 +14,9 @@ from elastictrain.errors import ConfigError
 from elastictrain.train.hang_bounds import HangBounds
 from elastictrain.train.precision import PRECISIONS
 from elastictrain.train.strategy import SHARDINGS
+
+if TYPE_CHECKING:
+    from elastictrain.train.fsdp.units import UnitSpec
 
 __all__ = ["SessionConfig"]
 
@@ -116,6 +119,14 @@ class SessionConfig:
     state; the buddy on another node) in host memory, refreshed in the background after every
     this many steps; None: no copies. See ``docs/sharding.md``."""
 
+    shard_units: UnitSpec | None = None
+    """``sharding="fsdp"`` or ``"hsdp"``: which submodules are FSDP units (each gathered whole for its
+    forward and backward only). None: each direct child that holds parameters, then the root. For
+    transformers, the block class or a collection of classes (``{TransformerBlock}``: one unit per
+    block, as torchtitan wraps them) or a predicate ``(fqn, module) -> bool``; then the root. A
+    shared (tied) parameter is never split across units: it stays with a unit that holds every
+    module sharing it (the root at the latest). See ``docs/sharding.md``."""
+
     ddp_kwargs: Mapping[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of ``DistributedDataParallel`` (e.g. ``find_unused_parameters``)."""
 
@@ -172,6 +183,12 @@ class SessionConfig:
         _positive("redundancy_every", self.redundancy_every, allow_none=True)
         if self.redundancy_every is not None and self.sharding != "fsdp":
             raise ConfigError(f"redundancy_every needs sharding='fsdp', got sharding={self.sharding!r}")
+        if self.shard_units is not None:
+            if self.sharding not in ("fsdp", "hsdp"):
+                raise ConfigError(f"shard_units needs sharding='fsdp' or 'hsdp', got sharding={self.sharding!r}")
+            from elastictrain.train.fsdp.units import check_units  # FSDP's imports only for a sharded session
+
+            check_units(self.shard_units, name="shard_units")
         if self.recovery not in RECOVERY_MODES:
             raise ConfigError(f"recovery must be one of {RECOVERY_MODES}, got {self.recovery!r}")
         if not isinstance(self.checkpoint_timeout, timedelta):

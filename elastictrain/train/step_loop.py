@@ -129,13 +129,27 @@ class StepLoop:
         """Marks a step's own collectives (see :meth:`GroupKeeper.collective`)."""
         return self._keeper.collective()
 
+    def swallowing(self) -> contextlib.AbstractContextManager[Any]:
+        """Around a micro-batch's forward and backward: under in-process recovery the strategy
+        records a collective failure inside instead of raising it in the user's code
+        (:meth:`~elastictrain.train.strategy.ParallelStrategy.swallowing`)."""
+        if not (self.wrapped and self.recovers_in_process):
+            return contextlib.nullcontext()
+        # A wait for the forward's all-gather is a step's own collective: a rank waiting there
+        # for a hung peer is not hung itself (WorkerControl.collective).
+        return self._keeper.strategy.swallowing(self.collective)
+
+    def swallowed(self) -> BaseException | None:
+        """The collective failure the strategy recorded inside :meth:`swallowing`, if one was: the
+        step is discarded."""
+        return self._keeper.strategy.swallowed() if self.wrapped else None
+
     def before_forward(self) -> BaseException | None:
         """The strategy's collectives due before a micro-batch's forward
         (:meth:`~elastictrain.train.strategy.ParallelStrategy.before_forward`); under in-process
         recovery a collective failure is returned (the step is discarded), not raised."""
         if not self.wrapped:
             return None
-        began = time.perf_counter()
         try:
             with self.collective():
                 self._keeper.strategy.before_forward()
@@ -143,9 +157,6 @@ class StepLoop:
             if self.recovers_in_process and is_collective_failure(exc):
                 return exc
             raise
-        finally:
-            if self._step_at is not None:  # a wait for the peers is no compute of this rank's
-                self._step_at += time.perf_counter() - began
         return None
 
     def inject(self, step: int) -> None:

@@ -5,7 +5,9 @@ synchronization, the strategy's ``no_sync()``, and inside autocast); :meth:`Micr
 in-process recovery a backward whose gradient all-reduce fails (a peer died) does
 not raise into the training loop: the step is marked failed, its remaining
 micro-batches are not handed out, and the session re-forms the group and plans the
-step again at the new world size.
+step again at the new world size. So does a collective of the forward that the strategy
+swallowed (a sharded model's all-gather, see ``ParallelStrategy.swallowing``): the
+micro-batch runs to its end on garbage, and the step is discarded after it.
 """
 
 from __future__ import annotations
@@ -118,6 +120,10 @@ class MicroStep:
         finally:
             if self.is_last:
                 loop.enter(Section.BETWEEN)  # the script's code until it asks for the next step
+        swallowed = loop.swallowed()  # a collective of its forward or backward failed: garbage
+        if swallowed is not None:
+            self._step.fail(swallowed)
+            return
         self._step._record(self, loss)
 
 
@@ -188,8 +194,12 @@ class Step:
                 self.fail(failed)  # discarded before its forward: nothing of it ran
                 return
             loop.count_forwards()
-            with loop.precision.autocast():
+            with loop.precision.autocast(), loop.swallowing():
                 yield MicroStep(self, micro, loop.to_device(batch), index, index == count - 1)
+            swallowed = loop.swallowed()
+            if swallowed is not None:
+                self.fail(swallowed)  # it ran on garbage: discarded, no further micro-batch
+                return
             if self.failure is None and index == count - 1 and loop.wrapped and loop.forwards == 0:
                 raise SessionError(
                     f"step {self.number}: the last micro-batch ran no forward pass through session.model, "

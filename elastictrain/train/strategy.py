@@ -54,8 +54,9 @@ class GroupView:
     """The process group to train over; None: the default group."""
 
     in_process: bool
-    """Whether faults are recovered in this process: no collective may then run inside the user's
-    forward (a failure there would escape the step loop), and the vote is taken at each boundary."""
+    """Whether faults are recovered in this process: a collective failure inside the user's forward
+    must not escape the step loop (no collective runs there, or its failure is recorded and the step
+    discarded at its end: :meth:`ParallelStrategy.swallowing`), and the vote is taken at each boundary."""
 
     local_world_size: int
     """Workers per node (a hybrid strategy shards within a node and replicates across nodes)."""
@@ -70,15 +71,17 @@ class ParallelStrategy(ABC):
 
     1. :meth:`arm_vote` (in-process recovery only) before the step's first forward;
     2. a forward and backward per micro-batch through what :meth:`wrap` returned, each but the
-       last inside :meth:`no_sync`; the last backward synchronizes the gradients;
+       last inside :meth:`no_sync`, each after :meth:`before_forward` and inside :meth:`swallowing`
+       (in-process only); the last backward synchronizes the gradients; a failure
+       :meth:`swallowed` discards the step;
     3. :meth:`clip_grad_norm` (if the session clips) and the optimizer step;
     4. :meth:`after_step`, then :meth:`votes` (in-process only): how many ranks voted to
        re-form the group after this step. Every rank gets the same number.
 
-    Collective failures are not caught here: a method that runs a collective (:meth:`wrap`,
-    :meth:`after_step`, :meth:`votes`, :meth:`clip_grad_norm`, :meth:`full_state_dict`,
-    :meth:`transfer_state`) lets the backend's error through, and the session decides at the
-    step boundary. Calling a per-generation method before :meth:`wrap` or after :meth:`leave`
+    Collective failures are not caught here (but inside :meth:`swallowing`): a method that runs
+    one (:meth:`wrap`, :meth:`after_step`, :meth:`votes`, :meth:`clip_grad_norm`,
+    :meth:`full_state_dict`, :meth:`transfer_state`) lets the backend's error through, and the
+    session decides at the step boundary. Calling a per-generation method before :meth:`wrap` or after :meth:`leave`
     raises :class:`~elastictrain.errors.SessionError`.
 
     Policy in the base, mechanism in subclasses: the public methods check, then call the
@@ -184,11 +187,24 @@ class ParallelStrategy(ABC):
 
     def before_forward(self) -> None:
         """Run before each micro-batch's forward by the session, where a collective failure
-        discards the step (a failure inside the user's forward would escape the step loop). A
-        strategy whose forward runs collectives (FSDP2's all-gathers) runs them here under
-        in-process recovery. Default: nothing (DDP's forward runs none). Raises the backend's
-        error if a collective fails."""
+        discards the step (a failure inside the user's forward would escape the step loop).
+        Default: nothing (DDP's forward runs no collective). Raises the backend's error if a
+        collective fails (or failed inside the step, see :meth:`swallowed`)."""
         return
+
+    def swallowing(self, waiting: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+                   ) -> contextlib.AbstractContextManager[Any]:
+        """Entered by the session around each micro-batch of a step (the user's forward and
+        backward) under in-process recovery: a strategy whose forward runs collectives (FSDP2's
+        all-gathers) records their failure inside instead of raising it in the user's code
+        (:meth:`swallowed`), and enters ``waiting`` around each wait for one (the session's marker
+        of a step's own collectives). Default: nothing is swallowed."""
+        return contextlib.nullcontext()
+
+    def swallowed(self) -> BaseException | None:
+        """The collective failure recorded inside :meth:`swallowing` in this generation, if one was:
+        the step is then discarded and the group re-forms. Default: None."""
+        return None
 
     @abstractmethod
     def after_step(self, step: int) -> None:
@@ -220,9 +236,10 @@ class ParallelStrategy(ABC):
 
     def covers(self, group: Any, agreement: Agreement, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                *, step: int, local_world_size: int) -> bool:
-        """Whether the live holders of the newest step (``agreement``) hold the whole state, so that
-        :meth:`transfer_state` can give every rank its part of it; called on every rank of a group
-        that forms when some rank holds state and :attr:`live_transfer` is True, before
+        """Whether the live holders of the newest step (``agreement``) hold the whole state (or, for a
+        strategy that keeps older steps in memory, the live ranks hold an older step whole:
+        :meth:`rebuild_step`), so that :meth:`transfer_state` can give every rank its part of it;
+        called on every rank of a group that forms when some rank holds state and :attr:`live_transfer` is True, before
         :meth:`unwrapped`. Default: True (every holder holds the whole of a replica). A sharded
         strategy announces its regions and plans their moves here (a collective over the gloo
         ``group``); False makes every rank restore the newest checkpoint.
@@ -257,6 +274,20 @@ class ParallelStrategy(ABC):
         if not self.live_transfer:
             raise SessionError(f"the {self.name} strategy holds no replicated state to transfer live")
         return transfer(group, agreement, objects, step=step)
+
+    def rebuild_step(self, agreement: Agreement) -> int | None:
+        """The step :meth:`transfer_state` brought every rank to: the agreed newest one
+        (``agreement.step``, the default), or an older one that :meth:`covers` found the live ranks
+        hold whole when they lack part of the newest (a sharded strategy's in-memory copies: every
+        rank rolls back to it and the steps after it are redone)."""
+        return agreement.step
+
+    def keep_state(self, objects: Callable[[], Mapping[str, Any]]) -> None:
+        """Given once by the session: its training state by name, as a checkpoint writes it
+        (:meth:`~elastictrain.train.group_keeper.GroupKeeper.objects`), for a strategy that keeps
+        copies of older steps in memory to roll back to (fsdp's ``redundancy_every``). Default:
+        not kept."""
+        return
 
     @abstractmethod
     def full_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:

@@ -7,6 +7,7 @@ for that, and ``python -m benchmarks --mode quick|full`` is where numbers come f
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -93,8 +94,8 @@ def test_step_overhead_runs_the_three_loops_in_turns_and_reports_each(tmp_path: 
     assert row.count("%") == 2 and f"{tiny['inprocess_paired_overhead_pct']:+.1f}%" in row, row
 
 
-# In the default suite (21 s on the 2-core VM at load 13; one repetition, no warm-up): nothing else runs
-# this benchmark's code (issue 44).
+# In the default suite (both configurations, shared cores and pinned, one repetition each, no
+# warm-up; 18 s on the 2-core VM at load 6): nothing else runs this benchmark's code (issue 44).
 @pytest.mark.timeout(180)
 def test_checkpoint_s3_saves_restores_and_uploads_to_a_local_s3_server_and_reports_each(tmp_path: Path) -> None:
     out = tmp_path / "checkpoint_s3.json"
@@ -104,13 +105,23 @@ def test_checkpoint_s3_saves_restores_and_uploads_to_a_local_s3_server_and_repor
         cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=160,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(out.read_text())["result"]
-    for key in ("torch_save_local", "s3_async_stall", "s3_async_total", "s3_overlap_stall", "s3_overlap_lost",
-                "s3_restore", "s3storage_upload", "boto3_put_object", "boto3_multipart", "boto3_multipart_complete"):
-        assert SUMMARY_KEYS <= result[key].keys() and result[key]["n"] == 1, (key, result[key])
-    assert {"s3_overlap_stall_over_torch_save", "upload_throughput_over_put", "upload_throughput_over_plain_multipart",
-            "s3storage_upload_mb_per_s", "boto3_put_object_mb_per_s"} <= result.keys()
-    assert result["replicated_bytes"] > 4 << 20
+    record = json.loads(out.read_text())
+    assert record["configs"] == ["shared", "pinned"]
+    for name in ("result", "result_pinned"):
+        result = record[name]
+        for key in ("torch_save_local", "memcpy_floor", "s3_async_stall", "s3_async_total", "s3_overlap_stall",
+                    "s3_overlap_lost", "s3_restore", "s3storage_upload", "boto3_put_object",
+                    "boto3_put_object_same_client", "boto3_multipart",
+                    "boto3_multipart_complete", "s3storage_upload_cpu_client", "s3storage_upload_cpu_server",
+                    "overlap_window_cpu_client", "overlap_window_cpu_server", "compute_alone_cpu_client"):
+            assert SUMMARY_KEYS <= result[key].keys() and result[key]["n"] == 1, (name, key, result[key])
+        assert {"s3_overlap_stall_over_torch_save", "s3_async_stall_over_memcpy_floor", "upload_throughput_over_put",
+                "upload_throughput_over_put_same_client",
+                "upload_throughput_over_plain_multipart", "s3storage_upload_mb_per_s", "boto3_put_object_mb_per_s",
+                "overlap_extra_cpu_client", "overlap_extra_cpu_server"} <= result.keys()
+        assert result["replicated_bytes"] > 4 << 20
+    assert record["result"]["cpus"] == sorted(os.sched_getaffinity(0)) and record["result_pinned"]["cpus"] == [0]
+    assert record["result_pinned"]["torch_threads"] == 1
 
 
 # Slow (about 10 s): sessions of three shardings at world size 4 (issue 41).
@@ -133,27 +144,50 @@ def test_sharded_step_times_three_shardings_and_reports_each_ranks_state(tmp_pat
     assert all(0.45 < mb / held["ddp"][0] < 0.55 for mb in held["hsdp"])
 
 
-# Slow (about 15 s): sessions with and without redundancy at world size 4 (issue 41).
+# Slow (about 10 s): a sharded forward's unsharded parameters, three modes at world size 2 (issue 41).
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(180)
+def test_sharded_forward_reports_what_each_mode_holds_unsharded_at_once(tmp_path: Path) -> None:
+    out = tmp_path / "sharded_forward.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/sharded_forward.py", "--mb", "1", "--layers", "4", "--reps", "1", "--steps", "2",
+         "--warmup", "1", "--out", str(out)],
+        cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=160,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    share = {mode: results[mode]["unsharded_share_of_model"] for mode in ("plain", "gather", "failsafe")}
+    # The full gather holds the whole model; plain FSDP2 and the failsafe groups a block (and the head).
+    assert share["gather"] == 1.0 and share["failsafe"] == share["plain"] < 0.5, share
+
+
+# Slow (about 30 s): sessions with and without redundancy at world sizes 2 and 4 (issue 41).
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_redundancy_cost_times_each_refresh_interval_and_reports_the_host_memory(tmp_path: Path) -> None:
     out = tmp_path / "redundancy_cost.json"
     done = subprocess.run(
         [sys.executable, "benchmarks/redundancy_cost.py", "--width", "64", "--layers", "1", "--seq", "4",
-         "--steps", "3", "--warmup", "1", "--reps", "1", "--every", "1,2", "--out", str(out)],
-        cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=200,
+         "--steps", "11", "--warmup", "1", "--reps", "1", "--every", "1,10", "--worlds", "2,4", "--out", str(out)],
+        cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=280,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(out.read_text())["results"]
-    assert set(results) == {"off", "every_1", "every_2"}
-    assert results["every_1"]["refreshed"][0] + results["every_1"]["skipped"][0] >= 3
-    # Two snapshots of a rank's shard and two copies of its buddy's: about four shards.
-    for host, shard in zip(results["every_1"]["host_mb_per_rank"], results["every_1"]["shard_mb_per_rank"],
-                           strict=True):
-        assert shard > 0.05 and 3 * shard <= host <= 5 * shard + 0.02
+    worlds = json.loads(out.read_text())["worlds"]
+    assert set(worlds) == {"2", "4"}
+    for world, entry in worlds.items():
+        results = entry["results"]
+        assert set(results) == {"off", "every_1", "every_10"} and entry["width"] == 64, world
+        assert results["every_1"]["refreshed"][0] + results["every_1"]["skipped"][0] >= 11
+        assert len(results["every_1"]["host_mb_per_rank"]) == int(world)
+        # Every step: two snapshots of a rank's shard and two copies of its buddy's, about four
+        # shards. Every 10 (one refresh here): the pair of the last refresh, about two.
+        for name, low, high in (("every_1", 3, 5), ("every_10", 1.5, 2.5)):
+            for host, shard in zip(results[name]["host_mb_per_rank"], results[name]["shard_mb_per_rank"],
+                                   strict=True):
+                assert shard > 0.01 and low * shard <= host <= high * shard + 0.02, (world, name, host, shard)
 
 
-# Slow (2-4 min): six recovery trials of 4 workers and checkpoint_sharded.py at a tiny size (issue 41).
+# Slow (2-4 min): seven recovery trials of 4 workers and checkpoint_sharded.py at a tiny size (issue 41).
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_sharded_recovery_times_every_launcher_or_reports_it_unsupported(tmp_path: Path) -> None:
@@ -177,6 +211,11 @@ def test_sharded_recovery_times_every_launcher_or_reports_it_unsupported(tmp_pat
             assert isinstance(trial["steps_redone"], int), (name, launcher)
         inprocess = entry["elastictrain_inprocess"]
         assert ("unsupported" in inprocess) != ("recovery_s" in inprocess), inprocess
+    # In process with a buddy's copies refreshed every step: the fsdp state from memory, <= 1 step redone.
+    copies = record["scenarios"]["fsdp_worker_kill"]["elastictrain_redundancy"]
+    assert copies["trials_timed"] == 1 and copies["trials"][0]["state_from"] == ["peers"], copies
+    assert copies["trials"][0]["steps_redone"] <= 1, copies
+    assert "unsupported" in record["scenarios"]["hsdp_node_loss"]["elastictrain_redundancy"]
     assert record["scenarios"]["hsdp_node_loss"]["torchrun_dcp"]["trials"][0]["first_step_after"]["world_size"] == 2
     assert record["checkpoint"]["results"]["same_values_as_dcp"] is True
     assert "| fsdp, worker kill" in out.with_suffix(".md").read_text()

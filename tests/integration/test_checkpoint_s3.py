@@ -30,7 +30,7 @@ from tests.unit.test_checkpoint_distributed import ThreadCoordinator, run_ranks
 
 pytestmark = pytest.mark.timeout(90)
 
-PART = 5 << 20  # S3's smallest part: a 12 MiB model goes up in three
+PART = 5 << 20  # a 12 MiB model goes up in three segments
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +78,12 @@ def _uploads(endpoint: str, bucket: str) -> list[str]:
     return [u["Key"] for u in client(endpoint).list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
 
 
+def _index(endpoint: str, bucket: str, key: str) -> tuple[dict[str, str], dict[str, Any]]:
+    """The metadata and the JSON body of the index of a file stored in segments."""
+    reply = client(endpoint).get_object(Bucket=bucket, Key=key)
+    return reply["Metadata"], json.loads(reply["Body"].read())
+
+
 def _restored_weight(url: str, **kwargs: Any) -> tuple[int | None, torch.Tensor]:
     model = _model(999, kwargs.pop("width", 64))
     with CheckpointManager(url, **kwargs) as manager:
@@ -85,41 +91,81 @@ def _restored_weight(url: str, **kwargs: Any) -> tuple[int | None, torch.Tensor]
     return (info.step if info else None), model.weight.detach().clone()
 
 
-def test_a_save_uploads_each_file_in_parts_and_commits_by_a_manifest_written_last(
-        s3_env: str, bucket: str) -> None:
+def test_a_save_uploads_a_large_file_in_segments_by_single_puts_and_commits_by_a_manifest_written_last(
+        proxy: FaultProxy, s3_env: str, bucket: str) -> None:
     storage = S3Storage(bucket, part_size=PART)
-    model = _model(1, width=1800)  # 12.4 MB of weights: a multipart upload of three parts
+    model = _model(1, width=1800)  # 12.4 MB of weights: three segments
     with CheckpointManager("run", storage=storage) as manager:
         manager.save(7, {"model": model, "progress": {"epoch": 2}})
     keys = _keys(s3_env, bucket)
     [data] = {k.split("/")[1] for k in keys if ".data-" in k}
+    [segments] = {k.split("/")[2] for k in keys if ".seg-" in k}
     assert keys == ["run/.fence-000000000001", f"run/{data}/rank_00000.pt", f"run/{data}/replicated.pt",
-                    "run/step_00000007/MANIFEST.json"]
+                    *(f"run/{data}/{segments}/{n:06d}" for n in (1, 2, 3)), "run/step_00000007/MANIFEST.json"]
     manifest = json.loads(client(s3_env).get_object(Bucket=bucket, Key="run/step_00000007/MANIFEST.json")
                           ["Body"].read())
     assert manifest["data"] == data and manifest["step"] == 7
-    head = client(s3_env).head_object(Bucket=bucket, Key=f"run/{data}/replicated.pt")
-    assert head["ContentLength"] == manifest["files"]["replicated.pt"]["size"]
-    assert head["ETag"].endswith('-3"'), head["ETag"]  # a multipart upload of three parts
+    size = manifest["files"]["replicated.pt"]["size"]
+    metadata, index = _index(s3_env, bucket, f"run/{data}/replicated.pt")
+    assert metadata == {"elastictrain-segmented": str(size)}
+    assert index == {"format": "elastictrain-segments-1", "segments": segments,
+                     "sizes": [PART, PART, size - 2 * PART]}
+    assert storage.size(f"run/{data}/replicated.pt") == size
+    assert storage.list_dir(f"run/{data}") == ["rank_00000.pt", "replicated.pt"]  # the segments are not files
+    # No multipart write (POST ?uploads, PUT ?partNumber=&uploadId=, POST ?uploadId=): single PUTs only.
+    assert not [r for r in proxy.requests if r[0] != "GET" and ("?uploads" in r[1] or "uploadId=" in r[1])]
+    assert _uploads(s3_env, bucket) == []
     step, weight = _restored_weight(f"s3://{bucket}/run", width=1800)
     assert step == 7 and torch.equal(weight, model.weight)
 
 
-def test_writes_of_any_size_upload_the_same_bytes_in_parts_and_read_back_with_their_sha256(
+def test_writes_of_any_size_store_the_same_bytes_in_segments_and_read_back_with_their_sha256(
         s3_env: str, bucket: str) -> None:
     data = random.Random(3).randbytes(4 * PART + 12345)
     storage = S3Storage(bucket, part_size=PART)
     view, start = memoryview(data), 0
-    with storage.open_write("blob") as f:  # part boundaries fall inside writes, and writes span parts
+    with storage.open_write("dir/blob") as f:  # segment boundaries fall inside writes, and writes span segments
         for size in itertools.cycle([1, PART - 1, 2, 2 * PART + 7, 3, PART // 3]):
             f.write(view[start:start + size])
             start += size
             if start >= len(data):
                 break
-    head = client(s3_env).head_object(Bucket=bucket, Key="blob")
-    assert head["ETag"].endswith('-5"'), head["ETag"]
-    assert client(s3_env).get_object(Bucket=bucket, Key="blob")["Body"].read() == data
-    assert storage.read_hashed("blob") == (data, hashlib.sha256(data).hexdigest())
+    _, index = _index(s3_env, bucket, "dir/blob")
+    assert index["sizes"] == [PART] * 4 + [12345]
+    stored = b"".join(client(s3_env).get_object(Bucket=bucket, Key=f"dir/{index['segments']}/{n:06d}")["Body"].read()
+                      for n in range(1, 6))
+    assert stored == data
+    assert storage.read_hashed("dir/blob") == (data, hashlib.sha256(data).hexdigest())
+    with storage.open_read("dir/blob") as f:
+        assert f.read() == data
+    assert storage.size("dir/blob") == len(data) and storage.list_dir("dir") == ["blob"]
+    with storage.open_write("dir/small") as f:  # at most one segment: one object, no index
+        f.write(view[:PART])
+    assert client(s3_env).get_object(Bucket=bucket, Key="dir/small")["Body"].read() == data[:PART]
+    storage.delete("dir/blob")  # the file and its segments, not its neighbour
+    assert _keys(s3_env, bucket) == ["dir/small"]
+
+
+def test_of_two_writers_of_one_large_file_exactly_one_succeeds_and_the_loser_deletes_its_segments(
+        s3_env: str, bucket: str) -> None:
+    storage = S3Storage(bucket, part_size=PART)
+    first, second = random.Random(1).randbytes(2 * PART + 1), random.Random(2).randbytes(2 * PART + 1)
+    with pytest.raises(FileExistsError), storage.open_write("blob") as a:
+        a.write(first[:PART])  # a's first segment goes out
+        with storage.open_write("blob") as b:  # their segments interleave, each under a prefix of its own
+            b.write(second)
+        a.write(first[PART:])  # a's index comes second: refused, and a deletes its segments
+    assert storage.read_hashed("blob") == (second, hashlib.sha256(second).hexdigest())
+    _, index = _index(s3_env, bucket, "blob")
+    assert _keys(s3_env, bucket) == ["blob", *(f"{index['segments']}/{n:06d}" for n in (1, 2, 3))]
+
+
+def test_the_client_sends_no_crc32_of_each_body_unless_the_environment_asks(
+        s3_env: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = S3Storage("any").client.meta.config  # the manifest's sha256 covers the bytes
+    assert (config.request_checksum_calculation, config.response_checksum_validation) == ("when_required",) * 2
+    monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", "when_supported")
+    assert S3Storage("any").client.meta.config.request_checksum_calculation == "when_supported"
 
 
 CRASH_SCRIPT = """\
@@ -132,9 +178,10 @@ torch.manual_seed(2)
 model = torch.nn.Linear(1800, 1800)
 manager = CheckpointManager("run", storage=S3Storage(bucket, part_size=5 << 20))
 def crash(at):
-    # mid-objects: once a multipart upload is under way, as a process killed there leaves it
-    if at == stage and (stage != "during_write" or client(os.environ["AWS_ENDPOINT_URL"]).list_multipart_uploads(
-            Bucket=bucket).get("Uploads")):
+    # mid-file: once a segment of replicated.pt is stored, and not its index, as a process killed there leaves it
+    if at == stage and (stage != "during_write" or any(".seg-" in o["Key"] for o in client(
+            os.environ["AWS_ENDPOINT_URL"]).list_objects_v2(Bucket=bucket, Prefix="run/step_00000002.data-")
+            .get("Contents", []))):
         os._exit(17)
 manager._fault_hook = crash
 manager.save(2, {"model": model})
@@ -152,10 +199,12 @@ def test_a_save_killed_at_any_stage_restores_the_previous_checkpoint_and_the_nex
     done = subprocess.run([sys.executable, str(script), bucket, stage], env=subprocess_env(PYTHONPATH=str(REPO_ROOT)),
                           capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
     assert done.returncode == 17, done.stderr[-3000:]
-    if stage == "during_write":
-        assert _uploads(s3_env, bucket), "the crash left no upload under way"
+    crashed = [k.split("/", 2)[2] for k in _keys(s3_env, bucket) if k.startswith("run/step_00000002.data-")]
+    if stage == "during_write":  # segments, and no index: no file
+        assert any(".seg-" in k for k in crashed) and "replicated.pt" not in crashed, crashed
     if stage == "before_commit":  # every object is there; only the manifest is not
-        assert sum(".data-" in k for k in _keys(s3_env, bucket)) == 4
+        assert [k for k in crashed if ".seg-" not in k] == ["rank_00000.pt", "replicated.pt"], crashed
+        assert len(crashed) == 5, crashed  # and replicated.pt's three segments
     step, weight = _restored_weight(f"s3://{bucket}/run", width=1800)
     assert step == 1 and torch.equal(weight, good.weight)
 
@@ -165,9 +214,18 @@ def test_a_save_killed_at_any_stage_restores_the_previous_checkpoint_and_the_nex
     keys = _keys(s3_env, bucket)
     data = sorted({k.split("/")[1] for k in keys if ".data-" in k})
     assert [d.split(".")[0] for d in data] == ["step_00000001", "step_00000003"], keys  # the crashed save's: gone
+    assert not [k for k in keys if k.startswith("run/step_00000002")], keys  # its segments too
     assert _uploads(s3_env, bucket) == []
     step, weight = _restored_weight(f"s3://{bucket}/run", width=1800)
     assert step == 3 and torch.equal(weight, newer.weight)
+
+
+def test_a_save_aborts_the_multipart_uploads_an_earlier_version_left_open(s3_env: str, bucket: str) -> None:
+    # elastictrain before segments uploaded large files in parts; a crash left the upload open.
+    client(s3_env).create_multipart_upload(Bucket=bucket, Key="run/step_00000001.data-0badc0de/replicated.pt")
+    with CheckpointManager("run", storage=S3Storage(bucket, part_size=PART)) as manager:
+        manager.save(2, {"model": _model(2)})
+    assert _uploads(s3_env, bucket) == []
 
 
 def test_a_stale_writer_cannot_replace_a_newer_worlds_commit_of_the_same_step(s3_env: str, bucket: str) -> None:
@@ -224,21 +282,27 @@ def test_a_stale_writer_re_saving_a_step_never_deletes_a_newer_worlds_commit_of_
     assert json.loads(client(s3_env).get_object(Bucket=bucket, Key=manifest)["Body"].read())["fence"] == 2
 
 
-def test_a_restore_downloads_each_object_once_and_checks_it_before_loading(
+def test_a_restore_downloads_each_segment_once_and_checks_it_before_loading(
         proxy: FaultProxy, s3_env: str, bucket: str) -> None:
-    model = _model(14, width=1800)  # 12.4 MB: three ranges of 5 MiB
+    model = _model(14, width=1800)  # 12.4 MB: three segments of 5 MiB
     with CheckpointManager("run", storage=S3Storage(bucket, part_size=PART)) as manager:
         manager.save(1, {"model": model})
     [key] = [k for k in _keys(s3_env, bucket) if k.endswith("/replicated.pt")]
-    size = client(s3_env).head_object(Bucket=bucket, Key=key)["ContentLength"]
     proxy.requests.clear()
     target = _model(15, width=1800)
     with CheckpointManager("run", storage=S3Storage(bucket, part_size=PART)) as manager:
         info = manager.restore({"model": target})
     assert info is not None and info.step == 1 and torch.equal(target.weight, model.weight)
-    gets = [path for method, path in proxy.requests
-            if method == "GET" and path.split("?")[0].endswith("/replicated.pt")]
-    assert len(gets) == -(-size // PART) == 3, proxy.requests
+    gets = sorted(path.split("?")[0].partition("/replicated.pt")[2] for method, path in proxy.requests
+                  if method == "GET" and "/replicated.pt" in path)
+    assert gets[0] == "" and [g.rpartition("/")[2] for g in gets[1:]] == ["000001", "000002", "000003"], gets
+
+    # An object of more than one part_size that is not in segments (another writer's) reads in ranges.
+    data = random.Random(5).randbytes(2 * PART + 1)
+    client(s3_env).put_object(Bucket=bucket, Key="plain", Body=data)
+    proxy.requests.clear()
+    assert S3Storage(bucket, part_size=PART).read_hashed("plain") == (data, hashlib.sha256(data).hexdigest())
+    assert [m for m, path in proxy.requests if path.split("?")[0].endswith("/plain")] == ["HEAD"] + ["GET"] * 3
 
 
 def test_throttling_is_retried_with_backoff_and_the_save_commits(proxy: FaultProxy, bucket: str) -> None:
@@ -269,18 +333,19 @@ def test_denied_access_fails_at_start_with_one_line_and_no_secret(proxy: FaultPr
     assert CREDENTIALS["AWS_SECRET_ACCESS_KEY"] not in message and CREDENTIALS["AWS_ACCESS_KEY_ID"] not in message
 
 
-def test_a_stalled_upload_is_abandoned_after_the_save_timeout(proxy: FaultProxy, bucket: str) -> None:
-    model = _model(5)
-    manager = CheckpointManager(f"s3://{bucket}/run", save_timeout=timedelta(seconds=1))
+@pytest.mark.parametrize("width", [64, 1800])  # one object; three segments
+def test_a_stalled_upload_is_abandoned_after_the_save_timeout(proxy: FaultProxy, bucket: str, width: int) -> None:
+    model = _model(5, width)
+    manager = CheckpointManager("run", storage=S3Storage(bucket, part_size=PART), save_timeout=timedelta(seconds=1))
     manager.save(1, {"model": model})
     proxy.stall("PUT")
     try:
         with pytest.raises(CheckpointWriteError, match="made no progress for 1s"):
-            manager.save(2, {"model": _model(6)})
+            manager.save(2, {"model": _model(6, width)})
     finally:
         proxy.release()
     manager.close()
-    step, weight = _restored_weight(f"s3://{bucket}/run")
+    step, weight = _restored_weight(f"s3://{bucket}/run", width=width)
     assert step == 1 and torch.equal(weight, model.weight)
 
 
@@ -334,6 +399,29 @@ def test_restore_and_status_skip_a_checkpoint_whose_object_does_not_match_its_ma
         capture_output=True, text=True, timeout=60, env=subprocess_env(), cwd=REPO_ROOT)
     assert json.loads(shown.stdout)["checkpoint"]["step"] == 1, shown.stderr
     assert CREDENTIALS["AWS_SECRET_ACCESS_KEY"] not in shown.stdout + shown.stderr
+
+
+@pytest.mark.parametrize("damage", ["segment", "index"])
+def test_restore_and_status_skip_a_checkpoint_with_a_flipped_byte_in_a_segment_or_a_damaged_index(
+        s3_env: str, bucket: str, damage: str) -> None:
+    first, second = _model(11, width=1800), _model(12, width=1800)
+    with CheckpointManager("run", storage=S3Storage(bucket, part_size=PART)) as manager:
+        manager.save(1, {"model": first})
+        manager.save(2, {"model": second})
+    [index] = [k for k in _keys(s3_env, bucket)
+               if k.startswith("run/step_00000002.data-") and k.endswith("/replicated.pt")]
+    metadata, body = _index(s3_env, bucket, index)
+    if damage == "segment":  # same size, one byte flipped: only the whole file's sha256 tells
+        key = f"{index.rpartition('/')[0]}/{body['segments']}/000002"
+        raw = bytearray(client(s3_env).get_object(Bucket=bucket, Key=key)["Body"].read())
+        raw[100] ^= 0xFF
+        client(s3_env).put_object(Bucket=bucket, Key=key, Body=bytes(raw))
+    else:  # an index whose sizes no longer add up to the file's
+        body["sizes"][0] -= 1
+        client(s3_env).put_object(Bucket=bucket, Key=index, Body=json.dumps(body).encode(), Metadata=metadata)
+    assert status_report.newest_checkpoint(f"s3://{bucket}/run", checksums=True)["step"] == 1
+    step, weight = _restored_weight(f"s3://{bucket}/run", width=1800)
+    assert step == 1 and torch.equal(weight, first.weight)
 
 
 SESSION_SCRIPT = """\

@@ -7,6 +7,13 @@ redone, no checkpoint read); the node killed takes its shards with it, so the su
 the newest checkpoint in their processes and redo the steps since (the ``recovery`` event says how
 many). hsdp, 2 nodes of 2 workers, a node killed: the other replica holds every shard, 0 redone,
 no checkpoint read. Both end equal to an uninterrupted run.
+
+With ``redundancy_every`` and no checkpoint at all, a rank lost with its shards costs no disk read:
+the survivors roll back from memory to the newest step they hold whole (their snapshots and the
+buddy's copy of the last refresh) and redo at most ``redundancy_every`` steps, in their first
+processes, ending equal to an uninterrupted run with each sample once per epoch: a worker failing
+in step 9 with copies every 3 steps (fast: back to step 6, 2 steps redone), and a node killed at
+a random moment out of 3 with copies every step and every 3 steps (slow).
 """
 
 from __future__ import annotations
@@ -19,8 +26,11 @@ from typing import Any
 import pytest
 
 from tests.integration.test_inprocess_recovery import (
-    assert_same_parameters, events, finish, records, reference, start_node, wait_until,
+    STEPS, assert_same_parameters, events, finish, records, reference, start_node, wait_until,
 )
+
+SAMPLES = 384
+"""The job's dataset (``inprocess_job.py --samples``): 12 steps of 32 an epoch."""
 
 
 def _world_steps(out: Path, world: int) -> list[dict[str, Any]]:
@@ -38,6 +48,91 @@ def _say(out: Path) -> None:
               f"{event['steps_redone']} committed step(s) redone, {event['seconds']} s ({event['cause'][:80]})")
     for event in events(out, "restore"):
         print(f"restore: step {event['step']} at world size {event['world_size']}")
+
+
+def _final_attempts(out: Path) -> dict[int, list[dict[str, Any]]]:
+    """Each step's records of the attempt that counted: a step redone after a roll back (or a
+    restore) was recorded again; its last world size's last record of each rank stands."""
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for record in records(out):  # in the order they were written
+        by_step.setdefault(record["step"], []).append(record)
+    final = {}
+    for step, said in by_step.items():
+        world = said[-1]["world"]
+        final[step] = list({r["rank"]: r for r in said if r["world"] == world}.values())
+    return final
+
+
+def _assert_each_sample_once_per_epoch(out: Path) -> None:
+    final = _final_attempts(out)
+    assert sorted(final) == list(range(1, STEPS + 1)), sorted(final)
+    epochs: dict[int, list[int]] = {}
+    for step in final.values():
+        assert len(step) == step[0]["world"], step
+        for record in step:
+            epochs.setdefault(record["epoch"], []).extend(record["indices"])
+    for epoch, seen in epochs.items():
+        assert len(seen) == len(set(seen)), f"epoch {epoch}: a sample trained twice"
+        if epoch < max(epochs):
+            assert sorted(seen) == list(range(SAMPLES)), f"epoch {epoch}: samples left out"
+
+
+def _assert_rolled_back_in_memory(out: Path, every: int, worlds: tuple[int, int]) -> dict[str, Any]:
+    """The one re-formation took its state from the live ranks' memory, redid at most ``every``
+    steps, and no checkpoint was read; returns its event."""
+    [event] = [e for e in _reformations(out) if (e["old_world_size"], e["world_size"]) == worlds]
+    assert event["state_from"] == "peers" and 0 <= event["steps_redone"] <= every, event
+    assert not events(out, "restore"), "a checkpoint was read"
+    assert not (out / "ckpt").exists()
+    return event
+
+
+@pytest.mark.timeout(240)
+def test_an_fsdp_worker_lost_with_its_shards_rolls_the_survivor_back_to_the_copies_in_memory(
+        etcd_server: Any, run_id: str, tmp_path: Path) -> None:
+    # Copies every 3 steps, no checkpoint: rank 1 fails in step 9 (its agent replaces it in place),
+    # rank 0 had committed step 8, and the copies are of step 6: the survivor rolls back to step 6
+    # from its memory (its snapshot, the copy of rank 1's shards, the sampler cursor and the
+    # optimizer of step 6), the newcomer receives its shards from it, and steps 7-8 are redone.
+    out = tmp_path / "job"
+    inject = {"ELASTICTRAIN_INJECT": "fail@1:9", "ELASTICTRAIN_INJECT_STATE": str(tmp_path / "injected")}
+    (tmp_path / "injected").mkdir()
+    nodes = [start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.05", "--sharding", "fsdp",
+                        "--redundancy-every", "3", "--no-checkpoint", min_nodes=2, max_nodes=2,
+                        extra=("--nproc-per-node", "1"), env=inject) for _ in range(2)]
+    outputs = finish(nodes)
+    _say(out)
+    assert [n.returncode for n in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    event = _assert_rolled_back_in_memory(out, 3, (2, 2))
+    assert (event["step"], event["steps_redone"]) == (6, 2), event
+    assert len({r["pid"] for r in records(out) if r["rank"] == 0}) == 1, "the survivor was restarted"
+    _assert_each_sample_once_per_epoch(out)
+    assert_same_parameters(reference(tmp_path), __import__("torch").load(out / "final-0.pt", weights_only=True))
+
+
+@pytest.mark.slow  # about 25 s each on 2 idle cores: the default suite keeps the worker's loss above
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("every", [1, 3])
+def test_an_fsdp_node_killed_at_random_rebuilds_from_the_copies_with_at_most_redundancy_every_steps_redone(
+        etcd_server: Any, run_id: str, tmp_path: Path, every: int) -> None:
+    out = tmp_path / "job"
+    nodes = [start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.2", "--sharding", "fsdp",
+                        "--redundancy-every", str(every), "--no-checkpoint", min_nodes=2, max_nodes=3)
+             for _ in range(3)]
+    wait_until(lambda: len({r["rank"] for r in _world_steps(out, 3) if r["step"] >= 10}) == 3, "step 10 at world 3",
+               nodes)
+    pids = {r["pid"] for r in _world_steps(out, 3)}
+    victim = nodes[2]
+    os.killpg(victim.pid, signal.SIGKILL)  # the node's agent and its worker, mid-step or mid-refresh
+    victim.wait()
+    outputs = finish(nodes[:2])
+    _say(out)
+    assert [n.returncode for n in nodes[:2]] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    _assert_rolled_back_in_memory(out, every, (3, 2))
+    survivors = {r["pid"] for r in _world_steps(out, 2)}
+    assert survivors <= pids and len(survivors) == 2, "a survivor was restarted"
+    _assert_each_sample_once_per_epoch(out)
+    assert_same_parameters(reference(tmp_path), __import__("torch").load(out / "final-0.pt", weights_only=True))
 
 
 @pytest.mark.slow  # about 55 s on 2 idle cores: the default suite keeps tests/unit/test_fsdp_exchange.py
@@ -100,4 +195,33 @@ def test_an_hsdp_job_that_loses_a_node_trains_on_with_no_step_redone_and_no_chec
     assert len(lost) == 1 and lost[0]["steps_redone"] == 0, lost
     assert not events(out, "restore"), "a checkpoint was read"
     assert {r["pid"] for r in _world_steps(out, 2)} <= pids, "a survivor was restarted"
+    assert_same_parameters(reference(tmp_path), __import__("torch").load(out / "final-0.pt", weights_only=True))
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_killed_while_its_peer_is_inside_the_forward_is_recovered_in_place_and_the_step_discarded(
+        etcd_server: Any, run_id: str, tmp_path: Path) -> None:
+    """The survivor's next unit gathers its parameters from the dead peer inside the user's forward:
+    the failure is recorded (not raised there), the forward and backward finish on garbage, and the
+    step is discarded at its end; the survivor keeps its process, re-forms alone, and ends equal to
+    an uninterrupted run."""
+    out, gate = tmp_path / "job", tmp_path / "gate"
+    nodes = [start_node(etcd_server.endpoint, run_id, out, "--sharding", "fsdp", "--hold-in-forward", f"12:{gate}",
+                        "--hang-floor", "30", min_nodes=1, max_nodes=2) for _ in range(2)]
+    held = [Path(f"{gate}.held-{rank}") for rank in range(2)]
+    wait_until(lambda: all(path.exists() for path in held), "both ranks inside a forward at world 2", nodes)
+    pids = {int(path.read_text()) for path in held}
+    victim = nodes[1]
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    gate.touch()
+    outputs = finish(nodes[:1])
+    _say(out)
+    assert nodes[0].returncode == 0, outputs[0][-3000:]
+    lost = [e for e in _reformations(out) if (e["old_world_size"], e["world_size"]) == (2, 1)]
+    assert len(lost) == 1 and "was discarded" in lost[0]["cause"], lost
+    discarded = int(lost[0]["cause"].split("in step ")[1].split()[0])
+    assert discarded >= 12 and not [r for r in _world_steps(out, 2) if r["step"] == discarded], "applied at world 2"
+    survivors = {r["pid"] for r in _world_steps(out, 1) if r["step"] >= discarded}
+    assert len(survivors) == 1 and survivors <= pids, "the survivor was restarted"
     assert_same_parameters(reference(tmp_path), __import__("torch").load(out / "final-0.pt", weights_only=True))

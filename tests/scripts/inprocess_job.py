@@ -13,7 +13,13 @@ a known step). ``--wait-before-session FILE`` makes the worker wait for FILE aft
 model (a slow model build or data load). ``--stall-save RANK:FILE`` makes RANK's first
 checkpoint write at world size 2 stall for good, writing its pid to ``FILE`` (a test then kills
 its node while its peers wait for its files); ``--async-save`` saves asynchronously.
-``--api elastic`` trains through ``run_elastic`` instead of a Session; ``--sharding fsdp|hsdp`` shards it.
+``--api elastic`` trains through ``run_elastic`` instead of a Session; ``--sharding fsdp|hsdp`` shards it,
+``--redundancy-every N`` keeps fsdp's in-memory copies, ``--no-checkpoint`` configures no checkpoint.
+Each step's line also has the epoch and this rank's sample indices (``indices``).
+``--hold-in-forward STEP:FILE`` makes every rank wait inside the forward of the first step from STEP
+on at a world of 2 or more, between the model's first and last layers (each its own unit when
+sharded: the last one's parameters are not gathered yet), until FILE exists, writing ``FILE.held-RANK``
+(its pid) as it starts to wait (a test then kills a node while its peers are inside the forward).
 ``--hang-floor S`` sets the session's ``HangBounds(step_floor=S)``. Work that must not be taken
 for a hang: ``--first-step-sleep S`` (every rank's first step takes S seconds more, as a
 compilation would), ``--between-sleep RANK:STEP:S`` (RANK runs S seconds of its own code after
@@ -30,6 +36,7 @@ import os
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import TensorDataset
@@ -82,12 +89,19 @@ def with_session(args: argparse.Namespace, out: Path) -> None:
             time.sleep(0.05)
     session = elastictrain.Session(model, optimizer, TensorDataset(x, y), global_batch_size=32, micro_batch_size=8,
                                    epochs=100, max_steps=args.steps, seed=7, log_every=None,
-                                   checkpoint_dir=str(out / "ckpt"), checkpoint_every=args.ckpt_every,
+                                   checkpoint_dir=None if args.no_checkpoint else str(out / "ckpt"),
+                                   checkpoint_every=None if args.no_checkpoint else args.ckpt_every,
                                    async_save=args.async_save, sharding=args.sharding,
+                                   redundancy_every=args.redundancy_every,
                                    hang_bounds=elastictrain.HangBounds(step_floor=timedelta(seconds=args.hang_floor)))
     first = True
+    held = False
     with session as s:
         for step in s.steps():
+            hold = None
+            if args.hold_in_forward and not held and step.number >= args.hold_in_forward[0] and s.world_size >= 2:
+                held = True
+                hold = s.model[1].register_forward_pre_hook(_holder(args.hold_in_forward[1], s.rank))
             if first and args.first_step_sleep:
                 time.sleep(args.first_step_sleep)
             first = False
@@ -104,13 +118,18 @@ def with_session(args: argparse.Namespace, out: Path) -> None:
                     time.sleep(0.05)
             if args.fast_at_world is None or s.world_size < args.fast_at_world:
                 time.sleep(args.step_sleep)
+            indices: list[int] = []
             for micro in step:
                 inputs, targets = micro.batch
+                indices += micro.indices
                 micro.backward(torch.nn.functional.mse_loss(s.model(inputs), targets))
+            if hold is not None:
+                hold.remove()
             if step.discarded:  # a peer died during it: it runs again in the re-formed group
                 continue
             _append(out / "steps.jsonl", {"rank": s.rank, "pid": os.getpid(), "step": step.number,
-                                          "world": s.world_size, "t": time.time(),
+                                          "world": s.world_size, "t": time.time(), "epoch": step.epoch,
+                                          "indices": indices,
                                           "env": {name: os.environ.get(name) for name in TORCH_ENV}})
             if args.between_sleep and (s.rank, step.number) == args.between_sleep[:2]:
                 time.sleep(args.between_sleep[2])
@@ -119,6 +138,17 @@ def with_session(args: argparse.Namespace, out: Path) -> None:
         weights = s.full_state_dict() if args.sharding != "ddp" else model.state_dict()
     if weights:
         torch.save(weights, out / f"final-{session.rank}.pt")
+
+
+def _holder(path: str, rank: int) -> Any:
+    """A forward pre-hook that waits, once, for ``path`` to exist (see ``--hold-in-forward``)."""
+    def hold(*_: Any) -> None:
+        held = Path(f"{path}.held-{rank}")
+        if not held.exists():
+            held.write_text(str(os.getpid()))
+            while not os.path.exists(path):
+                time.sleep(0.01)
+    return hold
 
 
 def _stall(stage: str, path: str) -> None:
@@ -163,6 +193,7 @@ def main() -> None:
     parser.add_argument("--ckpt-every", type=int, default=10)
     parser.add_argument("--fail-at", type=_pair, default=None)
     parser.add_argument("--hold-before", type=_step_and_path, default=None)
+    parser.add_argument("--hold-in-forward", type=_step_and_path, default=None)
     parser.add_argument("--wait-before-session", default=None)
     parser.add_argument("--stall-save", type=_step_and_path, default=None)
     parser.add_argument("--async-save", action="store_true")
@@ -172,6 +203,8 @@ def main() -> None:
     parser.add_argument("--between-sleep", type=_triple, default=None)
     parser.add_argument("--long-call", type=_triple, default=None)
     parser.add_argument("--sharding", choices=("ddp", "fsdp", "hsdp"), default="ddp")
+    parser.add_argument("--redundancy-every", type=int, default=None)
+    parser.add_argument("--no-checkpoint", action="store_true")
     args = parser.parse_args()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,8 @@
 
 One spawn of 3 processes: (a) a tensor and a 0-d value held as a 4-rank layout (rank 0 also
 keeps lost rank 3's shard, as a redundancy copy would) reshape to 3 ranks' boxes; without that
-copy every rank learns the state is not covered. (b) The fsdp strategy grows 2 -> 3 ranks in
+copy every rank learns the state is not covered; with that copy of an older step only (and
+every rank's snapshot of it), every rank rebuilds that older step. (b) The fsdp strategy grows 2 -> 3 ranks in
 place: ranks 0-1 shard a model (Adam, 2 steps), then all 3 re-form; the full model and optimizer
 state after equal those before, and a step after equals the same step of an unsharded copy. (c)
 It shrinks 3 -> 2: rank 2 leaves, its shards copied to rank 0 beforehand and offered through the
@@ -31,8 +32,33 @@ def test_shards_held_in_memory_reshape_to_a_new_layout_and_a_strategy_grows_in_p
     run_ranks(__file__, WORLD, str(tmp_path), timeout=100)
     checks = json.loads((tmp_path / "rank0.json").read_text())
     assert checks == {"reshaped_4_to_3": True, "uncovered_without_copy": [True, True, True],
+                      "rolled_back_to_older_step": [True, True, True],
                       "grown_state_error": 0.0, "grown_step_error": 0.0, "shrunk_from_copies_error": 0.0,
                       "rank2_received": True}, checks
+
+
+def test_a_move_the_plan_merged_over_two_adjacent_holdings_is_sent_joined() -> None:
+    # Three ranks of one worker, rank 2 lost: rank 1 holds its own rows 4-8 and the copy of rank
+    # 0's rows 0-4 (its source), adjacent. The new rank 0 needs rows 0-6 and may take them all
+    # from rank 1, which the plan says as one move (0, 6) over both holdings.
+    from elastictrain.errors import SessionError
+    from elastictrain.train.fsdp.exchange import Exchange
+    from elastictrain.train.fsdp.holdings import Holding
+    from elastictrain.train.fsdp.regions import Region, TensorSpec, plan_exchange
+
+    full = torch.arange(12 * 2, dtype=torch.float32).reshape(12, 2)
+    held = [Holding("model/w", (4, 0), (4, 2), 3, full[4:8].clone()),
+            Holding("model/w", (0, 0), (4, 2), 3, full[0:4].clone())]
+    plan = plan_exchange([Region(1, "model/w", (4, 0), (4, 2)), Region(1, "model/w", (0, 0), (4, 2))],
+                         [Region(0, "model/w", (0, 0), (6, 2))])
+    assert [(m.src, m.dst, m.rows) for m in plan.moves] == [(1, 0, (0, 6))]
+    specs = {"model/w": (TensorSpec("model/w", (12, 2), True), torch.float32)}
+    exchange = Exchange(1, 3, plan, (1,), (), specs, tuple(held))
+    assert torch.equal(exchange._source(plan.moves[0]), full[0:6])
+    # Rows no holding has are still refused in one line.
+    gap = Exchange(1, 3, plan, (1,), (), specs, (held[0],))
+    with pytest.raises(SessionError, match=r"send rows \(0, 6\) of model/w, which it does not hold"):
+        gap._source(plan.moves[0])
 
 
 def _reshape(rank: int) -> tuple[bool, list[bool]]:
@@ -53,14 +79,24 @@ def _reshape(rank: int) -> tuple[bool, list[bool]]:
     copy = [held(3)] if rank == 0 else []
     specs = {"model/w": (TensorSpec("model/w", (11, 3), True), torch.float32),
              "optimizer/w/step": (TensorSpec("optimizer/w/step", (), False), torch.float32)}
-    exchange = announce(dist.group.WORLD, held=mine + copy, specs=specs, step=7, holders=(0, 1, 2), shard_width=3)
+    exchange = announce(dist.group.WORLD, held=mine + copy, specs=specs, replicated=(7,), newest=7, shard_width=3)
     boxes = exchange.run(dist.group.WORLD)
     reshaped = (torch.equal(boxes["model/w"][1], torch.chunk(full, 3)[rank])
                 and torch.equal(boxes["optimizer/w/step"][1], step))
-    lacking = announce(dist.group.WORLD, held=mine, specs=specs, step=7, holders=(0, 1, 2), shard_width=3)
+    lacking = announce(dist.group.WORLD, held=mine, specs=specs, replicated=(7,), newest=7, shard_width=3)
+    # Step 7 lacks rank 3's shard; step 5 (an older refresh: every rank's snapshot, and rank 0's copy
+    # of rank 3's) is held whole, and its replicated state by ranks 1 and 2: the rebuild rolls back to it.
+    older = full + 100
+    snapshot = [Holding(h.key, h.offsets, h.sizes, 5, older[h.offsets[0]:h.offsets[0] + h.sizes[0]].clone()
+                        if h.sizes else step.clone()) for h in mine + copy]
+    rolled = announce(dist.group.WORLD, held=mine + snapshot, specs=specs, replicated=(7, 5) if rank else (7,),
+                      newest=7, shard_width=3)
+    boxes = rolled.run(dist.group.WORLD)
+    rolled_back = (rolled.step == 5 and rolled.holders == (1, 2)
+                   and torch.equal(boxes["model/w"][1], torch.chunk(older, 3)[rank]))
     flags = [None] * WORLD
-    dist.all_gather_object(flags, not lacking.covered)  # the test's own processes
-    return reshaped, [bool(f) for f in flags]
+    dist.all_gather_object(flags, (not lacking.covered and lacking.step is None, rolled_back))  # the test's own
+    return reshaped, [bool(f[0]) for f in flags] + [bool(f[1]) for f in flags]
 
 
 class Net(torch.nn.Module):
@@ -210,7 +246,8 @@ def _worker(rank: int, out: Path) -> None:
     dist.all_gather_object(flags, received)
     if rank == 0:
         (out / "rank0.json").write_text(json.dumps({
-            "reshaped_4_to_3": reshaped, "uncovered_without_copy": uncovered,
+            "reshaped_4_to_3": reshaped, "uncovered_without_copy": uncovered[:WORLD],
+            "rolled_back_to_older_step": uncovered[WORLD:],
             "grown_state_error": round(state_error, 5), "grown_step_error": round(step_error, 5),
             "shrunk_from_copies_error": shrunk_error,
             "rank2_received": flags == [False, False, True]}))

@@ -73,20 +73,6 @@ def test_a_copy_of_the_lost_ranks_shard_covers_it() -> None:
     assert plan.covered and Move(0, 2, "w", (6, 8)) in plan.moves
 
 
-def test_a_rank_holding_its_shard_and_a_copy_of_the_next_sends_each_as_a_move_of_its_own() -> None:
-    # The in-process fsdp soak with redundancy (2 -> 3 ranks): rank 1 holds rows 4-8 (its shard) and
-    # 0-4 (rank 0's, its buddy's copy); one move of rows 3-6 spanned both and could not be sent
-    # ("the plan has rank 1 send rows (3, 6) of w, which it does not hold").
-    held = [*_held(2), Region(1, "w", *chunk_box((8, 2), 0, 2))]
-    plan = plan_exchange(held, needed_regions([TensorSpec("w", (8, 2), True)], 3, 3))
-    assert plan.covered
-    announced = [(r.rank, r.rows) for r in held]
-    for move in plan.moves:  # each move lies in one region its sender holds
-        assert any(rank == move.src and rows[0] <= move.rows[0] and rows[1] >= move.rows[1]
-                   for rank, rows in announced), move
-    assert [m for m in plan.moves if m.dst == 1] == [Move(1, 1, "w", (3, 4)), Move(1, 1, "w", (4, 6))]
-
-
 def test_replicated_and_0d_tensors_are_needed_whole_by_every_rank() -> None:
     specs = [TensorSpec("buf", (3,), False), TensorSpec("step", (), False)]
     held = [Region(0, "buf", (0,), (3,)), Region(0, "step", (), ())]

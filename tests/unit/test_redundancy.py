@@ -9,14 +9,21 @@ their own. One spawn of four processes, two per "node" (ranks 0-1 and 2-3), then
 - holds a refresh back by a gate in the test: the refresh call returns, the next step trains
   (collectives on the training group) while the send is held, the next refresh due is skipped on
   every rank; released, each rank's copy equals its source's shards of the refreshed step;
-- refreshes every step, then once at a known step: each copy equals its source's shards there
-  (parameters and AdamW state), and rank 0 gathers the full state of that step;
+- the skipped refresh leaves each rank's snapshot and copy of the refreshed step, a consistent pair;
+- refreshes every step, then once at a known step (an AdamW state tensor replaced before it, as
+  a restore does): each copy equals its source's shards there (parameters and AdamW state), and
+  rank 0 gathers the full state of that step;
+- on another model, a copy held back by a gate: the next optimizer step waits for it, and the
+  snapshot holds the refreshed step's values; refreshes every ``RELEASE_FROM`` steps leave two
+  shards per rank between refreshes (four at the peak), and the ranks' kept holdings cover the
+  last refresh's step;
 - fails a refresh on one rank: the next due one ends the refreshes on every rank;
 - kills rank 3 while its next refresh is held back (its holder, rank 1, sees the refresh fail).
 
 The test then rebuilds, from the survivors' holdings alone, the full state of the last step
-they all hold, compares it to the gathered one, and checks that losing rank 3 with its buddy
-rank 1 leaves exactly their shards uncovered. Run as a script, this module is the worker.
+they all hold, compares it to the gathered one, checks that ranks 0 and 1 alone (node 1 lost
+during that refresh, which rank 0 completed and rank 1 did not) still hold it whole, and that
+losing rank 3 with its buddy rank 1 leaves exactly their shards uncovered. Run as a script, this module is the worker.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import torch
 from elastictrain.errors import ConfigError
 from elastictrain.train.fsdp.buddies import buddies, missing
 from elastictrain.train.fsdp.holdings import Holding, Region
+from elastictrain.train.fsdp.redundancy import RELEASE_FROM
 from tests.support.ranks import run_ranks
 
 WORLD = 4
@@ -159,16 +167,40 @@ def test_copies_follow_their_buddies_do_not_block_the_step_and_rebuild_a_killed_
         assert dump["gated"] == {"started": True, "in_flight_after": True, "next_started": False, "skipped": 1}
         assert {row[3] for row in dump["held_gate"]} == {1}
         assert _same(dump["held_gate"], dumps[source[rank]]["own"][1]), rank
+        # The skip left a consistent pair: this rank's snapshot of step 1 beside the copy of step 1.
+        assert {row[3] for row in dump["kept_gate"]} == {1}
+        assert _same(dump["kept_gate"][:len(dump["own"][1])], dump["own"][1]), rank
         # After refreshes every step, and one at step 7: the copy is the source's shards of 7.
         assert {row[3] for row in dump["held7"]} == {7} and _same(dump["held7"], dumps[source[rank]]["own"][7])
         assert {row[0].split("/")[0] for row in dump["held7"]} == {"model", "optimizer"}
         assert any(row[0].endswith("/exp_avg_sq") for row in dump["held7"])
+    # The slow copy: the next optimizer step waited for it, and the snapshot is of the refreshed
+    # step (not of the step that waited); the copy is its source's shards of that step.
+    for rank, dump in dumps.items():
+        slow = dump["slow"]
+        assert _same(slow["snapshot"], slow["own"]), rank
+        assert slow["waited"] >= 0.3, slow["waited"]
+        assert _same(slow["held"], dumps[source[rank]]["slow"]["own"]), rank
+        # Refreshes every RELEASE_FROM steps: between them, a rank holds its own snapshot and its
+        # source's copy of the last refresh (two shards); four while one was in flight.
+        own_bytes = sum(row[4].numel() * row[4].element_size() for row in slow["own_second"])
+        theirs = sum(row[4].numel() * row[4].element_size() for row in dumps[source[rank]]["slow"]["own_second"])
+        padding = 64 * len(slow["own_second"])
+        for at_rest in (slow["host_bytes"], slow["host_bytes_second"]):
+            assert own_bytes + theirs <= at_rest <= own_bytes + theirs + 2 * padding, (rank, at_rest)
+        assert 2 * (own_bytes + theirs) <= slow["peak_host_bytes"] <= 2 * (own_bytes + theirs + 2 * padding)
+        assert {row[3] for row in slow["kept_second"]} == {2 * RELEASE_FROM}
+        assert _same(slow["held_second"], dumps[source[rank]]["slow"]["own_second"]), rank
+    # ... and together the ranks' kept holdings cover the state of that step (a rank lost now rolls
+    # back to it).
+    kept = {r: _as_holdings(dumps[r]["slow"]["kept_second"]) for r in range(WORLD)}
+    needed = [Region(k, tuple(o), tuple(s)) for k, o, s in dumps[0]["regions"]]
+    assert missing(kept, needed, 2 * RELEASE_FROM) == []
     assert [dumps[r]["ended"] for r in range(WORLD)] == [
         {"next_started": False, "failed": True, "refreshed": 0 if r == 2 else 1} for r in range(WORLD)]
     # Rank 3 died during the refresh of step 8: its holder (rank 1) kept the copy of step 7.
     assert dumps[1]["failed"] and not dumps[0]["failed"] and not dumps[2]["failed"]
     survivors = {r: _as_holdings(dumps[r]["final"]) for r in (0, 1, 2)}
-    needed = [Region(k, tuple(o), tuple(s)) for k, o, s in dumps[0]["regions"]]
     shapes = {region.key: list(region.sizes) for region in needed}
     assert missing(survivors, needed, 7) == []
     rank3 = {(row[0], tuple(row[1]), tuple(row[2])) for row in dumps[3]["own"][7] if "step" not in row[0]}
@@ -184,6 +216,11 @@ def test_copies_follow_their_buddies_do_not_block_the_step_and_rebuild_a_killed_
     assert all(torch.equal(tiled[key], value.to(torch.float64)) for key, value in full.items())
     assert {tuple(row[2]) for row in dumps[3]["own"][7] if row[0] == "model/embed.weight"} == {(1, 5)}
     assert not [row for row in dumps[3]["own"][7] if row[0].startswith(("model/head.", "model/scale"))]
+    # Node 1 (ranks 2 and 3) lost during that refresh: rank 0 completed it (the copy of rank 2's
+    # shards of 8) and rank 1 did not (rank 3's of 7); rank 0 still offers the copy of 7 it
+    # replaced, so ranks 0 and 1 hold step 7 whole.
+    assert {h.step for h in survivors[0] if h.key == "model/embed.weight" and h.offsets == (4, 0)} >= {7, 8}
+    assert missing({r: survivors[r] for r in (0, 1)}, needed, 7) == []
     # Rank 3 and its buddy rank 1 both lost: exactly their shards are missing (the step counts are
     # on every rank), and the caller restores from the checkpoint.
     lost = missing({r: survivors[r] for r in (0, 2)}, needed, 7)
@@ -326,11 +363,16 @@ def _worker(rank: int, out: Path) -> None:
     Gated.gate.set()
     assert redundancy.wait(timeout)
     dump["held_gate"] = _rows(redundancy.held())
+    dump["kept_gate"] = _rows(redundancy.kept_holdings())
 
     for step in range(3, 7):
         train(step)
         redundancy.after_step(step)
     assert redundancy.wait(timeout)
+    # A state tensor replaced by a new one (a restore does so): the refresh copies the new tensor,
+    # not the one it copied before.
+    first = next(iter(optimizer.state.values()))
+    first["exp_avg"] = first["exp_avg"].clone()
     train(7)  # every rank has waited before this step's collectives: the refresh of 7 starts everywhere
     assert redundancy.after_step(7)
     own[7] = _rows(own_holdings(model, optimizer, 7))
@@ -347,6 +389,51 @@ def _worker(rank: int, out: Path) -> None:
     dump["regions"] = [(r.key, list(r.offsets), list(r.sizes)) for r in state_regions(model, optimizer)]
     dump["own"] = own
     dump["host_bytes"] = redundancy.host_bytes
+
+    # A refresh whose copy is slow: the next optimizer step waits for it (the shards change
+    # there), so the snapshot holds the refreshed step's values. Refreshes every RELEASE_FROM
+    # steps: once every rank completed one, the buffers of the one before are released.
+    class SlowCopy(Redundancy):
+        gate = threading.Event()
+
+        def _copy(self, snapshot: Any, layout: Any, kept: Any, step: int) -> None:
+            assert self.gate.wait(60)
+            super()._copy(snapshot, layout, kept, step)
+
+    model2 = _net()
+    optimizer2 = torch.optim.AdamW(model2.parameters(), lr=0.05)
+    shard(model2, optimizer2)
+
+    def train2(step: int) -> None:
+        x = torch.randn(6, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(7 * step + rank))
+        model2(x).square().mean().backward()
+        optimizer2.step()
+        optimizer2.zero_grad()
+
+    slow = SlowCopy(model2, optimizer2, pg.new_gloo_group(timeout), pg.new_gloo_group(timeout), every=RELEASE_FROM,
+                    holder=holders[rank], source=holders.index(rank))
+    first_due, second_due = RELEASE_FROM, 2 * RELEASE_FROM
+    train2(first_due)
+    SlowCopy.gate.clear()
+    assert slow.after_step(first_due)
+    own_first = _rows(own_holdings(model2, optimizer2, first_due))
+    opener = threading.Timer(0.5, SlowCopy.gate.set)
+    opener.start()
+    before = slow.stalled
+    train2(first_due + 1)  # its optimizer step waits for the copy of the step before
+    waited = slow.stalled - before
+    assert slow.wait(timeout)
+    kept, held = slow.kept_holdings(), slow.held()
+    dump["slow"] = {"waited": waited, "snapshot": _rows(kept[:len(kept) - len(held)]), "own": own_first,
+                    "held": _rows(held), "host_bytes": slow.host_bytes}
+    for step in range(first_due + 2, second_due + 1):
+        train2(step)
+        slow.after_step(step)
+    assert slow.wait(timeout)
+    dump["slow"] |= {"own_second": _rows(own_holdings(model2, optimizer2, second_due)),
+                     "kept_second": _rows(slow.kept_holdings()), "held_second": _rows(slow.held()),
+                     "host_bytes_second": slow.host_bytes, "peak_host_bytes": slow.peak_host_bytes}
+    slow.close()
 
     # A refresh that fails on one rank (rank 2: its copy is refused once received) ends the
     # refreshes on every rank at the next due step, none left waiting in the vote.

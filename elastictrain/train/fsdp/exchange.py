@@ -1,15 +1,18 @@
 """The region exchange: a re-formed sharded group rebuilds its shards from its ranks' memory.
 
-After the new group forms, every rank announces the regions it holds at the agreed newest step
-(its own shards of the previous generation, :func:`~elastictrain.train.fsdp.holdings.own_holdings`,
-and any copies a redundancy source adds) and the tensors of the state (key, global shape,
-dtype): small JSON metadata, gathered as bytes, never unpickled. Every rank then plans the same
-moves (:func:`~elastictrain.train.fsdp.regions.plan_exchange`) for the boxes the new layout gives
-each rank; when a region is held by no rank, :attr:`Exchange.covered` is False and the caller
+After the new group forms, every rank announces what it holds, each piece with its step: the
+regions of the sharded state (its own shards of the previous generation,
+:func:`~elastictrain.train.fsdp.holdings.own_holdings`, and, under ``redundancy_every``, its
+snapshots of them and the copy of its buddy's at the steps of the refreshes), the steps whose
+replicated state it holds, and the tensors of the state (key, global shape, dtype): small JSON
+metadata, gathered as bytes, never unpickled. Every rank then picks the same step, the newest
+one held whole (:func:`~elastictrain.train.fsdp.rollback.choose_rebuild`: the agreed newest
+step, or an older one that every rank rolls back to), and plans the same moves
+(:func:`~elastictrain.train.fsdp.regions.plan_exchange`) for the boxes the new layout gives
+each rank; when no step is held whole, :attr:`Exchange.covered` is False and the caller
 restores the newest checkpoint instead (every rank knows it from the same plan). Otherwise
 :meth:`Exchange.run` moves the bytes point to point over the gloo group and returns this
-rank's boxes, which the strategy copies into the local tensors of its new shards.
-"""
+rank's boxes, which the strategy copies into the local tensors of its new shards."""
 
 from __future__ import annotations
 
@@ -26,12 +29,13 @@ from torch.distributed.tensor import DTensor
 from elastictrain.errors import SessionError
 from elastictrain.train.fsdp.holdings import Holding
 from elastictrain.train.fsdp.regions import Move, Plan, Region, TensorSpec, needed_regions, plan_exchange
+from elastictrain.train.fsdp.rollback import choose_rebuild
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Exchange", "announce", "buffer_holdings", "state_specs"]
 
-_VERSION = 1
+_VERSION = 2
 
 
 def state_specs(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, tuple[TensorSpec, torch.dtype]]:
@@ -97,26 +101,32 @@ class Exchange:
 
     rank: int
     """This rank in the new group."""
+    step: int | None
+    """The step the state is rebuilt at: the newest one the live ranks hold whole
+    (:func:`~elastictrain.train.fsdp.rollback.choose_rebuild`); None when none is."""
     plan: Plan
-    """Every rank's moves, and what no rank holds."""
+    """Every rank's moves at :attr:`step`; with no step held whole, the newest step's plan, and
+    what no rank holds of it."""
+    holders: tuple[int, ...]
+    """The ranks that hold the replicated state (sampler cursor, scheduler, ...) of :attr:`step`."""
     needs: tuple[Region, ...]
     """This rank's boxes in the new layout."""
     specs: dict[str, tuple[TensorSpec, torch.dtype]]
     """Each tensor of the state, with its dtype."""
     held: tuple[Holding, ...]
-    """What this rank holds at the agreed step."""
+    """What this rank holds at :attr:`step`."""
 
     @property
     def covered(self) -> bool:
-        """Whether the ranks' memory holds every region of the state at the agreed step."""
-        return self.plan.covered
+        """Whether the ranks' memory holds every region of the state at some step (:attr:`step`)."""
+        return self.step is not None
 
     def run(self, group: Any) -> dict[str, tuple[TensorSpec, torch.Tensor]]:
         """Move the bytes: this rank's box of each tensor, by key, with the tensor's spec (a collective over the gloo
         ``group``: every rank runs it, each posting its sends and receives in the plan's order).
 
         Raises:
-            SessionError: The plan is not covered.
+            SessionError: No step is covered.
             RuntimeError: A send or receive failed (a peer died).
         """
         if not self.covered:
@@ -142,53 +152,82 @@ class Exchange:
         return {key: (self.specs[key][0], tensor) for key, (_, tensor) in out.items()}
 
     def _source(self, move: Move) -> torch.Tensor:
-        for held in self.held:
-            start = held.offsets[0] if held.sizes else 0
-            stop = start + (held.sizes[0] if held.sizes else 1)
-            if held.key == move.key and start <= move.rows[0] and stop >= move.rows[1]:
-                return _rows(held.tensor, start, move.rows).to("cpu")
-        raise SessionError(f"the plan has rank {self.rank} send rows {move.rows} of {move.key}, which it does not hold")
+        """The rows ``move`` sends, from this rank's holdings: one holding's, or adjacent ones'
+        joined (the plan merges a rank's adjacent pieces into one move: its own snapshot beside
+        the copy of the neighbouring rank's shard)."""
+        low, high = move.rows
+        parts: list[torch.Tensor] = []
+        while low < high:
+            for held in self.held:
+                start = held.offsets[0] if held.sizes else 0
+                stop = start + (held.sizes[0] if held.sizes else 1)
+                if held.key == move.key and start <= low < stop:
+                    parts.append(_rows(held.tensor, start, (low, min(stop, high))).to("cpu"))
+                    low = min(stop, high)
+                    break
+            else:
+                raise SessionError(f"the plan has rank {self.rank} send rows {move.rows} of {move.key}, which it "
+                                   "does not hold")
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def announce(group: Any, *, held: Sequence[Holding], specs: dict[str, tuple[TensorSpec, torch.dtype]], step: int,
-             holders: Sequence[int], shard_width: int) -> Exchange:
-    """Say what this rank holds at ``step``, learn what every rank holds, and plan the moves; a
+def announce(group: Any, *, held: Sequence[Holding], specs: dict[str, tuple[TensorSpec, torch.dtype]],
+             replicated: Sequence[int], newest: int, shard_width: int) -> Exchange:
+    """Say what this rank holds, at which steps, learn what every rank holds, pick the step to
+    rebuild at (:func:`~elastictrain.train.fsdp.rollback.choose_rebuild`) and plan the moves; a
     collective over the gloo ``group``.
 
     Args:
         group: The new generation's gloo group.
-        held: This rank's holdings (any step: those at ``step`` count).
+        held: This rank's holdings, each with its step.
         specs: The tensors of the state, as this rank knows them (:func:`state_specs`; a rank
             that holds nothing passes ``{}`` and learns them from the holders).
-        step: The agreed newest step.
-        holders: The ranks that hold ``step`` (their announcements count).
+        replicated: The steps whose replicated state (sampler cursor, scheduler, ...) this rank holds.
+        newest: The agreed newest step (what the log says is lacking when no step is covered).
         shard_width: Ranks per shard group in the new layout (see
             :func:`~elastictrain.train.fsdp.regions.needed_regions`).
 
     Raises:
-        SessionError: No holder announced the state's tensors, or a peer announced bad metadata.
+        SessionError: No rank announced the state's tensors, or a peer announced bad metadata.
         RuntimeError: The collective failed (a peer died).
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    current = tuple(h for h in held if h.step == step)
-    mine = {"version": _VERSION, "step": step,
-            "regions": [[h.key, list(h.offsets), list(h.sizes)] for h in current],
+    mine = {"version": _VERSION, "replicated": sorted(set(replicated)),
+            "regions": [[h.step, h.key, list(h.offsets), list(h.sizes)] for h in held],
             "specs": [[s.key, list(s.shape), s.sharded, str(d)] for s, d in specs.values()]}
     everyone = _gather_json(group, mine)
-    regions: list[Region] = []
+    regions: dict[int, list[Region]] = {}
+    holding: dict[int, list[int]] = {}
     known: dict[str, tuple[TensorSpec, torch.dtype]] = {}
     for peer, said in enumerate(everyone):
-        if peer not in holders or said.get("version") != _VERSION or said.get("step") != step:
-            continue
-        regions += [Region(peer, str(key), tuple(map(int, offsets)), tuple(map(int, sizes)))
-                    for key, offsets, sizes in said["regions"]]
-        for key, shape, sharded, dtype in said["specs"]:
-            known.setdefault(str(key), (TensorSpec(str(key), tuple(map(int, shape)), bool(sharded)), _dtype(dtype)))
+        if said.get("version") != _VERSION:
+            raise SessionError(f"rank {peer} announced its holdings in another version ({said.get('version')!r}, "
+                               f"this rank speaks {_VERSION})")
+        try:
+            for step, key, offsets, sizes in said["regions"]:
+                regions.setdefault(int(step), []).append(
+                    Region(peer, str(key), tuple(map(int, offsets)), tuple(map(int, sizes))))
+            for step in said["replicated"]:
+                holding.setdefault(int(step), []).append(peer)
+            for key, shape, sharded, dtype in said["specs"]:
+                known.setdefault(str(key), (TensorSpec(str(key), tuple(map(int, shape)), bool(sharded)),
+                                            _dtype(dtype)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SessionError(f"rank {peer} announced malformed holdings: {exc!r}") from exc
     if not known:
-        raise SessionError(f"no rank announced the sharded state of step {step}")
+        raise SessionError(f"no rank announced the sharded state of step {newest}")
     needs = needed_regions((s for s, _ in known.values()), world, shard_width)
-    plan = plan_exchange(regions, needs)
-    if plan.uncovered:
-        logger.info("the ranks' memory lacks %d region(s) of step %d (first: %s rows %s of rank %d's share)",
-                    len(plan.uncovered), step, plan.uncovered[0].key, plan.uncovered[0].rows, plan.uncovered[0].rank)
-    return Exchange(rank, plan, tuple(n for n in needs if n.rank == rank), known, current)
+    rebuild = choose_rebuild(regions, holding, needs)
+    mine_needed = tuple(n for n in needs if n.rank == rank)
+    if rebuild is None:
+        plan = plan_exchange(regions.get(newest, ()), needs)
+        first = plan.uncovered[0] if plan.uncovered else None
+        logger.info("the ranks' memory holds no step whole; of step %d it lacks %d region(s)%s", newest,
+                    len(plan.uncovered), f" (first: {first.key} rows {first.rows} of rank {first.rank}'s share)"
+                    if first is not None else "")
+        return Exchange(rank, None, plan, (), mine_needed, known, ())
+    if rebuild.step != newest:
+        logger.info("the ranks' memory holds step %d whole, not the newest (%d): every rank rolls back to it",
+                    rebuild.step, newest)
+    return Exchange(rank, rebuild.step, rebuild.plan, rebuild.holders, mine_needed, known,
+                    tuple(h for h in held if h.step == rebuild.step))

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from elastictrain.checkpoint import region
 
-__all__ = ["Holding", "Region", "own_holdings", "state_regions"]
+__all__ = ["Holding", "Region", "Signature", "own_holdings", "shard_signature", "state_regions"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +38,13 @@ class Region:
     sizes: tuple[int, ...]
 
 
-def _holding(key: str, value: torch.Tensor, step: int) -> Holding | None:
+def _local(value: torch.Tensor) -> torch.Tensor:
+    """``value``'s local tensor (itself for a plain tensor), without autograd."""
+    with torch.no_grad():
+        return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _holding(key: str, value: torch.Tensor, step: int, live: bool) -> Holding | None:
     """``value``'s local region as a holding; None for an empty one (an uneven share's last ranks)."""
     if isinstance(value, DTensor):
         coordinate = value.device_mesh.get_coordinate()
@@ -52,7 +58,8 @@ def _holding(key: str, value: torch.Tensor, step: int) -> Holding | None:
         return None
     if tuple(local.shape) != sizes:
         raise ValueError(f"{key}: the local shard has shape {tuple(local.shape)}, its placements say {sizes}")
-    return Holding(key=key, offsets=offsets, sizes=sizes, step=step, tensor=local.detach().contiguous())
+    tensor = local.detach() if live else local.detach().contiguous()
+    return Holding(key=key, offsets=offsets, sizes=sizes, step=step, tensor=tensor)
 
 
 def _state_tensors(model: torch.nn.Module,
@@ -69,7 +76,8 @@ def _state_tensors(model: torch.nn.Module,
     return found
 
 
-def own_holdings(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> list[Holding]:
+def own_holdings(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, *,
+                 live: bool = False) -> list[Holding]:
     """This rank's own shards of the parameters and the optimizer state, as of ``step``.
 
     The tensors are the live local shards (not copies): take them before the next optimizer step
@@ -80,13 +88,27 @@ def own_holdings(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step:
         model: The sharded model (its parameters DTensors; a plain parameter counts as whole).
         optimizer: Its optimizer, over those parameters.
         step: The committed step the values are of.
+        live: Each tensor the local shard itself, even where it is not contiguous (a contiguous
+            copy otherwise): for a caller that copies the values later, when they have changed.
 
     Raises:
         ValueError: A local shard whose shape is not the one its placements give.
         ConfigError: A placement other than ``Shard`` or ``Replicate`` (see ``checkpoint.region``).
     """
-    found = [_holding(key, value, step) for key, value in _state_tensors(model, optimizer)]
+    found = [_holding(key, value, step, live) for key, value in _state_tensors(model, optimizer)]
     return [holding for holding in found if holding is not None]
+
+
+Signature = tuple[tuple[str, int, tuple[int, ...]], ...]
+"""Each state tensor's key, local storage address and local shape (:func:`shard_signature`)."""
+
+
+def shard_signature(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Signature:
+    """What :func:`own_holdings` would hold, cheaply: each tensor's key, the address of its local
+    storage and its local shape, with no region worked out. While it stays equal, so do the
+    holdings' keys, boxes and (with ``live``) storage: the optimizer updates the shards in place."""
+    return tuple((key, local.data_ptr(), tuple(local.shape))
+                 for key, local in ((key, _local(value)) for key, value in _state_tensors(model, optimizer)))
 
 
 def state_regions(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[Region]:

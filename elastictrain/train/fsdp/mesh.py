@@ -5,6 +5,10 @@
   named ``("replicate", "shard")``. Rank ``r`` sits at ``(r // nproc_per_node, r % nproc_per_node)``:
   a node's ranks (contiguous, as the launcher numbers them) form one shard group, and the ranks of
   the same local rank on every node form a replicate group.
+
+With ``failures=`` (in-process recovery), each of the mesh's groups is a
+:class:`~elastictrain.train.fsdp.failsafe_group.FailsafeGroup` over the group it would have been: a
+collective failure inside a step is recorded there instead of raised in the user's forward.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from elastictrain.errors import ConfigError
 from elastictrain.train import peer_connections
+from elastictrain.train.fsdp.failsafe_group import SwallowedFailure, failsafe_group
 from elastictrain.train.process_group import resolve_timeout
 
 __all__ = ["FSDP_DIMS", "HSDP_DIMS", "SHARDED_MODES", "build_mesh", "mesh_shape"]
@@ -57,7 +62,8 @@ def mesh_shape(sharding: str, world_size: int, nproc_per_node: int | None = None
 
 
 def build_mesh(sharding: str, device_type: str, *, nproc_per_node: int | None = None,
-               group: dist.ProcessGroup | None = None, timeout: timedelta | None = None) -> DeviceMesh:
+               group: dist.ProcessGroup | None = None, timeout: timedelta | None = None,
+               failures: SwallowedFailure | None = None) -> DeviceMesh:
     """The device mesh of ``sharding`` over ``group`` (default: the whole default group); a collective.
 
     Args:
@@ -71,6 +77,8 @@ def build_mesh(sharding: str, device_type: str, *, nproc_per_node: int | None = 
             or 60 s). (``init_device_mesh`` would give them torch's default for the backend, 30
             minutes for gloo: a rank hung in an hsdp step went unnoticed that long.) fsdp trains
             over ``group`` itself, with its own timeout.
+        failures: Make each of the mesh's groups a failsafe group over it, recording a collective
+            failure here while ``failures`` swallows (in-process recovery).
 
     Raises:
         ConfigError: See :func:`mesh_shape`; hsdp over a group that is not the default one.
@@ -82,22 +90,31 @@ def build_mesh(sharding: str, device_type: str, *, nproc_per_node: int | None = 
     if group is not None and group is not dist.group.WORLD:
         if sharding == "hsdp":
             raise ConfigError("hsdp trains over the default process group; got an explicit process_group")
+        if failures is not None:
+            group = failsafe_group(group, failures)
         return DeviceMesh.from_group(group, device_type, mesh_dim_names=FSDP_DIMS)
     if sharding == "fsdp":
-        return init_device_mesh(device_type, shape, mesh_dim_names=FSDP_DIMS)
-    return _hsdp_mesh(device_type, shape, timeout if timeout is not None else resolve_timeout())
+        default = dist.group.WORLD
+        if failures is None or default is None:
+            return init_device_mesh(device_type, shape, mesh_dim_names=FSDP_DIMS)
+        return DeviceMesh.from_group(failsafe_group(default, failures), device_type, mesh_dim_names=FSDP_DIMS)
+    return _hsdp_mesh(device_type, shape, timeout if timeout is not None else resolve_timeout(), failures)
 
 
-def _hsdp_mesh(device_type: str, shape: tuple[int, ...], timeout: timedelta) -> DeviceMesh:
-    """hsdp's 2-D mesh over the default group, its sub-groups made here with ``timeout``."""
+def _hsdp_mesh(device_type: str, shape: tuple[int, ...], timeout: timedelta,
+               failures: SwallowedFailure | None) -> DeviceMesh:
+    """hsdp's 2-D mesh over the default group, its sub-groups made here with ``timeout`` (each
+    wrapped in a failsafe group with ``failures``)."""
     replicas, width = shape
     ranks = torch.arange(replicas * width).view(replicas, width)
     # new_group is a collective of the default group: every rank makes every group, in one order.
     shard_groups = [_sub_group(ranks[i].tolist(), timeout) for i in range(replicas)]
     replicate_groups = [_sub_group(ranks[:, j].tolist(), timeout) for j in range(width)]
     replica, local = divmod(dist.get_rank(), width)
-    return DeviceMesh.from_group([replicate_groups[local], shard_groups[replica]], device_type, mesh=ranks,
-                                 mesh_dim_names=HSDP_DIMS)
+    shard, replicate = shard_groups[replica], replicate_groups[local]
+    if failures is not None:
+        shard, replicate = failsafe_group(shard, failures, timeout), failsafe_group(replicate, failures, timeout)
+    return DeviceMesh.from_group([replicate, shard], device_type, mesh=ranks, mesh_dim_names=HSDP_DIMS)
 
 
 def _sub_group(ranks: list[int], timeout: timedelta) -> dist.ProcessGroup:

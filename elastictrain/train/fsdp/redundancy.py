@@ -12,16 +12,22 @@
     redundancy.close()
     recovery_sources = redundancy.holdings()  # own shards + the copy of ``source``'s, each with its step
 
-A refresh, every ``every`` steps after the optimizer step, copies this rank's own shards of the
-parameters and the optimizer state (:func:`~elastictrain.train.fsdp.holdings.own_holdings`) into
-a reusable host buffer (pinned when the shards are on CUDA): that copy is the only time training
-waits. A thread of its own then sends the buffer to the holder and receives the copy of the
-source's shards over a gloo group of its own (never the training group), while training goes on.
+A refresh, every ``every`` steps after the optimizer step, agrees on going ahead (below) and
+hands this rank's own shards of the parameters and the optimizer state (their live local
+tensors) to a thread of its own, which copies them into a reusable host buffer (pinned when the
+shards are on CUDA), sends the buffer to the holder and receives the copy of the source's shards
+over a gloo group of its own (never the training group), while training goes on. The live shards
+keep their values until the next optimizer step (the forward and backward only read them), so the
+copy runs beside the next step's forward and backward; an optimizer step pre-hook holds the next
+optimizer step back only if the copy has not finished by then. Which shards and where each lies in
+the buffer is worked out once and reused while the tensors stay the same (a check of their keys
+and storage per refresh), so the training thread's stall is the agreement, that check and the
+capture of the replicated state (:class:`Kept`), not every tensor's region worked out again.
 
 A refresh still in flight on any rank when the next one is due skips that one on every rank
-(:attr:`Redundancy.skipped`), never queues it: the ranks agree by a one-integer all-reduce over a
-second gloo group of their own (the vote group, used by the training thread alone), so that
-every rank starts the same refreshes and each exchange meets its peers'.
+(:attr:`Redundancy.skipped`), never queues it and never stalls the step: the ranks agree by a
+one-integer all-reduce over a second gloo group of their own (the vote group, used by the training
+thread alone), so that every rank starts the same refreshes and each exchange meets its peers'.
 
 Every piece of a refresh stays whole until a newer one is: a received copy replaces the held one
 only once complete (two buffers, swapped), and a snapshot goes to the send buffer that does not
@@ -29,11 +35,27 @@ hold the last completed refresh's. A refresh that fails half way (a peer died) e
 (on every rank: the next agreement carries it) and leaves, on every survivor, its own shards and
 the copy it holds as of the last refresh it completed; so the survivors together still hold the
 whole state of one step when a rank dies during a refresh (the step before it, where the dead
-rank's holder did not complete it).
+rank's holder did not complete it). A rank that completed a refresh also keeps offering the copy
+it replaced until the next refresh starts (every rank holds the newer one then): when a node is
+lost during a refresh that one of its ranks' holders completed and another did not, the step
+before is still held whole.
 
-Host memory per rank: two send buffers of its own shard and two buffers of its source's: about
-four shards of parameters and optimizer state (:attr:`Redundancy.host_bytes`); the shards are
-1/world of the state each.
+With each snapshot of its own shards, a rank keeps the replicated state of that step (the
+sampler cursor, scheduler, scaler, step counter and extras the constructor's ``replicated``
+gives, its RNG states and the model's buffers: :class:`Kept`), so that the group can roll back
+to the step of a refresh (:meth:`Redundancy.roll_back`) when the survivors hold that step whole
+and not the newest (:mod:`~elastictrain.train.fsdp.rollback`).
+
+Host memory per rank, in shards (a shard: this rank's 1/world of the parameters and optimizer
+state). A roll back to the step ``S`` of the last refresh needs, on every rank, its own snapshot of
+``S`` and the copy of its source's ``S``: two shards, the minimum. While the refresh of ``S'`` is
+in flight both stay (a rank may die before every holder has ``S'``: the survivors then go back to
+``S``) beside the snapshot of ``S'`` being sent and the copy of ``S'`` being received: four at the
+peak. With ``every`` >= :data:`RELEASE_FROM` steps, once every rank completed ``S'`` (a one-integer
+all-reduce on the sending thread) the two buffers of ``S`` are released, so between refreshes a
+rank holds two shards; below it they stay allocated for reuse (the next refresh is at most a few
+steps away, and allocating them again would cost page faults each time): four.
+(:attr:`Redundancy.host_bytes` now, :attr:`Redundancy.peak_host_bytes` the most.)
 
 On the wire, per refresh and direction: a header (step, metadata length, payload length; int64),
 the metadata (JSON: each region's key, offsets, sizes, dtype and byte offset), and the payload
@@ -42,11 +64,13 @@ the metadata (JSON: each region's key, offsets, sizes, dtype and byte offset), a
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -54,12 +78,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastictrain.checkpoint import capture_rng, load_state_into, restore_rng
 from elastictrain.errors import ConfigError
 from elastictrain.train import process_group as pg
 from elastictrain.train.fsdp.buddies import buddies
-from elastictrain.train.fsdp.holdings import Holding, own_holdings
+from elastictrain.train.fsdp.holdings import Holding, Signature, own_holdings, shard_signature
 
-__all__ = ["Redundancy", "RedundancyError", "start_redundancy"]
+__all__ = ["RELEASE_FROM", "Kept", "Redundancy", "RedundancyError", "start_redundancy"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +100,10 @@ _DTYPES: dict[str, torch.dtype] = {
 
 _HEADER, _META, _PAYLOAD = 1, 2, 3
 """The p2p tags of a refresh's three messages."""
+
+RELEASE_FROM = 10
+"""A refresh interval (``every``) from which the buffers of the previous refresh are released once
+every rank completed the next one (see the module docstring); below it they are kept for reuse."""
 
 _BUSY, _ENDED = 1, 2
 """A rank's vote on a due refresh (the maximum wins): one in flight here, the refreshes ended here
@@ -141,13 +170,51 @@ def _parse_slots(meta: bytes, length: int) -> list[_Slot]:
     return slots
 
 
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """The replicated state of one step, kept with the snapshot of this rank's shards of that step:
+    what a roll back to it restores besides the shards (:meth:`Redundancy.roll_back`)."""
+
+    stateful: dict[str, Any]
+    """Each object's ``state_dict()`` (the sampler cursor, scheduler, scaler, step counter), a deep copy."""
+    extras: dict[str, Any]
+    """The plain-dict state (the user's dict extras), a deep copy."""
+    rng: dict[str, Any]
+    """This process's RNG states (as a checkpoint keeps them)."""
+    buffers: list[Holding]
+    """The model's buffers, whole (every rank holds them; FSDP2 does not shard them), cloned."""
+
+    @classmethod
+    def capture(cls, objects: Mapping[str, Any], model: torch.nn.Module, step: int) -> Kept:
+        """``objects``' state (dicts as extras, the others by ``state_dict()``), this process's RNG
+        and ``model``'s buffers, copied now (the objects go on changing)."""
+        stateful = {n: copy.deepcopy(o.state_dict()) for n, o in objects.items() if not isinstance(o, dict)}
+        extras = {n: copy.deepcopy(o) for n, o in objects.items() if isinstance(o, dict)}
+        buffers = [Holding(f"model/{fqn}", (0,) * b.dim(), tuple(b.shape), step, b.detach().to("cpu", copy=True))
+                   for fqn, b in model.named_buffers()]
+        return cls(stateful, extras, capture_rng(), buffers)
+
+
 def _host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
 
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """This rank's own shards as a refresh copies them: the live local tensors, where each lies in
+    a buffer, and the metadata sent with them; worked out once per :func:`shard_signature`."""
+
+    signature: Signature
+    sources: list[Holding]
+    slots: list[_Slot]
+    length: int
+    meta: torch.Tensor
+
+
 class Redundancy:
     """Keeps a copy of the ``source`` rank's shards and sends this rank's to the ``holder`` (see the
-    module docstring). Starts its thread when built; :meth:`close` stops it.
+    module docstring). Starts its thread, and registers an optimizer step pre-hook, when built;
+    :meth:`close` stops and removes them.
 
     Args:
         model: The sharded model (parameters DTensors).
@@ -159,13 +226,18 @@ class Redundancy:
         every: Refresh after every this many steps (:meth:`after_step`).
         holder: The rank of ``group`` that keeps this rank's copy; None: no one (a group of one).
         source: The rank of ``group`` whose copy this rank keeps; None with ``holder``.
+        replicated: The replicated state a roll back restores besides the shards (the sampler
+            cursor, scheduler, scaler, step counter, extras; by name, as a checkpoint names them):
+            each snapshot keeps a copy of it (:class:`Kept`), with the RNG and the buffers.
+            None: the snapshots keep the shards alone.
 
     Raises:
         ValueError: ``every`` is not positive, or only one of ``holder`` and ``source`` is None.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, group: dist.ProcessGroup,
-                 vote_group: dist.ProcessGroup, *, every: int, holder: int | None, source: int | None) -> None:
+                 vote_group: dist.ProcessGroup, *, every: int, holder: int | None, source: int | None,
+                 replicated: Callable[[], Mapping[str, Any]] | None = None) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive int, got {every!r}")
         if (holder is None) != (source is None):
@@ -173,19 +245,25 @@ class Redundancy:
         self._model, self._optimizer = model, optimizer
         self._group, self._vote_group = group, vote_group
         self.every, self.holder, self.source = every, holder, source
+        self._replicated = replicated
+        self._release = every >= RELEASE_FROM
         self._pin = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
         self._cond = threading.Condition()
         self._due: int | None = None  # the step of the refresh in flight
+        self._copying: tuple[_Layout, Kept | None] | None = None  # what the thread copies, until it has
         self._closing = False
         self._step = -1  # the last step given to after_step: the live shards' values are of it
+        self._plan: _Layout | None = None
         self._own = [_Snapshot(self._pin), _Snapshot(self._pin)]
         self._sending = self._own[0]
         self._completed: int | None = None  # the step of the last refresh this rank completed
         self._held: list[Holding] = []
+        self._previous: list[Holding] = []  # the copy the last swap replaced, while its buffer is kept
+        self._their_layout: tuple[tuple[bytes, int], list[_Slot]] | None = None  # the source's metadata, parsed
         self._held_buffer = _host_buffer(0, False)
         self._incoming = _host_buffer(0, False)
         self.started = 0
-        """Refreshes started (a snapshot taken and handed to the sending thread)."""
+        """Refreshes started (the shards handed to the sending thread)."""
         self.refreshed = 0
         """Refreshes completed (a copy received and swapped in)."""
         self.skipped = 0
@@ -193,9 +271,14 @@ class Redundancy:
         self.failure: BaseException | None = None
         """Why the refreshes ended (a peer lost), or None."""
         self.stalled = 0.0
-        """Seconds the training thread spent in due refreshes (the vote and the snapshots)."""
+        """Seconds the training thread spent on refreshes: the agreements, handing the shards over,
+        and any wait of an optimizer step for a copy not finished yet."""
+        self.peak_host_bytes = 0
+        """The most host memory the buffers held at once (see :attr:`host_bytes`)."""
         self._thread: threading.Thread | None = None
+        self._hook: Any = None
         if holder is not None:
+            self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
             self._thread = threading.Thread(target=self._run, name="elastictrain-redundancy", daemon=True)
             self._thread.start()
 
@@ -203,9 +286,10 @@ class Redundancy:
 
     def after_step(self, step: int) -> bool:
         """After the optimizer step of ``step`` (every rank calls it, with the same steps): when a
-        refresh is due and no rank has one in flight, snapshot this rank's shards and hand them to
-        the sending thread. Returns whether a refresh started. Once a refresh failed on a rank,
-        the next vote ends the refreshes on every rank (:attr:`failure`).
+        refresh is due and no rank has one in flight, hand this rank's shards (and the replicated
+        state, copied now) to the sending thread, which copies and sends them. Returns whether a
+        refresh started. Once a refresh failed on a rank, the next vote ends the refreshes on every
+        rank (:attr:`failure`).
 
         Raises:
             torch's backend error: The vote's all-reduce failed (a peer lost): a collective failure.
@@ -232,43 +316,107 @@ class Redundancy:
                 self.skipped += 1
                 logger.info("redundancy: a refresh is still in flight; step %d's is skipped", step)
                 return False
-            # The buffer that does not hold the last completed refresh's snapshot (it stays whole).
-            self._sending = next(s for s in self._own if s.step is None or s.step != self._completed)
-            self._sending.take(own_holdings(self._model, self._optimizer, step), step)
+            layout = self._current_layout()
+            kept = Kept.capture(self._replicated(), self._model, step) if self._replicated is not None else None
+            with self._cond:
+                # The buffer that does not hold the last completed refresh's snapshot (it stays whole).
+                self._sending = next(s for s in self._own if s.step is None or s.step != self._completed)
+                self._sending.clear()
+                self._previous = []  # its buffer receives this refresh: every rank holds the last one now
+                self._copying = (layout, kept)
+                self._due = step
+                self.started += 1
+                self._cond.notify_all()
         finally:
             self.stalled += time.perf_counter() - started
-        with self._cond:
-            self._due = step
-            self.started += 1
-            self._cond.notify_all()
         return True
+
+    def _current_layout(self) -> _Layout:
+        """This rank's shards as a refresh copies them: the last layout while the tensors are the
+        same ones (the optimizer updates them in place), else worked out again."""
+        signature = shard_signature(self._model, self._optimizer)
+        if self._plan is None or self._plan.signature != signature:
+            own = own_holdings(self._model, self._optimizer, self._step, live=True)
+            slots, length = _layout(own)
+            meta = json.dumps([s.to_json() for s in slots]).encode()
+            self._plan = _Layout(signature, own, slots, length, torch.frombuffer(bytearray(meta), dtype=torch.uint8))
+        return self._plan
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """The optimizer step pre-hook: the shards change in this step, so a copy of the previous
+        step's not finished yet is waited for (only then does the training thread stall here)."""
+        with self._cond:
+            if self._copying is None:
+                return
+            started = time.perf_counter()
+            self._cond.wait_for(lambda: self._copying is None)
+            self.stalled += time.perf_counter() - started
 
     def holdings(self) -> list[Holding]:
         """What this rank holds: its live shards (of the last step given to :meth:`after_step`),
         its snapshots of other steps, and the copy of the source's shards of the last refresh it
-        completed (none before the first). Each with its step.
+        completed (none before the first), with the copy it replaced until the next refresh
+        starts (then every rank holds the newer one). Each with its step.
 
         The snapshots' and the copy's tensors are views of buffers that later refreshes write
         into: :meth:`close` first to keep them."""
         with self._cond:
-            held = list(self._held)
+            held = [*self._held, *self._previous]
             snapshots = [h for s in self._own if s.step is not None and s.step != self._step for h in s.holdings()]
         return [*own_holdings(self._model, self._optimizer, self._step), *snapshots, *held]
 
     def held(self) -> list[Holding]:
-        """The copy of the source's shards alone (see :meth:`holdings`)."""
+        """The copy of the source's shards of the last refresh completed, alone (see :meth:`holdings`)."""
         with self._cond:
             return list(self._held)
 
+    def kept_holdings(self) -> list[Holding]:
+        """What a roll back can rebuild from, each with its step: this rank's snapshots of its own
+        shards (with the buffers kept with them) and the copies of the source's (see
+        :meth:`holdings`); not the live shards
+        (their step is the caller's to say: a step that failed after its optimizer step may not
+        have reached :meth:`after_step`)."""
+        with self._cond:
+            snapshots = [s for s in self._own if s.step is not None]
+            held = [*self._held, *self._previous]
+        return [*(h for s in snapshots for h in s.holdings()),
+                *(h for s in snapshots if s.kept is not None for h in s.kept.buffers), *held]
+
+    def kept_steps(self) -> list[int]:
+        """The steps whose replicated state this rank kept (:class:`Kept`), newest first."""
+        with self._cond:
+            return sorted((s.step for s in self._own if s.step is not None and s.kept is not None), reverse=True)
+
+    def roll_back(self, step: int, objects: Mapping[str, Any]) -> None:
+        """Load the replicated state kept at ``step`` into ``objects`` (by name, as given to the
+        constructor's ``replicated``) and set this process's RNG to that step's; no collective.
+        The kept copy stays as it was (a re-formation that fails later rolls back again).
+
+        Raises:
+            ValueError: No replicated state kept at ``step``.
+            CheckpointMismatchError: It does not fit ``objects``.
+        """
+        with self._cond:
+            kept = next((s.kept for s in self._own if s.step == step and s.kept is not None), None)
+        if kept is None:
+            raise ValueError(f"no replicated state kept at step {step} (kept: {self.kept_steps()})")
+        load_state_into(objects, copy.deepcopy(kept.stateful), copy.deepcopy(kept.extras), step)
+        restore_rng({"rng": kept.rng}, where=f"the redundancy's snapshot of step {step}")
+
     @property
     def in_flight(self) -> bool:
-        """Whether a refresh is being sent and received now."""
+        """Whether a refresh is being copied, sent or received now."""
         with self._cond:
             return self._due is not None
 
     @property
     def host_bytes(self) -> int:
-        """Host memory of the buffers: two send buffers, the held copy and the incoming one."""
+        """Host memory of the buffers now: the snapshots of this rank's shards, the held copy and
+        the incoming one (released ones count 0; see the module docstring)."""
+        with self._cond:
+            return self._host_bytes()
+
+    def _host_bytes(self) -> int:
         return sum(s.buffer.numel() for s in self._own) + self._held_buffer.numel() + self._incoming.numel()
 
     def wait(self, timeout: timedelta | None = None) -> bool:
@@ -278,12 +426,14 @@ class Redundancy:
                                        None if timeout is None else timeout.total_seconds())
 
     def close(self, timeout: timedelta = timedelta(seconds=5)) -> None:
-        """Stop refreshing, without a collective (peers may be dead). A refresh in flight is given
-        ``timeout`` to end; if it does not, its thread is left (a daemon) and its copy never
-        swapped in. What this rank holds stays (:meth:`holdings`)."""
+        """Stop refreshing, without a collective (peers may be dead), and remove the optimizer
+        hook. A refresh in flight is given ``timeout`` to end; if it does not, its thread is left
+        (a daemon) and its copy never swapped in. What this rank holds stays (:meth:`holdings`)."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
+        if self._hook is not None:
+            self._hook.remove()
         if self._thread is not None:
             self._thread.join(timeout.total_seconds())
             if self._thread.is_alive():
@@ -295,27 +445,71 @@ class Redundancy:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._due is not None or self._closing)
+                step, copying, sending = self._due, self._copying, self._sending
                 if self._closing:
+                    self._copying = None  # an optimizer step waiting for the copy goes on
+                    self._cond.notify_all()
                     return
-                step = self._due
-            assert step is not None  # noqa: S101 - the wait's predicate
+            assert step is not None and copying is not None  # noqa: S101 - the wait's predicate, set together
             try:
+                try:
+                    self._copy(sending, *copying, step)
+                finally:
+                    with self._cond:
+                        self._copying = None  # the live shards may change now
+                        self.peak_host_bytes = max(self.peak_host_bytes, self._host_bytes())
+                        self._cond.notify_all()
                 received = self._exchange(step)
-            except Exception as exc:  # noqa: BLE001 - a lost peer must end the refreshes, not the process
+            except Exception as exc:  # noqa: BLE001 - a lost peer (or memory) must end the refreshes, not the process
                 logger.warning("redundancy: the refresh of step %d failed, refreshes end (this rank keeps "
                                "the state of step %s): %s", step, self._completed, exc)
                 with self._cond:
                     self.failure = exc
                     self._due = None
                     self._cond.notify_all()
+                if self._release and isinstance(exc, RedundancyError):
+                    self._everyone_completed(False)  # the peers are there and wait for this rank's word
                 return
             with self._cond:
                 if not self._closing:  # a copy completed after close() is not swapped in
+                    self._previous = self._held  # still whole, in what becomes the incoming buffer
                     self._held, self._held_buffer, self._incoming = received, self._incoming, self._held_buffer
                     self._completed = step
                     self.refreshed += 1
+                self.peak_host_bytes = max(self.peak_host_bytes, self._host_bytes())
+            if self._release and self._everyone_completed(True):
+                with self._cond:
+                    if not self._closing and self._completed == step:
+                        self._release_previous()
+            with self._cond:
                 self._due = None
                 self._cond.notify_all()
+
+    def _copy(self, snapshot: _Snapshot, layout: _Layout, kept: Kept | None, step: int) -> None:
+        """Copy the live shards of ``step`` into ``snapshot`` (before the next optimizer step)."""
+        snapshot.take(layout, kept, step)
+
+    def _everyone_completed(self, completed: bool) -> bool:
+        """Whether every rank completed the refresh in flight (an all-reduce over the sending
+        thread's group); False, and the refreshes end, if a peer is lost meanwhile."""
+        flag = torch.tensor([1 if completed else 0])
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
+        except Exception as exc:  # noqa: BLE001 - a lost peer must end the refreshes, not the process
+            logger.warning("redundancy: a peer was lost after the refresh of step %s; refreshes end: %s",
+                           self._completed, exc)
+            with self._cond:
+                self.failure = exc
+            return False
+        return bool(flag.item())
+
+    def _release_previous(self) -> None:
+        """Every rank holds the refresh just completed: the buffers of the one before (this rank's
+        snapshot of it and the copy it replaced) are no longer needed by any roll back."""
+        for snapshot in self._own:
+            if snapshot is not self._sending:
+                snapshot.release()
+        self._incoming, self._previous = _host_buffer(0, False), []
 
     def _exchange(self, step: int) -> list[Holding]:
         """Send the snapshot of ``step`` to the holder, receive the source's into the incoming
@@ -337,7 +531,10 @@ class Redundancy:
             self._incoming = _host_buffer(length, False)
         self._both(sending.meta, meta, _META)
         self._both(sending.buffer[:sending.length], self._incoming[:length], _PAYLOAD)
-        slots = _parse_slots(bytes(meta.numpy()), length)
+        said = (bytes(meta.numpy()), length)
+        if self._their_layout is None or self._their_layout[0] != said:  # parsed once while it stays the same
+            self._their_layout = (said, _parse_slots(*said))
+        slots = self._their_layout[1]
         return [Holding(key=s.key, offsets=s.offsets, sizes=s.sizes, step=step, tensor=s.view(self._incoming))
                 for s in slots]
 
@@ -355,7 +552,7 @@ class Redundancy:
 
 class _Snapshot:
     """A reusable host buffer with this rank's shards of one step (reallocated only when their
-    layout grows)."""
+    layout grows, or after :meth:`release`)."""
 
     def __init__(self, pin: bool) -> None:
         self._pin = pin
@@ -364,21 +561,30 @@ class _Snapshot:
         self.meta = torch.empty(0, dtype=torch.uint8)
         self.length = 0
         self.step: int | None = None
+        self.kept: Kept | None = None
+        """The replicated state of :attr:`step`, when the redundancy keeps it."""
 
-    def take(self, own: list[Holding], step: int) -> None:
-        """Copy ``own`` (the live shards of ``step``) in."""
-        self.step = None  # not a snapshot of any step while it is written
-        slots, length = _layout(own)
-        if slots != self.slots:
-            if length > self.buffer.numel():
-                self.buffer = _host_buffer(length, self._pin)
-            meta = json.dumps([s.to_json() for s in slots]).encode()
-            self.slots, self.length, self.meta = slots, length, torch.frombuffer(bytearray(meta), dtype=torch.uint8)
-        for slot, holding in zip(slots, own, strict=True):
+    def clear(self) -> None:
+        """Not a snapshot of any step (it is about to be written)."""
+        self.step, self.kept = None, None
+
+    def release(self) -> None:
+        """Give the buffer back (an empty one; the next :meth:`take` allocates again)."""
+        self.clear()
+        self.buffer, self.slots, self.length = _host_buffer(0, self._pin), [], 0
+
+    def take(self, layout: _Layout, kept: Kept | None, step: int) -> None:
+        """Copy the live shards ``layout`` names (their values of ``step``) in, one ``copy_`` each
+        into its view of the buffer; ``kept`` is that step's replicated state."""
+        self.clear()
+        if layout.length > self.buffer.numel():
+            self.buffer = _host_buffer(layout.length, self._pin)
+        self.slots, self.length, self.meta = layout.slots, layout.length, layout.meta
+        for slot, holding in zip(layout.slots, layout.sources, strict=True):
             slot.view(self.buffer).copy_(holding.tensor, non_blocking=self._pin)
         if self._pin:
             torch.cuda.current_stream().synchronize()  # the copies are done before the thread sends them
-        self.step = step
+        self.step, self.kept = step, kept
 
     def holdings(self) -> list[Holding]:
         """The snapshot's regions (views of the buffer)."""
@@ -389,7 +595,8 @@ class _Snapshot:
 
 def start_redundancy(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, every: int,
                      nproc_per_node: int, timeout: timedelta | None = None,
-                     group: dist.ProcessGroup | None = None) -> Redundancy:
+                     group: dist.ProcessGroup | None = None,
+                     replicated: Callable[[], Mapping[str, Any]] | None = None) -> Redundancy:
     """A :class:`Redundancy` over the default group, buddies on other nodes; a collective (it
     makes its two gloo groups).
 
@@ -400,6 +607,7 @@ def start_redundancy(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *
         nproc_per_node: Ranks per node (the launcher numbers a node's ranks contiguously).
         timeout: The gloo groups' timeout (a refresh to a lost peer fails after it at most).
         group: The training group; None or the default group (another is refused).
+        replicated: The replicated state each snapshot keeps a copy of (see :class:`Redundancy`).
 
     Raises:
         ConfigError: A training group other than the default one.
@@ -410,4 +618,4 @@ def start_redundancy(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *
     holders = buddies([r // max(nproc_per_node, 1) for r in range(world)])
     source = holders.index(rank) if holders[rank] is not None else None
     return Redundancy(model, optimizer, pg.new_gloo_group(timeout), pg.new_gloo_group(timeout), every=every,
-                      holder=holders[rank], source=source)
+                      holder=holders[rank], source=source, replicated=replicated)

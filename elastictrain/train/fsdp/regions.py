@@ -6,8 +6,7 @@ the new layout gives it (:func:`needed_regions`); the ranks hold the boxes they 
 own shards of the previous generation, copies a redundancy source keeps). :func:`plan_exchange`
 picks, for each needed row range, one holder: the rank itself when it holds it, else the holder
 that has sent the fewest elements so far (the lowest rank on a tie), and reports the regions that
-no rank holds. Each move's rows lie in one region its sender announced. No torch, no I/O: every
-rank computes the same plan from the same announcements.
+no rank holds. No torch, no I/O: every rank computes the same plan from the same announcements.
 """
 
 from __future__ import annotations
@@ -15,6 +14,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from elastictrain._chunks import chunk_span
 
 __all__ = ["Move", "Plan", "Region", "TensorSpec", "chunk_box", "needed_regions", "plan_exchange"]
 
@@ -27,15 +28,10 @@ def chunk_box(shape: tuple[int, ...], index: int, count: int) -> tuple[tuple[int
     Raises:
         ValueError: ``index`` is not in ``range(count)``.
     """
-    if not 0 <= index < count:
-        raise ValueError(f"chunk index {index} is not in range({count})")
+    start, size = chunk_span(shape[0] if shape else 0, index, count)
     if not shape:
         return (), ()
-    rows = shape[0]
-    size = math.ceil(rows / count) if rows else 0
-    start = min(rows, index * size)
-    stop = min(rows, start + size)
-    return (start, *(0,) * (len(shape) - 1)), (stop - start, *shape[1:])
+    return (start, *(0,) * (len(shape) - 1)), (size, *shape[1:])
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,10 +151,7 @@ def plan_exchange(held: Sequence[Region], needs: Sequence[Region]) -> Plan:
             else:
                 src = min(able, key=lambda r: (sent.get(r, 0), r))
                 sent[src] = sent.get(src, 0) + (high - low) * per_row
-            # One move is sent from one holding: pieces of two (a rank's own shard and the copy it
-            # keeps of a neighbour's) stay two moves.
-            if pieces and pieces[-1][0] == src and pieces[-1][2] == low and any(
-                    h.rank == src and h.rows[0] <= pieces[-1][1] and h.rows[1] >= high for h in holders):
+            if pieces and pieces[-1][0] == src and pieces[-1][2] == low:
                 pieces[-1] = (src, pieces[-1][1], high)
             else:
                 pieces.append((src, low, high))

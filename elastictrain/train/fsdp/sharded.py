@@ -27,12 +27,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from elastictrain.errors import ConfigError
+from elastictrain.train.fsdp.failsafe_group import SwallowedFailure
 from elastictrain.train.fsdp.gradients import clip_grad_norm_, no_sync
 from elastictrain.train.fsdp.mesh import SHARDED_MODES, build_mesh
 from elastictrain.train.fsdp.optimizer import OptimizerSpec, check_unstepped, parameter_fqns, shard_optimizer
 from elastictrain.train.fsdp.precision import mixed_precision_policy
 from elastictrain.train.fsdp.state import ModelState, OptimizerState, full_state_dict
-from elastictrain.train.fsdp.units import UnitSpec, check_shardable, shard_model
+from elastictrain.train.fsdp.units import UnitSpec, check_shardable, check_units, shard_model
 from elastictrain.train.precision import MixedPrecision
 
 __all__ = ["Sharded", "ShardingConfig", "shard"]
@@ -47,7 +48,8 @@ class ShardingConfig:
 
     units: UnitSpec | None = None
     """The FSDP units: None for each direct child that holds parameters; a block class (or a
-    predicate ``(fqn, module) -> bool``) for transformers. See :mod:`~elastictrain.train.fsdp.units`."""
+    collection of classes, or a predicate ``(fqn, module) -> bool``) for transformers. A unit never
+    splits a shared parameter. See :mod:`~elastictrain.train.fsdp.units`."""
 
     nproc_per_node: int | None = None
     """hsdp: ranks per node, the width of a shard group (the launcher's ``--nproc-per-node``)."""
@@ -62,6 +64,8 @@ class ShardingConfig:
     def __post_init__(self) -> None:
         if self.sharding not in SHARDED_MODES:
             raise ConfigError(f"sharding must be one of {SHARDED_MODES}, got {self.sharding!r}")
+        if self.units is not None:
+            check_units(self.units)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +118,7 @@ def _broadcast_module(model: torch.nn.Module, group: dist.ProcessGroup | None) -
 
 def shard(model: torch.nn.Module, optimizer: OptimizerSpec, config: ShardingConfig | None = None, *,
           precision: MixedPrecision | None = None, group: dist.ProcessGroup | None = None,
-          broadcast: bool = True) -> Sharded:
+          broadcast: bool = True, failures: SwallowedFailure | None = None) -> Sharded:
     """Shard ``model`` over a mesh of ``group`` and move ``optimizer`` onto its shards; a collective.
 
     Rank 0's parameters and buffers are broadcast first, as DDP does when it wraps a model: each
@@ -129,6 +133,8 @@ def shard(model: torch.nn.Module, optimizer: OptimizerSpec, config: ShardingConf
             fp32 reduction); None or fp32: no casting.
         group: The process group; default the default group.
         broadcast: Broadcast rank 0's model first; False when every rank already holds the same.
+        failures: Shard over failsafe groups that record a collective failure here while it
+            swallows (see :func:`~elastictrain.train.fsdp.mesh.build_mesh`).
 
     Raises:
         ConfigError: A bad config, a mesh the world does not tile, an optimizer that has stepped or
@@ -140,7 +146,7 @@ def shard(model: torch.nn.Module, optimizer: OptimizerSpec, config: ShardingConf
     if isinstance(optimizer, torch.optim.Optimizer):
         check_unstepped(optimizer, fqns)
     mesh = build_mesh(config.sharding, param.device.type, nproc_per_node=config.nproc_per_node, group=group,
-                      timeout=config.timeout)
+                      timeout=config.timeout, failures=failures)
     if broadcast:
         _broadcast_module(model, group)
     policy = mixed_precision_policy(precision) if precision is not None else None

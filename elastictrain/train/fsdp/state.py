@@ -143,6 +143,14 @@ def _complete_state(optimizer: torch.optim.Optimizer) -> Iterator[None]:
                 optimizer.state.clear()
 
 
+def _shared_names(model: torch.nn.Module) -> list[list[str]]:
+    """The FQNs of each parameter that ``model`` holds under more than one name (tied weights)."""
+    names: dict[int, list[str]] = {}
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(fqn)
+    return [fqns for fqns in names.values() if len(fqns) > 1]
+
+
 class ModelState:
     """The sharded model as checkpointable state (see the module docstring).
 
@@ -154,8 +162,14 @@ class ModelState:
         self.model = model
 
     def state_dict(self) -> dict[str, Any]:
-        """FQN-keyed; parameters as DTensors with the live placements, buffers as plain tensors."""
-        return get_model_state_dict(self.model)
+        """FQN-keyed; parameters as DTensors with the live placements, buffers as plain tensors. A
+        shared (tied) parameter is one object under each of its names, which a checkpoint writes once."""
+        state = get_model_state_dict(self.model)
+        for first, *others in _shared_names(self.model):
+            for name in others:
+                if first in state and name in state:
+                    state[name] = state[first]
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Apply a sharded dict (DTensor values) or a full one (plain tensors on every rank).

@@ -3,7 +3,8 @@
 
 :class:`FsdpStrategy` shards the session's model over the group with
 :func:`~elastictrain.train.fsdp.sharded.shard` (one unit per direct child that holds parameters,
-then the root); :class:`HsdpStrategy` over a 2-D mesh, sharded within each node
+then the root, unless ``shard_units`` picks others: see :mod:`~elastictrain.train.fsdp.units`);
+:class:`HsdpStrategy` over a 2-D mesh, sharded within each node
 (``local_world_size`` wide) and replicated across nodes. The session's optimizer object is kept,
 re-pointed at the shards. Accumulation (:meth:`~FsdpStrategy.no_sync`), mixed precision (FSDP2's
 policy from the session's ``precision``, beside its autocast and GradScaler), global-norm
@@ -23,20 +24,29 @@ shards of one mesh for good, so the strategy keeps a storage-less skeleton of th
 (:class:`~elastictrain.train.fsdp.skeleton.Skeleton`, taken before the first shard) and each
 re-formed generation trains a fresh module built from it (:meth:`~FsdpStrategy.unwrapped`: the
 session's model becomes that module, and the same optimizer object is re-pointed at it). The fresh
-module is filled from the ranks' memory when the live ranks hold every region of the newest
-step (:meth:`~FsdpStrategy.covers` plans the region exchange of
+module is filled from the ranks' memory when the live ranks hold every region of a step
+(:meth:`~FsdpStrategy.covers` plans the region exchange of
 :mod:`~elastictrain.train.fsdp.exchange`: an hsdp replica lost, a node joining an fsdp or hsdp
-job), else from the newest checkpoint (an fsdp rank lost with its shards: the steps since are
-redone, and the ``recovery`` event says how many). The sampler cursor, scheduler and extras
-reach a joining rank by the replicated transfer, as under DDP. With ``redundancy_every`` (fsdp),
-each rank keeps a copy of a buddy's shards in host memory (:attr:`FsdpStrategy.redundancy`): the
-copies of the newest step join the exchange, so a rank lost with its shards costs no disk read
-when its buddy's copy is of that step.
+job), else from the newest checkpoint (an fsdp rank lost with its shards and no copy of them:
+the steps since are redone, and the ``recovery`` event says how many). The sampler cursor,
+scheduler and extras reach a joining rank by the replicated transfer, as under DDP. With
+``redundancy_every`` (fsdp), each rank keeps a copy of a buddy's shards in host memory
+(:attr:`FsdpStrategy.redundancy`), and with each snapshot of its own shards the replicated state
+of that step (:meth:`~FsdpStrategy.keep_state`): when a rank is lost with its shards, the live
+ranks rebuild from the newest step they hold whole, the newest one or the step of the last
+refresh every rank completed, rolling back to it from memory (no disk read); the steps after it,
+``redundancy_every`` at most, are redone.
+
+Under in-process recovery the mesh is made of failsafe groups
+(:mod:`~elastictrain.train.fsdp.failsafe_group`, one :class:`SwallowedFailure` per generation): a unit's
+all-gather that fails inside the user's forward is recorded (:meth:`FsdpStrategy.swallowed`), not
+raised there, and the step loop discards the step at its end.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
@@ -47,6 +57,7 @@ from torch.distributed.tensor import DTensor
 from elastictrain._torch_compat import clear_dtensor_caches
 from elastictrain.errors import SessionError
 from elastictrain.train.fsdp.exchange import Exchange, announce, buffer_holdings, state_specs
+from elastictrain.train.fsdp.failsafe_group import SwallowedFailure
 from elastictrain.train.fsdp.gradients import clip_grad_norm_, no_sync
 from elastictrain.train.fsdp.holdings import Holding, own_holdings
 from elastictrain.train.fsdp.mesh import mesh_shape
@@ -57,20 +68,27 @@ from elastictrain.train.fsdp.sharded import Sharded, ShardingConfig, shard
 from elastictrain.train.fsdp.skeleton import Skeleton
 from elastictrain.train.fsdp.state import ModelState, OptimizerState, full_state_dict
 from elastictrain.train import peer_connections
+from elastictrain.train.fsdp.units import UnitSpec
 from elastictrain.train.precision import MixedPrecision
 from elastictrain.train.state_transfer import Agreement, transfer
 from elastictrain.train.strategy import GroupView, ParallelStrategy, register_strategy
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping, Sequence
+    from collections.abc import Callable, Iterable, Mapping, Sequence
 
     from elastictrain.train.session_config import SessionConfig
 
 __all__ = ["FsdpStrategy", "HoldingsSource", "HsdpStrategy", "Hyperparameters"]
 
+logger = logging.getLogger(__name__)
+
 _SHARDED_OBJECTS = ("model", "optimizer")
 """The state objects the region exchange rebuilds; the others travel by the replicated transfer."""
 
+
+_MESH_SHAPES: set[tuple[int, ...]] = set()
+"""The shapes of the meshes this process has sharded over (see :meth:`FsdpStrategy._wrap`): per
+process, as DTensor's caches are."""
 
 _HYPERPARAMETERS = "optimizer_hyperparameters"
 """The name the optimizer's param-group settings travel under in the replicated transfer."""
@@ -125,23 +143,31 @@ class FsdpStrategy(ParallelStrategy):
     Args:
         precision: The session's precision (``SessionConfig.precision``): bf16 and fp16 become
             FSDP2's mixed precision policy.
+        redundancy_every: See ``SessionConfig.redundancy_every``.
+        units: The FSDP units (``SessionConfig.shard_units``). A module a later generation builds
+            from the skeleton is sharded into the units of the same FQNs as the first generation's.
     """
 
     name = "fsdp"
 
-    def __init__(self, precision: str = "fp32", redundancy_every: int | None = None) -> None:
+    def __init__(self, precision: str = "fp32", redundancy_every: int | None = None, *,
+                 units: UnitSpec | None = None) -> None:
         super().__init__()
         self._precision = precision
+        self._units = units
+        self._unit_fqns: frozenset[str] | None = None
         self._sharded: Sharded | None = None
         self._skeleton: Skeleton | None = None
         self._sources: list[HoldingsSource] = []
         self._exchange: Exchange | None = None
         self._received: dict[str, tuple[TensorSpec, torch.Tensor]] | None = None
         self._redundancy_every = redundancy_every
-        self._mesh_shapes: set[tuple[int, ...]] = set()
-        """The shapes of the meshes this process has sharded over (see :meth:`_wrap`)."""
+        self._objects: Callable[[], Mapping[str, Any]] | None = None
+        self._live_step: int | None = None  # the step of the live state covers() announced, if any
+        self._rebuilt: int | None = None  # the step transfer_state() brought this rank to
         self.redundancy: Redundancy | None = None
         """The copies of the last generation (kept after it is left: they outlive the group)."""
+        self._failures: SwallowedFailure | None = None
 
     def add_holdings_source(self, source: HoldingsSource) -> None:
         """Offer ``source``'s regions to the region exchange of each later re-formation."""
@@ -152,7 +178,15 @@ class FsdpStrategy(ParallelStrategy):
         return world_size
 
     def _config(self, view: GroupView) -> ShardingConfig:
-        return ShardingConfig(sharding="fsdp")
+        return ShardingConfig(sharding="fsdp", units=self._units_now())
+
+    def _units_now(self) -> UnitSpec | None:
+        """The units of this generation's module: ``units`` for the first; for a module rebuilt from
+        the skeleton, the FQNs the first chose (a predicate may have judged the modules by identity)."""
+        chosen = self._unit_fqns
+        if chosen is None:
+            return self._units
+        return lambda fqn, _module: fqn in chosen
 
     def _wrap(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, view: GroupView, *,
               identical: bool) -> torch.nn.Module:
@@ -174,16 +208,20 @@ class FsdpStrategy(ParallelStrategy):
         optimizer.state.clear()
         config = self._config(view)
         shape = mesh_shape(config.sharding, view.placement.world_size, config.nproc_per_node)
-        if shape in self._mesh_shapes:
+        if shape in _MESH_SHAPES:
             # torch takes this mesh for the earlier one of its shape (it compares meshes by shape
             # and names, not by rank): DTensor's decisions cached for that one must go. A mesh of
             # a new shape is equal to none (its first step does not pay for the caches' refill).
             clear_dtensor_caches()
-        self._mesh_shapes.add(shape)
+        _MESH_SHAPES.add(shape)
         precision = MixedPrecision(self._precision, view.placement.device)
         received, self._received, self._exchange = self._received, None, None
+        self._failures = SwallowedFailure() if view.in_process else None
         self._sharded = shard(module, optimizer, config, precision=precision, group=view.group,
-                              broadcast=not identical and received is None)
+                              broadcast=not identical and received is None, failures=self._failures)
+        if self._unit_fqns is None:
+            self._unit_fqns = frozenset(fqn for fqn, unit in module.named_modules()
+                                        if fqn and isinstance(unit, FSDPModule))
         if received is not None:
             _fill(module, optimizer, received)
         elif restored is not None:
@@ -191,26 +229,36 @@ class FsdpStrategy(ParallelStrategy):
         if self._redundancy_every is not None:
             self.redundancy = start_redundancy(module, optimizer, every=self._redundancy_every,
                                                nproc_per_node=view.local_world_size,
-                                               timeout=view.placement.timeout, group=view.group)
+                                               timeout=view.placement.timeout, group=view.group,
+                                               replicated=self._replicated if self._objects is not None else None)
         return module
 
     def covers(self, group: Any, agreement: Agreement, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                *, step: int, local_world_size: int) -> bool:
-        """See base class: this rank's own shards (and a holdings source's regions) announced, the
-        moves planned for the new layout; a collective over ``group``."""
+        """See base class: what this rank holds announced, each piece with its step (its live shards
+        and buffers at its committed ``step``, the redundancy's snapshots and copy at the steps of its
+        refreshes, a holdings source's regions), the step to rebuild at picked (the newest one the
+        live ranks hold whole: maybe older than the agreed newest, and every rank then rolls back
+        to it, see :mod:`~elastictrain.train.fsdp.rollback`) and the moves planned for the new
+        layout; a collective over ``group``."""
         held: list[Holding] = []
+        replicated: list[int] = []
         specs = {}
-        if isinstance(module, FSDPModule) and step == agreement.step:
+        self._live_step = self._rebuilt = None
+        if isinstance(module, FSDPModule):  # still the previous generation's: its state is this rank's `step`
             held = own_holdings(module, optimizer, step)
-            specs = state_specs(module, optimizer)
             held += buffer_holdings(module, step)  # FSDP2 does not shard them: every rank holds them whole
+            specs = state_specs(module, optimizer)
+            replicated.append(step)
+            self._live_step = step
         if self.redundancy is not None:
-            held += self.redundancy.held()  # the buddy's copy (of the step of its last refresh)
+            held += self.redundancy.kept_holdings()  # its snapshots and the buddy's copy, of the refreshes' steps
+            replicated += self.redundancy.kept_steps()
         for source in self._sources:
             held += source.holdings()
         world = dist.get_world_size(group)
-        self._exchange = announce(group, held=held, specs=specs, step=agreement.step or 0,
-                                  holders=agreement.holders, shard_width=self._shard_width(world, local_world_size))
+        self._exchange = announce(group, held=held, specs=specs, replicated=replicated, newest=agreement.step or 0,
+                                  shard_width=self._shard_width(world, local_world_size))
         return self._exchange.covered
 
     def unwrapped(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
@@ -227,30 +275,54 @@ class FsdpStrategy(ParallelStrategy):
         return fresh
 
     def transfer_state(self, group: Any, agreement: Agreement, objects: Mapping[str, Any], *, step: int) -> bool:
-        """See base class: the replicated objects (sampler cursor, scheduler, scaler, extras) by the
-        replicated transfer; each rank's regions of the model and optimizer by the exchange
-        :meth:`covers` planned, applied to the shards by :meth:`wrap`.
+        """See base class: every rank brought to the step :meth:`covers` picked (:meth:`rebuild_step`).
+        The replicated objects (sampler cursor, scheduler, scaler, extras) come from this rank's own
+        memory where it holds that step (its live objects, or the redundancy's copy of an older
+        step, which :meth:`~elastictrain.train.fsdp.redundancy.Redundancy.roll_back` loads, RNG
+        included), else by the replicated transfer from a rank that does; each rank's regions of the
+        model and optimizer by the exchange :meth:`covers` planned, applied to the shards by :meth:`wrap`.
 
         Raises:
             SessionError: :meth:`covers` planned no covered exchange.
         """
-        if self._exchange is None or not self._exchange.covered:
+        exchange = self._exchange
+        if exchange is None or exchange.step is None:
             raise SessionError(f"sharding={self.name!r}: no covered region exchange was planned")
-        rest = {name: obj for name, obj in objects.items() if name not in _SHARDED_OBJECTS}
-        if "optimizer" in objects:  # the exchange moves its state tensors, not its groups' settings
-            rest[_HYPERPARAMETERS] = Hyperparameters(getattr(objects["optimizer"], "optimizer", objects["optimizer"]))
-        received = transfer(group, agreement, rest, step=step)
-        self._received = self._exchange.run(group)
-        self._exchange = None
+        target = exchange.step
+        rest = _replicated_objects(objects)
+        if exchange.rank in exchange.holders and target != self._live_step:
+            assert self.redundancy is not None  # noqa: S101 - only the redundancy keeps other steps' state
+            self.redundancy.roll_back(target, rest)
+            logger.info("rolled back to step %d from this rank's memory (the state of step %s is not held whole "
+                        "by the live ranks)", target, agreement.step)
+        receivers = tuple(r for r in range(dist.get_world_size(group)) if r not in exchange.holders)
+        received = transfer(group, Agreement(target, exchange.holders, receivers), rest, step=target)
+        self._received = exchange.run(group)
+        self._exchange, self._rebuilt = None, target
         return received
+
+    def rebuild_step(self, agreement: Agreement) -> int | None:
+        """See base class: the step :meth:`covers` picked, once :meth:`transfer_state` brought every rank to it."""
+        return self._rebuilt if self._rebuilt is not None else agreement.step
+
+    def keep_state(self, objects: Callable[[], Mapping[str, Any]]) -> None:
+        """See base class: the redundancy keeps the replicated part (all but the model and the
+        optimizer, which its snapshots hold shard by shard) with each snapshot."""
+        self._objects = objects
+
+    def _replicated(self) -> dict[str, Any]:
+        assert self._objects is not None  # noqa: S101 - only given to the redundancy with objects
+        return _replicated_objects(self._objects())
 
     def _leave(self) -> None:
         """See base class. The model stays sharded until :meth:`unwrapped` (see the module
         docstring); the redundancy's refreshes stop, its copies stay (:attr:`redundancy`). The
-        mesh's sub-groups (hsdp's) are severed: a peer blocked on this rank in one of their
-        collectives fails at once (the default group's are the generation's to sever)."""
+        mesh's sub-groups (hsdp's, under their failsafe wrappers) are severed: a peer blocked on
+        this rank in one of their collectives fails at once (the default group's are the
+        generation's to sever)."""
+        self._failures = None
         if self._sharded is not None:
-            peer_connections.sever(*self._sharded.mesh.get_all_groups())
+            peer_connections.sever(*(getattr(g, "inner", g) for g in self._sharded.mesh.get_all_groups()))
         if self.redundancy is not None:
             self.redundancy.close()
 
@@ -272,18 +344,27 @@ class FsdpStrategy(ParallelStrategy):
             self.redundancy.after_step(step)
 
     def before_forward(self) -> None:
-        """See base class: under in-process recovery, every unit's parameters gathered now
-        (``unshard()``), so that the forward runs no collective and a peer lost meanwhile fails
-        here, where the step is discarded and the group re-forms in place. The cost: the whole
-        model's parameters unsharded at once at the start of each forward (each unit reshards
-        after its forward as before). Restart recovery gathers them unit by unit in the forward."""
-        view = self.view
-        if not view.in_process:
-            return
-        assert self._sharded is not None  # noqa: S101 - set with the view
-        for module in self._sharded.model.modules():
-            if isinstance(module, FSDPModule):
-                module.unshard()
+        """See base class: raises the collective failure swallowed earlier in the step, if one was
+        (the step is then discarded before this forward). Each unit gathers its parameters in
+        the forward, as plain FSDP2 does."""
+        _ = self.view
+        failed = self.swallowed()
+        if failed is not None:
+            raise failed
+
+    def swallowing(self, waiting: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+                   ) -> contextlib.AbstractContextManager[Any]:
+        """See base class: under in-process recovery the mesh is made of failsafe groups
+        (:mod:`~elastictrain.train.fsdp.failsafe_group`): inside, a failed all-gather or
+        reduce-scatter is recorded, and it and the later collectives of the mesh return at once."""
+        _ = self.view
+        if self._failures is None:
+            return contextlib.nullcontext()
+        return self._failures.swallowing(waiting)
+
+    def swallowed(self) -> BaseException | None:
+        """See base class."""
+        return self._failures.failure if self._failures is not None else None
 
     def clip_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
         """See base class: the norm over every shard (a collective over the mesh)."""
@@ -316,11 +397,23 @@ class HsdpStrategy(FsdpStrategy):
     name = "hsdp"
 
     def _config(self, view: GroupView) -> ShardingConfig:
-        return ShardingConfig(sharding="hsdp", nproc_per_node=view.local_world_size, timeout=view.placement.timeout)
+        return ShardingConfig(sharding="hsdp", units=self._units_now(), nproc_per_node=view.local_world_size,
+                              timeout=view.placement.timeout)
 
     def _shard_width(self, world_size: int, local_world_size: int) -> int:
         """See base class: a node's ranks."""
         return local_world_size
+
+
+def _replicated_objects(objects: Mapping[str, Any]) -> dict[str, Any]:
+    """The state objects the replicated transfer sends (and the redundancy keeps with each snapshot):
+    all but the model and the optimizer, which the region exchange rebuilds; and the optimizer's
+    param-group settings (:class:`Hyperparameters`), which it does not."""
+    rest = {name: obj for name, obj in objects.items() if name not in _SHARDED_OBJECTS}
+    if "optimizer" in objects:
+        optimizer = objects["optimizer"]
+        rest[_HYPERPARAMETERS] = Hyperparameters(getattr(optimizer, "optimizer", optimizer))
+    return rest
 
 
 def _fill(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -357,11 +450,11 @@ def _fill(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def _fsdp(config: SessionConfig) -> FsdpStrategy:
-    return FsdpStrategy(config.precision, config.redundancy_every)
+    return FsdpStrategy(config.precision, config.redundancy_every, units=config.shard_units)
 
 
 def _hsdp(config: SessionConfig) -> HsdpStrategy:
-    return HsdpStrategy(config.precision)
+    return HsdpStrategy(config.precision, units=config.shard_units)
 
 
 register_strategy("fsdp", _fsdp)

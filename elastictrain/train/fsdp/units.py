@@ -5,14 +5,25 @@ fewer the parameters of the largest unit, the lower the peak memory; the more un
 (smaller) collectives.
 
 Default: each direct child module of the model that holds parameters is a unit, then the root
-(which takes the parameters held by the root itself). For transformers, pass the block class (or a
-predicate ``(fqn, module) -> bool``): every matching module, at any depth, is a unit, then the root.
-Units are sharded bottom-up (a unit nested in another is sharded first), as ``fully_shard`` requires.
+(which takes the parameters held by the root itself). For transformers, pass the block class, a
+collection of classes (``{TransformerBlock}``, as torchtitan wraps each block) or a predicate
+``(fqn, module) -> bool``: every matching module that holds parameters, at any depth, is a unit,
+then the root. Units are sharded bottom-up (a unit nested in another is sharded first), as
+``fully_shard`` requires.
+
+A shared parameter (tied weights: an embedding and an output projection holding one
+``Parameter``, GPT-2 style) is never split across units: FSDP2 refuses one managed by two units. A
+unit that would hold it while a module outside the unit holds it too is not sharded on its own,
+so the parameter goes to the nearest unit that holds every module sharing it (their common
+ancestor unit; the root at the latest), as FSDP2 users do by hand; its units nested inside stay.
+A parameter used in a forward outside the modules that hold it (``h @ self.embed.weight.T`` in the
+root) is not seen here: hold it in the module that uses it (``self.head.weight = self.embed.weight``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import logging
+from collections.abc import Callable, Collection, Iterator
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -20,10 +31,13 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from elastictrain.errors import ConfigError
 
-__all__ = ["UnitSpec", "check_shardable", "shard_model", "sharding_units"]
+__all__ = ["UnitSpec", "check_shardable", "check_units", "shard_model", "sharding_units"]
 
-UnitSpec = type[torch.nn.Module] | tuple[type[torch.nn.Module], ...] | Callable[[str, torch.nn.Module], bool]
-"""A module class (or tuple of classes) whose instances are units, or a predicate on ``(fqn, module)``."""
+logger = logging.getLogger(__name__)
+
+UnitSpec = type[torch.nn.Module] | Collection[type[torch.nn.Module]] | Callable[[str, torch.nn.Module], bool]
+"""A module class (or a tuple, set, frozenset or list of them) whose instances are units, or a
+predicate on ``(fqn, module)``."""
 
 
 def _post_order(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.nn.Module]]:
@@ -34,14 +48,58 @@ def _post_order(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[str
         yield fqn, child
 
 
-def _matcher(units: UnitSpec) -> Callable[[str, torch.nn.Module], bool]:
-    if isinstance(units, type) or (isinstance(units, tuple) and all(isinstance(u, type) for u in units)):
-        classes = units
-        return lambda _fqn, module: isinstance(module, classes)
-    if callable(units):
-        return units
-    raise ConfigError(f"units must be a module class, a tuple of them or a predicate (fqn, module) -> bool, "
-                      f"got {type(units).__name__}")
+def check_units(units: object, *, name: str = "units") -> Callable[[str, torch.nn.Module], bool]:
+    """The predicate on ``(fqn, module)`` that ``units`` (a :data:`UnitSpec`) stands for.
+
+    Args:
+        units: A module class, a non-empty collection of them, or a predicate ``(fqn, module) -> bool``.
+        name: The option's name, for the message.
+
+    Raises:
+        ConfigError: Anything else (one line naming the value).
+    """
+    if isinstance(units, torch.nn.Module):  # callable, but a module, not a predicate
+        raise ConfigError(f"{name} must name module classes, got a {type(units).__name__} instance: "
+                          f"pass {type(units).__name__} itself")
+    if isinstance(units, type):
+        classes: tuple[object, ...] = (units,)
+    elif isinstance(units, (tuple, list, set, frozenset)):
+        classes = tuple(units)
+        if not classes:
+            raise ConfigError(f"{name} is an empty {type(units).__name__}: name at least one module class")
+    elif callable(units):
+        return units  # a predicate (fqn, module) -> bool, as documented
+    else:
+        classes = ()
+    bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, torch.nn.Module))]
+    if not classes or bad:
+        got = bad[0] if bad else units
+        raise ConfigError(" ".join(f"{name} must be a torch.nn.Module subclass, a collection of them or a predicate "
+                                   f"(fqn, module) -> bool, got {type(got).__name__} {got!r}".split())[:300])
+    types = tuple(c for c in classes if isinstance(c, type))
+    return lambda _fqn, module: isinstance(module, types)
+
+
+def _holders(model: torch.nn.Module) -> dict[int, list[str]]:
+    """``id(parameter) -> the FQNs of every module that holds it`` (two or more for a shared one)."""
+    holders: dict[int, list[str]] = {}
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        for param in module.parameters(recurse=False):
+            holders.setdefault(id(param), []).append(fqn)
+    return holders
+
+
+def _inside(fqn: str, unit: str) -> bool:
+    return fqn == unit or fqn.startswith(f"{unit}.")
+
+
+def _shared_outside(fqn: str, unit: torch.nn.Module, holders: dict[int, list[str]]) -> tuple[str, str] | None:
+    """A parameter of ``unit`` (at ``fqn``) that a module outside it holds too, with that module's FQN."""
+    for name, param in unit.named_parameters():
+        outside = [h for h in holders[id(param)] if not _inside(h, fqn)]
+        if outside:
+            return f"{fqn}.{name}", outside[0] or "the root"
+    return None
 
 
 def sharding_units(model: torch.nn.Module, units: UnitSpec | None = None) -> list[tuple[str, torch.nn.Module]]:
@@ -51,15 +109,29 @@ def sharding_units(model: torch.nn.Module, units: UnitSpec | None = None) -> lis
         model: The unsharded model.
         units: None for the default (each direct child that holds parameters), else see :data:`UnitSpec`.
 
+    Returns:
+        The units, less those that would split a shared parameter (see the module docstring).
+
     Raises:
-        ConfigError: ``units`` is neither a class nor a predicate.
+        ConfigError: ``units`` is not a :data:`UnitSpec` (see :func:`check_units`).
     """
     if units is None:
-        return [(name, child) for name, child in model.named_children()
-                if next(child.parameters(), None) is not None]
-    matches = _matcher(units)
-    return [(fqn, module) for fqn, module in _post_order(model)
-            if matches(fqn, module) and next(module.parameters(), None) is not None]
+        candidates = list(model.named_children())
+    else:
+        matches = check_units(units)
+        candidates = [(fqn, module) for fqn, module in _post_order(model) if matches(fqn, module)]
+    holders = _holders(model)
+    chosen = []
+    for fqn, module in candidates:
+        if next(module.parameters(), None) is None:
+            continue
+        shared = _shared_outside(fqn, module, holders)
+        if shared is not None:
+            logger.info("%r is not a sharding unit of its own: its parameter %r is shared with %r outside it, "
+                        "so a unit holding both holds it", fqn, shared[0], shared[1])
+            continue
+        chosen.append((fqn, module))
+    return chosen
 
 
 def check_shardable(model: torch.nn.Module) -> torch.nn.Parameter:

@@ -1,0 +1,271 @@
+"""A process group for FSDP2's collectives that records a collective failure instead of raising it
+(TorchFT's ``ErrorSwallowingProcessGroupWrapper``): :class:`FailsafeGroup`, :class:`SwallowedFailure`.
+
+Under in-process recovery a sharded model's forward runs collectives (each unit's all-gather) in
+the user's code: ``logits = session.model(x)``. A peer lost meanwhile would fail the all-gather
+there, and the error would leave the user's loop and end the worker. So the mesh a sharded session
+trains on is made of these groups (:func:`~elastictrain.train.fsdp.mesh.build_mesh` with
+``failures=``): while a step's micro-batches run (:meth:`SwallowedFailure.swallowing`), a collective
+that fails as a peer dies or hangs (:func:`~elastictrain._torch_compat.is_collective_failure`) is
+recorded in the :class:`SwallowedFailure` every group of the mesh shares, and it and every later
+collective of those groups return completed work without communicating: their output buffers hold
+whatever they held. The forward and backward run to the end on that garbage, and the step loop,
+at the step's end, finds the failure recorded, discards the step and re-forms the group, as for
+a failed gradient reduction.
+
+Not swallowed: an error raised as a collective is issued that is not typed as a failed collective
+(torch's ``DistError`` family): a bad argument (``ProcessGroupGloo::allgather: invalid tensor
+size``, which names gloo); any error outside the window (the step's boundary: clipping, the
+optimizer step, checkpoints, the gathering of full weights), which raises as on the group
+underneath. Errors of the user's own code are never seen here.
+
+Each group wraps a group that exists (the default group for fsdp, hsdp's sub-groups) and shares
+its connections: leaving the generation severs them as before. It is made by ``new_group`` with
+a backend registered here (``DeviceMesh.from_group`` needs a group torch registered by name), and
+destroyed with the default group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastictrain._torch_compat import COLLECTIVE_ERRORS, is_collective_failure, python_group_name
+from elastictrain.errors import ConfigError
+
+__all__ = ["BACKEND", "FailsafeGroup", "SwallowedFailure", "failsafe_group"]
+
+logger = logging.getLogger(__name__)
+
+BACKEND = "elastictrain_failsafe"
+"""The name of the backend :func:`failsafe_group` makes its groups with (``new_group(backend=...)``)."""
+
+_COLLECTIVES = (
+    "_allgather_base", "_reduce_scatter_base", "all_gather_single", "all_gather_single_coalesced",
+    "all_to_all_single", "allgather", "allgather_coalesced", "allgather_into_tensor_coalesced", "allreduce",
+    "allreduce_coalesced", "alltoall", "alltoall_base", "barrier", "broadcast", "gather", "recv",
+    "recv_anysource", "reduce", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_single_coalesced",
+    "reduce_scatter_tensor_coalesced", "scatter", "send",
+)
+"""torch 2.13's ``ProcessGroup`` operations that communicate: each goes through :meth:`FailsafeGroup._run`."""
+
+
+class SwallowedFailure:
+    """The collective failure the groups of one mesh recorded instead of raising, and whether they
+    swallow one now. One per generation of the group; the step loop reads it at each step's end."""
+
+    def __init__(self) -> None:
+        self._failure: BaseException | None = None
+        self._active = False
+        self._waiting: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+        self._lock = threading.Lock()
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The first collective failure swallowed, or None."""
+        return self._failure
+
+    @property
+    def active(self) -> bool:
+        """Whether a collective failure is swallowed now (inside :meth:`swallowing`)."""
+        return self._active
+
+    @contextlib.contextmanager
+    def swallowing(self, waiting: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+                   ) -> Iterator[None]:
+        """Swallow collective failures inside: a step's micro-batches (the user's forward and backward).
+
+        Args:
+            waiting: Entered around each wait for a collective inside (the step loop's marker of a
+                step's own collectives: a rank waiting there for its peers is not hung in its step).
+        """
+        before, self._active = self._active, True
+        outer, self._waiting = self._waiting, waiting or contextlib.nullcontext
+        try:
+            yield
+        finally:
+            self._active, self._waiting = before, outer
+
+    def waiting(self) -> contextlib.AbstractContextManager[Any]:
+        """What :meth:`swallowing` was given to enter around a wait for a collective."""
+        return self._waiting()
+
+    def record(self, error: BaseException) -> None:
+        """Record ``error``; the groups communicate no more (the first one recorded is kept)."""
+        with self._lock:
+            if self._failure is None:
+                self._failure = error
+                logger.warning("a collective of the sharded model failed inside the step (%s): its collectives "
+                               "return at once from now on, and the step is discarded at its end", error)
+
+
+class _DoneWork(dist.Work):
+    """Work that is complete: a collective skipped, or one whose failure was swallowed."""
+
+    def __init__(self, result: list[Any]) -> None:
+        super().__init__()
+        self._result = result
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self) -> Any:
+        return None
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        future: torch.futures.Future[Any] = torch.futures.Future()
+        future.set_result(self._result)
+        return future
+
+
+class _SwallowingWork(dist.Work):
+    """A collective's work whose failure, when it waits, is recorded (a failed collective) instead of raised."""
+
+    def __init__(self, work: dist.Work, failures: SwallowedFailure, result: list[Any]) -> None:
+        super().__init__()
+        self._work, self._failures, self._result = work, failures, result
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        try:
+            with self._failures.waiting():
+                if timeout is None:
+                    self._work.wait()
+                else:
+                    self._work.wait(timeout)
+        except Exception as exc:
+            if not is_collective_failure(exc):
+                raise
+            self._failures.record(exc)
+        return True
+
+    def is_completed(self) -> bool:
+        return bool(self._work.is_completed())
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        def settle(future: torch.futures.Future[Any]) -> Any:
+            try:
+                return future.value()
+            except Exception as exc:
+                if not is_collective_failure(exc):
+                    raise
+                self._failures.record(exc)
+                return self._result
+        return self._work.get_future().then(settle)
+
+
+class FailsafeGroup(dist.ProcessGroup):
+    """``inner``'s collectives, a failure of which is recorded in ``failures`` while it swallows
+    (see the module docstring); made by :func:`failsafe_group`, not directly.
+
+    Args:
+        inner: The group that communicates (gloo, or NCCL's).
+        failures: Shared by every group of one mesh.
+    """
+
+    def __init__(self, inner: dist.ProcessGroup, failures: SwallowedFailure) -> None:
+        super().__init__(inner.rank(), inner.size())  # type: ignore[call-arg]  # the stub lacks this overload
+        self.inner = inner
+        self.failures = failures
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]  # a property in torch's stub too
+        """The name ``new_group`` registered this group under (``DeviceMesh`` resolves it by name)."""
+        return python_group_name(self)
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        """See base class."""
+        return BACKEND
+
+    def name(self) -> str:
+        """See base class."""
+        return BACKEND
+
+    def _run(self, operation: str, *args: Any) -> dist.Work:
+        """``inner``'s ``operation``, its failure recorded instead of raised while swallowing."""
+        failures = self.failures
+        failed = failures.failure
+        result = _outputs(args)
+        if failed is not None:
+            if failures.active:
+                return _DoneWork(result)
+            raise dist.DistError(f"{operation} skipped: an earlier collective of this group failed ({failed})") \
+                from failed
+        try:
+            work = getattr(self.inner, operation)(*args)
+        except COLLECTIVE_ERRORS as exc:  # only a typed failure: a bad argument names gloo as well
+            if not failures.active:
+                raise
+            failures.record(exc)
+            return _DoneWork(result)
+        if not failures.active:
+            return work
+        return _SwallowingWork(work, failures, result)
+
+
+def _operation(name: str) -> Callable[..., dist.Work]:
+    def run(self: FailsafeGroup, *args: Any) -> dist.Work:
+        return self._run(name, *args)
+    run.__name__ = run.__qualname__ = name
+    run.__doc__ = f"``inner.{name}``, see :class:`FailsafeGroup`."
+    return run
+
+
+for _name in _COLLECTIVES:
+    setattr(FailsafeGroup, _name, _operation(_name))
+
+
+def _outputs(args: tuple[Any, ...]) -> list[Any]:
+    """What a completed work's future holds: the operation's output tensors (its first argument)."""
+    first = args[0] if args else None
+    if isinstance(first, list):
+        return first
+    return [first] if isinstance(first, torch.Tensor) else []
+
+
+_pending = threading.local()
+
+
+def _create(store: dist.Store, rank: int, size: int, timeout: timedelta) -> FailsafeGroup:
+    """The backend's creator: the group :func:`failsafe_group` is making."""
+    made: FailsafeGroup | None = getattr(_pending, "group", None)
+    if made is None or made.rank() != rank or made.size() != size:
+        raise ConfigError(f"backend {BACKEND!r} wraps a group elastictrain names; make it with failsafe_group()")
+    _pending.group = None
+    return made
+
+
+if not hasattr(dist.Backend, BACKEND.upper()):  # register_backend sets it; a second call raises
+    dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
+
+
+def failsafe_group(inner: dist.ProcessGroup, failures: SwallowedFailure,
+                   timeout: timedelta | None = None) -> FailsafeGroup:
+    """A :class:`FailsafeGroup` over ``inner``, recording into ``failures``; a collective of
+    ``inner``'s ranks (``new_group`` with a group-local synchronization): each of them calls it,
+    in the same order as the other groups it makes, and no other rank.
+
+    Raises:
+        ConfigError: torch did not adopt the group.
+    """
+    _pending.group = FailsafeGroup(inner, failures)
+    try:
+        made = dist.new_group(dist.get_process_group_ranks(inner), timeout=timeout, backend=BACKEND,
+                              use_local_synchronization=True)
+    finally:
+        _pending.group = None
+    if not isinstance(made, FailsafeGroup):
+        raise ConfigError(f"new_group(backend={BACKEND!r}) gave a {type(made).__name__}, not the failsafe group")
+    return made

@@ -1,0 +1,255 @@
+"""The failsafe process group of a sharded model's mesh (``elastictrain.train.fsdp.failsafe_group``),
+on real gloo processes.
+
+- FSDP2 over a mesh of failsafe groups trains exactly as over the plain groups: gradients at every
+  step and the parameters after it, bitwise, fsdp over 4 ranks (uneven shares) and hsdp 2x2.
+- A peer killed (or hung) while a rank is inside a multi-unit forward: the next unit's
+  all-gather fails with gloo's own error (a closed connection, or the group's timeout), which is
+  recorded, not raised; the forward and backward run to their end
+  and later collectives return at once; outside the window the group raises a typed collective
+  failure. An error of the user's code, or a collective's bad argument (whose message names gloo),
+  still raises inside the window.
+- Memory: a sharded session's strategy under in-process recovery holds no more units' parameters
+  unsharded at once in the forward than plain FSDP2 does (fewer than all of them).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.support.ranks import fork_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+BLOCKS = 4
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x))
+
+
+class Net(torch.nn.Module):
+    """One unit per block, the embedding-like input layer and the head in the root's unit. Rows of
+    7 leave uneven shares at 2-4 ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Linear(5, 7)
+        self.blocks = torch.nn.Sequential(*(Block(7) for _ in range(BLOCKS)))
+        self.head = torch.nn.Linear(7, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)))
+
+
+def _net() -> Net:
+    torch.manual_seed(0)
+    return Net().double()
+
+
+def _units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+def _shard(model: torch.nn.Module, mesh: Any) -> None:
+    from torch.distributed.fsdp import fully_shard
+    for block in model.blocks:  # type: ignore[union-attr]
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def _batch(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(4, 5, generator=torch.Generator().manual_seed(100 * step + rank), dtype=torch.float64)
+
+
+def _train(mesh: Any, rank: int, steps: int = 3) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    model = _net()
+    _shard(model, mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    grads = []
+    for step in range(steps):
+        model(_batch(rank, step)).square().mean().backward()
+        grads.append({name: p.grad.full_tensor() for name, p in model.named_parameters()})  # type: ignore[union-attr]
+        optimizer.step()
+        optimizer.zero_grad()
+    return grads, {name: p.full_tensor() for name, p in model.named_parameters()}  # type: ignore[attr-defined]
+
+
+def _assert_equal(plain: Any, failsafe: Any, what: str) -> None:
+    (grads_a, params_a), (grads_b, params_b) = plain, failsafe
+    for step, (a, b) in enumerate(zip(grads_a, grads_b, strict=True)):
+        for name in a:
+            assert torch.equal(a[name], b[name]), f"{what}: gradient of {name} differs at step {step}"
+    for name in params_a:
+        assert torch.equal(params_a[name], params_b[name]), f"{what}: parameter {name} differs"
+
+
+def _equal_worker(rank: int, store: str) -> None:
+    import torch.distributed as dist
+
+    from elastictrain.train.fsdp.failsafe_group import FailsafeGroup, SwallowedFailure
+    from elastictrain.train.fsdp.mesh import build_mesh
+    from tests.support.leave import leave_together
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=4)
+    for sharding in ("fsdp", "hsdp"):
+        plain = build_mesh(sharding, "cpu", nproc_per_node=2)
+        failures = SwallowedFailure()
+        failsafe = build_mesh(sharding, "cpu", nproc_per_node=2, failures=failures)
+        assert all(isinstance(g, FailsafeGroup) for g in failsafe.get_all_groups()), failsafe.get_all_groups()
+        assert failsafe.shape == plain.shape
+        reference = _train(plain, rank)
+        with failures.swallowing():  # each collective's work wrapped, as in a step's micro-batches
+            _assert_equal(reference, _train(failsafe, rank), sharding)
+        assert failures.failure is None
+    leave_together()
+
+
+def test_fsdp2_over_failsafe_groups_trains_exactly_as_over_the_plain_groups_fsdp_and_hsdp(tmp_path: Path) -> None:
+    fork_ranks(_equal_worker, 4, lambda rank: (rank, str(tmp_path / "store")), timeout=100)
+
+
+def _fault_worker(rank: int, store: str, flag: str, fault: str) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from elastictrain._torch_compat import is_collective_failure
+    from elastictrain.train.fsdp.failsafe_group import SwallowedFailure
+    from elastictrain.train.fsdp.mesh import build_mesh
+
+    # A hung peer: the survivor's all-gather waits out the group's timeout.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=30 if fault == "kill" else 4))
+    failures = SwallowedFailure()
+    mesh = build_mesh("fsdp", "cpu", failures=failures)
+    model = _net()
+    _shard(model, mesh)
+    with failures.swallowing():  # a step that fails nowhere
+        model(_batch(rank, 0)).sum().backward()
+    # The user's own error inside the window raises; so does a collective's bad argument.
+    with failures.swallowing():
+        with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+            model(torch.zeros(4, 6, dtype=torch.float64))
+        with pytest.raises(RuntimeError, match="invalid tensor size"):
+            dist.all_gather_single(torch.zeros(3), torch.zeros(2), group=mesh.get_group())
+    assert failures.failure is None
+    dist.barrier()
+
+    def hold(module: Any, args: Any) -> None:
+        if rank == 1:  # dies (or hangs) inside the forward, once the blocks before have gathered theirs
+            Path(flag).write_text(str(os.getpid()))
+            while fault == "hang" and not Path(f"{flag}.done").exists():
+                time.sleep(0.05)
+            os._exit(0)
+        while not Path(flag).exists():
+            time.sleep(0.01)
+        pid = int(Path(flag).read_text())
+        while fault == "kill" and Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid):
+            time.sleep(0.01)
+
+    model.blocks[2].register_forward_pre_hook(hold, prepend=True)  # type: ignore[index]
+    with failures.swallowing():
+        out = model(_batch(rank, 1))  # blocks 2 and 3 gather from a dead peer
+        out.sum().backward()
+    assert out.shape == (4, 3)
+    assert failures.failure is not None and is_collective_failure(failures.failure), failures.failure
+    said = str(failures.failure).lower()
+    assert "gloo" in said and ("timed out" in said if fault == "hang" else "connection" in said), said
+    # Outside the window a collective of the group raises, typed as a failed one, at once.
+    started = time.monotonic()
+    with pytest.raises(dist.DistError, match="earlier collective of this group failed") as raised:
+        dist.all_reduce(torch.ones(1), group=mesh.get_group())
+    assert is_collective_failure(raised.value) and time.monotonic() - started < 1
+    Path(f"{flag}.done").touch()
+    os._exit(0)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:
+        return "zombie"
+
+
+@pytest.mark.parametrize("fault", ["kill", "hang"])
+def test_a_peer_killed_or_hung_inside_the_forward_is_recorded_and_the_forward_and_backward_run_to_their_end(
+        tmp_path: Path, fault: str) -> None:
+    fork_ranks(_fault_worker, 2, lambda rank: (rank, str(tmp_path / "store"), str(tmp_path / "fault"), fault),
+               timeout=90)
+
+
+def _own_parameters(unit: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters a unit manages: its modules' but those of units nested in it."""
+    from torch.distributed.fsdp import FSDPModule
+    found: list[torch.nn.Parameter] = []
+    stack = [unit]
+    while stack:
+        module = stack.pop()
+        found += module.parameters(recurse=False)
+        stack += [child for child in module.children() if not isinstance(child, FSDPModule)]
+    return found
+
+
+def _held(model: torch.nn.Module) -> int:
+    """How many units hold their parameters unsharded now (FSDP2 swaps in plain tensors for them)."""
+    from torch.distributed.tensor import DTensor
+    return sum(any(not isinstance(p, DTensor) for p in _own_parameters(unit)) for unit in _units(model))
+
+
+def _memory_worker(rank: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from elastictrain.train import process_group as pg
+    from elastictrain.train.fsdp import FsdpStrategy
+    from elastictrain.train.strategy import GroupView
+    from tests.support.leave import leave_together
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    placement = pg.Placement(torch.device("cpu"), "gloo", pg.resolve_timeout(30), rank, 2, owned=False)
+    most, units = {}, 0
+    for in_process in (False, True):
+        strategy = FsdpStrategy(units={Block})
+        model = _net()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        view = GroupView(placement=placement, group=None, in_process=in_process, local_world_size=1)
+        sharded = strategy.wrap(model, optimizer, view, identical=False)
+        seen: list[int] = []
+        def count(*_: Any, seen: list[int] = seen, model: torch.nn.Module = sharded) -> None:
+            seen.append(_held(model))
+
+        for unit in _units(sharded):
+            unit.register_forward_pre_hook(count)
+            unit.register_forward_hook(count)
+        for step in range(2):
+            strategy.before_forward()
+            with strategy.swallowing():
+                sharded(_batch(rank, step)).sum().backward()
+            assert strategy.swallowed() is None
+        most[in_process] = max(seen)
+        units = len(_units(sharded))
+        strategy.end()
+    if rank == 0:
+        Path(out).write_text(f"{most[False]} {most[True]} {units}")
+    leave_together()
+
+
+def test_in_process_recovery_holds_no_more_units_unsharded_in_the_forward_than_plain_fsdp2(tmp_path: Path) -> None:
+    out = tmp_path / "most"
+    fork_ranks(_memory_worker, 2, lambda rank: (rank, str(tmp_path / "store"), str(out)), timeout=90)
+    plain, in_process, units = (int(n) for n in out.read_text().split())
+    assert units == BLOCKS + 1
+    assert in_process == plain < units, f"at most {in_process} units unsharded at once in process, {plain} " \
+                                        f"under plain FSDP2, of {units}"
