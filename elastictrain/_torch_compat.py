@@ -241,7 +241,7 @@ def clear_dtensor_caches() -> None:
     group: a mesh of a group re-formed in place equals the last group's when the world size is the
     same, and a decision cached for the old mesh (its coordinate: where this rank's shard starts)
     would be reused with the rank's old place (tests/unit/test_fsdp_reform.py). Call it before
-    sharding over a new group's mesh.
+    sharding over a mesh of a shape sharded over before in this process.
 
     Raises:
         TorchCompatError: torch no longer has ``torch.distributed.tensor.debug._clear_sharding_prop_cache``.
