@@ -45,6 +45,7 @@ __all__ = [
     "LOCAL_AGENT_OVERRIDES",
     "PINNED_TORCH",
     "COLLECTIVE_ERRORS",
+    "clear_dtensor_caches",
     "event_log_handlers",
     "import_ddp_modules",
     "is_collective_failure",
@@ -113,7 +114,7 @@ the network broke, a communicator was aborted). In torch 2.13 the first three su
 that never came). gloo's transport raises none of them (see :data:`_UNTYPED_MARKERS`)."""
 
 _UNTYPED_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe", "connection refused",
-                    "closed by peer")
+                    "closed by peer", "timeout caused pair closure")
 """Words of a failed collective in a plain ``RuntimeError``, for the failures torch does not type.
 
 Seen with torch 2.13 (a 2-process gloo group on CPU, ``tests/unit/test_collective_failure.py``):
@@ -121,7 +122,9 @@ every failure of gloo's TCP transport is a plain ``RuntimeError`` whose message 
 source path (``[.../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer
 [127.0.0.1]:port``, ``pair.cc:537] Read error [...]: Connection reset by peer`` for a peer killed
 mid-transfer, ``unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation`` for a hung
-one): "gloo" is the word that tells them. "nccl": a plain ``RuntimeError`` naming NCCL (NCCL's
+one): "gloo" is the word that tells them, but for the next collective on a group after one timed out:
+gloo closed its pairs on the timeout and says ``Application timeout caused pair closure``, with no
+source path (seen in the in-process fsdp soak; the test runs it). "nccl": a plain ``RuntimeError`` naming NCCL (NCCL's
 own errors are ``DistBackendError``; no GPU here to see one). The socket words were not seen
 without "gloo" or a ``DistError`` in torch 2.13; they stay so that classifying errors does not
 change (issue 42 moved this list here unchanged) and may go when torch older than 2.13's
@@ -229,6 +232,26 @@ def import_ddp_modules() -> None:
     """Import :data:`DDP_MODULES` (a worker forkserver does, once)."""
     for module in DDP_MODULES:
         importlib.import_module(module)
+
+
+def clear_dtensor_caches() -> None:
+    """Forget DTensor's cached sharding decisions (its Python and C++ sharding-propagation caches).
+
+    torch compares device meshes by shape, dimension names and device type, not by rank or process
+    group: a mesh of a group re-formed in place equals the last group's when the world size is the
+    same, and a decision cached for the old mesh (its coordinate: where this rank's shard starts)
+    would be reused with the rank's old place (tests/unit/test_fsdp_reform.py). Call it before
+    sharding over a mesh of a shape sharded over before in this process.
+
+    Raises:
+        TorchCompatError: torch no longer has ``torch.distributed.tensor.debug._clear_sharding_prop_cache``.
+    """
+    from torch.distributed.tensor import debug  # DTensor's debug module: only sharded jobs import it
+
+    clear = getattr(debug, "_clear_sharding_prop_cache", None)
+    if clear is None:
+        raise _fail("has no torch.distributed.tensor.debug._clear_sharding_prop_cache")
+    clear()
 
 
 def remaining_restarts(agent: SimpleElasticAgent) -> int:

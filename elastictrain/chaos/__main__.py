@@ -12,7 +12,7 @@ Examples::
     # (root) each node in its own network namespace; cut one off etcd and its peers for 30 s at step 6
     elastictrain chaos --netns --schedule partition_node@6
 
-    # the demo job sharded: FSDP2 over 2 nodes x 2 workers, restart recovery from sharded checkpoints
+    # the demo job sharded: FSDP2 over 2 nodes x 2 workers, recovering in place (copies of the shards in memory)
     elastictrain chaos --sharding fsdp --nproc-per-node 2 --faults 6 --seed 1
 
     # checkpoints in S3 or a compatible store (an empty prefix) instead of the run directory
@@ -34,7 +34,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from elastictrain.chaos.config import DEFAULT_KINDS, ChaosConfig, default_recovery, kinds_for
+from elastictrain.chaos.config import DEFAULT_KINDS, ChaosConfig, default_recovery, demo_sharding_args, kinds_for
 from elastictrain.chaos.schedule import FaultKind, parse_kinds, parse_schedule
 from elastictrain.chaos.harness import run_chaos
 from elastictrain.errors import ConfigError, ElasticTrainError
@@ -86,11 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--join-timeout", type=float, default=60.0, help="--join-timeout of the nodes, seconds (default 60)")
     p.add_argument("--max-restarts", type=int, default=1000, help="--max-restarts of the nodes (default 1000)")
     p.add_argument("--sharding", choices=SHARDINGS, default="ddp", help="the demo job's Session(sharding=...) "
-                   "(default ddp); fsdp and hsdp recover by restart only today, so their runs default to "
-                   "--recovery restart and leave out kill_in_save. hsdp shards within a node: give "
+                   "(default ddp); fsdp recovers in process with a copy of each rank's shards on another "
+                   "node, refreshed every step (--redundancy-every 1). hsdp shards within a node: give "
                    "--nproc-per-node 2 or more")
     p.add_argument("--recovery", choices=("in-process", "restart"), default=None,
-                   help="--recovery of the nodes (default: in-process with --sharding ddp, else restart)")
+                   help="--recovery of the nodes (default in-process; restart leaves out kill_in_save)")
     p.add_argument("--recovery-bound", type=float, default=None, help="seconds a fault may go without training "
                    "before the run counts as hung (default: 120 + pg timeout + the fault's own duration)")
     p.add_argument("--deadline", type=float, default=1800.0, help="seconds before the whole run is stopped (default 1800)")
@@ -106,14 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _demo_args(args: argparse.Namespace, schedule_steps: int) -> tuple[str, ...]:
+def _demo_args(args: argparse.Namespace, schedule_steps: int, recovery: str) -> tuple[str, ...]:
     if args.faults:
         steps = args.faults * (args.gap[1] + 2) + 12
     else:
         steps = schedule_steps + 12
     epochs = max(2, math.ceil(steps / _DEMO_STEPS_PER_EPOCH))
     return ("--ckpt", "{checkpoint_dir}", "--epochs", str(epochs), "--step-time", str(args.step_time),
-            "--sharding", args.sharding)
+            *demo_sharding_args(args.sharding, recovery))
 
 
 def config_from(args: argparse.Namespace) -> ChaosConfig:
@@ -134,7 +134,7 @@ def config_from(args: argparse.Namespace) -> ChaosConfig:
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
     if args.script is None:
-        script, script_args = DEMO_JOB, list(_demo_args(args, max((f.at_step for f in schedule), default=0)))
+        script, script_args = DEMO_JOB, list(_demo_args(args, max((f.at_step for f in schedule), default=0), recovery))
     else:
         script = args.script
     run_dir = args.run_dir or str(Path("elastictrain-runs") / time.strftime("chaos-%Y%m%d-%H%M%S"))

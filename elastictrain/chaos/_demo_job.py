@@ -2,7 +2,7 @@
 
 Usage: python _demo_job.py --ckpt DIR [--samples N] [--global-batch G] [--micro-batch M]
                            [--epochs E] [--ckpt-every K] [--step-time SECONDS] [--ballast-mb MB]
-                           [--sharding ddp|fsdp|hsdp]
+                           [--sharding ddp|fsdp|hsdp] [--redundancy-every N]
 
 Each sample carries its own index, and the recorder logs the indices the
 batches actually held (not the sampler's plan), so a DataLoader that diverged
@@ -11,8 +11,9 @@ per step) so that faults land mid-run instead of after a job that took a second.
 ``--ballast-mb`` adds that many MB of state the job checkpoints (and a new worker receives)
 without training it: saves take long enough for a fault to land inside one.
 ``--sharding fsdp|hsdp`` trains the model sharded (FSDP2; hsdp shards within a node): its
-checkpoints are sharded, and a sharded session recovers by restart only today (run the nodes with
-``--recovery restart``; ``elastictrain chaos --sharding`` does). At the end every rank gathers
+checkpoints are sharded, and it recovers in place; ``--redundancy-every N`` (fsdp) keeps a copy of
+each rank's shards on its buddy, refreshed every N steps (``elastictrain chaos --sharding fsdp``
+passes 1 under in-process recovery). At the end every rank gathers
 the full parameters (``session.full_state_dict()``) and rank 0 writes them for the
 final-parameters invariant (:meth:`~elastictrain.chaos.Recorder.final_parameters`).
 It doubles as an example of a script instrumented for chaos runs.
@@ -43,6 +44,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--step-time", type=float, default=0.0)
     parser.add_argument("--ballast-mb", type=float, default=0.0)
     parser.add_argument("--sharding", choices=SHARDINGS, default="ddp")
+    parser.add_argument("--redundancy-every", type=int, default=None)
     args = parser.parse_args(argv)
 
     context = elastictrain.WorkerContext.from_env()
@@ -61,6 +63,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     with elastictrain.Session(
         model, optimizer, dataset, global_batch_size=args.global_batch, micro_batch_size=args.micro_batch,
         epochs=args.epochs, seed=11, scheduler=scheduler, checkpoint_dir=args.ckpt, sharding=args.sharding,
+        redundancy_every=args.redundancy_every,
         # Every checkpoint is kept, so the invariants can verify each one a restore loaded.
         checkpoint_every=args.ckpt_every, keep_last=10_000, sync_loss=True, log_every=None,
         hooks=[recorder],

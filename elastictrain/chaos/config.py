@@ -19,7 +19,7 @@ from elastictrain.train.strategy import SHARDINGS
 from elastictrain._durations import parse_duration
 from elastictrain.errors import ConfigError
 
-__all__ = ["DEFAULT_KINDS", "RECOVERS_IN_PROCESS", "ChaosConfig", "default_recovery", "kinds_for"]
+__all__ = ["DEFAULT_KINDS", "RECOVERS_IN_PROCESS", "ChaosConfig", "default_recovery", "demo_sharding_args", "kinds_for"]
 
 DEFAULT_KINDS = (FaultKind.KILL_WORKER, FaultKind.KILL_NODE, FaultKind.BOUNCE_NODE, FaultKind.HANG_WORKER,
                  FaultKind.JOIN, FaultKind.KILL_ETCD, FaultKind.HANG_SLEEP, FaultKind.HANG_SPIN, FaultKind.STRAGGLER,
@@ -28,16 +28,28 @@ DEFAULT_KINDS = (FaultKind.KILL_WORKER, FaultKind.KILL_NODE, FaultKind.BOUNCE_NO
 ``link_cut`` with netns, ``disk_full`` with a checkpoint disk)."""
 
 
-RECOVERS_IN_PROCESS = frozenset({"ddp"})
-"""The shardings whose runs default to in-process recovery. A sharded session (fsdp, hsdp)
-recovers in place in the cases its tests cover (a join, an hsdp node lost), but a random-fault
-soak in process does not pass yet (docs/sharding.md): its runs default to ``recovery="restart"``;
-``recovery="in-process"`` runs them in process all the same (to reproduce that soak)."""
+RECOVERS_IN_PROCESS = frozenset({"ddp", "fsdp", "hsdp"})
+"""The shardings whose runs default to in-process recovery: every one (the sharded soaks pass in
+process, docs/sharding.md). ``recovery="restart"`` runs a job by restarts instead."""
 
 
 def default_recovery(sharding: str) -> str:
     """The recovery of a run whose job trains with ``sharding``: in-process where it recovers in process."""
     return "in-process" if sharding in RECOVERS_IN_PROCESS else "restart"
+
+
+DEMO_REDUNDANCY_EVERY = 1
+"""The demo job's ``redundancy_every`` under fsdp in process (see :func:`demo_sharding_args`)."""
+
+
+def demo_sharding_args(sharding: str, recovery: str, redundancy_every: int | None = DEMO_REDUNDANCY_EVERY,
+                       ) -> tuple[str, ...]:
+    """The demo job's arguments for ``sharding`` under ``recovery``: fsdp in process keeps a copy of
+    each rank's shards on its buddy, refreshed every ``redundancy_every`` steps (None: no copies),
+    so that a rank lost with its shards (before the first checkpoint too) is rebuilt from memory."""
+    redundancy = (("--redundancy-every", str(redundancy_every))
+                  if redundancy_every and sharding == "fsdp" and recovery == "in-process" else ())
+    return ("--sharding", sharding, *redundancy)
 
 
 def kinds_for(recovery: str, kinds: tuple[FaultKind, ...] = DEFAULT_KINDS) -> tuple[FaultKind, ...]:

@@ -134,12 +134,17 @@ class Recorder(Hooks):
     unless ``directory`` or ``$ELASTICTRAIN_CHAOS_DIR`` is set.
 
     Args:
-        model: The unwrapped model; its fingerprint is recorded at each save and restore.
+        model: The unwrapped model; its fingerprint is recorded at each save and restore. Once
+            :meth:`steps` (or :meth:`track`) has the session, the session's current module is
+            fingerprinted instead (:attr:`module`): a sharded session re-formed in place trains a
+            module rebuilt from the first, and the first, sharded over a mesh that is gone, is no
+            longer the model.
         directory: Evidence directory; default ``$ELASTICTRAIN_CHAOS_DIR``.
     """
 
     def __init__(self, model: torch.nn.Module, directory: str | None = None) -> None:
         self.model = model
+        self._session: Any = None
         self.directory = directory or os.environ.get(CHAOS_DIR_ENV) or None
         self.segment: str | None = None
         self.rank = 0
@@ -216,8 +221,10 @@ class Recorder(Hooks):
             previous = self._lineage
         self._lineage = [*previous, {"seg": self.segment, "base": step}]
         self._linked = True
+        # No collective here: the ranks that restored the checkpoint in place, not from a peer,
+        # hear of no recovery (a new worker among them), so a sharded model is not fingerprinted.
         self._emit("recovered", step=step, cause=cause[:300], generation=generation, world=world_size,
-                   seconds=round(seconds, 4), fp=self._fingerprint())
+                   seconds=round(seconds, 4), fp=None if is_sharded(self.module) else self._fingerprint())
 
     def before_save(self, *, step: int) -> None:
         """See base class."""
@@ -252,8 +259,15 @@ class Recorder(Hooks):
             yield step
             self.record(step)
 
+    @property
+    def module(self) -> torch.nn.Module:
+        """The model the recorder fingerprints: the session's current module once :meth:`steps`
+        has the session (``session.module``), before that the model it was given."""
+        return self._session.module if self._session is not None else self.model
+
     def steps(self, session: Any) -> Iterator[Any]:
         """Like :meth:`track`, without recording: for scripts that call :meth:`record` themselves."""
+        self._session = session
         self._write_config(session)
         for step in session.steps():
             self._wait_for_gate(step.number, session)
@@ -281,7 +295,7 @@ class Recorder(Hooks):
         distributed = dist.is_available() and dist.is_initialized() and self.world_size > 1
         if distributed:
             # On the model's device: NCCL broadcasts only device tensors.
-            device = next(iter(self.model.parameters()), torch.zeros(())).device
+            device = next(iter(self.module.parameters()), torch.zeros(())).device
             flag = torch.zeros(1, dtype=torch.int32, device=device)
         while True:
             go = self.rank != 0 or _gate_allows(path, number)
@@ -334,9 +348,10 @@ class Recorder(Hooks):
     def _fingerprint(self) -> str | None:
         """Rank 0's :func:`fingerprint` of the model (None elsewhere); every rank takes part when
         the model is sharded (the hooks that call it run on every rank at the same point)."""
-        if not self.enabled or (self.rank != 0 and not is_sharded(self.model)):
+        module = self.module
+        if not self.enabled or (self.rank != 0 and not is_sharded(module)):
             return None
-        value = fingerprint(self.model)
+        value = fingerprint(module)
         return value if self.rank == 0 else None
 
     def _emit(self, kind: str, **fields: Any) -> None:

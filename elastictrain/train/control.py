@@ -79,6 +79,7 @@ class WorkerControl:
         self._stuck_after = 1.0
         self._in_collective = False
         self._collective_at = 0.0
+        self._collective_depth = 0
         self._stuck_in_collective_only = False
         self._clock = SectionClock(hang_bounds or HangBounds())
         self.section = Section.NONE
@@ -201,13 +202,32 @@ class WorkerControl:
     def collective(self) -> Iterator[None]:
         """Mark the step's own collectives (its backward, its application): only a wait there
         may be taken for stuck (:meth:`on_stuck`), not one in the caller's code between steps
-        (an evaluation's), which the next step boundary ends in order."""
-        self._in_collective, self._collective_at = True, now()
+        (an evaluation's), which the next step boundary ends in order.
+
+        One inside a step's compute (:attr:`Section.STEP`: fsdp's all-gathers in the forward)
+        owes its peers nothing they are not waiting in too: while in it the worker
+        is judged by its process alone (as in :attr:`Section.NONE`), else a peer that waits there
+        for a hung rank would pass for hung itself; the step's clock starts again when it returns."""
+        owed = self.section == Section.STEP
+        if owed:
+            self.section, self._deadline = Section.NONE, 0.0
+            self._write()
+        outer = self._collective_depth > 0  # nested: a wait for the backward's collective inside it
+        self._collective_depth += 1
+        if not outer:
+            self._in_collective, self._collective_at = True, now()
         try:
             yield
         finally:
-            with self._lock:
-                self._in_collective = False
+            self._collective_depth -= 1
+            if not outer:
+                with self._lock:
+                    self._in_collective = False
+            if owed:
+                self.section, self._section_at = Section.STEP, now()
+                bound = self._clock.bound(Section.STEP)
+                self._deadline = self._section_at + bound if bound else 0.0
+                self._write()
 
     def set_state(self, state: int) -> None:
         self.state = state

@@ -135,7 +135,9 @@ class StepLoop:
         (:meth:`~elastictrain.train.strategy.ParallelStrategy.swallowing`)."""
         if not (self.wrapped and self.recovers_in_process):
             return contextlib.nullcontext()
-        return self._keeper.strategy.swallowing()
+        # A wait for the forward's all-gather is a step's own collective: a rank waiting there
+        # for a hung peer is not hung itself (WorkerControl.collective).
+        return self._keeper.strategy.swallowing(self.collective)
 
     def swallowed(self) -> BaseException | None:
         """The collective failure the strategy recorded inside :meth:`swallowing`, if one was: the

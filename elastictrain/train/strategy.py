@@ -192,11 +192,13 @@ class ParallelStrategy(ABC):
         collective fails (or failed inside the step, see :meth:`swallowed`)."""
         return
 
-    def swallowing(self) -> contextlib.AbstractContextManager[Any]:
+    def swallowing(self, waiting: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+                   ) -> contextlib.AbstractContextManager[Any]:
         """Entered by the session around each micro-batch of a step (the user's forward and
         backward) under in-process recovery: a strategy whose forward runs collectives (FSDP2's
         all-gathers) records their failure inside instead of raising it in the user's code
-        (:meth:`swallowed`). Default: nothing is swallowed."""
+        (:meth:`swallowed`), and enters ``waiting`` around each wait for one (the session's marker
+        of a step's own collectives). Default: nothing is swallowed."""
         return contextlib.nullcontext()
 
     def swallowed(self) -> BaseException | None:

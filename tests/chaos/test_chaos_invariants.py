@@ -405,7 +405,7 @@ def test_a_recorder_that_was_rank_0_writes_no_events_once_it_is_another_rank(tmp
     assert [(e["kind"], e.get("step")) for e in events] == [("segment", None), ("step", 1)]
 
 
-def test_a_sharded_run_recovers_by_restart_by_default_and_refuses_what_needs_in_process_recovery(
+def test_a_sharded_run_recovers_in_process_by_default_and_by_restart_refuses_what_needs_in_process(
         tmp_path: Path) -> None:
     from elastictrain.chaos.__main__ import build_parser, config_from
 
@@ -413,21 +413,24 @@ def test_a_sharded_run_recovers_by_restart_by_default_and_refuses_what_needs_in_
     script.write_text("")
     run_dir = str(tmp_path / "run")
     assert ChaosConfig(script=str(script), run_dir=run_dir).recovery == "in-process"
-    assert ChaosConfig(script=str(script), run_dir=run_dir, sharding="hsdp").recovery == "restart"
-    # In process when asked (the sessions rebuild their shards in place; the soak does not pass yet).
-    assert ChaosConfig(script=str(script), run_dir=run_dir, sharding="fsdp", recovery="in-process").recovery \
-        == "in-process"
+    assert ChaosConfig(script=str(script), run_dir=run_dir, sharding="hsdp").recovery == "in-process"
+    assert ChaosConfig(script=str(script), run_dir=run_dir, sharding="fsdp", recovery="restart").recovery \
+        == "restart"
     with pytest.raises(ConfigError, match="sharding must be one of ddp, fsdp, hsdp"):
         ChaosConfig(script=str(script), run_dir=run_dir, sharding="zero3")
-    for recovery, sharding in (("restart", "ddp"), ("", "fsdp")):
+    for recovery, sharding in (("restart", "ddp"), ("restart", "fsdp")):
         with pytest.raises(ConfigError, match="kill_in_save needs in-process recovery"):
             ChaosConfig(script=str(script), run_dir=run_dir, sharding=sharding, recovery=recovery,
                         schedule=tuple(parse_schedule("kill_in_save@3")))
-    # The CLI: the demo job gets the sharding, the nodes restart, the random kinds leave kill_in_save out.
+    # The CLI: the demo job gets the sharding (fsdp in process: and copies every step), the nodes
+    # recover in process; under restart the random kinds leave kill_in_save out.
     config = config_from(build_parser().parse_args(["--sharding", "fsdp", "--faults", "3", "--run-dir", run_dir]))
-    assert (config.recovery, config.sharding) == ("restart", "fsdp")
+    assert (config.recovery, config.sharding) == ("in-process", "fsdp")
+    assert config.script_args[-4:] == ("--sharding", "fsdp", "--redundancy-every", "1")
+    assert FaultKind.KILL_IN_SAVE in config.kinds
+    config = config_from(build_parser().parse_args(["--sharding", "fsdp", "--recovery", "restart", "--faults", "3",
+                                                    "--run-dir", run_dir]))
     assert config.script_args[-2:] == ("--sharding", "fsdp")
     assert FaultKind.KILL_IN_SAVE not in config.kinds and FaultKind.KILL_WORKER in config.kinds
-    config = config_from(build_parser().parse_args(["--sharding", "hsdp", "--recovery", "in-process", "--faults", "3",
-                                                    "--run-dir", run_dir]))
-    assert config.recovery == "in-process" and FaultKind.KILL_IN_SAVE in config.kinds
+    config = config_from(build_parser().parse_args(["--sharding", "hsdp", "--faults", "3", "--run-dir", run_dir]))
+    assert config.recovery == "in-process" and config.script_args[-2:] == ("--sharding", "hsdp")

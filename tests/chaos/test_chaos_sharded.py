@@ -39,6 +39,18 @@ def test_a_sharded_model_prints_as_its_full_tensors_through_the_recorder(saved: 
     assert [e["fp"] for e in events if e["kind"] == "save_begin"] == [prints["full"]]
 
 
+def test_after_a_reformation_the_recorder_prints_the_sessions_module_not_the_first_one(saved: Path) -> None:
+    # The in-process fsdp soak: a survivor's recorder printed the first generation's module, sharded
+    # over a mesh that was gone (a collective its peers did not run, a timeout or a wrong print).
+    prints = json.loads((saved / "prints.json").read_text())
+    events = [json.loads(line) for line in (saved / "evidence" / "events.jsonl").read_text().splitlines()]
+    restored = [e for e in events if e["kind"] == "restored"]
+    assert [e["fp"] for e in restored] == [prints["fresh"]] and prints["fresh"] != prints["full"]
+    # A recovery is heard by the ranks that kept or received the state, not by one that restored
+    # the checkpoint beside them: no collective there, so a sharded module is not printed.
+    assert [e["fp"] for e in events if e["kind"] == "recovered"] == [None]
+
+
 def test_a_sharded_checkpoint_reads_as_its_full_model_and_verifies(saved: Path) -> None:
     checkpoint = saved / "ckpt" / f"step_{STEP:08d}"
     assert json.loads((checkpoint / "MANIFEST.json").read_text())["format_version"] == 2
@@ -59,6 +71,21 @@ def test_a_sharded_checkpoint_whose_manifest_leaves_out_a_shard_file_does_not_ve
     del manifest["files"]["shards_00001.bin"]
     (checkpoint / "MANIFEST.json").write_text(json.dumps(manifest))
     assert inv.verify_checkpoint(checkpoint, STEP) == f"{checkpoint.name}: manifest lacks ['shards_00001.bin']"
+
+
+class _Session:
+    """What the recorder reads of a session: its current module, and its steps (none here)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        from types import SimpleNamespace
+
+        self.module = module
+        self.config = SimpleNamespace(global_batch_size=4, drop_last=False, epochs=1, max_steps=None,
+                                      checkpoint_every=1)
+        self.sampler = SimpleNamespace(num_samples=4)
+
+    def steps(self) -> list[object]:
+        return []
 
 
 def _worker(rank: int, tmp: Path) -> None:
@@ -85,9 +112,17 @@ def _worker(rank: int, tmp: Path) -> None:
     recorder.before_save(step=STEP)  # a collective too, on every rank
     with CheckpointManager(tmp / "ckpt") as manager:
         manager.save(STEP, {"model": model})
+    # The group re-forms in place: the session's module is now a fresh one (restored, not yet sharded).
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    session = _Session(fresh)
+    assert list(recorder.steps(session)) == []
+    recorder.on_restore(step=STEP, path=str(tmp / "ckpt" / f"step_{STEP:08d}"))
+    session.module = model  # sharded again (the old module stands in for the new generation's)
+    recorder.on_recovery(step=STEP, cause="test", generation=2, world_size=2, seconds=0.0)
     if rank == 0:
         torch.save(full, tmp / "full.pt")
-        (tmp / "prints.json").write_text(json.dumps({"full": full_print, "sharded": sharded_print}))
+        (tmp / "prints.json").write_text(json.dumps({"full": full_print, "sharded": sharded_print,
+                                                     "fresh": fingerprint(fresh)}))
     dist.destroy_process_group()
 
 

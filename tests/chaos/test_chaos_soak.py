@@ -12,8 +12,9 @@
   ``ELASTICTRAIN_SOAK_S3_RECOVERY=restart`` makes every fault restore from S3.
 - Sharded soaks (``test_soak_of_random_faults_keeps_every_invariant_sharded[fsdp|hsdp]``): the demo
   job with ``--sharding fsdp`` (3 nodes of 1 worker) and ``hsdp`` (3 nodes of 2 workers),
-  ``ELASTICTRAIN_SOAK_SHARDED_FAULTS`` random faults each (default 20) of every loopback kind
-  but ``kill_in_save``, under restart recovery (sharded sessions do not recover in process yet).
+  ``ELASTICTRAIN_SOAK_SHARDED_FAULTS`` random faults each (default 20) of every loopback kind,
+  in process (fsdp with ``--redundancy-every 1``: ``ELASTICTRAIN_SOAK_REDUNDANCY_EVERY``, 0 for
+  none); ``ELASTICTRAIN_SOAK_SHARDED_RECOVERY=restart`` runs them by restarts (``kill_in_save`` left out).
   Replay: ``elastictrain chaos --sharding hsdp --nproc-per-node 2 --faults N --seed S --etcd-members 3``.
 - A soak with hot spares: ``ELASTICTRAIN_SOAK_SPARE_FAULTS`` random faults (default 20)
   against 3 nodes of a job of 2 nodes (the third waits as a spare).
@@ -33,7 +34,7 @@ from pathlib import Path
 import pytest
 
 from elastictrain.chaos import ChaosConfig, FaultKind, parse_schedule, run_chaos
-from elastictrain.chaos.config import kinds_for
+from elastictrain.chaos.config import default_recovery, demo_sharding_args, kinds_for
 from elastictrain.chaos.schedule import parse_kinds
 from tests.conftest import REPO_ROOT
 from tests.support.s3_server import CREDENTIALS, moto_server, new_bucket
@@ -52,7 +53,8 @@ def _soak(run_dir: Path, *, faults: int, seed: int, kinds: tuple[FaultKind, ...]
         script=JOB, run_dir=str(run_dir), nodes=nodes, min_nodes=min_nodes, max_nodes=max_nodes,
         etcd_members=etcd_members,
         script_args=("--ckpt", "{checkpoint_dir}", "--samples", "384", "--epochs", str(-(-steps_needed // 24)),
-                     "--ckpt-every", "3", "--sharding", sharding),
+                     "--ckpt-every", "3", *demo_sharding_args(sharding, recovery or default_recovery(sharding),
+                                         int(os.environ.get("ELASTICTRAIN_SOAK_REDUNDANCY_EVERY", "1")))),
         checkpoint_dir=checkpoint_dir, recovery=recovery, sharding=sharding, nproc_per_node=nproc_per_node,
         faults=faults, seed=seed, kinds=kinds, netns=any(kind.fault_class.needs_netns for kind in kinds),
         checkpoint_disk_mb=256 if any(kind.fault_class.needs_checkpoint_disk for kind in kinds) else 0,
@@ -109,11 +111,11 @@ def test_soak_with_checkpoints_in_s3_keeps_every_invariant(tmp_path: Path, monke
 @pytest.mark.parametrize(("sharding", "nproc_per_node"), [("fsdp", 1), ("hsdp", 2)], ids=["fsdp", "hsdp"])
 def test_soak_of_random_faults_keeps_every_invariant_sharded(tmp_path: Path, sharding: str,
                                                              nproc_per_node: int) -> None:
-    # The demo job sharded: fsdp over 2-3 nodes of one worker (uneven shards at 3), hsdp over
-    # 2-3 nodes of 2 (a node is a replica). Restart recovery (the config's default for them:
-    # kill_in_save, which needs the in-process agent, is left out); ELASTICTRAIN_SOAK_SHARDED_RECOVERY
-    # =in-process runs them in process (it does not pass yet: docs/sharding.md).
-    recovery = os.environ.get("ELASTICTRAIN_SOAK_SHARDED_RECOVERY", "restart")
+    # The demo job sharded: fsdp over 2-3 nodes of one worker (uneven shards at 3, a copy of each
+    # rank's shards on its buddy), hsdp over 2-3 nodes of 2 (a node is a replica). In process;
+    # ELASTICTRAIN_SOAK_SHARDED_RECOVERY=restart runs them by restarts (kill_in_save, which needs the
+    # in-process agent, is then left out).
+    recovery = os.environ.get("ELASTICTRAIN_SOAK_SHARDED_RECOVERY", "in-process")
     every_loopback_kind = ",".join(k.value for k in kinds_for(recovery, tuple(FaultKind))
                                    if not k.fault_class.needs_netns
                                    and (os.geteuid() == 0 or not k.fault_class.needs_checkpoint_disk))

@@ -7,6 +7,7 @@ Real 2-process gloo groups on CPU: the classification was written from what thes
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import time
@@ -22,10 +23,9 @@ from tests.support.ranks import next_report, rank_context
 pytestmark = pytest.mark.timeout(90)
 
 
-def _group(rank: int, ports: Any) -> dist.TCPStore:
+def _group(rank: int, ports: Any, timeout: datetime.timedelta = datetime.timedelta(seconds=20)) -> dist.TCPStore:
     """Form the group of 2 on a store rank 0 hosts, at a port it binds (0: the system's pick) and
     passes to rank 1: a free port picked for them could be taken by another test meanwhile."""
-    timeout = datetime.timedelta(seconds=20)
     if rank == 0:
         store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timeout, wait_for_workers=False)
         ports.put(store.port)
@@ -71,6 +71,24 @@ def _store_host_dies(rank: int, ports: Any, results: Any) -> None:
     os._exit(0)
 
 
+def _collective_after_a_timeout(rank: int, ports: Any, results: Any) -> None:
+    """Rank 1 times out waiting for rank 0 (which runs no collective), then runs the next one on
+    the same group: gloo closed the pairs on the timeout, and says so without naming itself."""
+    _group(rank, ports, timeout=datetime.timedelta(seconds=1))
+    dist.all_reduce(torch.ones(1))
+    if rank == 0:
+        time.sleep(6)
+        os._exit(0)
+    with contextlib.suppress(RuntimeError):
+        dist.all_reduce(torch.ones(10))  # "Timed out waiting 1000ms for recv operation" (names gloo's source)
+    try:
+        dist.broadcast(torch.ones(10), src=0)
+    except RuntimeError as exc:
+        _report(results, exc)
+    time.sleep(0.5)
+    os._exit(0)
+
+
 def _run(target: Any, reporter: int) -> tuple[str, bool, str, bool]:
     """Run ``target`` as ranks 0 and 1; the report of rank ``reporter`` (the other one dies)."""
     ctx = rank_context()
@@ -99,6 +117,15 @@ def test_a_group_whose_store_host_died_raises_a_typed_dist_error_and_it_is_a_col
     name, typed, message, classified = _run(_store_host_dies, reporter=1)
     assert typed, (name, message)  # DistNetworkError ("Broken pipe")
     assert classified, (name, message)
+
+
+def test_a_collective_on_a_group_that_timed_out_raises_gloos_pair_closure_and_it_is_a_collective_failure() -> None:
+    # Seen in the in-process fsdp soak (a rank's next collective after one that timed out): it
+    # escaped the step and restarted the worker, the words naming no "gloo".
+    name, typed, message, classified = _run(_collective_after_a_timeout, reporter=1)
+    assert name == "RuntimeError" and not typed, (name, message)
+    assert message == "Application timeout caused pair closure", message
+    assert classified, message
 
 
 def test_a_collective_failure_is_told_from_a_bug() -> None:

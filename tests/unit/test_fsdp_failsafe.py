@@ -15,6 +15,7 @@ on real gloo processes.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -253,3 +254,40 @@ def test_in_process_recovery_holds_no_more_units_unsharded_in_the_forward_than_p
     assert units == BLOCKS + 1
     assert in_process == plain < units, f"at most {in_process} units unsharded at once in process, {plain} " \
                                         f"under plain FSDP2, of {units}"
+
+
+def _waiting_worker(rank: int, store: str, out: str) -> None:
+    import contextlib
+
+    import torch.distributed as dist
+
+    from elastictrain.train.fsdp.failsafe_group import SwallowedFailure, failsafe_group
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    failures = SwallowedFailure()
+    group = failsafe_group(dist.group.WORLD, failures)
+    entered: list[str] = []
+
+    @contextlib.contextmanager
+    def waiting() -> Any:
+        entered.append("in")
+        yield
+        entered.append("out")
+
+    with failures.swallowing(waiting):
+        dist.all_reduce(torch.ones(3), group=group)  # waits for its work: inside the marker
+        work = dist.all_reduce(torch.ones(3), group=group, async_op=True)
+        assert work is not None
+        work.wait()
+    dist.all_reduce(torch.ones(3), group=group)  # outside the window: no marker
+    if rank == 0:
+        Path(out).write_text(json.dumps(entered))
+    dist.barrier()
+
+
+def test_each_wait_for_a_collective_inside_the_window_enters_the_step_loops_marker(tmp_path: Path) -> None:
+    # The in-process soak: a rank waiting in its forward's all-gather (inside its step) for a hung
+    # peer was taken for hung by its agent and killed; each wait is marked as a step's own collective.
+    out = tmp_path / "entered.json"
+    fork_ranks(_waiting_worker, 2, lambda rank: (rank, str(tmp_path / "store"), str(out)), timeout=60)
+    assert json.loads(out.read_text()) == ["in", "out", "in", "out"]

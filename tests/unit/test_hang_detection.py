@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -91,8 +92,10 @@ def test_a_rank_long_between_steps_is_said_once_per_stretch() -> None:
     assert detector.overdue([_slot(Section.STEP, 0.0, 5.0)], 261.0, LIVE) == []
 
 
-def test_a_worker_says_its_section_and_deadline_and_a_long_call_widens_it(tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def trained(tmp_path: Path,
+            monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[WorkerControl, ProgressTable, list[float]]]:
+    """A worker's control past its warm-up (3 steps of 0.05 s) on a clock of the test's, and its progress table."""
     from elastictrain.train import control as control_module
 
     ProgressTable(tmp_path, 1, create=True).close()
@@ -106,24 +109,52 @@ def test_a_worker_says_its_section_and_deadline_and_a_long_call_widens_it(tmp_pa
             control.enter(Section.STEP)
             clock[0] += 0.05
             control.enter(Section.NONE)
-        slot = table.read(0)
-        assert (slot.section, slot.deadline) == (Section.NONE, 0.0)
-        control.enter(Section.STEP)
-        slot = table.read(0)
-        assert (slot.section, slot.section_at, slot.deadline) == (Section.STEP, clock[0], clock[0] + 5.0)
-        with control.long_call(120.0):
-            assert table.read(0).deadline == clock[0] + 120.0
-            clock[0] += 100.0
-        slot = table.read(0)
-        assert (slot.section_at, slot.deadline) == (clock[0], clock[0] + 5.0)  # the step's clock starts again
-        control.enter(Section.NONE)  # the 100 s call taught the step bound nothing
-        control.enter(Section.STEP)
-        assert table.read(0).deadline == clock[0] + 5.0
-        control.set_state(WorkerState.RECOVERING)
-        assert (table.read(0).section, table.read(0).deadline) == (Section.NONE, 0.0)
+        yield control, table, clock
     finally:
         control.close()
         table.close()
+
+
+def test_a_worker_says_its_section_and_deadline_and_a_long_call_widens_it(
+        trained: tuple[WorkerControl, ProgressTable, list[float]]) -> None:
+    control, table, clock = trained
+    slot = table.read(0)
+    assert (slot.section, slot.deadline) == (Section.NONE, 0.0)
+    control.enter(Section.STEP)
+    slot = table.read(0)
+    assert (slot.section, slot.section_at, slot.deadline) == (Section.STEP, clock[0], clock[0] + 5.0)
+    with control.long_call(120.0):
+        assert table.read(0).deadline == clock[0] + 120.0
+        clock[0] += 100.0
+    slot = table.read(0)
+    assert (slot.section_at, slot.deadline) == (clock[0], clock[0] + 5.0)  # the step's clock starts again
+    control.enter(Section.NONE)  # the 100 s call taught the step bound nothing
+    control.enter(Section.STEP)
+    assert table.read(0).deadline == clock[0] + 5.0
+    control.set_state(WorkerState.RECOVERING)
+    assert (table.read(0).section, table.read(0).deadline) == (Section.NONE, 0.0)
+
+
+def test_a_collective_inside_a_step_owes_no_deadline_and_the_step_clock_starts_again_after_it(
+        trained: tuple[WorkerControl, ProgressTable, list[float]]) -> None:
+    # The in-process fsdp soak: a peer waiting in the all-gather before its forward (inside its
+    # step) for a rank hung in that step passed 5 s past its step bound and was killed as hung too.
+    control, table, clock = trained
+    detector = HangDetector(activity=RUNNING)
+    control.enter(Section.STEP)
+    with control.collective():  # waits 30 s for a peer hung in its step
+        clock[0] += 30.0
+        slot = table.read(0)
+        assert (slot.section, slot.deadline) == (Section.NONE, 0.0)
+        assert detector.hung([table.read(0)], clock[0], {0: table.read(0).pid}) == []
+    slot = table.read(0)
+    assert (slot.section, slot.section_at, slot.deadline) == (Section.STEP, clock[0], clock[0] + 5.0)
+    clock[0] += 6.0  # its own compute past the bound: hung
+    assert detector.hung([table.read(0)], clock[0], {0: table.read(0).pid}) == [0]
+    control.enter(Section.NONE)
+    with control.collective():  # a collective out of a step (the backward's) leaves the section be
+        assert (table.read(0).section, table.read(0).deadline) == (Section.NONE, 0.0)
+    assert table.read(0).section == Section.NONE
 
 
 _STACKS = """\

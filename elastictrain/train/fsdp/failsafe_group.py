@@ -64,6 +64,7 @@ class SwallowedFailure:
     def __init__(self) -> None:
         self._failure: BaseException | None = None
         self._active = False
+        self._waiting: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
         self._lock = threading.Lock()
 
     @property
@@ -77,13 +78,24 @@ class SwallowedFailure:
         return self._active
 
     @contextlib.contextmanager
-    def swallowing(self) -> Iterator[None]:
-        """Swallow collective failures inside: a step's micro-batches (the user's forward and backward)."""
+    def swallowing(self, waiting: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+                   ) -> Iterator[None]:
+        """Swallow collective failures inside: a step's micro-batches (the user's forward and backward).
+
+        Args:
+            waiting: Entered around each wait for a collective inside (the step loop's marker of a
+                step's own collectives: a rank waiting there for its peers is not hung in its step).
+        """
         before, self._active = self._active, True
+        outer, self._waiting = self._waiting, waiting or contextlib.nullcontext
         try:
             yield
         finally:
-            self._active = before
+            self._active, self._waiting = before, outer
+
+    def waiting(self) -> contextlib.AbstractContextManager[Any]:
+        """What :meth:`swallowing` was given to enter around a wait for a collective."""
+        return self._waiting()
 
     def record(self, error: BaseException) -> None:
         """Record ``error``; the groups communicate no more (the first one recorded is kept)."""
@@ -128,10 +140,11 @@ class _SwallowingWork(dist.Work):
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         try:
-            if timeout is None:
-                self._work.wait()
-            else:
-                self._work.wait(timeout)
+            with self._failures.waiting():
+                if timeout is None:
+                    self._work.wait()
+                else:
+                    self._work.wait(timeout)
         except Exception as exc:
             if not is_collective_failure(exc):
                 raise

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from elastictrain.errors import ConfigError
+from elastictrain.train import peer_connections
 from elastictrain.train.fsdp.failsafe_group import SwallowedFailure, failsafe_group
 from elastictrain.train.process_group import resolve_timeout
 
@@ -107,10 +108,23 @@ def _hsdp_mesh(device_type: str, shape: tuple[int, ...], timeout: timedelta,
     replicas, width = shape
     ranks = torch.arange(replicas * width).view(replicas, width)
     # new_group is a collective of the default group: every rank makes every group, in one order.
-    shard_groups = [dist.new_group(ranks[i].tolist(), timeout=timeout) for i in range(replicas)]
-    replicate_groups = [dist.new_group(ranks[:, j].tolist(), timeout=timeout) for j in range(width)]
+    shard_groups = [_sub_group(ranks[i].tolist(), timeout) for i in range(replicas)]
+    replicate_groups = [_sub_group(ranks[:, j].tolist(), timeout) for j in range(width)]
     replica, local = divmod(dist.get_rank(), width)
     shard, replicate = shard_groups[replica], replicate_groups[local]
     if failures is not None:
         shard, replicate = failsafe_group(shard, failures, timeout), failsafe_group(replicate, failures, timeout)
     return DeviceMesh.from_group([replicate, shard], device_type, mesh=ranks, mesh_dim_names=HSDP_DIMS)
+
+
+def _sub_group(ranks: list[int], timeout: timedelta) -> dist.ProcessGroup:
+    """``dist.new_group(ranks)`` (a collective of the default group). A member's connections to its
+    peers go on record (:mod:`~elastictrain.train.peer_connections`): a rank that leaves the group
+    in place severs them, and a peer blocked on it in a collective of this group fails at once
+    instead of after ``timeout``."""
+    if dist.get_rank() not in ranks:
+        return dist.new_group(ranks, timeout=timeout)
+    with peer_connections.recording(len(ranks) - 1) as connections:
+        group = dist.new_group(ranks, timeout=timeout)
+    peer_connections.keep(group, connections)
+    return group

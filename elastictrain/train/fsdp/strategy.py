@@ -54,17 +54,20 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from elastictrain._torch_compat import clear_dtensor_caches
 from elastictrain.errors import SessionError
 from elastictrain.train.fsdp.exchange import Exchange, announce, buffer_holdings, state_specs
 from elastictrain.train.fsdp.failsafe_group import SwallowedFailure
 from elastictrain.train.fsdp.gradients import clip_grad_norm_, no_sync
 from elastictrain.train.fsdp.holdings import Holding, own_holdings
+from elastictrain.train.fsdp.mesh import mesh_shape
 from elastictrain.train.fsdp.optimizer import parameter_fqns, shard_optimizer
 from elastictrain.train.fsdp.redundancy import Redundancy, start_redundancy
 from elastictrain.train.fsdp.regions import TensorSpec
 from elastictrain.train.fsdp.sharded import Sharded, ShardingConfig, shard
 from elastictrain.train.fsdp.skeleton import Skeleton
 from elastictrain.train.fsdp.state import ModelState, OptimizerState, full_state_dict
+from elastictrain.train import peer_connections
 from elastictrain.train.fsdp.units import UnitSpec
 from elastictrain.train.precision import MixedPrecision
 from elastictrain.train.state_transfer import Agreement, transfer
@@ -75,12 +78,53 @@ if TYPE_CHECKING:
 
     from elastictrain.train.session_config import SessionConfig
 
-__all__ = ["FsdpStrategy", "HoldingsSource", "HsdpStrategy"]
+__all__ = ["FsdpStrategy", "HoldingsSource", "HsdpStrategy", "Hyperparameters"]
 
 logger = logging.getLogger(__name__)
 
 _SHARDED_OBJECTS = ("model", "optimizer")
 """The state objects the region exchange rebuilds; the others travel by the replicated transfer."""
+
+
+_MESH_SHAPES: set[tuple[int, ...]] = set()
+"""The shapes of the meshes this process has sharded over (see :meth:`FsdpStrategy._wrap`): per
+process, as DTensor's caches are."""
+
+_HYPERPARAMETERS = "optimizer_hyperparameters"
+"""The name the optimizer's param-group settings travel under in the replicated transfer."""
+
+
+class Hyperparameters:
+    """An optimizer's param-group settings (learning rate, momentum, weight decay, ...: what a
+    scheduler changes), without their parameters, as a state object of the replicated transfer.
+
+    The region exchange moves the optimizer's state tensors only: without these, a rank that joins
+    in place would train its first step at the settings its own optimizer was built with (its
+    learning rate, not the one the survivors' scheduler had set).
+
+    Args:
+        optimizer: The session's optimizer.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"groups": [settings of each param group, "params" left out]}``."""
+        return {"groups": [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Set each param group's settings to the sender's.
+
+        Raises:
+            SessionError: The sender's optimizer has another number of param groups.
+        """
+        groups = state["groups"]
+        if len(groups) != len(self.optimizer.param_groups):
+            raise SessionError(f"the optimizer received {len(groups)} param group(s)' settings for its "
+                               f"{len(self.optimizer.param_groups)}")
+        for group, settings in zip(self.optimizer.param_groups, groups, strict=True):
+            group.update(settings)
 
 
 class HoldingsSource(Protocol):
@@ -162,10 +206,18 @@ class FsdpStrategy(ParallelStrategy):
         # aside, shard, and load it onto the shards.
         restored = optimizer.state_dict() if optimizer.state else None
         optimizer.state.clear()
+        config = self._config(view)
+        shape = mesh_shape(config.sharding, view.placement.world_size, config.nproc_per_node)
+        if shape in _MESH_SHAPES:
+            # torch takes this mesh for the earlier one of its shape (it compares meshes by shape
+            # and names, not by rank): DTensor's decisions cached for that one must go. A mesh of
+            # a new shape is equal to none (its first step does not pay for the caches' refill).
+            clear_dtensor_caches()
+        _MESH_SHAPES.add(shape)
         precision = MixedPrecision(self._precision, view.placement.device)
         received, self._received, self._exchange = self._received, None, None
         self._failures = SwallowedFailure() if view.in_process else None
-        self._sharded = shard(module, optimizer, self._config(view), precision=precision, group=view.group,
+        self._sharded = shard(module, optimizer, config, precision=precision, group=view.group,
                               broadcast=not identical and received is None, failures=self._failures)
         if self._unit_fqns is None:
             self._unit_fqns = frozenset(fqn for fqn, unit in module.named_modules()
@@ -237,7 +289,7 @@ class FsdpStrategy(ParallelStrategy):
         if exchange is None or exchange.step is None:
             raise SessionError(f"sharding={self.name!r}: no covered region exchange was planned")
         target = exchange.step
-        rest = {name: obj for name, obj in objects.items() if name not in _SHARDED_OBJECTS}
+        rest = _replicated_objects(objects)
         if exchange.rank in exchange.holders and target != self._live_step:
             assert self.redundancy is not None  # noqa: S101 - only the redundancy keeps other steps' state
             self.redundancy.roll_back(target, rest)
@@ -260,12 +312,17 @@ class FsdpStrategy(ParallelStrategy):
 
     def _replicated(self) -> dict[str, Any]:
         assert self._objects is not None  # noqa: S101 - only given to the redundancy with objects
-        return {name: obj for name, obj in self._objects().items() if name not in _SHARDED_OBJECTS}
+        return _replicated_objects(self._objects())
 
     def _leave(self) -> None:
         """See base class. The model stays sharded until :meth:`unwrapped` (see the module
-        docstring); the redundancy's refreshes stop, its copies stay (:attr:`redundancy`)."""
+        docstring); the redundancy's refreshes stop, its copies stay (:attr:`redundancy`). The
+        mesh's sub-groups (hsdp's, under their failsafe wrappers) are severed: a peer blocked on
+        this rank in one of their collectives fails at once (the default group's are the
+        generation's to sever)."""
         self._failures = None
+        if self._sharded is not None:
+            peer_connections.sever(*(getattr(g, "inner", g) for g in self._sharded.mesh.get_all_groups()))
         if self.redundancy is not None:
             self.redundancy.close()
 
@@ -295,14 +352,15 @@ class FsdpStrategy(ParallelStrategy):
         if failed is not None:
             raise failed
 
-    def swallowing(self) -> contextlib.AbstractContextManager[Any]:
+    def swallowing(self, waiting: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+                   ) -> contextlib.AbstractContextManager[Any]:
         """See base class: under in-process recovery the mesh is made of failsafe groups
         (:mod:`~elastictrain.train.fsdp.failsafe_group`): inside, a failed all-gather or
         reduce-scatter is recorded, and it and the later collectives of the mesh return at once."""
         _ = self.view
         if self._failures is None:
             return contextlib.nullcontext()
-        return self._failures.swallowing()
+        return self._failures.swallowing(waiting)
 
     def swallowed(self) -> BaseException | None:
         """See base class."""
@@ -345,6 +403,17 @@ class HsdpStrategy(FsdpStrategy):
     def _shard_width(self, world_size: int, local_world_size: int) -> int:
         """See base class: a node's ranks."""
         return local_world_size
+
+
+def _replicated_objects(objects: Mapping[str, Any]) -> dict[str, Any]:
+    """The state objects the replicated transfer sends (and the redundancy keeps with each snapshot):
+    all but the model and the optimizer, which the region exchange rebuilds; and the optimizer's
+    param-group settings (:class:`Hyperparameters`), which it does not."""
+    rest = {name: obj for name, obj in objects.items() if name not in _SHARDED_OBJECTS}
+    if "optimizer" in objects:
+        optimizer = objects["optimizer"]
+        rest[_HYPERPARAMETERS] = Hyperparameters(getattr(optimizer, "optimizer", optimizer))
+    return rest
 
 
 def _fill(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
