@@ -140,6 +140,63 @@ def test_a_cpu_snapshot_is_copied_before_take_returns_and_is_of_its_step_once_co
     assert all(torch.equal(h.tensor, b) for h, b in zip(snapshot.holdings(), before, strict=True))
 
 
+def test_the_next_optimizer_step_waits_for_the_copy_to_be_queued_then_its_stream_waits_on_the_copys_event(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ordering on CUDA, with the streams and events stood in for (no GPU here): the optimizer
+    step pre-hook returns only once the sending thread's copy is queued, then makes the step's
+    stream wait on the event recorded after the copy (once: the step after does not wait again);
+    the sending thread waits on the same event before it sends."""
+    from elastictrain.train.fsdp.redundancy import Redundancy
+
+    order: list[Any] = []
+    device = torch.device("cuda", 0)
+
+    class Event:
+        def synchronize(self) -> None:
+            order.append("synchronized")
+
+    class Stream:
+        def __init__(self, on: torch.device) -> None:
+            self.on = on
+
+        def wait_event(self, event: Any) -> None:
+            order.append(("waits", self.on, event))
+
+    copied = Event()
+
+    class Queued(Redundancy):
+        gate = threading.Event()
+
+        def _copy(self, snapshot: Any, layout: Any, kept: Any, ready: Any, step: int) -> Any:
+            assert self.gate.wait(30)
+            order.append("queued")
+            return {device: copied}
+
+        def _exchange(self, step: int) -> list[Holding]:
+            order.append("sent")
+            return []
+
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer.register_step_post_hook(lambda *_: order.append("stepped"))
+    redundancy = Queued(model, optimizer, None, None, every=1, holder=0, source=0)  # type: ignore[arg-type]
+    try:
+        with redundancy._cond:  # what after_step hands the thread (past the vote, which needs a group)
+            redundancy._copying, redundancy._due = (None, None, {}), 1  # type: ignore[assignment]
+            redundancy._cond.notify_all()
+        threading.Timer(0.3, Queued.gate.set).start()
+        model(torch.randn(4, 3)).sum().backward()
+        optimizer.step()
+        assert order.index("queued") < order.index(("waits", device, copied)) < order.index("stepped")
+        assert redundancy.stalled >= 0.2 and redundancy.wait(timedelta(seconds=30))
+        assert order.index("synchronized") < order.index("sent")
+        optimizer.step()
+        assert order.count(("waits", device, copied)) == 1
+    finally:
+        redundancy.close()
+
+
 def test_redundancy_every_is_a_positive_int_for_fsdp_only() -> None:
     from elastictrain.train.session_config import SessionConfig
 
