@@ -167,7 +167,7 @@ def test_the_next_optimizer_step_waits_for_the_copy_to_be_queued_then_its_stream
     class Queued(Redundancy):
         gate = threading.Event()
 
-        def _copy(self, snapshot: Any, layout: Any, kept: Any, ready: Any, step: int) -> Any:
+        def _copy(self, snapshot: Any, layout: Any, ready: Any) -> Any:
             assert self.gate.wait(30)
             order.append("queued")
             return {device: copied}
@@ -509,9 +509,9 @@ def _worker(rank: int, out: Path) -> None:
     class SlowCopy(Redundancy):
         gate = threading.Event()
 
-        def _copy(self, snapshot: Any, layout: Any, kept: Any, ready: Any, step: int) -> Any:
+        def _copy(self, snapshot: Any, layout: Any, ready: Any) -> Any:
             assert self.gate.wait(60)
-            return super()._copy(snapshot, layout, kept, ready, step)
+            return super()._copy(snapshot, layout, ready)
 
     model2 = _net()
     optimizer2 = torch.optim.AdamW(model2.parameters(), lr=0.05)

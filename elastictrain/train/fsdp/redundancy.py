@@ -484,17 +484,18 @@ class Redundancy:
                     self._cond.notify_all()
                     return
             assert step is not None and copying is not None  # noqa: S101 - the wait's predicate, set together
+            layout, kept, ready = copying
             try:
                 copied: _Events = {}
                 try:
-                    copied = self._copy(sending, *copying, step)
+                    copied = self._copy(sending, layout, ready)
                 finally:
                     with self._cond:
                         self._copying = None  # the live shards may change now (on CUDA: after `copied`)
                         self._copied = copied
                         self.peak_host_bytes = max(self.peak_host_bytes, self._host_bytes())
                         self._cond.notify_all()
-                sending.complete(copied, step, copying[1])
+                sending.complete(copied, step, kept)
                 received = self._exchange(step)
             except Exception as exc:  # noqa: BLE001 - a lost peer (or memory) must end the refreshes, not the process
                 logger.warning("redundancy: the refresh of step %d failed, refreshes end (this rank keeps "
@@ -521,9 +522,9 @@ class Redundancy:
                 self._due = None
                 self._cond.notify_all()
 
-    def _copy(self, snapshot: _Snapshot, layout: _Layout, kept: Kept | None, ready: _Events, step: int) -> _Events:
-        """Copy the live shards of ``step`` into ``snapshot`` (before the next optimizer step); on
-        CUDA queue the copies after ``ready`` and return the events after them."""
+    def _copy(self, snapshot: _Snapshot, layout: _Layout, ready: _Events) -> _Events:
+        """Copy the live shards ``layout`` names into ``snapshot`` (before the next optimizer step);
+        on CUDA queue the copies after ``ready`` and return the events after them."""
         return snapshot.take(layout, ready, self._streams)
 
     def _everyone_completed(self, completed: bool) -> bool:
