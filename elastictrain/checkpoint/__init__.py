@@ -14,10 +14,13 @@ state of :mod:`elastictrain.train`, ``elastictrain status``) are public here:
 - :func:`region`: the box of a global tensor that a rank of a mesh holds under given placements
   (``Shard(d)`` as ``torch.chunk`` splits);
 - :func:`export_safetensors`: a checkpoint's model as one safetensors file (``elastictrain
-  checkpoint export``).
+  checkpoint export``);
+- :class:`SideStreams`: the CUDA stream per device that overlapped snapshots copy to pinned host
+  memory on (fsdp's redundancy copies its shards on them too).
 """
 
 from ._manifest import find_checkpoint, step_dir
+from ._overlap import SideStreams
 from ._sharded import region
 from ._snapshot import capture_rng, check_state, load_state_into, map_tensors, restore_rng, validate_state
 from .export import ExportInfo, export_safetensors
@@ -35,6 +38,7 @@ __all__ = [
     "SingleProcessCoordinator",
     "TorchDistributedCoordinator",
     "ExportInfo",
+    "SideStreams",
     "capture_rng",
     "check_state",
     "export_safetensors",

@@ -116,6 +116,87 @@ def test_a_received_copys_metadata_is_checked_against_its_payload() -> None:
             _parse_slots(bad, length)
 
 
+def test_a_cpu_snapshot_is_copied_before_take_returns_and_is_of_its_step_once_complete() -> None:
+    """On the CPU no stream orders anything: the copy is made by ``take`` itself (so the optimizer
+    step pre-hook, released once ``take`` returns, cannot overwrite a shard being copied), no event
+    is left for the pre-hook, and the buffer is a snapshot of a step only once ``complete``."""
+    from elastictrain.checkpoint import SideStreams
+    from elastictrain.train.fsdp.redundancy import _Layout, _layout, _mark_streams, _Snapshot
+
+    sources = [Holding("model/w", (0, 0), (2, 3), 4, torch.randn(2, 3)),
+               Holding("optimizer/w/exp_avg", (0, 0), (2, 3), 4, torch.randn(2, 3, dtype=torch.float64))]
+    before = [h.tensor.clone() for h in sources]
+    slots, length = _layout(sources)
+    layout = _Layout(signature=(), sources=sources, slots=slots, length=length,  # type: ignore[arg-type]
+                     meta=torch.empty(0, dtype=torch.uint8))
+    snapshot = _Snapshot(pin=False)
+    ready = _mark_streams(sources)
+    copied = snapshot.take(layout, ready, SideStreams())
+    assert ready == {} and copied == {} and snapshot.step is None and not snapshot.buffer.is_pinned()
+    for h in sources:
+        h.tensor.add_(1)  # the next optimizer step's writes
+    snapshot.complete(copied, 4, None)
+    assert [(h.key, h.step) for h in snapshot.holdings()] == [("model/w", 4), ("optimizer/w/exp_avg", 4)]
+    assert all(torch.equal(h.tensor, b) for h, b in zip(snapshot.holdings(), before, strict=True))
+
+
+def test_the_next_optimizer_step_waits_for_the_copy_to_be_queued_then_its_stream_waits_on_the_copys_event(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ordering on CUDA, with the streams and events stood in for (no GPU here): the optimizer
+    step pre-hook returns only once the sending thread's copy is queued, then makes the step's
+    stream wait on the event recorded after the copy (once: the step after does not wait again);
+    the sending thread waits on the same event before it sends."""
+    from elastictrain.train.fsdp.redundancy import Redundancy
+
+    order: list[Any] = []
+    device = torch.device("cuda", 0)
+
+    class Event:
+        def synchronize(self) -> None:
+            order.append("synchronized")
+
+    class Stream:
+        def __init__(self, on: torch.device) -> None:
+            self.on = on
+
+        def wait_event(self, event: Any) -> None:
+            order.append(("waits", self.on, event))
+
+    copied = Event()
+
+    class Queued(Redundancy):
+        gate = threading.Event()
+
+        def _copy(self, snapshot: Any, layout: Any, ready: Any) -> Any:
+            assert self.gate.wait(30)
+            order.append("queued")
+            return {device: copied}
+
+        def _exchange(self, step: int) -> list[Holding]:
+            order.append("sent")
+            return []
+
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer.register_step_post_hook(lambda *_: order.append("stepped"))
+    redundancy = Queued(model, optimizer, None, None, every=1, holder=0, source=0)  # type: ignore[arg-type]
+    try:
+        with redundancy._cond:  # what after_step hands the thread (past the vote, which needs a group)
+            redundancy._copying, redundancy._due = (None, None, {}), 1  # type: ignore[assignment]
+            redundancy._cond.notify_all()
+        threading.Timer(0.3, Queued.gate.set).start()
+        model(torch.randn(4, 3)).sum().backward()
+        optimizer.step()
+        assert order.index("queued") < order.index(("waits", device, copied)) < order.index("stepped")
+        assert redundancy.stalled >= 0.2 and redundancy.wait(timedelta(seconds=30))
+        assert order.index("synchronized") < order.index("sent")
+        optimizer.step()
+        assert order.count(("waits", device, copied)) == 1
+    finally:
+        redundancy.close()
+
+
 def test_redundancy_every_is_a_positive_int_for_fsdp_only() -> None:
     from elastictrain.train.session_config import SessionConfig
 
@@ -244,19 +325,30 @@ def test_copies_follow_their_buddies_do_not_block_the_step_and_rebuild_a_killed_
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_shards_are_snapshotted_into_pinned_buffers_and_copied_to_the_buddy(tmp_path: Path) -> None:
+    """Two ranks on one GPU (gloo): a refresh copies a large shard on a side stream. Its copy
+    waits for the refreshed step's writes (queued behind slow kernels on the training stream),
+    and the next optimizer step (one fast kernel over the large shard) waits for the copy: the
+    snapshot and the buddy's copy hold exactly the refreshed step's values, from pinned buffers."""
     run_ranks(__file__, 2, str(tmp_path), "cuda")
     dumps = {r: torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)}
     for rank, dump in dumps.items():
-        assert dump["pinned"] and {row[3] for row in dump["held"]} == {1}
+        assert dump["pinned"] and dump["streams"] == 1 and {row[3] for row in dump["held"]} == {2}
+        assert _same(dump["snapshot"], dump["own"]), "the snapshot is not the refreshed step's shards"
         assert _same(dump["held"], dumps[1 - rank]["own"])
+        assert not _same(dump["own"], dump["after"])  # the next step did change the shards
 
 
 # --- the workers ----------------------------------------------------------------------------------
 
 
+CUDA_BIG = 32 * 2**20
+"""Elements of the CUDA worker's large parameter (128 MiB of fp32; momentum as much again)."""
+
+
 def _cuda_worker(rank: int, out: Path) -> None:
     """Two ranks on the one GPU, gloo: plain CUDA parameters (each rank's whole model is its
-    "shard"), momentum state, one refresh through pinned snapshot buffers."""
+    "shard", with a large one), momentum state, one refresh through pinned snapshot buffers on a
+    side stream, raced by the optimizer step right after it."""
     import torch.distributed as dist
 
     from elastictrain.train import process_group as pg
@@ -266,19 +358,40 @@ def _cuda_worker(rank: int, out: Path) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=2)
     torch.manual_seed(rank)
     model = torch.nn.Linear(5, 3).cuda()
+    model.register_parameter("big", torch.nn.Parameter(torch.zeros(CUDA_BIG, device="cuda")))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model(torch.randn(4, 5, device="cuda")).sum().backward()
-    optimizer.step()
-    redundancy = Redundancy(model, optimizer, pg.new_gloo_group(), pg.new_gloo_group(), every=1,
+
+    def train(step: int) -> None:  # queues kernels only: no CPU wait for the GPU
+        model(torch.randn(4, 5, device="cuda")).sum().backward()
+        model.big.grad = torch.full_like(model.big, float(step))
+        optimizer.step()
+
+    def rows(step: int) -> list[tuple[str, list[int], list[int], int, torch.Tensor]]:
+        return [(h.key, list(h.offsets), list(h.sizes), h.step, h.tensor.detach().clone())  # on the GPU, queued
+                for h in own_holdings(model, optimizer, step)]
+
+    train(1)
+    redundancy = Redundancy(model, optimizer, pg.new_gloo_group(), pg.new_gloo_group(), every=2,
                             holder=1 - rank, source=1 - rank)
-    assert redundancy.after_step(1) and redundancy.wait(timedelta(seconds=60))
+    torch.cuda.synchronize()
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(30):  # ~0.1 s of kernels on the training stream: step 2's writes come long after this line
+        busy = busy @ busy
+    train(2)
+    assert redundancy.after_step(2)
+    own = rows(2)
+    train(3)  # its one kernel over the large shard must wait for the side stream's copy
+    after = rows(3)
+    assert redundancy.wait(timedelta(seconds=60))
     redundancy.close()
-    dump = {"own": _rows(own_holdings(model, optimizer, 1)), "held": _rows(redundancy.held()),
-            "pinned": redundancy._sending.buffer.is_pinned()}
+    assert redundancy.failure is None, redundancy.failure
+    torch.cuda.synchronize()
+    dump = {"own": [(*r[:4], r[4].cpu()) for r in own], "after": [(*r[:4], r[4].cpu()) for r in after],
+            "snapshot": _rows(redundancy._sending.holdings()), "held": _rows(redundancy.held()),
+            "pinned": redundancy._sending.buffer.is_pinned(), "streams": len(redundancy._streams._streams)}
     torch.save(dump, out / f"rank{rank}.pt")
     dist.barrier()
     os._exit(0)
-
 
 
 def _session_run(redundancy_every: int | None) -> dict[str, Any]:
@@ -396,9 +509,9 @@ def _worker(rank: int, out: Path) -> None:
     class SlowCopy(Redundancy):
         gate = threading.Event()
 
-        def _copy(self, snapshot: Any, layout: Any, kept: Any, step: int) -> None:
+        def _copy(self, snapshot: Any, layout: Any, ready: Any) -> Any:
             assert self.gate.wait(60)
-            super()._copy(snapshot, layout, kept, step)
+            return super()._copy(snapshot, layout, ready)
 
     model2 = _net()
     optimizer2 = torch.optim.AdamW(model2.parameters(), lr=0.05)

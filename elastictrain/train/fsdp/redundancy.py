@@ -14,12 +14,22 @@
 
 A refresh, every ``every`` steps after the optimizer step, agrees on going ahead (below) and
 hands this rank's own shards of the parameters and the optimizer state (their live local
-tensors) to a thread of its own, which copies them into a reusable host buffer (pinned when the
-shards are on CUDA), sends the buffer to the holder and receives the copy of the source's shards
-over a gloo group of its own (never the training group), while training goes on. The live shards
-keep their values until the next optimizer step (the forward and backward only read them), so the
-copy runs beside the next step's forward and backward; an optimizer step pre-hook holds the next
-optimizer step back only if the copy has not finished by then. Which shards and where each lies in
+tensors) to a thread of its own, which copies them into a reusable host buffer, sends the buffer
+to the holder and receives the copy of the source's shards over a gloo group of its own (never the
+training group), while training goes on. The live shards keep their values until the next
+optimizer step (the forward and backward only read them), so the copy runs beside the next step's
+forward and backward; an optimizer step pre-hook holds the next optimizer step back only if the
+copy has not finished by then.
+
+Shards on CUDA are copied as the overlapped checkpoint copies them (its
+:class:`~elastictrain.checkpoint.SideStreams`): into pinned host buffers, by ``non_blocking``
+copies on a side stream of their device. The side stream first waits for an event recorded on the
+training thread's current stream by :meth:`Redundancy.after_step` (after the optimizer step's
+writes); once the copies are queued, an event recorded after them is what the optimizer step
+pre-hook makes the training stream wait for (the next step's writes run after the copy, without
+the CPU waiting for the transfer), and what the sending thread waits for before it sends the
+pinned buffer. Pinned buffers released between refreshes (below) go back to torch's pinned-memory
+cache, which the next refresh's allocation reuses. Which shards and where each lies in
 the buffer is worked out once and reused while the tensors stay the same (a check of their keys
 and storage per refresh), so the training thread's stall is the agreement, that check and the
 capture of the replicated state (:class:`Kept`), not every tensor's region worked out again.
@@ -78,7 +88,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastictrain.checkpoint import capture_rng, load_state_into, restore_rng
+from elastictrain.checkpoint import SideStreams, capture_rng, load_state_into, restore_rng
 from elastictrain.errors import ConfigError
 from elastictrain.train import process_group as pg
 from elastictrain.train.fsdp.buddies import buddies
@@ -199,6 +209,22 @@ def _host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
 
+_Events = dict[torch.device, torch.cuda.Event]
+"""A CUDA event per device (empty on the CPU)."""
+
+
+def _mark_streams(sources: list[Holding]) -> _Events:
+    """An event recorded now on the current stream of each CUDA device ``sources`` lie on (on the
+    training thread, after the optimizer step: its writes come before the event)."""
+    ready: _Events = {}
+    for holding in sources:
+        device = holding.tensor.device
+        if holding.tensor.is_cuda and device not in ready:
+            ready[device] = torch.cuda.Event()
+            ready[device].record(torch.cuda.current_stream(device))
+    return ready
+
+
 @dataclass(frozen=True, slots=True)
 class _Layout:
     """This rank's own shards as a refresh copies them: the live local tensors, where each lies in
@@ -250,7 +276,9 @@ class Redundancy:
         self._pin = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
         self._cond = threading.Condition()
         self._due: int | None = None  # the step of the refresh in flight
-        self._copying: tuple[_Layout, Kept | None] | None = None  # what the thread copies, until it has
+        self._copying: tuple[_Layout, Kept | None, _Events] | None = None  # what the thread copies, until queued
+        self._copied: _Events = {}  # CUDA: the events after the queued copies, which the next optimizer step awaits
+        self._streams = SideStreams()
         self._closing = False
         self._step = -1  # the last step given to after_step: the live shards' values are of it
         self._plan: _Layout | None = None
@@ -318,12 +346,13 @@ class Redundancy:
                 return False
             layout = self._current_layout()
             kept = Kept.capture(self._replicated(), self._model, step) if self._replicated is not None else None
+            ready = _mark_streams(layout.sources)  # CUDA: where the training streams stand after the step
             with self._cond:
                 # The buffer that does not hold the last completed refresh's snapshot (it stays whole).
                 self._sending = next(s for s in self._own if s.step is None or s.step != self._completed)
                 self._sending.clear()
                 self._previous = []  # its buffer receives this refresh: every rank holds the last one now
-                self._copying = (layout, kept)
+                self._copying = (layout, kept, ready)
                 self._due = step
                 self.started += 1
                 self._cond.notify_all()
@@ -344,13 +373,17 @@ class Redundancy:
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """The optimizer step pre-hook: the shards change in this step, so a copy of the previous
-        step's not finished yet is waited for (only then does the training thread stall here)."""
+        step's not finished yet is waited for (only then does the training thread stall here). On
+        CUDA, waited for until it is queued; then the current streams wait for its events, so the
+        step's kernels run after the copy while the CPU goes on."""
         with self._cond:
-            if self._copying is None:
-                return
-            started = time.perf_counter()
-            self._cond.wait_for(lambda: self._copying is None)
-            self.stalled += time.perf_counter() - started
+            if self._copying is not None:
+                started = time.perf_counter()
+                self._cond.wait_for(lambda: self._copying is None)
+                self.stalled += time.perf_counter() - started
+            copied, self._copied = self._copied, {}
+        for device, event in copied.items():
+            torch.cuda.current_stream(device).wait_event(event)
 
     def holdings(self) -> list[Holding]:
         """What this rank holds: its live shards (of the last step given to :meth:`after_step`),
@@ -451,14 +484,18 @@ class Redundancy:
                     self._cond.notify_all()
                     return
             assert step is not None and copying is not None  # noqa: S101 - the wait's predicate, set together
+            layout, kept, ready = copying
             try:
+                copied: _Events = {}
                 try:
-                    self._copy(sending, *copying, step)
+                    copied = self._copy(sending, layout, ready)
                 finally:
                     with self._cond:
-                        self._copying = None  # the live shards may change now
+                        self._copying = None  # the live shards may change now (on CUDA: after `copied`)
+                        self._copied = copied
                         self.peak_host_bytes = max(self.peak_host_bytes, self._host_bytes())
                         self._cond.notify_all()
+                sending.complete(copied, step, kept)
                 received = self._exchange(step)
             except Exception as exc:  # noqa: BLE001 - a lost peer (or memory) must end the refreshes, not the process
                 logger.warning("redundancy: the refresh of step %d failed, refreshes end (this rank keeps "
@@ -485,9 +522,10 @@ class Redundancy:
                 self._due = None
                 self._cond.notify_all()
 
-    def _copy(self, snapshot: _Snapshot, layout: _Layout, kept: Kept | None, step: int) -> None:
-        """Copy the live shards of ``step`` into ``snapshot`` (before the next optimizer step)."""
-        snapshot.take(layout, kept, step)
+    def _copy(self, snapshot: _Snapshot, layout: _Layout, ready: _Events) -> _Events:
+        """Copy the live shards ``layout`` names into ``snapshot`` (before the next optimizer step);
+        on CUDA queue the copies after ``ready`` and return the events after them."""
+        return snapshot.take(layout, ready, self._streams)
 
     def _everyone_completed(self, completed: bool) -> bool:
         """Whether every rank completed the refresh in flight (an all-reduce over the sending
@@ -573,17 +611,40 @@ class _Snapshot:
         self.clear()
         self.buffer, self.slots, self.length = _host_buffer(0, self._pin), [], 0
 
-    def take(self, layout: _Layout, kept: Kept | None, step: int) -> None:
-        """Copy the live shards ``layout`` names (their values of ``step``) in, one ``copy_`` each
-        into its view of the buffer; ``kept`` is that step's replicated state."""
+    def take(self, layout: _Layout, ready: _Events, streams: SideStreams) -> _Events:
+        """Copy the live shards ``layout`` names in, one ``copy_`` each into its view of the
+        buffer: a CPU shard now; a CUDA shard queued on its device's side stream of ``streams``,
+        after the device's ``ready`` event, non-blocking into the pinned buffer. Returns, per
+        device, an event recorded after its copies (none on the CPU); :meth:`complete` once they are queued."""
         self.clear()
         if layout.length > self.buffer.numel():
             self.buffer = _host_buffer(layout.length, self._pin)
         self.slots, self.length, self.meta = layout.slots, layout.length, layout.meta
+        # The sources are not freed while a side stream reads them: ``layout`` holds them until
+        # the refresh is complete (no other starts before), so no record_stream is needed.
+        used: dict[torch.device, torch.cuda.Stream] = {}
         for slot, holding in zip(layout.slots, layout.sources, strict=True):
-            slot.view(self.buffer).copy_(holding.tensor, non_blocking=self._pin)
-        if self._pin:
-            torch.cuda.current_stream().synchronize()  # the copies are done before the thread sends them
+            source = holding.tensor
+            if not source.is_cuda:
+                slot.view(self.buffer).copy_(source)
+                continue
+            stream = used.get(source.device)
+            if stream is None:
+                stream = used[source.device] = streams.get(source.device)
+                stream.wait_event(ready[source.device])
+            with torch.cuda.stream(stream):
+                slot.view(self.buffer).copy_(source, non_blocking=True)
+        copied: _Events = {}
+        for device, stream in used.items():
+            copied[device] = torch.cuda.Event()
+            copied[device].record(stream)
+        return copied
+
+    def complete(self, copied: _Events, step: int, kept: Kept | None) -> None:
+        """Wait for the copies :meth:`take` queued (``copied``), then mark the buffer a snapshot
+        of ``step``, with ``kept``, its replicated state."""
+        for event in copied.values():
+            event.synchronize()
         self.step, self.kept = step, kept
 
     def holdings(self) -> list[Holding]:
