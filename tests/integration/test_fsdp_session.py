@@ -8,7 +8,7 @@ agree to summation order (a bf16 one at 2 ranks stays close). A sharded session 
 and restores at 3, with the saved full tensors; copies of that checkpoint train on at 3 ranks,
 sharded and with DDP, to equal ends. The slow test resizes an fsdp job under the launcher.
 
-Run as a script, this module is the worker the test spawns.
+The test forks :func:`_worker` as every rank from the ranks' forkserver (``fork_ranks``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.ranks import run_ranks
+from tests.support.ranks import fork_ranks
 
 WORLD = 4
 TOLERANCE = 1e-12
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def test_sharded_sessions_train_as_ddp_sessions_and_restore_at_another_world_size(tmp_path: Path) -> None:
-    run_ranks(__file__, WORLD, str(tmp_path))
+    fork_ranks(_worker, WORLD, lambda rank: (rank, tmp_path), timeout=160)
     checks = json.loads((tmp_path / "rank0.json").read_text())
     assert set(checks) == {"fsdp/2", "bf16_close", "fsdp/3", "hsdp/4", "restored_4_to_3", "trained_on_at_3"}
     for name, error in checks.items():
@@ -151,6 +151,7 @@ def _worker(rank: int, out: Path) -> None:
 
     from tests.support.leave import leave_together
 
+    torch.set_num_threads(1)  # one thread a rank, as OMP_NUM_THREADS=1 gave the ranks run as scripts
     dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=WORLD)
     groups = {2: dist.new_group([0, 1]), 3: dist.new_group([0, 1, 2]), 4: dist.group.WORLD}
     checks: dict[str, float] = {}
@@ -187,7 +188,3 @@ def _worker(rank: int, out: Path) -> None:
     if rank == 0:
         (out / "rank0.json").write_text(json.dumps(checks))
     leave_together()
-
-
-if __name__ == "__main__":
-    _worker(int(sys.argv[1]), Path(sys.argv[2]))

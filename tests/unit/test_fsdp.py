@@ -5,7 +5,7 @@ with DDP and sharded, and compares gradients (after clipping) at every step and 
 at the end: float64 throughout, so the only difference is summation order (~1e-16 relative).
 The model's row counts (7 and 3) leave uneven shares at 2, 3 and 4 ranks, and an empty one at 4.
 
-Run as a script, this module is the worker the process tests spawn.
+The process tests fork :func:`_worker` as every rank from the ranks' forkserver (``fork_ranks``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import contextlib
 import copy
 import json
 import os
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from elastictrain.train.fsdp import (
     ShardingConfig, mesh_shape, optimizer_state_by_fqn, optimizer_state_by_id, sharding_units,
 )
 from elastictrain.train.fsdp.optimizer import check_unstepped, parameter_fqns
-from tests.support.ranks import run_ranks
+from tests.support.ranks import fork_ranks
 
 WORLD = 4
 TOLERANCE = 1e-12
@@ -182,7 +181,7 @@ def test_a_skeleton_keeps_a_shared_parameter_shared() -> None:
 
 
 def _spawn(tmp_path: Path, matrix: str) -> list[dict[str, Any]]:
-    run_ranks(__file__, WORLD, str(tmp_path), matrix, timeout=500 if matrix == "slow" else 160)
+    fork_ranks(_worker, WORLD, lambda rank: (rank, tmp_path, matrix), timeout=500 if matrix == "slow" else 160)
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
 
 
@@ -519,6 +518,7 @@ def _worker(rank: int, out: Path, matrix: str) -> None:
 
     from tests.support.leave import leave_together
 
+    torch.set_num_threads(1)  # one thread a rank, as OMP_NUM_THREADS=1 gave the ranks run as scripts
     dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=WORLD)
     groups = _GROUPS
     groups.update({w: dist.new_group(list(range(w))) for w in (1, 2, 3)})
@@ -546,7 +546,3 @@ def _worker(rank: int, out: Path, matrix: str) -> None:
             raise AssertionError("hsdp on 4 ranks with 3 per node was not refused")
     (out / f"rank{rank}.json").write_text(json.dumps(checks))
     leave_together()
-
-
-if __name__ == "__main__":
-    _worker(int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])

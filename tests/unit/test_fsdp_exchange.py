@@ -9,27 +9,26 @@ state after equal those before, and a step after equals the same step of an unsh
 It shrinks 3 -> 2: rank 2 leaves, its shards copied to rank 0 beforehand and offered through the
 holdings-source hook (what in-memory redundancy does); the state rebuilt from memory is equal.
 
-Run as a script, this module is the worker the test spawns.
+The test forks :func:`_worker` as every rank from the ranks' forkserver (``fork_ranks``).
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.support.ranks import run_ranks
+from tests.support.ranks import fork_ranks
 
 WORLD = 3
 pytestmark = pytest.mark.timeout(120)
 
 
 def test_shards_held_in_memory_reshape_to_a_new_layout_and_a_strategy_grows_in_place(tmp_path: Path) -> None:
-    run_ranks(__file__, WORLD, str(tmp_path), timeout=100)
+    fork_ranks(_worker, WORLD, lambda rank: (rank, tmp_path), timeout=100)
     checks = json.loads((tmp_path / "rank0.json").read_text())
     assert checks == {"reshaped_4_to_3": True, "uncovered_without_copy": [True, True, True],
                       "rolled_back_to_older_step": [True, True, True],
@@ -239,6 +238,7 @@ def _worker(rank: int, out: Path) -> None:
 
     from tests.support.leave import leave_together
 
+    torch.set_num_threads(1)  # one thread a rank, as OMP_NUM_THREADS=1 gave the ranks run as scripts
     dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=WORLD)
     reshaped, uncovered = _reshape(rank)
     state_error, step_error, shrunk_error, received = _grow(rank)
@@ -252,7 +252,3 @@ def _worker(rank: int, out: Path) -> None:
             "shrunk_from_copies_error": shrunk_error,
             "rank2_received": flags == [False, False, True]}))
     leave_together()
-
-
-if __name__ == "__main__":
-    _worker(int(sys.argv[1]), Path(sys.argv[2]))

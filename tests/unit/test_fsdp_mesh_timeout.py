@@ -5,21 +5,20 @@ Four gloo processes build the 2x2 hsdp mesh with a 3 s timeout; rank 3 stays ali
 its shard group's all-reduce (a hang), and rank 2 must fail that all-reduce within seconds. Found by
 the hsdp chaos soak: under restart recovery a spinning rank held the job past its 140 s bound.
 
-Run as a script, this module is the worker the test spawns.
+The test forks :func:`_worker` as every rank from the ranks' forkserver (``fork_ranks``).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
-from tests.support.ranks import run_ranks
+from tests.support.ranks import fork_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -27,7 +26,7 @@ TIMEOUT_S = 3.0
 
 
 def test_an_hsdp_shard_group_notices_a_hung_peer_within_the_collective_timeout(tmp_path: Path) -> None:
-    run_ranks(__file__, 4, str(tmp_path), timeout=100)
+    fork_ranks(_worker, 4, lambda rank: (rank, tmp_path), timeout=100)
     seen = json.loads((tmp_path / "rank2.json").read_text())
     assert seen["layout"] == {"mesh": [[0, 1], [2, 3]], "shard": [2, 3], "replicate": [0, 2]}
     assert seen["outcome"] == "raised", seen
@@ -41,6 +40,7 @@ def _worker(rank: int, tmp: Path) -> None:
     from elastictrain.train.fsdp import build_mesh
 
     timeout = timedelta(seconds=TIMEOUT_S)
+    torch.set_num_threads(1)  # one thread a rank, as OMP_NUM_THREADS=1 gave the ranks run as scripts
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=4, timeout=timeout)
     mesh = build_mesh("hsdp", "cpu", nproc_per_node=2, timeout=timeout)
     shard, replicate = mesh.get_group("shard"), mesh.get_group("replicate")
@@ -64,7 +64,3 @@ def _worker(rank: int, tmp: Path) -> None:
     else:
         dist.all_reduce(torch.ones(1), group=shard)  # ranks 0 and 1: their shard group is whole
     os._exit(0)  # no teardown with a peer that never took part
-
-
-if __name__ == "__main__":
-    _worker(int(sys.argv[1]), Path(sys.argv[2]))

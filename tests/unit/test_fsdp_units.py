@@ -10,7 +10,7 @@ restores it tied (sharded, and into a DDP job's model); a ``Session`` with ``sha
 equal to a DDP session; a module rebuilt from the skeleton (in-process recovery) gets the units of
 the same FQNs, even from a predicate that judged modules by identity.
 
-Run as a script, this module is the worker the process test spawns.
+The process test forks :func:`_worker` as every rank from the ranks' forkserver (``fork_ranks``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ import torch
 
 from elastictrain.errors import ConfigError
 from elastictrain.train.fsdp import ShardingConfig, sharding_units
-from tests.support.ranks import run_ranks
+from tests.support.ranks import fork_ranks
 
 WORLD = 2
 TOLERANCE = 1e-12
@@ -133,7 +132,7 @@ def test_units_need_a_sharded_session() -> None:
 
 def test_per_block_units_train_as_ddp_with_and_without_tied_weights_and_checkpoint_a_tied_weight_once(
         tmp_path: Path) -> None:
-    run_ranks(__file__, WORLD, str(tmp_path), timeout=110)
+    fork_ranks(_worker, WORLD, lambda rank: (rank, tmp_path), timeout=110)
     checks = json.loads((tmp_path / "rank0.json").read_text())
     assert set(checks) == {
         "untied/grads", "untied/params", "tied/grads", "tied/params", "tied/restored", "tied/into_ddp",
@@ -347,13 +346,10 @@ def _worker(rank: int, out: Path) -> None:
 
     from tests.support.leave import leave_together
 
+    torch.set_num_threads(1)  # one thread a rank, as OMP_NUM_THREADS=1 gave the ranks run as scripts
     dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=WORLD)
     checks = {**_case_train(False, out), **_case_train(True, out), **_case_default_units_tied(), **_case_sessions(),
               **_case_rebuilt_units()}
     if rank == 0:
         (out / "rank0.json").write_text(json.dumps(checks))
     leave_together()
-
-
-if __name__ == "__main__":
-    _worker(int(sys.argv[1]), Path(sys.argv[2]))
