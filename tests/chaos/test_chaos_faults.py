@@ -237,7 +237,6 @@ def test_a_node_cut_off_the_network_is_left_behind_then_rejoins_after_the_heal(t
 
 
 @pytest.mark.soak
-@pytest.mark.soak
 @pytest.mark.timeout(300)
 def test_a_node_cut_off_its_peers_but_not_etcd_leaves_within_seconds_and_rejoins_after_the_heal(
         tmp_path: Path) -> None:
