@@ -215,7 +215,8 @@ class FsdpStrategy(ParallelStrategy):
         received, self._received, self._exchange = self._received, None, None
         self._failures = SwallowedFailure() if view.in_process else None
         self._sharded = shard(module, optimizer, config, precision=precision, group=view.group,
-                              broadcast=not identical and received is None, failures=self._failures)
+                              broadcast=not identical and received is None, failures=self._failures,
+                              device=view.placement.device)
         if self._unit_fqns is None:
             self._unit_fqns = frozenset(fqn for fqn, unit in module.named_modules()
                                         if fqn and isinstance(unit, FSDPModule))
@@ -257,14 +258,16 @@ class FsdpStrategy(ParallelStrategy):
         return self._exchange.covered
 
     def unwrapped(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
-        """See base class: a sharded module gives way to a fresh one built from the skeleton, on the
-        same device, its values unset until a restore or the region exchange fills them."""
+        """See base class: a sharded module gives way to a fresh one built from the skeleton, its
+        parameters and persistent buffers on the meta device (no storage): :meth:`wrap` shards it and
+        allocates only this rank's shards (on the group's device), which a restore or the region
+        exchange then fills. Nothing may read or load its values before :meth:`wrap`."""
         if not isinstance(module, FSDPModule):
             return module
         if self._skeleton is None:
             raise SessionError(f"sharding={self.name!r} took no skeleton of the model before sharding it")
         device = next(module.parameters()).device
-        fresh = self._skeleton.build(device)
+        fresh = self._skeleton.build(device, allocate=False)
         shard_optimizer(optimizer, parameter_fqns(module), dict(fresh.named_parameters()))
         optimizer.state.clear()
         return fresh
