@@ -2,12 +2,12 @@
 chunks that overlap its own shards (parameters and optimizer state) straight into them; no rank
 reads, or assembles, the whole state. On real gloo processes.
 
-One spawn of four processes: an fsdp session (AdamW, float64) saves at 4 ranks; sharded sessions
-restore it at 3 and at 2 ranks, each rank counting the bytes it reads from the checkpoint's shard
-files. The restored full tensors equal the saved ones, each rank read at most half the shard
-bytes (the chunks of the 4-rank layout overlapping its 1/3 or 1/2; a restore that assembles the
-full state first reads all of them on every rank), and copies of the checkpoint train on sharded
-and with DDP to equal ends.
+One spawn of four processes: an fsdp session (AdamW, float64) saves at 4 ranks; an hsdp session
+(2 nodes of 2) restores it, then fsdp sessions at 3 and at 2 ranks, each rank counting the bytes
+it reads from the checkpoint's shard files. The restored full tensors equal the saved ones, each
+rank read at most about half the shard bytes (the chunks of the 4-rank layout overlapping its
+1/3 or 1/2; a restore that assembles the full state first reads all of them on every rank), and
+copies of the checkpoint train on sharded and with DDP to equal ends.
 
 Run as a script, this module is the worker the test spawns.
 """
@@ -15,6 +15,7 @@ Run as a script, this module is the worker the test spawns.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import shutil
 import sys
@@ -39,7 +40,9 @@ def test_a_sharded_session_restores_at_3_and_2_ranks_reading_only_its_own_shards
     run_ranks(__file__, WORLD, str(tmp_path))
     checks = json.loads((tmp_path / "rank0.json").read_text())
     assert set(checks) == {f"{what}/{world}" for what in ("restored", "trained_on") for world in (3, 2)} | {
-        "read/3", "read/2"}
+        "read/3", "read/2", "restored/hsdp", "read/hsdp"}
+    assert checks["restored/hsdp"] <= TOLERANCE, checks
+    assert all(0 < share <= READ_BOUND for share in checks["read/hsdp"]), checks["read/hsdp"]
     for world in (3, 2):
         assert checks[f"restored/{world}"] <= TOLERANCE, checks
         assert checks[f"trained_on/{world}"] <= TOLERANCE, checks
@@ -71,13 +74,15 @@ def _dataset() -> Any:
 def _train(sharding: str, group: Any, checkpoint_dir: Path, max_steps: int) -> dict[str, Any]:
     """One session; rank 0's full tensors (``{}`` elsewhere) and its step."""
     import elastictrain
+    from elastictrain.train.worker import WorkerContext
 
+    context = dataclasses.replace(WorkerContext.from_env({}), local_world_size=2)  # hsdp: 2 ranks a node
     torch.manual_seed(0)
     model = Net().double()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     with elastictrain.Session(model, optimizer, _dataset(), global_batch_size=12, micro_batch_size=3, seed=3,
                               log_every=None, epochs=2, max_steps=max_steps, process_group=group,
-                              sharding=sharding, checkpoint_dir=str(checkpoint_dir)) as session:
+                              sharding=sharding, checkpoint_dir=str(checkpoint_dir), context=context) as session:
         for step in session.steps():
             for micro in step:
                 inputs, targets = micro.batch
@@ -151,8 +156,17 @@ def _worker(rank: int, out: Path) -> None:
         for world in (3, 2):
             for use in ("restored", "sharded", "ddp"):
                 shutil.copytree(saved_at, out / f"{use}_{world}")
+        shutil.copytree(saved_at, out / "hsdp")
     dist.barrier()
     total = _shard_file_bytes(saved_at)
+    # hsdp 2x2: each node's 2 ranks shard, the nodes replicate; each rank reads its half (2 of 4 chunks).
+    _SHARD_BYTES[0] = 0
+    hsdp = _train("hsdp", dist.group.WORLD, out / "hsdp", max_steps=2)
+    shares = [0.0] * WORLD
+    dist.all_gather_object(shares, _SHARD_BYTES[0] / total)
+    if rank == 0:
+        checks["restored/hsdp"] = _error(saved, hsdp)
+        checks["read/hsdp"] = shares
     for world in (3, 2):
         if rank < world:
             _SHARD_BYTES[0] = 0
