@@ -30,6 +30,9 @@ __all__ = ["CheckpointReader", "RestoreInfo", "load_file"]
 logger = logging.getLogger(__name__)
 _events = logging.getLogger("elastictrain.events")
 
+_ZIP_MAGIC = b"PK\x03\x04"
+"""How a file ``torch.save`` wrote begins (a zip archive): the only kind ``torch.load`` maps."""
+
 _AGREE_ATTEMPTS = 5
 _LOAD_ATTEMPTS = 20
 
@@ -277,9 +280,11 @@ def load_file(storage: Storage, directory: str, name: str, files_at: str, expect
                 raise CorruptCheckpointError(f"checkpoint {storage.location(directory)}: {name} {problem}")
             # weights_only: a checkpoint file must never be a way to run code.
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        if mmap and isinstance(storage, LocalStorage):
-            return torch.load(storage.location(path), map_location="cpu", weights_only=True, mmap=True)
         with storage.open_read(path) as f:
+            # torch maps only its zip format: any other file is loaded as before (and refused as before).
+            if mmap and isinstance(storage, LocalStorage) and f.read(len(_ZIP_MAGIC)) == _ZIP_MAGIC:
+                return torch.load(storage.location(path), map_location="cpu", weights_only=True, mmap=True)
+            f.seek(0)
             return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         why = next(iter(str(exc).strip().splitlines()), "")  # torch's message goes on for lines
