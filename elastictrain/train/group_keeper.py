@@ -9,7 +9,9 @@ ranks agree on the newest state one of them holds and bring the others to it
 (:mod:`~elastictrain.train.state_transfer`), or read the newest checkpoint when none
 holds any (or when the parallelism strategy holds no replicated state to send); then the
 strategy wraps the model over the group (:class:`~elastictrain.train.generation.Generation`,
-:mod:`~elastictrain.train.strategy`).
+:mod:`~elastictrain.train.strategy`). A sharded strategy wraps before the checkpoint is read
+(:attr:`~elastictrain.train.strategy.ParallelStrategy.restores_wrapped`): each rank then reads
+only its own shards' regions.
 """
 
 from __future__ import annotations
