@@ -23,12 +23,15 @@ from . import _reshard as reshard
 from . import _snapshot as snap
 from ._index import parse_index
 from .coordinator import Coordinator
-from .storage import ObjectStore, Storage
+from .storage import LocalStorage, ObjectStore, Storage
 
 __all__ = ["CheckpointReader", "RestoreInfo", "load_file"]
 
 logger = logging.getLogger(__name__)
 _events = logging.getLogger("elastictrain.events")
+
+_ZIP_MAGIC = b"PK\x03\x04"
+"""How a file ``torch.save`` wrote begins (a zip archive): the only kind ``torch.load`` maps."""
 
 _AGREE_ATTEMPTS = 5
 _LOAD_ATTEMPTS = 20
@@ -185,6 +188,9 @@ class CheckpointReader:
         """
         rank = self._coord.rank
         names = [fmt.REPLICATED] + ([fmt.rank_file(rank)] if rank < manifest["world_size"] else [])
+        sharded = manifest["format_version"] == fmt.SHARDED_FORMAT_VERSION
+        # A DDP checkpoint's full tensors cut into shards: mapped, so that only the slices are paged in.
+        sliced = not sharded and reshard.needs_filling(templates.state_dicts)
         try:
             loaded: list[Any] = []
             files_at = fmt.files_dir(directory, manifest)
@@ -195,12 +201,12 @@ class CheckpointReader:
                     loaded.append(load_file(self._storage, directory, name, files_at, expected))
                     continue
                 fmt.verify_file(self._storage, directory, expected, files_at)
-                loaded.append(load_file(self._storage, directory, name, files_at))
+                loaded.append(load_file(self._storage, directory, name, files_at,
+                                        mmap=sliced and name == fmt.REPLICATED))
             content = loaded[0]
             if not isinstance(content, dict) or not {"stateful", "extras"} <= content.keys():
                 return None, ("fatal", f"{self._storage.location(directory)}: {fmt.REPLICATED} has no state")
-            index = parse_index(manifest.get("tensors"), self._storage.location(directory)) \
-                if manifest["format_version"] == fmt.SHARDED_FORMAT_VERSION else {}
+            index = parse_index(manifest.get("tensors"), self._storage.location(directory)) if sharded else {}
             if index or reshard.needs_filling(templates.state_dicts):
                 # DTensors may sit in either kind; entries the state does not ask for are not read.
                 saved = {name: value for kind in ("extras", "stateful") for name, value in content[kind].items()
@@ -247,12 +253,15 @@ class CheckpointReader:
         logger.info("rank %d has no saved RNG state in step %d; seeded RNGs with %d", rank, step, seed)
 
 
-def load_file(storage: Storage, directory: str, name: str, files_at: str, expected: fmt.FileEntry | None = None
-              ) -> Any:
+def load_file(storage: Storage, directory: str, name: str, files_at: str, expected: fmt.FileEntry | None = None,
+              *, mmap: bool = False) -> Any:
     """``torch.load(weights_only=True)`` one file of the checkpoint in ``directory`` (its files in ``files_at``).
 
     With ``expected`` (an object store): from the bytes of the one download that checked their size
-    and sha256 as they arrived, before anything is loaded from them.
+    and sha256 as they arrived, before anything is loaded from them. With ``mmap`` (a
+    ``LocalStorage``; ignored elsewhere): the tensors are mapped from the file, not read, so that
+    only the pages of what is used (a rank's slices) are read in; the file must not change while
+    they are in use (a committed checkpoint's files do not).
 
     Raises:
         CorruptCheckpointError: It cannot be read or loaded; a subclass of it when it holds more
@@ -272,6 +281,10 @@ def load_file(storage: Storage, directory: str, name: str, files_at: str, expect
             # weights_only: a checkpoint file must never be a way to run code.
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         with storage.open_read(path) as f:
+            # torch maps only its zip format: any other file is loaded as before (and refused as before).
+            if mmap and isinstance(storage, LocalStorage) and f.read(len(_ZIP_MAGIC)) == _ZIP_MAGIC:
+                return torch.load(storage.location(path), map_location="cpu", weights_only=True, mmap=True)
+            f.seek(0)
             return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         why = next(iter(str(exc).strip().splitlines()), "")  # torch's message goes on for lines

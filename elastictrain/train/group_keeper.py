@@ -9,7 +9,9 @@ ranks agree on the newest state one of them holds and bring the others to it
 (:mod:`~elastictrain.train.state_transfer`), or read the newest checkpoint when none
 holds any (or when the parallelism strategy holds no replicated state to send); then the
 strategy wraps the model over the group (:class:`~elastictrain.train.generation.Generation`,
-:mod:`~elastictrain.train.strategy`).
+:mod:`~elastictrain.train.strategy`). A sharded strategy wraps before the checkpoint is read
+(:attr:`~elastictrain.train.strategy.ParallelStrategy.restores_wrapped`): each rank then reads
+only its own shards' regions.
 """
 
 from __future__ import annotations
@@ -256,16 +258,15 @@ class GroupKeeper:
             state.step = self.strategy.rebuild_step(agreement) or 0
         self._formed = (source, agreement.step if agreement is not None else None)
         sampler.set_world(self.context.rank, self.context.world_size)
+        restoring = config.checkpoint_dir is not None and source is StateSource.CHECKPOINT
+        # A sharded strategy wraps first and restores into its shards: each rank reads its own regions.
+        after_wrap = restoring and self.strategy.restores_wrapped and generation.placement.distributed
+        rebuilt = state.module is not kept  # a fresh module (unwrapped()): its values are unset
         if config.checkpoint_dir is not None:
             generation.open_checkpoints(config, self.control, on_write_failure=self._on_write_failure)
-            if source is StateSource.CHECKPOINT:
-                restored = state.restored
-                self._restore()
-                if state.restored is not restored:
-                    kept = state.module  # filled
-        if state.module is not kept and source is not StateSource.PEERS:
-            raise SessionError(f"the sharded state of step {state.step} is not held by the live ranks "
-                               "(a rank was lost with its shards) and there is no checkpoint to restore")
+        filled = self._restore_newest() if restoring and not after_wrap else False
+        if rebuilt and source is not StateSource.PEERS and not filled and not after_wrap:
+            raise _unheld(state.step)
         if received:
             # Its peers' RNG streams are theirs: a worker that received the state seeds
             # streams of its own, from its rank and generation.
@@ -276,11 +277,22 @@ class GroupKeeper:
             # brings back the saved ones instead.
             seed_everything(rank_seed(config.seed, self.context.rank))
         wrapping = time.perf_counter()
-        generation.wrap(state.module, state.optimizer, identical=source is StateSource.PEERS, control=self.control)
+        # A rebuilt module restored after the wrap needs no broadcast: the restore sets every value.
+        identical = source is StateSource.PEERS or (after_wrap and rebuilt)
+        generation.wrap(state.module, state.optimizer, identical=identical, control=self.control)
+        wrapped = time.perf_counter()
+        if after_wrap and not self._restore_newest() and rebuilt:
+            raise _unheld(state.step)
         if phases is not None:
-            phases["state_s"] += wrapping - started
-            phases["ddp_s"] += time.perf_counter() - wrapping
+            phases["state_s"] += wrapping - started + time.perf_counter() - wrapped
+            phases["ddp_s"] += wrapped - wrapping
         return received
+
+    def _restore_newest(self) -> bool:
+        """Restore the newest checkpoint (a collective); whether one was restored."""
+        before = self._state.restored
+        self._restore()
+        return self._state.restored is not before
 
     def recover(self, cause: str, *, holds_state: bool = True) -> bool:
         """Re-form the group in place after ``cause``; the committed state is kept.
@@ -365,3 +377,8 @@ class GroupKeeper:
             self.generation.end()
         if self.control is not None:
             self.control.close()
+
+
+def _unheld(step: int) -> SessionError:
+    return SessionError(f"the sharded state of step {step} is not held by the live ranks "
+                        "(a rank was lost with its shards) and there is no checkpoint to restore")

@@ -234,6 +234,15 @@ class ParallelStrategy(ABC):
         without it can receive it from one live peer (:meth:`transfer_state`). False: the ranks
         restore from the newest checkpoint instead when a rank lacks the state."""
 
+    @property
+    def restores_wrapped(self) -> bool:
+        """Whether a group that restores a checkpoint wraps first and restores into the wrapped state
+        (:meth:`state_objects` of the wrapped module), rather than into the unwrapped module before
+        :meth:`wrap`. Default False (DDP: every rank holds the whole state either way). A sharded
+        strategy: True, so that each rank reads only the regions of its own shards and no rank
+        ever holds the full model or optimizer state."""
+        return False
+
     def covers(self, group: Any, agreement: Agreement, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                *, step: int, local_world_size: int) -> bool:
         """Whether the live holders of the newest step (``agreement``) hold the whole state (or, for a

@@ -272,6 +272,25 @@ def test_a_checkpoint_file_replaced_by_a_crafted_pickle_runs_no_code(
     assert not marker.exists() and not (tmp_path / "out.safetensors").exists()
 
 
+def test_a_mapped_load_reads_a_torch_file_and_refuses_a_crafted_one_as_a_plain_load_does(tmp_path: Path) -> None:
+    # A DDP checkpoint's replicated.pt restored into a sharded job is mapped (mmap=True), not read.
+    from elastictrain.checkpoint._reader import load_file
+
+    storage = LocalStorage(tmp_path)
+    torch.save({"w": torch.arange(6.0).reshape(3, 2)}, tmp_path / "good.pt")
+    loaded = load_file(storage, "", "good.pt", "", mmap=True)
+    assert torch.equal(loaded["w"], torch.arange(6.0).reshape(3, 2))
+    marker = tmp_path / "marker"
+    crafted = pickle.dumps({"x": _Payload(marker)}, protocol=2)
+    # A plain pickle (torch maps only its zip format: loaded as without mmap) and one inside a torch zip.
+    (tmp_path / "plain.pt").write_bytes(crafted)
+    (tmp_path / "zipped.pt").write_bytes(_torch_zip_with(crafted))
+    for name in ("plain.pt", "zipped.pt"):
+        with pytest.raises(CorruptCheckpointError, match="refusing to load") as raised:
+            load_file(storage, "", name, "", mmap=True)
+        assert "\n" not in str(raised.value) and not marker.exists()
+
+
 def _torch_zip_with(pickled: bytes) -> bytes:
     """A torch.save archive whose data.pkl is ``pickled``."""
     import zipfile

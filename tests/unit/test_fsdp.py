@@ -166,6 +166,9 @@ def test_a_skeleton_holds_no_storage_and_builds_fresh_modules_of_the_same_struct
     assert not any(p.is_meta for p in first.parameters()) and list(first.state_dict()) == list(model.state_dict())
     assert torch.equal(first[1].table, model[1].table) and "1.table" not in first.state_dict()
     assert first[0].weight is not second[0].weight and first[0].weight is not model[0].weight
+    unallocated = skeleton.build(torch.device("cpu"), allocate=False)  # for shard() to allocate the shards alone
+    assert all(t.is_meta for t in unallocated.state_dict(keep_vars=True).values())
+    assert torch.equal(unallocated[1].table, model[1].table)
 
 
 def test_a_skeleton_keeps_a_shared_parameter_shared() -> None:

@@ -17,8 +17,8 @@ optimizer, receives the state, and the next step must equal an unsharded model's
 
 The ranks swapping: two forked gloo ranks: generation 1 shards a model whose last layer has one row (rank 0 holds it,
 rank 1 holds none) and trains a step; generation 2 is a new default group with the ranks swapped,
-restores the full state as a checkpoint restore does (into the unsharded module the skeleton
-builds, then sharded by ``wrap``) and trains the next step, which must equal an unsharded model's.
+restores the full state as a checkpoint restore does (the module the skeleton builds sharded by
+``wrap``, then the state loaded into its shards) and trains the next step, which must equal an unsharded model's.
 """
 
 from __future__ import annotations
@@ -212,9 +212,11 @@ def _swap(rank: int, out: Path) -> tuple[int, float]:
     swapped = 1 - rank  # the next generation: a new group, each rank at the other's place
     dist.init_process_group("gloo", init_method=f"file://{out / 'store-2'}", rank=swapped, world_size=2)
     fresh = strategy.unwrapped(module, optimizer)
-    fresh.load_state_dict(saved[0])  # the restore, before the wrap (as the session's)
-    optimizer.load_state_dict(saved[1])
-    module = strategy.wrap(fresh, optimizer, view(swapped), identical=False)
+    assert all(p.is_meta for p in fresh.parameters())  # no storage: wrap() allocates the shards alone
+    module = strategy.wrap(fresh, optimizer, view(swapped), identical=True)
+    model_state, optimizer_state = strategy.state_objects(module, optimizer)
+    model_state.load_state_dict(saved[0])  # the restore, after the wrap (as the session's), into the shards
+    optimizer_state.load_state_dict(saved[1])
     _step(module, optimizer, batches[1], slice(2 * swapped, 2 * swapped + 2), 2)
     after = full_state_dict(module)  # on rank 0 only
     error = max((after[k] - v).abs().max().item() for k, v in reference.state_dict().items()) if after else 0.0

@@ -116,9 +116,21 @@ def _broadcast_module(model: torch.nn.Module, group: dist.ProcessGroup | None) -
             dist.broadcast(tensor, src=source, group=group)
 
 
+def _allocate_shards(model: torch.nn.Module, device: torch.device) -> None:
+    """Allocate the shards of a model sharded on the meta device on ``device`` (``to_empty``: only
+    the local shards), keeping the values of the buffers that were not on the meta device."""
+    kept = {name: buffer for name, buffer in model.named_buffers() if not buffer.is_meta}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name in kept:
+                buffer.copy_(kept[name])
+
+
 def shard(model: torch.nn.Module, optimizer: OptimizerSpec, config: ShardingConfig | None = None, *,
           precision: MixedPrecision | None = None, group: dist.ProcessGroup | None = None,
-          broadcast: bool = True, failures: SwallowedFailure | None = None) -> Sharded:
+          broadcast: bool = True, failures: SwallowedFailure | None = None,
+          device: torch.device | None = None) -> Sharded:
     """Shard ``model`` over a mesh of ``group`` and move ``optimizer`` onto its shards; a collective.
 
     Rank 0's parameters and buffers are broadcast first, as DDP does when it wraps a model: each
@@ -135,6 +147,11 @@ def shard(model: torch.nn.Module, optimizer: OptimizerSpec, config: ShardingConf
         broadcast: Broadcast rank 0's model first; False when every rank already holds the same.
         failures: Shard over failsafe groups that record a collective failure here while it
             swallows (see :func:`~elastictrain.train.fsdp.mesh.build_mesh`).
+        device: Where the shards live; default the parameters' device. A model whose parameters
+            are on the meta device (a skeleton's, :meth:`~elastictrain.train.fsdp.skeleton.Skeleton.build`
+            with ``allocate=False``) is sharded there and only its shards are allocated on
+            ``device``, their values unset (fill them: a restore, the region exchange); its
+            non-persistent buffers keep their values. No rank allocates the full model.
 
     Raises:
         ConfigError: A bad config, a mesh the world does not tile, an optimizer that has stepped or
@@ -142,15 +159,22 @@ def shard(model: torch.nn.Module, optimizer: OptimizerSpec, config: ShardingConf
     """
     config = config or ShardingConfig()
     param = check_shardable(model)
+    on_meta = param.is_meta
+    device = device or param.device
+    if on_meta and (broadcast or device.type == "meta"):
+        raise ConfigError("a model on the meta device has no values to broadcast: shard it with broadcast=False "
+                          "and a device for its shards")
     fqns = parameter_fqns(model)
     if isinstance(optimizer, torch.optim.Optimizer):
         check_unstepped(optimizer, fqns)
-    mesh = build_mesh(config.sharding, param.device.type, nproc_per_node=config.nproc_per_node, group=group,
+    mesh = build_mesh(config.sharding, device.type, nproc_per_node=config.nproc_per_node, group=group,
                       timeout=config.timeout, failures=failures)
     if broadcast:
         _broadcast_module(model, group)
     policy = mixed_precision_policy(precision) if precision is not None else None
     sharded_model = shard_model(model, mesh, units=config.units, mp_policy=policy,
                                 reshard_after_forward=config.reshard_after_forward)
+    if on_meta:
+        _allocate_shards(model, device)
     moved = shard_optimizer(optimizer, fqns, dict(model.named_parameters()))
     return Sharded(sharded_model, moved, mesh)

@@ -35,22 +35,29 @@ class Skeleton:
                 memo[id(tensor)] = torch.empty_like(tensor, device="meta")
         self._model = copy.deepcopy(model, memo)
 
-    def build(self, device: torch.device) -> torch.nn.Module:
+    def build(self, device: torch.device, *, allocate: bool = True) -> torch.nn.Module:
         """A fresh module of the model's structure on ``device``: parameters and persistent buffers
         allocated but not initialised (the caller fills them), non-persistent buffers as they were
-        when the skeleton was taken. A shared parameter stays shared."""
+        when the skeleton was taken. A shared parameter stays shared.
+
+        Args:
+            allocate: False: the parameters and persistent buffers stay on the meta device (no
+                storage; :func:`~elastictrain.train.fsdp.sharded.shard` allocates the shards alone),
+                the non-persistent buffers on ``device``.
+        """
+        where = device if allocate else torch.device("meta")
         fresh = copy.deepcopy(self._model)
         made: dict[int, torch.Tensor] = {}
         with torch.no_grad():
             for module in fresh.modules():
                 for name, param in list(module.named_parameters(recurse=False, remove_duplicate=False)):
                     if id(param) not in made:
-                        made[id(param)] = torch.nn.Parameter(torch.empty_like(param, device=device),
+                        made[id(param)] = torch.nn.Parameter(torch.empty_like(param, device=where),
                                                              requires_grad=param.requires_grad)
                     setattr(module, name, made[id(param)])
                 for name, buffer in list(module.named_buffers(recurse=False, remove_duplicate=False)):
                     if id(buffer) not in made:
-                        made[id(buffer)] = (torch.empty_like(buffer, device=device) if buffer.is_meta
+                        made[id(buffer)] = (torch.empty_like(buffer, device=where) if buffer.is_meta
                                             else buffer.to(device))
                     setattr(module, name, made[id(buffer)])  # a buffer stays one, persistent or not
         return fresh

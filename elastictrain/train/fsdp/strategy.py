@@ -12,12 +12,13 @@ clipping, the scheduler, the sampler and hooks work as under DDP; buffers are br
 rank 0 after each step (FSDP2 does not synchronize them; DDP broadcasts them in its forward).
 
 State: a rank holds shards, no replica; a rank that lacks the state receives its rows from the
-ranks that hold them (the region exchange, below), when they hold them all. The session restores a checkpoint before
-it wraps, into the still unsharded model and optimizer (full tensors, assembled from a sharded
-checkpoint at any world size and mesh, or a DDP one's); :meth:`~FsdpStrategy.wrap` shards the
-model and moves the restored optimizer state onto the shards. From then on the model and the
-optimizer are saved through :class:`~elastictrain.train.fsdp.state.ModelState` and
-:class:`~elastictrain.train.fsdp.state.OptimizerState`: each rank writes its own shards.
+ranks that hold them (the region exchange, below), when they hold them all. The session shards
+first and restores a checkpoint after (:attr:`~FsdpStrategy.restores_wrapped`), through
+:class:`~elastictrain.train.fsdp.state.ModelState` and
+:class:`~elastictrain.train.fsdp.state.OptimizerState`: each rank reads only the regions of its
+own shards (of a sharded checkpoint at any world size and mesh, or sliced from a DDP one's full
+tensors), so no rank assembles the full state. The model and the optimizer are saved through
+the same adapters: each rank writes its own shards.
 
 Recovery in place (the default ``recovery="in-process"``): ``fully_shard`` turns a module into
 shards of one mesh for good, so the strategy keeps a storage-less skeleton of the unsharded model
@@ -190,8 +191,8 @@ class FsdpStrategy(ParallelStrategy):
 
     def _wrap(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, view: GroupView, *,
               identical: bool) -> torch.nn.Module:
-        """See base class. Shards ``module`` in place and returns it; a restored optimizer state
-        moves onto the shards.
+        """See base class. Shards ``module`` in place and returns it (a checkpoint is restored after,
+        into the shards: :attr:`restores_wrapped`).
 
         Raises:
             ConfigError: A world the hsdp mesh does not tile (one line).
@@ -202,10 +203,6 @@ class FsdpStrategy(ParallelStrategy):
                                "the module unwrapped() gives")
         if view.in_process and self._skeleton is None:
             self._skeleton = Skeleton(module)  # before fully_shard: a later generation builds from it
-        # A restore before the first wrap filled the unsharded optimizer (full tensors): set it
-        # aside, shard, and load it onto the shards.
-        restored = optimizer.state_dict() if optimizer.state else None
-        optimizer.state.clear()
         config = self._config(view)
         shape = mesh_shape(config.sharding, view.placement.world_size, config.nproc_per_node)
         if shape in _MESH_SHAPES:
@@ -218,14 +215,13 @@ class FsdpStrategy(ParallelStrategy):
         received, self._received, self._exchange = self._received, None, None
         self._failures = SwallowedFailure() if view.in_process else None
         self._sharded = shard(module, optimizer, config, precision=precision, group=view.group,
-                              broadcast=not identical and received is None, failures=self._failures)
+                              broadcast=not identical and received is None, failures=self._failures,
+                              device=view.placement.device)
         if self._unit_fqns is None:
             self._unit_fqns = frozenset(fqn for fqn, unit in module.named_modules()
                                         if fqn and isinstance(unit, FSDPModule))
         if received is not None:
             _fill(module, optimizer, received)
-        elif restored is not None:
-            OptimizerState(module, optimizer).load_state_dict(restored)
         if self._redundancy_every is not None:
             self.redundancy = start_redundancy(module, optimizer, every=self._redundancy_every,
                                                nproc_per_node=view.local_world_size,
@@ -262,14 +258,16 @@ class FsdpStrategy(ParallelStrategy):
         return self._exchange.covered
 
     def unwrapped(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
-        """See base class: a sharded module gives way to a fresh one built from the skeleton, on the
-        same device, its values unset until a restore or the region exchange fills them."""
+        """See base class: a sharded module gives way to a fresh one built from the skeleton, its
+        parameters and persistent buffers on the meta device (no storage): :meth:`wrap` shards it and
+        allocates only this rank's shards (on the group's device), which a restore or the region
+        exchange then fills. Nothing may read or load its values before :meth:`wrap`."""
         if not isinstance(module, FSDPModule):
             return module
         if self._skeleton is None:
             raise SessionError(f"sharding={self.name!r} took no skeleton of the model before sharding it")
         device = next(module.parameters()).device
-        fresh = self._skeleton.build(device)
+        fresh = self._skeleton.build(device, allocate=False)
         shard_optimizer(optimizer, parameter_fqns(module), dict(fresh.named_parameters()))
         optimizer.state.clear()
         return fresh
@@ -376,6 +374,14 @@ class FsdpStrategy(ParallelStrategy):
         if not isinstance(module, FSDPModule):
             return module, optimizer
         return ModelState(module), OptimizerState(module, optimizer)
+
+    @property
+    def restores_wrapped(self) -> bool:
+        """See base class: True. A checkpoint is restored once the model is sharded, into
+        :class:`~elastictrain.train.fsdp.state.ModelState` and
+        :class:`~elastictrain.train.fsdp.state.OptimizerState`: each rank reads the regions of its own
+        shards only (see ``docs/sharding.md``)."""
+        return True
 
     @property
     def live_transfer(self) -> bool:
