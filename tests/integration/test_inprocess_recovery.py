@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -86,6 +87,17 @@ def assert_every_step_once(out: Path, ranks: list[int]) -> None:
         duplicates = sorted({s for s in steps if steps.count(s) > 1})
         assert not duplicates, f"rank {rank} trained steps {duplicates} twice"
     assert {r["step"] for rs in by_rank.values() for r in rs} == set(range(1, STEPS + 1))
+
+
+def phases(out: Path) -> list[tuple[int, dict[int, list[int]]]]:
+    """Who trained, in order: each stretch of steps at one world size, with the pids of each rank."""
+    said = []
+    for world, stretch in itertools.groupby(records(out), key=lambda r: r["world"]):
+        pids: dict[int, set[int]] = collections.defaultdict(set)
+        for r in stretch:
+            pids[r["rank"]].add(r["pid"])
+        said.append((world, {rank: sorted(ps) for rank, ps in sorted(pids.items())}))
+    return said
 
 
 def events(out: Path, kind: str) -> list[dict[str, Any]]:
@@ -605,9 +617,15 @@ def test_torchs_environment_follows_the_group_after_an_in_place_resize(etcd_serv
     victim.wait()
     outputs = finish(nodes[:2])
     assert [n.returncode for n in nodes[:2]] == [0, 0], outputs[0][-3000:]
-    resized = [r for r in records(out) if r["world"] == 2]
-    assert {r["rank"] for r in resized} == {0, 1} and len({r["pid"] for r in resized}) == 2
-    assert {r["pid"] for r in resized} <= {r["pid"] for r in records(out) if r["world"] == 3}, "a survivor restarted"
+    # After the last step at world 3: with --min-nodes 2 a node a moment late (on busy cores) starts
+    # the job at world 2 without it, and joins in place; the victim may have trained in that world 2.
+    last_at_3 = max(i for i, r in enumerate(records(out)) if r["world"] == 3)
+    resized = [r for r in records(out)[last_at_3 + 1:] if r["world"] == 2]
+    said = f"who trained: {phases(out)}; recoveries, restarts and hangs: " + str(
+        [e for kind in ("recovery", "restart", "hang") for e in events(out, kind)])
+    assert {r["rank"] for r in resized} == {0, 1} and len({r["pid"] for r in resized}) == 2, said
+    assert {r["pid"] for r in resized} <= {r["pid"] for r in records(out) if r["world"] == 3}, \
+        "a survivor restarted: " + said
     for r in records(out):
         # One worker per node: its rank is its node's rank, the world its nodes' count.
         rank, world = str(r["rank"]), str(r["world"])

@@ -28,6 +28,7 @@ from elastictrain.errors import SessionError
 from elastictrain.train.recovery import describe
 from elastictrain.launch.hang_detector import HangDetector
 from elastictrain.launch.worker_group import Channel, FailureBudget
+from tests.support.leave import leave_together
 from tests.support.ranks import next_report, rank_context
 
 
@@ -406,7 +407,12 @@ def _ddp_worker(rank: int, init_method: str, results: Any) -> None:
     flagged(x)["out"].sum().backward()
     raised.append(flag.raised)
     results.put((rank, same, raised, flagged.module.describe(), sorted(flagged_model.state_dict())))
-    dist.destroy_process_group()
+    # Not torch's teardown: freeing DDP's reducer with the interpreter held joined a gloo thread that
+    # waited for the interpreter to free its last all-reduce (pytorch#75097), and the queue's feeder
+    # thread, which needs it too, never sent the report: the test's 120 s timeout.
+    results.close()
+    results.join_thread()
+    leave_together()
 
 
 def test_the_boundary_flag_rides_on_ddps_all_reduce_and_leaves_the_gradients_as_ddps_own(tmp_path: Path) -> None:
@@ -743,9 +749,10 @@ def _save_in_flight_worker(rank: int, port: int, control: str, ckpt: str, port2:
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
     # One save in flight only (no checkpoint_every): later saves, slow on busy cores, would
-    # rightly keep the ranks training on too, for up to group_keeper.SAVE_GRACE.
+    # rightly keep the ranks training on too, for up to group_keeper.SAVE_GRACE. Five epochs of 8
+    # steps: in one, the job ended at step 8, as the vote to re-form was cast, and sometimes before.
     with elastictrain.Session(model, torch.optim.SGD(model.parameters(), lr=0.1), data, global_batch_size=8,
-                              seed=0, max_steps=40, log_every=None, checkpoint_dir=ckpt,
+                              seed=0, epochs=5, max_steps=40, log_every=None, checkpoint_dir=ckpt,
                               async_save=True, hooks=[recoveries]) as session:
         for step in session.steps():
             if step.number == 1:
