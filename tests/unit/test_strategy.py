@@ -21,6 +21,7 @@ from elastictrain.train import strategy as strategy_module
 from elastictrain.train.ddp import DDPStrategy
 from elastictrain.train.session_config import SessionConfig
 from elastictrain.train.strategy import GroupView, create_strategy, register_strategy
+from tests.support.leave import leave_together
 from tests.unit.test_inprocess_parts import _control_dirs, _free_port, _launched_as, _run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -155,7 +156,11 @@ def _vote_worker(rank: int, port: int, piggyback: bool, results: Any) -> None:
     dist.all_reduce = all_reduce
     strategy.leave()
     results.put((rank, counts, same, len(explicit)))
-    pg.destroy_process_group()
+    # Not torch's teardown: with DDP's reducers alive it can deadlock (pytorch#75097; this test hung
+    # to its 120 s timeout in a suite run), as in test_inprocess_parts' boundary-flag rank.
+    results.close()
+    results.join_thread()
+    leave_together()
 
 
 @pytest.mark.parametrize("piggyback", [True, False], ids=["on-ddps-all-reduce", "explicit-all-reduce"])
