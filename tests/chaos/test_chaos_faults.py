@@ -113,6 +113,9 @@ def test_etcd_leader_loss_and_a_hang_are_survived_then_below_min_nodes_the_job_g
     assert report["committed_steps"] >= 8
 
 
+# Soak, for CI's time (about 46 s): the default suite's tests/integration/test_hangs.py replaces a rank
+# blocked in a call and one spinning inside a step (peers keep their processes) and names a straggler.
+@pytest.mark.soak
 @pytest.mark.timeout(600)
 def test_ranks_blocked_in_a_call_or_spinning_inside_a_step_are_replaced_and_a_straggler_is_named(
         tmp_path: Path) -> None:
@@ -142,6 +145,9 @@ def test_ranks_blocked_in_a_call_or_spinning_inside_a_step_are_replaced_and_a_st
     assert all(any("in at_step" in frame for frame in e["stack"]) for e in found), found
 
 
+# Soak, for CI's time (about 18 s): in the default suite, tests/integration/test_checkpoint_crash.py
+# kills saves at every stage and tests/unit/test_session_storage_faults.py fills a real disk mid-save.
+@pytest.mark.soak
 @pytest.mark.timeout(600)
 def test_a_kill_inside_a_checkpoint_save_and_a_full_disk_lose_nothing(tmp_path: Path) -> None:
     # A worker killed the moment its slot says it saves (4 MB of state: the save takes a while),
