@@ -262,6 +262,10 @@ class GroupKeeper:
         # A sharded strategy wraps first and restores into its shards: each rank reads its own regions.
         after_wrap = restoring and self.strategy.restores_wrapped and generation.placement.distributed
         rebuilt = state.module is not kept  # a fresh module (unwrapped()): its values are unset
+        if after_wrap:
+            # Agreed: a rank whose module was rebuilt (a survivor) has no values to broadcast, so no
+            # rank broadcasts before the restore, a newcomer's own model included.
+            rebuilt = _any_rank(generation.cpu_group(), rebuilt)
         if config.checkpoint_dir is not None:
             generation.open_checkpoints(config, self.control, on_write_failure=self._on_write_failure)
         filled = self._restore_newest() if restoring and not after_wrap else False
@@ -377,6 +381,13 @@ class GroupKeeper:
             self.generation.end()
         if self.control is not None:
             self.control.close()
+
+
+def _any_rank(group: Any, flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank of ``group`` (a collective)."""
+    tensor = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return bool(tensor.item())
 
 
 def _unheld(step: int) -> SessionError:

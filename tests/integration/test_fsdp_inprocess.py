@@ -110,6 +110,31 @@ def test_an_fsdp_worker_lost_with_its_shards_rolls_the_survivor_back_to_the_copi
     assert_same_parameters(reference(tmp_path), __import__("torch").load(out / "final-0.pt", weights_only=True))
 
 
+@pytest.mark.timeout(240)
+def test_an_fsdp_worker_lost_with_its_shards_and_no_copies_is_restored_in_place_from_the_checkpoint(
+        etcd_server: Any, run_id: str, tmp_path: Path) -> None:
+    # No copies, a checkpoint every 4 steps: rank 1 fails in step 9 and its agent replaces it in place
+    # (step 8 committed and saved: 0 redone). The survivor's module is
+    # rebuilt storage-less and the newcomer's is the script's own: both shard first, then restore the
+    # newest checkpoint into their shards. They must agree that no rank broadcasts before it (the
+    # survivor has nothing to send): a newcomer that broadcast alone hung the group until its timeout.
+    out = tmp_path / "job"
+    inject = {"ELASTICTRAIN_INJECT": "fail@1:9", "ELASTICTRAIN_INJECT_STATE": str(tmp_path / "injected")}
+    (tmp_path / "injected").mkdir()
+    nodes = [start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.05", "--sharding", "fsdp",
+                        "--ckpt-every", "4", min_nodes=2, max_nodes=2, extra=("--nproc-per-node", "1"), env=inject)
+             for _ in range(2)]
+    outputs = finish(nodes)
+    _say(out)
+    assert [n.returncode for n in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    [event] = [e for e in _reformations(out) if (e["old_world_size"], e["world_size"]) == (2, 2)]
+    assert event["state_from"] == "checkpoint", event
+    assert event["steps_redone"] == 0 and [e["step"] for e in events(out, "restore")] == [8], event
+    assert len({r["pid"] for r in records(out) if r["rank"] == 0}) == 1, "the survivor was restarted"
+    _assert_each_sample_once_per_epoch(out)
+    assert_same_parameters(reference(tmp_path), __import__("torch").load(out / "final-0.pt", weights_only=True))
+
+
 @pytest.mark.slow  # about 25 s each on 2 idle cores: the default suite keeps the worker's loss above
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("every", [1, 3])
