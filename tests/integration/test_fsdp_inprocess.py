@@ -87,6 +87,20 @@ def _assert_rolled_back_in_memory(out: Path, every: int, worlds: tuple[int, int]
     return event
 
 
+def _fail_rank_1_in_step_9(etcd_server: Any, run_id: str, tmp_path: Path, *job_args: str) -> Path:
+    """Two fsdp nodes of one worker each, rank 1 failing in step 9 (its agent replaces it in place);
+    both nodes end 0. Returns the job's output directory."""
+    out = tmp_path / "job"
+    inject = {"ELASTICTRAIN_INJECT": "fail@1:9", "ELASTICTRAIN_INJECT_STATE": str(tmp_path / "injected")}
+    (tmp_path / "injected").mkdir()
+    nodes = [start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.05", "--sharding", "fsdp", *job_args,
+                        min_nodes=2, max_nodes=2, extra=("--nproc-per-node", "1"), env=inject) for _ in range(2)]
+    outputs = finish(nodes)
+    _say(out)
+    assert [n.returncode for n in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    return out
+
+
 @pytest.mark.timeout(240)
 def test_an_fsdp_worker_lost_with_its_shards_rolls_the_survivor_back_to_the_copies_in_memory(
         etcd_server: Any, run_id: str, tmp_path: Path) -> None:
@@ -94,15 +108,7 @@ def test_an_fsdp_worker_lost_with_its_shards_rolls_the_survivor_back_to_the_copi
     # rank 0 had committed step 8, and the copies are of step 6: the survivor rolls back to step 6
     # from its memory (its snapshot, the copy of rank 1's shards, the sampler cursor and the
     # optimizer of step 6), the newcomer receives its shards from it, and steps 7-8 are redone.
-    out = tmp_path / "job"
-    inject = {"ELASTICTRAIN_INJECT": "fail@1:9", "ELASTICTRAIN_INJECT_STATE": str(tmp_path / "injected")}
-    (tmp_path / "injected").mkdir()
-    nodes = [start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.05", "--sharding", "fsdp",
-                        "--redundancy-every", "3", "--no-checkpoint", min_nodes=2, max_nodes=2,
-                        extra=("--nproc-per-node", "1"), env=inject) for _ in range(2)]
-    outputs = finish(nodes)
-    _say(out)
-    assert [n.returncode for n in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    out = _fail_rank_1_in_step_9(etcd_server, run_id, tmp_path, "--redundancy-every", "3", "--no-checkpoint")
     event = _assert_rolled_back_in_memory(out, 3, (2, 2))
     assert (event["step"], event["steps_redone"]) == (6, 2), event
     assert len({r["pid"] for r in records(out) if r["rank"] == 0}) == 1, "the survivor was restarted"
@@ -118,15 +124,7 @@ def test_an_fsdp_worker_lost_with_its_shards_and_no_copies_is_restored_in_place_
     # rebuilt storage-less and the newcomer's is the script's own: both shard first, then restore the
     # newest checkpoint into their shards. They must agree that no rank broadcasts before it (the
     # survivor has nothing to send): a newcomer that broadcast alone hung the group until its timeout.
-    out = tmp_path / "job"
-    inject = {"ELASTICTRAIN_INJECT": "fail@1:9", "ELASTICTRAIN_INJECT_STATE": str(tmp_path / "injected")}
-    (tmp_path / "injected").mkdir()
-    nodes = [start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.05", "--sharding", "fsdp",
-                        "--ckpt-every", "4", min_nodes=2, max_nodes=2, extra=("--nproc-per-node", "1"), env=inject)
-             for _ in range(2)]
-    outputs = finish(nodes)
-    _say(out)
-    assert [n.returncode for n in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    out = _fail_rank_1_in_step_9(etcd_server, run_id, tmp_path, "--ckpt-every", "4")
     [event] = [e for e in _reformations(out) if (e["old_world_size"], e["world_size"]) == (2, 2)]
     assert event["state_from"] == "checkpoint", event
     assert event["steps_redone"] == 0 and [e["step"] for e in events(out, "restore")] == [8], event
