@@ -151,7 +151,9 @@ def _fault_worker(rank: int, store: str, flag: str, fault: str) -> None:
 
     def hold(module: Any, args: Any) -> None:
         if rank == 1:  # dies (or hangs) inside the forward, once the blocks before have gathered theirs
-            Path(flag).write_text(str(os.getpid()))
+            # Whole or absent for the peer that polls it (a plain write was read empty once in CI).
+            Path(f"{flag}.tmp").write_text(str(os.getpid()))
+            os.replace(f"{flag}.tmp", flag)
             while fault == "hang" and not Path(f"{flag}.done").exists():
                 time.sleep(0.05)
             os._exit(0)
