@@ -23,6 +23,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
@@ -156,7 +157,8 @@ class CheckpointManager:
             prefix = fmt.join(os.fspath(directory))
         self._async = async_save
         self._coord = coordinator if coordinator is not None else default_coordinator(timeout)
-        self._thread: threading.Thread | None = None
+        self._worker: ThreadPoolExecutor | None = None  # the async saves' thread, from the first on
+        self._inflight: Future[None] | None = None  # the async save on it
         self._pool = snap.CopyPool()
         self._error: tuple[int, Exception] | None = None
         self._closed = False
@@ -183,9 +185,9 @@ class CheckpointManager:
 
     @property
     def saving(self) -> bool:
-        """Whether an asynchronous save is in flight (its background thread has not ended)."""
-        thread = self._thread
-        return thread is not None and thread.is_alive()
+        """Whether an asynchronous save is in flight (its background work has not ended)."""
+        inflight = self._inflight
+        return inflight is not None and not inflight.done()
 
     @property
     def location(self) -> str:
@@ -239,13 +241,13 @@ class CheckpointManager:
                 self._say_write_failure(step, exc)
                 raise
             return
-        self._thread = threading.Thread(
-            target=self._save_in_background, args=(payload,), name=f"elastictrain-checkpoint-{step}"
-        )
         try:
-            self._thread.start()
+            if self._worker is None:
+                # One thread for every async save: handing it a save does not wait until a new
+                # thread is scheduled, as Thread.start() does (on busy cores, milliseconds of stall).
+                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastictrain-checkpoint")
+            self._inflight = self._worker.submit(self._save_in_background, payload)
         except BaseException:
-            self._thread = None
             if payload.copy is not None:
                 payload.copy.abandon()  # nothing will copy: release the guards
             self.wait_snapshot()
@@ -274,9 +276,9 @@ class CheckpointManager:
                 The failure is raised once.
         """
         self.wait_snapshot()
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join()
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            inflight.result()  # _save_in_background keeps its failure for below
         failure, self._error = self._error, None
         if failure is not None:
             step, exc = failure
@@ -361,6 +363,8 @@ class CheckpointManager:
         finally:
             if self._overlap is not None:
                 self._overlap.close()
+            if self._worker is not None:
+                self._worker.shutdown()
             self._pool.clear()
             self._coord.close()
 
@@ -417,6 +421,7 @@ class CheckpointManager:
         return payload
 
     def _save_in_background(self, payload: Payload) -> None:
+        threading.current_thread().name = f"elastictrain-checkpoint-{payload.step}"  # in stack dumps
         try:
             self._write_and_commit(payload)
         except Exception as exc:  # noqa: BLE001 - reported by wait(): nothing may escape a thread silently
