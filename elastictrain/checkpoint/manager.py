@@ -160,6 +160,7 @@ class CheckpointManager:
         self._worker: ThreadPoolExecutor | None = None  # the async saves' thread, from the first on
         self._inflight: Future[None] | None = None  # the async save on it
         self._pool = snap.CopyPool()
+        self._planner = sharded.ChunkPlanner()  # which local shards a save writes, kept between saves
         self._error: tuple[int, Exception] | None = None
         self._closed = False
         # Test seam: called with each FAULT_STAGES name during a save, on every rank.
@@ -402,17 +403,20 @@ class CheckpointManager:
                 references += found
             else:
                 content[kind][name] = snap.snapshot(value, copy=self._async, pool=self._pool, where=where)
-        local = snap.snapshot({"rng": snap.capture_rng()}, copy=False, pool=self._pool)  # fresh tensors already
+        local = {"rng": snap.capture_rng()}  # plain data and fresh CPU tensors: nothing to check or copy
         payload = Payload(step=step, replicated=content if rank0 else None, local=local)
         if leaves:
-            payload.tensors, payload.shards = sharded.local_chunks(leaves)
+            payload.tensors, payload.shards = self._planner.local_chunks(leaves)
+            # One walk over every local shard, by tensor key (a rank holds one box of each tensor).
+            shards = {chunk.key: chunk.tensor for chunk in payload.shards}
+            where = "the local shards"
+            if self._overlap is not None:
+                shards, found = snap.capture(shards, pool=self._pool, where=where)
+                references += found
+            else:
+                shards = snap.snapshot(shards, copy=self._async, pool=self._pool, where=where)
             for chunk in payload.shards:
-                where = f"the local shard of {chunk.key!r}"
-                if self._overlap is not None:
-                    chunk.tensor, found = snap.capture(chunk.tensor, pool=self._pool, where=where)
-                    references += found
-                else:
-                    chunk.tensor = snap.snapshot(chunk.tensor, copy=self._async, pool=self._pool, where=where)
+                chunk.tensor = shards[chunk.key]
         if rank0 or payload.shards:  # checked for NaN and infinity before the write (see _diverged)
             payload.parameters = {name: [key for key, _ in obj.named_parameters()]
                                   for name, obj in state.items() if isinstance(obj, torch.nn.Module)}
