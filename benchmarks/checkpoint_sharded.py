@@ -12,6 +12,9 @@ repetition after a barrier and as the slowest rank saw it:
 - ``overlap_stall``, ``overlap_copy``: with ``overlap=True`` too, the time in ``save`` (the stall
   when the next step's compute covers the copy) and until ``wait_snapshot`` returns right after
   it (the stall when nothing covers it);
+- ``torch_save_cpu``, ``overlap_stall_cpu``: the CPU time of the training thread in ``torch.save``
+  and in the overlapped ``save`` (``time.thread_time``): what the stall costs that thread, which
+  other processes' load on the cores does not change as it changes the wall times;
 - ``sync_save``: ``CheckpointManager.save`` until committed (written, fsynced, manifest, rename);
 - ``dcp_save``: ``torch.distributed.checkpoint.save`` with its ``FileSystemWriter``.
 
@@ -48,7 +51,8 @@ import torch
 
 from benchmarks._common import emit, machine, ratio, summarize
 
-MEASURES = ("torch_save", "async_stall", "async_total", "overlap_stall", "overlap_copy", "sync_save", "dcp_save")
+MEASURES = ("torch_save", "async_stall", "async_total", "overlap_stall", "overlap_copy", "sync_save", "dcp_save",
+            "torch_save_cpu", "overlap_stall_cpu")
 LOADS = ("restore", "dcp_load")
 
 
@@ -140,7 +144,12 @@ def _save_phase(rank: int, args: argparse.Namespace, root: Path) -> dict[str, An
 
     for rep in range(total):
         path = root / f"plain-{rank}-{rep}.pt"
-        times["torch_save"].append(_timed(lambda: torch.save(local, path)))  # noqa: B023 - called at once
+        torch.distributed.barrier()
+        start, cpu = time.perf_counter(), time.thread_time()
+        torch.save(local, path)
+        wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
+        times["torch_save"].append(_slowest(wall))
+        times["torch_save_cpu"].append(_slowest(cpu))
         path.unlink()
     with CheckpointManager(root / "async", keep_last=1, async_save=True) as mgr:
         for rep in range(total):
@@ -157,9 +166,9 @@ def _save_phase(rank: int, args: argparse.Namespace, root: Path) -> dict[str, An
     with CheckpointManager(root / "overlap", keep_last=1, async_save=True, overlap=True) as mgr:
         for rep in range(total):
             torch.distributed.barrier()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             mgr.save(rep, holders)
-            stalled = time.perf_counter() - start
+            stalled, stalled_cpu = time.perf_counter() - start, time.thread_time() - cpu
             mgr.wait_snapshot()  # the copy, had no step's compute covered it
             copied = time.perf_counter() - start
             with torch.no_grad():
@@ -167,6 +176,7 @@ def _save_phase(rank: int, args: argparse.Namespace, root: Path) -> dict[str, An
                     tensor.mul_(0.999)
             mgr.wait()
             times["overlap_stall"].append(_slowest(stalled))
+            times["overlap_stall_cpu"].append(_slowest(stalled_cpu))
             times["overlap_copy"].append(_slowest(copied))
     with CheckpointManager(root / "ours", keep_last=1) as mgr:
         for rep in range(total):
@@ -272,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     results |= {name: _stats(loaded["times"][name], args.warmup) for name in LOADS}
     results |= {
         "async_stall_over_torch_save": ratio(results["async_stall"], results["torch_save"]),
+        "overlap_stall_over_torch_save": ratio(results["overlap_stall"], results["torch_save"]),
+        "overlap_stall_cpu_over_torch_save_cpu": ratio(results["overlap_stall_cpu"], results["torch_save_cpu"]),
         "sync_save_over_dcp_save": ratio(results["sync_save"], results["dcp_save"]),
         "restore_over_dcp_load": ratio(results["restore"], results["dcp_load"]),
         "same_values_as_dcp": loaded["same_values_as_dcp"],
@@ -281,7 +293,9 @@ def main(argv: list[str] | None = None) -> int:
              f"({saved['checkpoint_mb']} MB on disk); seconds, median [min-max] of {args.reps}, first apart"]
     for name in (*MEASURES, *LOADS):
         r = results[name]
-        lines.append(f"  {name:<14} {r['median']:>8.3f} [{r['min']:.3f}-{r['max']:.3f}]  first {r['first']:.3f}")
+        lines.append(f"  {name:<17} {r['median']:>8.3f} [{r['min']:.3f}-{r['max']:.3f}]  first {r['first']:.3f}")
+    lines.append(f"  overlapped stall / torch.save {results['overlap_stall_over_torch_save']:.3f} "
+                 f"(the training thread's CPU: {results['overlap_stall_cpu_over_torch_save_cpu']:.3f})")
     lines.append(f"  async stall / torch.save {results['async_stall_over_torch_save']:.3f}; sync save / DCP save "
                  f"{results['sync_save_over_dcp_save']:.2f}; resharded restore / DCP load "
                  f"{results['restore_over_dcp_load']:.2f}; same values as DCP: {results['same_values_as_dcp']}")

@@ -90,6 +90,8 @@ TABLE_ROWS = {
 CHECKPOINT_ROWS = (
     ("warm async save stall vs `torch.save` of each rank's shards", "async_stall", "torch_save",
      "async_stall_over_torch_save"),
+    ("warm overlapped save stall vs `torch.save` of each rank's shards", "overlap_stall", "torch_save",
+     "overlap_stall_over_torch_save"),
     ("sync save (committed) vs DCP `FileSystemWriter`", "sync_save", "dcp_save", "sync_save_over_dcp_save"),
     ("resharded load at N-1 ranks vs DCP `FileSystemReader`", "restore", "dcp_load", "restore_over_dcp_load"),
 )

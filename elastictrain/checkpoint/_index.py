@@ -63,7 +63,7 @@ def to_dtype(name: str) -> torch.dtype:
 
 def key_of(path: tuple[Any, ...]) -> str:
     """The index key of the tensor at ``path`` in the saved state (``("model", "w")`` -> ``"model/w"``)."""
-    return "/".join(str(part) for part in path)
+    return "/".join(map(str, path))
 
 
 @dataclass(frozen=True, slots=True)

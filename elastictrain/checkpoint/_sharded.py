@@ -34,8 +34,8 @@ from . import _index as index
 from ._manifest import FileEntry, HashingWriter, join
 from .storage import Storage
 
-__all__ = ["PLACEHOLDER", "LocalChunk", "TensorInfo", "build_index", "local_chunks", "region", "shard_file", "split",
-           "tensor_bytes", "write_shards"]
+__all__ = ["PLACEHOLDER", "ChunkPlanner", "LocalChunk", "TensorInfo", "build_index", "local_chunks", "region",
+           "shard_file", "split", "tensor_bytes", "write_shards"]
 
 PLACEHOLDER = "<sharded tensor: see the tensor index of MANIFEST.json>"
 """What ``replicated.pt`` holds where the state had a DTensor."""
@@ -133,47 +133,123 @@ def local_chunks(leaves: list[tuple[tuple[Any, ...], DTensor]]) -> tuple[list[Te
     Raises:
         ConfigError: Two DTensors with one key, a dtype or placement the format does not store.
     """
+    infos, planned = _plan(leaves)
+    return infos, _chunks(leaves, planned)
+
+
+class ChunkPlanner:
+    """``local_chunks`` for one manager's saves, planning again only when the DTensors change.
+
+    A training loop saves the same DTensors save after save (the parameters, the optimizer's
+    state), and a plan depends only on what :func:`_signature` lists of them: while that is the
+    same, the last save's plan holds, and only the local tensors are asked for again (FSDP2 may
+    swap a parameter's local tensor in place). This runs on the training thread at every save: a
+    plan costs microseconds per tensor, the comparison a fraction of that.
+    """
+
+    def __init__(self) -> None:
+        self._signature: list[tuple[Any, ...]] | None = None
+        self._plan: tuple[list[TensorInfo], list[_Planned]] = ([], [])
+
+    def local_chunks(self, leaves: list[tuple[tuple[Any, ...], DTensor]]) -> tuple[list[TensorInfo], list[LocalChunk]]:
+        """See :func:`local_chunks`."""
+        signature = _signature(leaves)
+        if signature != self._signature:
+            self._signature = None  # a plan that fails is no plan
+            self._plan = _plan(leaves)
+            self._signature = signature
+        infos, planned = self._plan
+        return list(infos), _chunks(leaves, planned)
+
+
+def _signature(leaves: list[tuple[tuple[Any, ...], DTensor]]) -> list[tuple[Any, ...]]:
+    """What the plan of ``leaves`` depends on, leaf by leaf: its key and path, dtype, global shape,
+    placements, its mesh's shape and this rank's coordinate there, and the first leaf that is the
+    same DTensor (a tied weight).
+
+    By value: nothing refers to a tensor or mesh after the save (a weak reference to a parameter
+    makes ``torch.utils.swap_tensors``, which ``Module._apply`` uses on DTensors, refuse it; a
+    strong one would keep a resharded state's old shards in memory)."""
+    meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...] | None]] = {}  # id(mesh) -> (shape, coordinate)
+    first: dict[int, int] = {}  # id(DTensor) -> the first leaf that is it
+    signature = []
+    for leaf, (path, tensor) in enumerate(leaves):
+        mesh = tensor.device_mesh
+        seen = meshes.get(id(mesh))
+        if seen is None:
+            seen = meshes[id(mesh)] = (tuple(mesh.shape), mesh.get_coordinate())
+        signature.append((index.key_of(path), path, tensor.dtype, tensor.shape, tensor.placements, seen,
+                          first.setdefault(id(tensor), leaf)))
+    return signature
+
+
+@dataclass(frozen=True, slots=True)
+class _Planned:
+    """A local chunk of a plan: which leaf of the save it is the shard of, and its box."""
+
+    leaf: int
+    key: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+def _chunks(leaves: list[tuple[tuple[Any, ...], DTensor]], planned: list[_Planned]) -> list[LocalChunk]:
+    with torch.no_grad():  # to_local() is then the local tensor itself, not an autograd op's view of it
+        return [LocalChunk(key=p.key, offsets=p.offsets, sizes=p.sizes, tensor=leaves[p.leaf][1].to_local())
+                for p in planned]
+
+
+def _plan(leaves: list[tuple[tuple[Any, ...], DTensor]]) -> tuple[list[TensorInfo], list[_Planned]]:
+    """``local_chunks``'s plan: the descriptions, and the local chunks by the leaf they are of."""
     infos: list[TensorInfo] = []
-    chunks: list[LocalChunk] = []
-    seen: set[str] = set()
+    planned: list[_Planned] = []
     loads: dict[int, list[int]] = {}  # bytes assigned to each replica, by the number of replicas
     first: dict[int, str] = {}  # id(DTensor) -> the key it was first found under
-    ordered = sorted(leaves, key=lambda leaf: index.key_of(leaf[0]))
-    for path, tensor in ordered:
-        key = index.key_of(path)
-        what = "state" + "".join(f"[{p!r}]" for p in path)
+    meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...] | None]] = {}  # id(mesh) -> (shape, coordinate)
+    ordered = sorted(((index.key_of(path), i) for i, (path, _) in enumerate(leaves)))
+    previous = None
+    for key, leaf in ordered:
+        path, tensor = leaves[leaf]
         if not all(type(p) in (str, int) for p in path):
-            raise ConfigError(f"{what}: a DTensor's keys must be strings or integers")
-        if key in seen:
-            raise ConfigError(f"{what}: two DTensors of the state have the index key {key!r}")
-        seen.add(key)
+            raise ConfigError(f"{_name(path)}: a DTensor's keys must be strings or integers")
+        if key == previous:  # sorted: one key twice is two neighbours
+            raise ConfigError(f"{_name(path)}: two DTensors of the state have the index key {key!r}")
+        previous = key
         if index.dtype_name(tensor.dtype) is None:
-            raise ConfigError(f"{what}: dtype {tensor.dtype} cannot be checkpointed in shards")
+            raise ConfigError(f"{_name(path)}: dtype {tensor.dtype} cannot be checkpointed in shards")
         shape = tuple(tensor.shape)
         if id(tensor) in first:  # the same tensor under a second name (tied weights): its bytes once
             infos.append(TensorInfo(key=key, path=path, dtype=tensor.dtype, shape=shape, same_as=first[id(tensor)]))
             continue
         first[id(tensor)] = key
         infos.append(TensorInfo(key=key, path=path, dtype=tensor.dtype, shape=shape))
-        mesh = tensor.device_mesh
+        mesh, placements = tensor.device_mesh, tensor.placements
+        seen = meshes.get(id(mesh))
+        if seen is None:
+            seen = meshes[id(mesh)] = (tuple(mesh.shape), mesh.get_coordinate())
+        mesh_shape, coordinate = seen
         # Every rank counts every tensor (from global shapes only), so that all agree on the writers.
-        replicated = [d for d, p in enumerate(tensor.placements) if type(p) is Replicate]
-        replicas = math.prod(mesh.shape[d] for d in replicated)
+        replicated = [d for d, p in enumerate(placements) if type(p) is Replicate]
+        replicas = math.prod(mesh_shape[d] for d in replicated)
         load = loads.setdefault(replicas, [0] * replicas)
         writer = load.index(min(load))
         load[writer] += math.prod(shape) * tensor.element_size()
-        coordinate = mesh.get_coordinate()
         if coordinate is None:  # this rank holds no part of the mesh
             continue
-        offsets, sizes = region(shape, mesh.shape, coordinate, tensor.placements, what)
+        offsets, sizes = region(shape, mesh_shape, coordinate, placements, _name(path))
         for d in reversed(replicated):  # the writer's coordinate along the replicated dimensions
-            writer, at = divmod(writer, mesh.shape[d])
+            writer, at = divmod(writer, mesh_shape[d])
             if coordinate[d] != at:
                 break
         else:
             if math.prod(sizes) > 0:
-                chunks.append(LocalChunk(key=key, offsets=offsets, sizes=sizes, tensor=tensor.to_local()))
-    return infos, chunks
+                planned.append(_Planned(leaf=leaf, key=key, offsets=offsets, sizes=sizes))
+    return infos, planned
+
+
+def _name(path: tuple[Any, ...]) -> str:
+    """How an error names the state entry at ``path``."""
+    return "state" + "".join(f"[{p!r}]" for p in path)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:

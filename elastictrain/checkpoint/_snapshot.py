@@ -15,7 +15,7 @@ import random
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import torch
@@ -53,7 +53,7 @@ _MAPPINGS: tuple[type, ...] = (dict, OrderedDict)
 _SEQUENCES: tuple[type, ...] = (list, tuple, set)
 
 
-StorageKey = tuple[str, int, int]
+StorageKey = tuple[torch.device, int, int]
 """Identifies a storage: (device, data pointer, size in bytes)."""
 
 
@@ -63,7 +63,7 @@ def storage_key(tensor: torch.Tensor) -> StorageKey:
     if isinstance(tensor, DTensor):
         tensor = tensor.to_local()
     storage = tensor.untyped_storage()
-    return (str(tensor.device), storage.data_ptr(), storage.nbytes())
+    return (tensor.device, storage.data_ptr(), storage.nbytes())
 
 
 def _storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -280,8 +280,20 @@ def map_tensors(obj: Any, leaf: Callable[[torch.Tensor], Any]) -> Any:
     return _walk(obj, "state", leaf)
 
 
-def _walk(obj: Any, where: str, leaf: Callable[[torch.Tensor], Any] | None) -> Any:
-    # leaf=None: validate only.
+_Where: TypeAlias = "str | tuple[_Where, Any]"
+"""Where ``_walk`` is, spelt only for an error: a name, or (where its container is, its key or index)."""
+
+
+def _spell(where: _Where) -> str:
+    keys: list[Any] = []
+    while isinstance(where, tuple):
+        where, key = where
+        keys.append(key)
+    return where + "".join(f"[{key!r}]" for key in reversed(keys))
+
+
+def _walk(obj: Any, where: _Where, leaf: Callable[[torch.Tensor], Any] | None) -> Any:
+    # leaf=None: validate only. Runs on the training thread at every save, over every entry.
     kind = type(obj)
     if kind in _SCALARS:
         return obj
@@ -294,28 +306,28 @@ def _walk(obj: Any, where: str, leaf: Callable[[torch.Tensor], Any] | None) -> A
         out = kind()
         for key, value in obj.items():
             if type(key) not in _SCALARS:
-                raise ConfigError(f"{where}: key {key!r} of type {type(key).__name__} cannot be saved")
-            out[key] = _walk(value, f"{where}[{key!r}]", leaf)
+                raise ConfigError(f"{_spell(where)}: key {key!r} of type {type(key).__name__} cannot be saved")
+            out[key] = _walk(value, (where, key), leaf)
         return out
     if kind in _SEQUENCES:
-        items = [_walk(value, f"{where}[{i}]", leaf) for i, value in enumerate(obj)]
+        items = [_walk(value, (where, i), leaf) for i, value in enumerate(obj)]
         if kind is set and all(new is old for new, old in zip(items, obj, strict=True)):
             # A copy of the table keeps the iteration (so pickling) order, walk after walk; a
             # set rebuilt element by element may not (colliding hashes land elsewhere).
             return set(obj)
         return kind(items)
     raise ConfigError(
-        f"{where}: a value of type {kind.__module__}.{kind.__qualname__} cannot be loaded back with "
+        f"{_spell(where)}: a value of type {kind.__module__}.{kind.__qualname__} cannot be loaded back with "
         "torch.load(weights_only=True); store tensors, plain containers and int/float/str/bool/None "
         "(convert numpy values with .tolist() or torch.from_numpy)"
     )
 
 
-def _check_tensor(tensor: torch.Tensor, where: str) -> None:
+def _check_tensor(tensor: torch.Tensor, where: _Where) -> None:
     # Parameter is fine (detach() makes it a plain tensor). DTensors never get here from a save
     # (the manager writes them in shards); other subclasses are not supported.
     if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
-        raise ConfigError(f"{where}: tensor subclass {type(tensor).__name__} is not supported")
+        raise ConfigError(f"{_spell(where)}: tensor subclass {type(tensor).__name__} is not supported")
 
 
 def _to_cpu(tensor: torch.Tensor, pool: CopyPool, copy: bool) -> torch.Tensor:

@@ -23,6 +23,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
@@ -156,8 +157,10 @@ class CheckpointManager:
             prefix = fmt.join(os.fspath(directory))
         self._async = async_save
         self._coord = coordinator if coordinator is not None else default_coordinator(timeout)
-        self._thread: threading.Thread | None = None
+        self._worker: ThreadPoolExecutor | None = None  # the async saves' thread, from the first on
+        self._inflight: Future[None] | None = None  # the async save on it
         self._pool = snap.CopyPool()
+        self._planner = sharded.ChunkPlanner()  # which local shards a save writes, kept between saves
         self._error: tuple[int, Exception] | None = None
         self._closed = False
         # Test seam: called with each FAULT_STAGES name during a save, on every rank.
@@ -183,9 +186,9 @@ class CheckpointManager:
 
     @property
     def saving(self) -> bool:
-        """Whether an asynchronous save is in flight (its background thread has not ended)."""
-        thread = self._thread
-        return thread is not None and thread.is_alive()
+        """Whether an asynchronous save is in flight (its background work has not ended)."""
+        inflight = self._inflight
+        return inflight is not None and not inflight.done()
 
     @property
     def location(self) -> str:
@@ -239,13 +242,13 @@ class CheckpointManager:
                 self._say_write_failure(step, exc)
                 raise
             return
-        self._thread = threading.Thread(
-            target=self._save_in_background, args=(payload,), name=f"elastictrain-checkpoint-{step}"
-        )
         try:
-            self._thread.start()
+            if self._worker is None:
+                # One thread for every async save: handing it a save does not wait until a new
+                # thread is scheduled, as Thread.start() does (on busy cores, milliseconds of stall).
+                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastictrain-checkpoint")
+            self._inflight = self._worker.submit(self._save_in_background, payload)
         except BaseException:
-            self._thread = None
             if payload.copy is not None:
                 payload.copy.abandon()  # nothing will copy: release the guards
             self.wait_snapshot()
@@ -274,9 +277,9 @@ class CheckpointManager:
                 The failure is raised once.
         """
         self.wait_snapshot()
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join()
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            inflight.result()  # _save_in_background keeps its failure for below
         failure, self._error = self._error, None
         if failure is not None:
             step, exc = failure
@@ -361,6 +364,8 @@ class CheckpointManager:
         finally:
             if self._overlap is not None:
                 self._overlap.close()
+            if self._worker is not None:
+                self._worker.shutdown()
             self._pool.clear()
             self._coord.close()
 
@@ -398,17 +403,20 @@ class CheckpointManager:
                 references += found
             else:
                 content[kind][name] = snap.snapshot(value, copy=self._async, pool=self._pool, where=where)
-        local = snap.snapshot({"rng": snap.capture_rng()}, copy=False, pool=self._pool)  # fresh tensors already
+        local = {"rng": snap.capture_rng()}  # plain data and fresh CPU tensors: nothing to check or copy
         payload = Payload(step=step, replicated=content if rank0 else None, local=local)
         if leaves:
-            payload.tensors, payload.shards = sharded.local_chunks(leaves)
+            payload.tensors, payload.shards = self._planner.local_chunks(leaves)
+            # One walk over every local shard, by tensor key (a rank holds one box of each tensor).
+            shards = {chunk.key: chunk.tensor for chunk in payload.shards}
+            where = "the local shards"
+            if self._overlap is not None:
+                shards, found = snap.capture(shards, pool=self._pool, where=where)
+                references += found
+            else:
+                shards = snap.snapshot(shards, copy=self._async, pool=self._pool, where=where)
             for chunk in payload.shards:
-                where = f"the local shard of {chunk.key!r}"
-                if self._overlap is not None:
-                    chunk.tensor, found = snap.capture(chunk.tensor, pool=self._pool, where=where)
-                    references += found
-                else:
-                    chunk.tensor = snap.snapshot(chunk.tensor, copy=self._async, pool=self._pool, where=where)
+                chunk.tensor = shards[chunk.key]
         if rank0 or payload.shards:  # checked for NaN and infinity before the write (see _diverged)
             payload.parameters = {name: [key for key, _ in obj.named_parameters()]
                                   for name, obj in state.items() if isinstance(obj, torch.nn.Module)}
@@ -417,6 +425,7 @@ class CheckpointManager:
         return payload
 
     def _save_in_background(self, payload: Payload) -> None:
+        threading.current_thread().name = f"elastictrain-checkpoint-{payload.step}"  # in stack dumps
         try:
             self._write_and_commit(payload)
         except Exception as exc:  # noqa: BLE001 - reported by wait(): nothing may escape a thread silently

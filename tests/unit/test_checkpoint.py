@@ -431,6 +431,35 @@ def test_failed_sync_write_raises_from_save_and_leaves_the_previous_checkpoint(t
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["step_00000001"]
 
 
+def test_async_saves_run_on_one_thread_which_close_ends(tmp_path: Path) -> None:
+    # save() hands each save to the same thread rather than start one per save, which waits until
+    # the new thread is scheduled: milliseconds of the training stall on busy cores.
+    trainer = Trainer()
+    ran_on: list[threading.Thread] = []
+    go = threading.Event()
+
+    def hold(stage: str) -> None:
+        if stage == "before_write":
+            ran_on.append(threading.current_thread())
+            go.wait(10)
+
+    with CheckpointManager(tmp_path, async_save=True) as mgr:
+        mgr._fault_hook = hold
+        for step in range(3):
+            go.clear()
+            mgr.save(step, trainer.state())
+            assert mgr.saving
+            go.set()
+            mgr.wait()
+            assert not mgr.saving
+    assert len(set(ran_on)) == 1 and ran_on[0] is not threading.current_thread(), ran_on
+    assert ran_on[0].name == "elastictrain-checkpoint-2"
+    assert not ran_on[0].is_alive()
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["step_00000000",
+                                                                                         "step_00000001",
+                                                                                         "step_00000002"]
+
+
 def test_closed_manager_refuses_to_save(tmp_path: Path) -> None:
     mgr = CheckpointManager(tmp_path, keep_last=1)
     mgr.close()
