@@ -106,11 +106,14 @@ def not_own_failure(worker_group: WorkerGroup, failures: dict[int, Any]) -> bool
 
 def _membership_change(before: Any, after: Any) -> dict[str, list[str]]:
     """The node ids that left and joined between two round records (the etcd3 handler's
-    ``joined``): ``{"nodes_left": [...], "nodes_joined": [...]}``, each only when not empty."""
+    ``joined``): ``{"nodes_left": [...], "nodes_joined": [...], "nodes_found_dead": [...]}``, each
+    only when not empty; ``nodes_found_dead``: those of the left that the round did not wait for,
+    their probe port refused (:attr:`RoundRecord.found_dead`)."""
     if before is None or after is None:
         return {}
-    change = {"nodes_left": [n for n in before.nodes if n not in after.nodes],
-              "nodes_joined": [n for n in after.nodes if n not in before.nodes]}
+    left = [n for n in before.nodes if n not in after.nodes]
+    change = {"nodes_left": left, "nodes_joined": [n for n in after.nodes if n not in before.nodes],
+              "nodes_found_dead": [n for n in after.found_dead if n in left]}
     return {k: v for k, v in change.items() if v}
 
 
@@ -120,7 +123,8 @@ def describe_change(before: Any, after: Any) -> str:
     round it left, or joined) and pid (:func:`describe_node`), never by its id alone; empty if none."""
     if before is None or after is None:
         return ""
-    left = [describe_node(n, rank) for rank, n in enumerate(before.nodes) if n not in after.nodes]
+    left = [describe_node(n, rank) + (" (found dead: its probe port refused)" if n in after.found_dead else "")
+            for rank, n in enumerate(before.nodes) if n not in after.nodes]
     joined = [describe_node(n, rank) for rank, n in enumerate(after.nodes) if n not in before.nodes]
     parts = [f"{what}: {', '.join(nodes)}" for what, nodes in (("node(s) left", left), ("node(s) joined", joined))
              if nodes]

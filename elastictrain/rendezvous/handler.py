@@ -58,7 +58,15 @@ from elastictrain.rendezvous import BACKEND_NAME
 from elastictrain.rendezvous.keys import RunKeys
 from elastictrain.rendezvous.membership import Closer, ControlView, RoundWatch, close_rendezvous, is_open, read_members
 from elastictrain.rendezvous.ready import ReadyWord
-from elastictrain.rendezvous.records import FINISHED, CloserRecord, MemberRecord, RoundRecord, encode, node_id_for
+from elastictrain.rendezvous.records import (
+    FINISHED,
+    CloserRecord,
+    MemberRecord,
+    RoundRecord,
+    encode,
+    node_id_for,
+    node_where,
+)
 from elastictrain.rendezvous.store import Etcd3Store
 from elastictrain.rendezvous.waiting import Ending, Look, Me, decide, give_up
 
@@ -348,7 +356,9 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         """The worker failures that members of this node's new round said as they asked for it
         (their member records, read once: a fault said just before the round formed, which this
         node's watch of its previous round may not have delivered yet), each named by the node's
-        name and its node rank in the previous round. Empty when this node was in no round before.
+        name and its node rank in the previous round; then the members of the previous round that
+        the closer found dead as it formed this one (:attr:`RoundRecord.found_dead`: their probe
+        port refused). Empty when this node was in no round before.
 
         Raises:
             EtcdError: etcd failed.
@@ -368,6 +378,10 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             found.append(Fault(rank=member.record.fault_rank, node=node_name_of(node),
                                node_rank=rank if rank is not None else joined.rank_of(node),
                                how=member.record.fault_how))
+        found += [Fault(rank=None, node=node_name_of(node), node_rank=before.rank_of(node),
+                        how=" ".join(filter(None, (node_where(node), "is gone: its probe port refused a connection "
+                                                   "(its process died; its lease had not expired yet)"))))
+                  for node in joined.found_dead if before.rank_of(node) is not None]
         return found
 
     def reenter_for_joiners(self) -> None:

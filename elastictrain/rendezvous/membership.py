@@ -25,7 +25,11 @@ The rules, written once here:
 - the next round takes the waiting nodes, members of the current round first,
   then by registration (``create_revision``) order, at most ``max_nodes``; ranks
   follow registration order. It forms at once when ``max_nodes`` wait, unless a live
-  member of the current round has not asked yet: then it waits for it up to the last call.
+  member of the current round has not asked yet: then it waits for it up to the last call;
+- a node whose key lives but that has not asked for a re-forming round is probed (a TCP connect
+  to the probe port in its record): one whose port is refused is dead (its process is gone,
+  its lease not yet expired), and the round does not wait the last call for it. One that
+  answers, or does not answer at all (a host down or cut off), is waited for as before.
 """
 
 from __future__ import annotations
@@ -33,8 +37,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import timedelta
 
 from elastictrain import errors
 from elastictrain._fault import Fault, node_name_of
@@ -43,7 +49,12 @@ from elastictrain.etcd.client import EtcdClient
 from elastictrain.etcd.lease import RunLease
 from elastictrain.etcd.watch import Watch, WatchEvent
 from elastictrain.rendezvous.keys import RunKeys
+from elastictrain.rendezvous.reachability import Answer, probe_all
 from elastictrain.rendezvous.records import (
+    FORMED_ALL_IN,
+    FORMED_FULL,
+    FORMED_LAST_CALL,
+    FORMED_PEERS_DEAD,
     AllReadyRecord,
     ClosedRecord,
     CloserRecord,
@@ -57,8 +68,12 @@ from elastictrain.rendezvous.records import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["STORES_KEPT", "Closer", "Closing", "ControlView", "Member", "RoundWatch", "absent_members",
+__all__ = ["PROBE_AGAIN", "STORES_KEPT", "Closer", "Closing", "ControlView", "Member", "RoundWatch", "absent_members",
            "choose_members", "close_rendezvous", "closing", "is_open", "member_of", "read_members", "waiting"]
+
+PROBE_AGAIN = timedelta(seconds=0.25)
+"""How soon the closer probes again a member it waits for whose last probe was answered (or went
+unanswered): a member's agent may die a moment after its workers did."""
 
 STORES_KEPT = 3
 """Rounds whose store keys stay: the newest and the two before it (an agent may still be starting
@@ -150,13 +165,26 @@ class Closing:
     can change the verdict."""
     quorum_since: float | None
     """Since when ``min_nodes`` have waited (the last call counts from then)."""
+    reason: str = ""
+    """Why the round forms now (one of :data:`~elastictrain.rendezvous.records.FORMED_REASONS`)."""
+    found_dead: list[str] = field(default_factory=list)
+    """The live keys not waited for because their probe was refused (in the round's record)."""
+    unasked: list[str] = field(default_factory=list)
+    """While a re-formation waits (``chosen`` is ``None``): the live nodes that have not asked for
+    the round and are not known dead, whose arrival or death would form it sooner (the closer
+    probes them)."""
 
 
 def closing(members: dict[str, Member], current: RoundRecord | None, *, now: float, quorum_since: float | None,
-            min_nodes: int, max_nodes: int, last_call: float) -> Closing:
+            min_nodes: int, max_nodes: int, last_call: float, dead: frozenset[str] = frozenset()) -> Closing:
     """Whether the closer forms the next round at ``now`` (the module's rules): the current round
     is open, ``min_nodes`` wait, and either ``max_nodes`` wait and no live member of the current
-    round is still to ask, or the last call is over, or every live node is in."""
+    round is still to ask, or the last call is over, or every live node is in.
+
+    ``dead``: nodes whose key lives but whose probe port was refused (their process is gone, see
+    :class:`~elastictrain.rendezvous.reachability.Answer`). In a re-formation they count as gone:
+    the round forms once every other live node is in, without waiting the last call for them. A
+    node that asked for the round is a candidate whatever its probe said."""
     if not is_open(members, current):
         return Closing(None, None, None)
     candidates = waiting(members, current)
@@ -170,10 +198,26 @@ def closing(members: dict[str, Member], current: RoundRecord | None, *, now: flo
     # nodes start at slightly different times, and one a moment late would otherwise wait
     # for a round that forms only when the others next re-enter (a join, or a restart).
     survivors = current is not None and not set(current.nodes).isdisjoint(m.record.node for m in candidates)
-    everyone_in = survivors and len(candidates) == len(members)
-    if not everyone_in and now < due and (len(candidates) < max_nodes or absent_members(members, current, candidates)):
-        return Closing(None, due, since)
-    return Closing(choose_members(candidates, current, max_nodes), None, since)
+    asked = {m.record.node for m in candidates}
+    found_dead = sorted(node for node in members if node in dead and node not in asked) if survivors else []
+    live = {node: m for node, m in members.items() if node not in found_dead}
+
+    def due_now(alive: dict[str, Member]) -> str:
+        if survivors and len(candidates) == len(alive):
+            return FORMED_ALL_IN
+        if len(candidates) >= max_nodes and not absent_members(alive, current, candidates):
+            return FORMED_FULL
+        return ""
+
+    reason = due_now(members)
+    if not reason and found_dead and due_now(live):
+        reason = FORMED_PEERS_DEAD
+    if not reason and now >= due:
+        reason = FORMED_LAST_CALL
+    if not reason:
+        unasked = [node for node in live if node not in asked] if survivors else []
+        return Closing(None, due, since, unasked=unasked)
+    return Closing(choose_members(candidates, current, max_nodes), None, since, reason=reason, found_dead=found_dead)
 
 
 class ControlView:
@@ -335,6 +379,11 @@ class Closer:
         self._revision = 0
         self._quorum_since: float | None = None
         self._reported: set[str] = set()
+        self._answers: dict[Member, tuple[Answer, float]] = {}
+        """What the probe of each version of a member key met, and when it ended. Keyed by the whole
+        :class:`Member` (its revisions too): an answer about one version never speaks for a later one."""
+        self._probing: set[Member] = set()
+        self._closed = False
         revision, found = kv.range_(client, keys.members, prefix=True, what="reading the rendezvous members")
         with self._lock:
             for item in found:
@@ -384,8 +433,8 @@ class Closer:
         """Form the next round if it is due.
 
         Returns:
-            When to look again at the latest (a last-call deadline), or ``None``:
-            only an etcd event can change the decision.
+            When to look again at the latest (a last-call deadline, or the next probe of a
+            member it waits for), or ``None``: only an etcd event can change the decision.
 
         Raises:
             EtcdError: etcd failed.
@@ -393,21 +442,67 @@ class Closer:
         current, current_kv = self._control.round, self._control.round_kv
         with self._lock:
             members, snapshot = dict(self._members), self._revision
+            dead = frozenset(node for node, m in members.items()
+                             if (answer := self._answers.get(m)) is not None and answer[0] is Answer.REFUSED)
         verdict = closing(members, current, now=now, quorum_since=self._quorum_since, min_nodes=self._min,
-                          max_nodes=self._max, last_call=self._last_call)
+                          max_nodes=self._max, last_call=self._last_call, dead=dead)
         self._quorum_since = verdict.quorum_since
         if verdict.chosen is not None:
-            self._form(verdict.chosen, current, current_kv, snapshot)
-        return verdict.wake
+            self._form(verdict.chosen, current, current_kv, snapshot, reason=verdict.reason,
+                       found_dead=verdict.found_dead)
+            return None
+        again = self._probe([members[node] for node in verdict.unasked], now)
+        return min((t for t in (verdict.wake, again) if t is not None), default=None)
+
+    def _probe(self, unasked: list[Member], now: float) -> float | None:
+        """Probe, on a thread of their own, the members the round waits for that publish a probe
+        port and were not probed in the last :data:`PROBE_AGAIN` (one found dead stays dead);
+        return when the next of them is due again."""
+        due: list[float] = []
+        with self._lock:
+            if self._closed:
+                return None
+            fresh = []
+            for member in unasked:
+                if not member.record.probe_port or member in self._probing:
+                    continue
+                answer = self._answers.get(member)
+                if answer is not None and answer[0] is Answer.REFUSED:
+                    continue
+                if answer is None or now >= answer[1] + PROBE_AGAIN.total_seconds():
+                    fresh.append(member)
+                else:
+                    due.append(answer[1] + PROBE_AGAIN.total_seconds())
+            self._probing.update(fresh)
+        if fresh:
+            threading.Thread(target=self._probe_now, args=(fresh,), name="elastictrain-closer-probe",
+                             daemon=True).start()
+        return min(due, default=None)
+
+    def _probe_now(self, members: list[Member]) -> None:
+        answers = probe_all({m.record.node: (m.record.addr, m.record.probe_port) for m in members})
+        ended = time.monotonic()
+        with self._lock:
+            for member in members:
+                self._answers[member] = (answers[member.record.node], ended)
+                self._probing.discard(member)
+            closed = self._closed
+        for member in members:
+            if answers[member.record.node] is Answer.REFUSED:
+                logger.info("node %s has not asked for the next round and its probe port %s:%d refused a "
+                            "connection: its process is gone (its lease lives on); not waiting the last call for it",
+                            describe_node(member.record.node), member.record.addr, member.record.probe_port)
+        if not closed:
+            self._control.touch()  # the waiting loop looks again (and the closer steps)
 
     def _form(self, chosen: list[Member], current: RoundRecord | None, current_kv: kv.KeyValue | None,
-              snapshot: int) -> None:
+              snapshot: int, *, reason: str, found_dead: list[str]) -> None:
         first = chosen[0].record
         record = RoundRecord(
             round=(current.round + 1) if current is not None else 0,
             nodes=[m.record.node for m in chosen], nproc=[m.record.nproc for m in chosen],
             master_addr=first.addr, master_port=first.port, snapshot=snapshot,
-            min_nodes=self._min, max_nodes=self._max,
+            min_nodes=self._min, max_nodes=self._max, reason=reason, found_dead=found_dead,
         )
         keys = self._keys
         compare = [
@@ -432,14 +527,18 @@ class Closer:
             [kv.put(keys.round, value, lease), kv.delete(keys.closer), kv.get(keys.round), *cleanup],
             what="forming a rendezvous round"))
         if result.succeeded:
-            logger.info("formed round %d of run '%s' with %d node(s): %s", record.round, keys.run_id,
-                        len(record.nodes),
+            logger.info("formed round %d of run '%s' with %d node(s) (%s): %s%s", record.round, keys.run_id,
+                        len(record.nodes), record.reason,
                         ", ".join(describe_node(node, rank) for rank, node in enumerate(record.nodes[:8]))
-                        + (" ..." if len(record.nodes) > 8 else ""))
+                        + (" ..." if len(record.nodes) > 8 else ""),
+                        "; found dead (probe refused), not waited for: "
+                        + ", ".join(describe_node(node) for node in record.found_dead) if record.found_dead else "")
             self._control.apply_own_write(result.ranges[0][0])
         # Otherwise something changed under us; the watches say what, and step() runs again.
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
         self._watch.close()
 
 

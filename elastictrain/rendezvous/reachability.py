@@ -8,21 +8,30 @@ and, when its workers wait in a collective for long, its agent asks whether this
 the others (:func:`reaches`, a TCP connect each). The node that reaches fewer than half of its
 peers is the one cut off (:func:`is_cut_off`): it leaves the round (its lease revoked, so the
 others re-form at once without it) and joins again once it reaches them.
+
+The same probe tells a member that died from one that is slow or cut off (:func:`probe`): a port
+whose process is gone is refused at once by its host (an RST), while a live member's port
+accepts (its kernel completes the handshake even while the process is stopped or busy), and a
+host that is down or cut off does not answer at all. The closer of a re-forming round uses this
+not to wait the last call for a member of the previous round that is provably dead
+(:class:`~elastictrain.rendezvous.membership.Closer`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import socket
 import threading
+import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PeerProbe", "is_cut_off", "reach_all", "reaches"]
+__all__ = ["Answer", "PeerProbe", "is_cut_off", "probe", "probe_all", "reach_all", "reaches"]
 
 PROBE_TIMEOUT = timedelta(seconds=1)
 """How long a probe waits for a peer's answer (a peer on a cut link never answers)."""
@@ -58,22 +67,62 @@ class PeerProbe:
         self._socket.close()
 
 
+class Answer(enum.Enum):
+    """What a probe of a peer's port met."""
+
+    ANSWERED = "answered"
+    """The connection was accepted: the process that published the port lives (it may be slow or
+    stopped: its kernel still completes the handshake)."""
+    REFUSED = "refused"
+    """Every address of the peer refused the connection at once: its host is up and nothing
+    listens on the port any more, so the process that published it is gone."""
+    SILENT = "silent"
+    """No answer within the timeout, or another error (host unreachable, name not resolved): a host
+    that is down or cut off, or a slow network. Nothing is known of the process."""
+
+
+def probe(addr: str, port: int, timeout: timedelta = PROBE_TIMEOUT) -> Answer:
+    """Connect to ``addr``:``port`` (each of its addresses in turn, all within ``timeout``) and say
+    what answered (:class:`Answer`)."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    try:
+        found = socket.getaddrinfo(addr.strip("[]"), port, type=socket.SOCK_STREAM)
+    except OSError:
+        return Answer.SILENT
+    refused = 0
+    for family, kind, proto, _, sockaddr in found:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            with socket.socket(family, kind, proto) as sock:
+                sock.settimeout(left)
+                sock.connect(sockaddr)
+            return Answer.ANSWERED
+        except ConnectionRefusedError:
+            refused += 1
+        except OSError:
+            pass  # a timeout, an unreachable host or network: no word on the process
+    return Answer.REFUSED if found and refused == len(found) else Answer.SILENT
+
+
 def reaches(addr: str, port: int, timeout: timedelta = PROBE_TIMEOUT) -> bool:
     """Whether a TCP connection to ``addr``:``port`` is accepted within ``timeout``."""
-    try:
-        with socket.create_connection((addr.strip("[]"), port), timeout=timeout.total_seconds()):
-            return True
-    except OSError:
-        return False
+    return probe(addr, port, timeout) is Answer.ANSWERED
+
+
+def probe_all(peers: Mapping[str, tuple[str, int]], timeout: timedelta = PROBE_TIMEOUT) -> dict[str, Answer]:
+    """Probe every peer (``node: (addr, port)``) at once; what each answered."""
+    if not peers:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(16, len(peers)), thread_name_prefix="elastictrain-probe") as pool:
+        answers = {node: pool.submit(probe, addr, port, timeout) for node, (addr, port) in peers.items()}
+        return {node: answer.result() for node, answer in answers.items()}
 
 
 def reach_all(peers: Mapping[str, tuple[str, int]], timeout: timedelta = PROBE_TIMEOUT) -> dict[str, bool]:
     """Probe every peer (``node: (addr, port)``) at once; whether each answered."""
-    if not peers:
-        return {}
-    with ThreadPoolExecutor(max_workers=min(16, len(peers)), thread_name_prefix="elastictrain-probe") as pool:
-        answers = {node: pool.submit(reaches, addr, port, timeout) for node, (addr, port) in peers.items()}
-        return {node: answer.result() for node, answer in answers.items()}
+    return {node: answer is Answer.ANSWERED for node, answer in probe_all(peers, timeout).items()}
 
 
 def is_cut_off(me: str, reached: Mapping[str, bool]) -> bool:

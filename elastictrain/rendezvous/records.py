@@ -19,7 +19,8 @@ from typing import Any, TypeVar
 
 from elastictrain import errors
 
-__all__ = ["FINISHED", "AllReadyRecord", "ClosedRecord", "CloserRecord", "MemberRecord", "ReadyRecord", "RoundRecord",
+__all__ = ["FINISHED", "FORMED_ALL_IN", "FORMED_FULL", "FORMED_LAST_CALL", "FORMED_PEERS_DEAD", "FORMED_REASONS",
+           "AllReadyRecord", "ClosedRecord", "CloserRecord", "MemberRecord", "ReadyRecord", "RoundRecord",
            "decode", "describe_node", "encode", "node_id_for", "node_where"]
 
 SCHEMA = 1
@@ -87,6 +88,18 @@ class MemberRecord:
     characters."""
 
 
+FORMED_FULL = "full"
+"""A :attr:`RoundRecord.reason`: ``max_nodes`` waited, and every live member of the round before it."""
+FORMED_ALL_IN = "all_in"
+"""A :attr:`RoundRecord.reason`: a re-formation, and every live node asked for it."""
+FORMED_PEERS_DEAD = "peers_dead"
+"""A :attr:`RoundRecord.reason`: a re-formation, and every live node asked for it but those found
+dead (:attr:`RoundRecord.found_dead`): it did not wait the last call for them."""
+FORMED_LAST_CALL = "last_call"
+"""A :attr:`RoundRecord.reason`: the last call ended."""
+FORMED_REASONS = (FORMED_FULL, FORMED_ALL_IN, FORMED_PEERS_DEAD, FORMED_LAST_CALL)
+
+
 @dataclass(frozen=True, slots=True)
 class RoundRecord:
     """A formed round (``rdzv/ctl/round``): its members in rank order and how to reach rank 0."""
@@ -107,6 +120,12 @@ class RoundRecord:
     max_nodes: int
     formed_at: float = field(default_factory=time.time)
     """Wall-clock time of forming, for people only (nothing compares it)."""
+    reason: str = ""
+    """Why the closer formed it then (one of :data:`FORMED_REASONS`; empty from an older version)."""
+    found_dead: list[str] = field(default_factory=list)
+    """Nodes whose key still lived (their lease not yet expired) but whose probe port the closer
+    found refused (their process is gone): the round did not wait for them. Most often a
+    member of the round before it that was killed."""
 
     def rank_of(self, node: str) -> int | None:
         try:

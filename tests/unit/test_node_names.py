@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from elastictrain._fault import MAX_HOW, Fault, node_label
-from elastictrain.launch.agent import describe_change
+from elastictrain.launch.agent import _membership_change, describe_change
 from elastictrain.rendezvous.records import RoundRecord, describe_node
 
 pytestmark = pytest.mark.timeout(10)
@@ -29,6 +31,11 @@ def test_a_lost_node_is_named_by_name_address_and_its_node_rank_never_by_its_id_
     assert "_abcdef" not in said
     joined = describe_change(_round(2, [c, b]), _round(3, [c, b, a]))
     assert joined == "; node(s) joined: node0@127.0.0.1 (node rank 2, pid 100)"
+    # A node the round did not wait for, its probe port refused, says so (and its event lists it).
+    dead = dataclasses.replace(_round(2, [c, b]), found_dead=[a])
+    assert describe_change(_round(1, [c, a, b]), dead) == \
+        "; node(s) left: node0@127.0.0.1 (node rank 1, pid 100) (found dead: its probe port refused)"
+    assert _membership_change(_round(1, [c, a, b]), dead) == {"nodes_left": [a], "nodes_found_dead": [a]}
 
 
 def test_a_fault_travels_as_bounded_json_and_a_malformed_one_is_none() -> None:

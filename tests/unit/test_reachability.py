@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 
-from elastictrain.rendezvous.reachability import PeerProbe, is_cut_off, reach_all, reaches
+from elastictrain.rendezvous.reachability import Answer, PeerProbe, is_cut_off, probe_all, reach_all, reaches
 
 
 @pytest.mark.parametrize(("me", "reached", "cut_off"), [
@@ -57,6 +57,15 @@ def test_peers_are_probed_at_once_and_one_that_never_answers_counts_as_unreached
         reached = reach_all({"up": ("127.0.0.1", probe.port), "cut": ("127.0.0.1", silent.getsockname()[1])},
                             timeout=timedelta(seconds=0.5))
         assert reached == {"up": True, "cut": False}
+        # What each answered: a port whose process is gone is refused; one that never answers is
+        # silent, not refused (nothing is known of its process).
+        gone = PeerProbe()
+        gone.close()
+        answers = probe_all({"up": ("127.0.0.1", probe.port), "cut": ("127.0.0.1", silent.getsockname()[1]),
+                             "gone": ("127.0.0.1", gone.port), "unknown": ("no-such-host.invalid", 1)},
+                            timeout=timedelta(seconds=0.5))
+        assert answers == {"up": Answer.ANSWERED, "cut": Answer.SILENT, "gone": Answer.REFUSED,
+                           "unknown": Answer.SILENT}
     finally:
         for filler in fillers:
             filler.close()

@@ -10,7 +10,14 @@ from collections.abc import Callable
 import pytest
 
 from elastictrain.rendezvous.membership import Member, absent_members, choose_members, closing, is_open, waiting
-from elastictrain.rendezvous.records import MemberRecord, RoundRecord
+from elastictrain.rendezvous.records import (
+    FORMED_ALL_IN,
+    FORMED_FULL,
+    FORMED_LAST_CALL,
+    FORMED_PEERS_DEAD,
+    MemberRecord,
+    RoundRecord,
+)
 from elastictrain.rendezvous.waiting import Decision, Ending, Look, Me, decide, give_up
 
 LEASE = 7
@@ -228,3 +235,62 @@ def test_a_standing_round_is_not_closed_whoever_waits() -> None:
         closing(members, current, now=0.0, quorum_since=None, min_nodes=1, max_nodes=3, last_call=1.0)
     assert closing(members, current, now=99.0, quorum_since=1.0, min_nodes=1, max_nodes=3,
                    last_call=1.0).chosen is None
+
+
+def test_a_member_found_dead_is_not_waited_for_and_the_round_says_so() -> None:
+    # b was killed: its lease lives on, and its probe port was refused.
+    current = _round(1, ["a", "b", "c"])
+    members = _members(_member("a", after=1, created=1), _member("b", after=0, created=2),
+                       _member("c", after=1, created=3))
+    waits = closing(members, current, now=0.0, quorum_since=None, min_nodes=2, max_nodes=3, last_call=9.0)
+    assert (waits.chosen, waits.wake, waits.unasked) == (None, 9.0, ["b"])  # the closer probes b
+    verdict = closing(members, current, now=0.0, quorum_since=None, min_nodes=2, max_nodes=3, last_call=9.0,
+                      dead=frozenset({"b"}))
+    assert [m.record.node for m in verdict.chosen or []] == ["a", "c"]
+    assert (verdict.reason, verdict.found_dead) == (FORMED_PEERS_DEAD, ["b"])
+    # Without it, the last call forms the same round, and says so.
+    late = closing(members, current, now=9.0, quorum_since=0.0, min_nodes=2, max_nodes=3, last_call=9.0)
+    assert [m.record.node for m in late.chosen or []] == ["a", "c"] and (late.reason, late.found_dead) == \
+        (FORMED_LAST_CALL, [])
+
+
+def test_a_dead_member_does_not_form_a_round_another_live_one_is_missing_from() -> None:
+    current = _round(1, ["a", "b", "c"], max_nodes=4)
+    members = _members(_member("a", after=1, created=1), _member("b", after=0, created=2),
+                       _member("c", after=0, created=3))
+    verdict = closing(members, current, now=0.0, quorum_since=None, min_nodes=1, max_nodes=4, last_call=9.0,
+                      dead=frozenset({"b"}))
+    assert (verdict.chosen, verdict.unasked) == (None, ["c"])  # c still probed: b needs no more
+    # The last call then forms it, and names b as found dead all the same.
+    late = closing(members, current, now=9.0, quorum_since=0.0, min_nodes=1, max_nodes=4, last_call=9.0,
+                   dead=frozenset({"b"}))
+    assert (late.reason, late.found_dead) == (FORMED_LAST_CALL, ["b"])
+
+
+def test_a_node_that_asked_is_a_candidate_whatever_its_probe_said_and_a_first_round_probes_nobody() -> None:
+    current = _round(1, ["a", "b"])
+    members = _members(_member("a", after=1, created=1), _member("b", after=1, created=2))
+    verdict = closing(members, current, now=0.0, quorum_since=None, min_nodes=2, max_nodes=3, last_call=9.0,
+                      dead=frozenset({"b"}))
+    assert [m.record.node for m in verdict.chosen or []] == ["a", "b"]
+    assert (verdict.reason, verdict.found_dead) == (FORMED_ALL_IN, [])
+    first = _members(_member("a", after=-1, created=1), _member("b", after=-1, created=2))
+    verdict = closing(first, None, now=0.0, quorum_since=None, min_nodes=2, max_nodes=3, last_call=9.0,
+                      dead=frozenset({"b"}))
+    assert (verdict.chosen, verdict.unasked) == (None, [])
+    full = _members(*(_member(n, after=-1, created=i) for i, n in enumerate("abc")))
+    assert closing(full, None, now=0.0, quorum_since=None, min_nodes=2, max_nodes=3, last_call=9.0).reason == \
+        FORMED_FULL
+
+
+def test_a_full_set_waits_for_an_absent_member_unless_it_is_found_dead() -> None:
+    # b has not asked, d is a spare: a live b keeps its seat until the last call; a dead b does not.
+    current = _round(1, ["a", "b", "c"])
+    members = _members(_member("a", after=1, created=1), _member("b", after=0, created=2),
+                       _member("c", after=1, created=3), _member("d", after=0, created=104))
+    assert closing(members, current, now=0.0, quorum_since=None, min_nodes=2, max_nodes=3, last_call=9.0).chosen \
+        is None
+    verdict = closing(members, current, now=0.0, quorum_since=None, min_nodes=2, max_nodes=3, last_call=9.0,
+                      dead=frozenset({"b"}))
+    assert [m.record.node for m in verdict.chosen or []] == ["a", "c", "d"]
+    assert (verdict.reason, verdict.found_dead) == (FORMED_PEERS_DEAD, ["b"])
