@@ -121,14 +121,12 @@ def test_a_cpu_snapshot_is_copied_before_take_returns_and_is_of_its_step_once_co
     step pre-hook, released once ``take`` returns, cannot overwrite a shard being copied), no event
     is left for the pre-hook, and the buffer is a snapshot of a step only once ``complete``."""
     from elastictrain.checkpoint import SideStreams
-    from elastictrain.train.fsdp.redundancy import _Layout, _layout, _mark_streams, _Snapshot
+    from elastictrain.train.fsdp.redundancy import _Layout, _mark_streams, _Snapshot
 
     sources = [Holding("model/w", (0, 0), (2, 3), 4, torch.randn(2, 3)),
                Holding("optimizer/w/exp_avg", (0, 0), (2, 3), 4, torch.randn(2, 3, dtype=torch.float64))]
     before = [h.tensor.clone() for h in sources]
-    slots, length = _layout(sources)
-    layout = _Layout(signature=(), sources=sources, slots=slots, length=length,  # type: ignore[arg-type]
-                     meta=torch.empty(0, dtype=torch.uint8))
+    layout = _Layout.of((), sources)
     snapshot = _Snapshot(pin=False)
     ready = _mark_streams(sources)
     copied = snapshot.take(layout, ready, SideStreams())

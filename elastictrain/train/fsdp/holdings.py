@@ -39,9 +39,9 @@ class Region:
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
-    """``value``'s local tensor (itself for a plain tensor), without autograd."""
-    with torch.no_grad():
-        return value.to_local() if isinstance(value, DTensor) else value
+    """``value``'s local tensor (itself for a plain tensor); under ``torch.no_grad()`` (then
+    ``to_local`` returns it without autograd)."""
+    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def _holding(key: str, value: torch.Tensor, step: int, live: bool) -> Holding | None:
@@ -107,8 +107,9 @@ def shard_signature(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     """What :func:`own_holdings` would hold, cheaply: each tensor's key, the address of its local
     storage and its local shape, with no region worked out. While it stays equal, so do the
     holdings' keys, boxes and (with ``live``) storage: the optimizer updates the shards in place."""
-    return tuple((key, local.data_ptr(), tuple(local.shape))
-                 for key, local in ((key, _local(value)) for key, value in _state_tensors(model, optimizer)))
+    with torch.no_grad():  # once, not per tensor: entering it is most of the cost (a refresh checks every step)
+        return tuple((key, local.data_ptr(), tuple(local.shape))
+                     for key, local in ((key, _local(value)) for key, value in _state_tensors(model, optimizer)))
 
 
 def state_regions(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[Region]:

@@ -88,6 +88,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastictrain._torch_compat import foreach_copy
 from elastictrain.checkpoint import SideStreams, capture_rng, load_state_into, restore_rng
 from elastictrain.errors import ConfigError
 from elastictrain.train import process_group as pg
@@ -235,6 +236,20 @@ class _Layout:
     slots: list[_Slot]
     length: int
     meta: torch.Tensor
+    by_device: dict[torch.device, tuple[list[int], list[torch.Tensor]]]
+    """The sources by device: their indices in :attr:`slots` and their tensors (one copy call each)."""
+
+    @classmethod
+    def of(cls, signature: Signature, sources: list[Holding]) -> _Layout:
+        """The layout of ``sources`` (the live local shards, as :func:`own_holdings` gives them)."""
+        slots, length = _layout(sources)
+        meta = json.dumps([s.to_json() for s in slots]).encode()
+        by_device: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
+        for index, holding in enumerate(sources):
+            indices, tensors = by_device.setdefault(holding.tensor.device, ([], []))
+            indices.append(index)
+            tensors.append(holding.tensor)
+        return cls(signature, sources, slots, length, torch.frombuffer(bytearray(meta), dtype=torch.uint8), by_device)
 
 
 class Redundancy:
@@ -288,8 +303,9 @@ class Redundancy:
         self._held: list[Holding] = []
         self._previous: list[Holding] = []  # the copy the last swap replaced, while its buffer is kept
         self._their_layout: tuple[tuple[bytes, int], list[_Slot]] | None = None  # the source's metadata, parsed
-        self._held_buffer = _host_buffer(0, False)
-        self._incoming = _host_buffer(0, False)
+        self._sent_meta: torch.Tensor | None = None  # the metadata the holder has (it is sent again once changed)
+        self._held_buffer = _Snapshot(False)  # the buffer of the held copy
+        self._incoming = _Snapshot(False)
         self.started = 0
         """Refreshes started (the shards handed to the sending thread)."""
         self.refreshed = 0
@@ -365,10 +381,7 @@ class Redundancy:
         same ones (the optimizer updates them in place), else worked out again."""
         signature = shard_signature(self._model, self._optimizer)
         if self._plan is None or self._plan.signature != signature:
-            own = own_holdings(self._model, self._optimizer, self._step, live=True)
-            slots, length = _layout(own)
-            meta = json.dumps([s.to_json() for s in slots]).encode()
-            self._plan = _Layout(signature, own, slots, length, torch.frombuffer(bytearray(meta), dtype=torch.uint8))
+            self._plan = _Layout.of(signature, own_holdings(self._model, self._optimizer, self._step, live=True))
         return self._plan
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -450,7 +463,7 @@ class Redundancy:
             return self._host_bytes()
 
     def _host_bytes(self) -> int:
-        return sum(s.buffer.numel() for s in self._own) + self._held_buffer.numel() + self._incoming.numel()
+        return sum(s.buffer.numel() for s in (*self._own, self._held_buffer, self._incoming))
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Wait until no refresh is in flight here; returns False if one still is after ``timeout``."""
@@ -547,7 +560,7 @@ class Redundancy:
         for snapshot in self._own:
             if snapshot is not self._sending:
                 snapshot.release()
-        self._incoming, self._previous = _host_buffer(0, False), []
+        self._incoming, self._previous = _Snapshot(False), []
 
     def _exchange(self, step: int) -> list[Holding]:
         """Send the snapshot of ``step`` to the holder, receive the source's into the incoming
@@ -557,24 +570,28 @@ class Redundancy:
             RedundancyError: The source's copy is malformed.
             torch's backend error: A peer is lost.
         """
-        sending = self._sending
-        header = torch.tensor([step, sending.meta.numel(), sending.length], dtype=torch.int64)
+        sending, incoming = self._sending, self._incoming
+        meta_out = sending.meta if sending.meta is not self._sent_meta else sending.meta[:0]  # 0: as last time
+        header = torch.tensor([step, meta_out.numel(), sending.length], dtype=torch.int64)
         theirs = torch.empty(3, dtype=torch.int64)
         self._both(header, theirs, _HEADER)
         their_step, meta_length, length = (int(v) for v in theirs)
         if their_step != step or meta_length < 0 or length < 0:
             raise RedundancyError(f"a redundant copy's header is not step {step}'s: {theirs.tolist()}")
+        known = self._their_layout
+        if meta_length == 0 and known is None:
+            raise RedundancyError("a redundant copy came without the metadata that describes it")
         meta = torch.empty(meta_length, dtype=torch.uint8)
-        if self._incoming.numel() < length:
-            self._incoming = _host_buffer(length, False)
-        self._both(sending.meta, meta, _META)
-        self._both(sending.buffer[:sending.length], self._incoming[:length], _PAYLOAD)
-        said = (bytes(meta.numpy()), length)
+        incoming.reserve(length)
+        self._both(meta_out, meta, _META)  # none either way while both layouts stay the same
+        self._both(sending.buffer[:sending.length], incoming.buffer[:length], _PAYLOAD)
+        self._sent_meta = sending.meta
+        said = (bytes(meta.numpy()) if known is None or meta_length else known[0][0], length)
         if self._their_layout is None or self._their_layout[0] != said:  # parsed once while it stays the same
             self._their_layout = (said, _parse_slots(*said))
-        slots = self._their_layout[1]
-        return [Holding(key=s.key, offsets=s.offsets, sizes=s.sizes, step=step, tensor=s.view(self._incoming))
-                for s in slots]
+        incoming.slots = self._their_layout[1]
+        return [Holding(key=s.key, offsets=s.offsets, sizes=s.sizes, step=step, tensor=view)
+                for s, view in zip(incoming.slots, incoming.views(), strict=True)]
 
     def _both(self, out: torch.Tensor, into: torch.Tensor, tag: int) -> None:
         """Send ``out`` to the holder and receive ``into`` from the source, at once."""
@@ -589,8 +606,9 @@ class Redundancy:
 
 
 class _Snapshot:
-    """A reusable host buffer with this rank's shards of one step (reallocated only when their
-    layout grows, or after :meth:`release`)."""
+    """A reusable host buffer with a rank's shards of one step: this rank's snapshot of its own,
+    or a copy received from the source (reallocated only when their layout grows, or after
+    :meth:`release`)."""
 
     def __init__(self, pin: bool) -> None:
         self._pin = pin
@@ -601,6 +619,7 @@ class _Snapshot:
         self.step: int | None = None
         self.kept: Kept | None = None
         """The replicated state of :attr:`step`, when the redundancy keeps it."""
+        self._views: tuple[torch.Tensor, list[_Slot], list[torch.Tensor]] | None = None
 
     def clear(self) -> None:
         """Not a snapshot of any step (it is about to be written)."""
@@ -609,31 +628,42 @@ class _Snapshot:
     def release(self) -> None:
         """Give the buffer back (an empty one; the next :meth:`take` allocates again)."""
         self.clear()
-        self.buffer, self.slots, self.length = _host_buffer(0, self._pin), [], 0
+        self.buffer, self.slots, self.length, self._views = _host_buffer(0, self._pin), [], 0, None
+
+    def reserve(self, length: int) -> None:
+        """Make the buffer hold at least ``length`` bytes (a new one if it is shorter)."""
+        if length > self.buffer.numel():
+            self.buffer, self._views = _host_buffer(length, self._pin), None
+
+    def views(self) -> list[torch.Tensor]:
+        """Each slot's values in the buffer, worked out once while the buffer and the slots stay
+        the same ones (a refresh reuses both)."""
+        if self._views is None or self._views[0] is not self.buffer or self._views[1] is not self.slots:
+            self._views = (self.buffer, self.slots, [slot.view(self.buffer) for slot in self.slots])
+        return self._views[2]
 
     def take(self, layout: _Layout, ready: _Events, streams: SideStreams) -> _Events:
-        """Copy the live shards ``layout`` names in, one ``copy_`` each into its view of the
-        buffer: a CPU shard now; a CUDA shard queued on its device's side stream of ``streams``,
-        after the device's ``ready`` event, non-blocking into the pinned buffer. Returns, per
-        device, an event recorded after its copies (none on the CPU); :meth:`complete` once they are queued."""
+        """Copy the live shards ``layout`` names in, into their views of the buffer, one call per
+        device (:func:`~elastictrain._torch_compat.foreach_copy`): the CPU shards now; the CUDA
+        shards queued on their device's side stream of ``streams``, after the device's ``ready``
+        event, non-blocking into the pinned buffer. Returns, per device, an event recorded after
+        its copies (none on the CPU); :meth:`complete` once they are queued."""
         self.clear()
-        if layout.length > self.buffer.numel():
-            self.buffer = _host_buffer(layout.length, self._pin)
+        self.reserve(layout.length)
         self.slots, self.length, self.meta = layout.slots, layout.length, layout.meta
+        views = self.views()
         # The sources are not freed while a side stream reads them: ``layout`` holds them until
         # the refresh is complete (no other starts before), so no record_stream is needed.
         used: dict[torch.device, torch.cuda.Stream] = {}
-        for slot, holding in zip(layout.slots, layout.sources, strict=True):
-            source = holding.tensor
-            if not source.is_cuda:
-                slot.view(self.buffer).copy_(source)
+        for device, (indices, sources) in layout.by_device.items():
+            into = views if len(indices) == len(views) else [views[i] for i in indices]
+            if device.type != "cuda":
+                foreach_copy(into, sources)
                 continue
-            stream = used.get(source.device)
-            if stream is None:
-                stream = used[source.device] = streams.get(source.device)
-                stream.wait_event(ready[source.device])
+            stream = used[device] = streams.get(device)
+            stream.wait_event(ready[device])
             with torch.cuda.stream(stream):
-                slot.view(self.buffer).copy_(source, non_blocking=True)
+                foreach_copy(into, sources, non_blocking=True)
         copied: _Events = {}
         for device, stream in used.items():
             copied[device] = torch.cuda.Event()
@@ -650,8 +680,8 @@ class _Snapshot:
     def holdings(self) -> list[Holding]:
         """The snapshot's regions (views of the buffer)."""
         assert self.step is not None  # noqa: S101 - only asked of a taken snapshot
-        return [Holding(key=s.key, offsets=s.offsets, sizes=s.sizes, step=self.step, tensor=s.view(self.buffer))
-                for s in self.slots]
+        return [Holding(key=s.key, offsets=s.offsets, sizes=s.sizes, step=self.step, tensor=view)
+                for s, view in zip(self.slots, self.views(), strict=True)]
 
 
 def start_redundancy(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, every: int,
