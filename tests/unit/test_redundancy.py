@@ -138,6 +138,56 @@ def test_a_cpu_snapshot_is_copied_before_take_returns_and_is_of_its_step_once_co
     assert all(torch.equal(h.tensor, b) for h, b in zip(snapshot.holdings(), before, strict=True))
 
 
+def test_a_refresh_sends_its_metadata_only_when_its_layout_changed_and_the_copy_lands_whole() -> None:
+    """The exchange of one refresh, looped back on one process (this rank its own holder and
+    source; each message lands in the receive posted with its tag): the first refresh sends a
+    header, the metadata and the payload; the next, of the same tensors, the header and the
+    payload alone, received into the views worked out the first time; a tensor replaced by one of
+    another shape sends the metadata again, and the copy is of the new layout. A receiver that
+    lost the metadata refuses a copy sent without it."""
+    from elastictrain.checkpoint import SideStreams
+    from elastictrain.train.fsdp.redundancy import _HEADER, _META, _PAYLOAD, Redundancy, RedundancyError, _Layout
+
+    class Looped(Redundancy):
+        sent: list[int] = []
+
+        def _both(self, out: torch.Tensor, into: torch.Tensor, tag: int) -> None:
+            assert out.numel() == into.numel()  # a peer's message meets a receive of its size
+            if out.numel():
+                self.sent.append(tag)
+                into.copy_(out)
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    redundancy = Looped(model, optimizer, None, None, every=1, holder=None, source=None)  # type: ignore[arg-type]
+    weight = torch.randn(2, 3)
+    sources = [Holding("model/w", (0, 0), (2, 3), 0, weight),
+               Holding("optimizer/w/step", (), (), 0, torch.tensor(4.0, dtype=torch.float64))]
+
+    def refresh(step: int, layout: _Layout) -> list[Holding]:
+        redundancy._sending.take(layout, {}, SideStreams())
+        Looped.sent.clear()
+        return redundancy._exchange(step)
+
+    layout = _Layout.of((), sources)
+    first = refresh(1, layout)
+    assert Looped.sent == [_HEADER, _META, _PAYLOAD]
+    assert [(h.key, h.step) for h in first] == [("model/w", 1), ("optimizer/w/step", 1)]
+    assert torch.equal(first[0].tensor, weight) and first[1].tensor.item() == 4.0
+    weight.add_(1)
+    second = refresh(2, layout)
+    assert Looped.sent == [_HEADER, _PAYLOAD] and torch.equal(second[0].tensor, weight)
+    assert second[0].tensor.data_ptr() == first[0].tensor.data_ptr()  # the same buffer and view, refilled
+    wider = torch.randn(2, 5)
+    changed = _Layout.of((), [Holding("model/w", (0, 0), (2, 5), 0, wider), sources[1]])
+    third = refresh(3, changed)
+    assert Looped.sent == [_HEADER, _META, _PAYLOAD] and third[0].sizes == (2, 5)
+    assert torch.equal(third[0].tensor, wider)
+    redundancy._their_layout = None  # as a receiver that never had the metadata of the next copy
+    with pytest.raises(RedundancyError, match="without the metadata"):
+        refresh(4, changed)
+
+
 def test_the_next_optimizer_step_waits_for_the_copy_to_be_queued_then_its_stream_waits_on_the_copys_event(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The ordering on CUDA, with the streams and events stood in for (no GPU here): the optimizer

@@ -317,6 +317,12 @@ class Redundancy:
         self.stalled = 0.0
         """Seconds the training thread spent on refreshes: the agreements, handing the shards over,
         and any wait of an optimizer step for a copy not finished yet."""
+        self.training_cpu = 0.0
+        """CPU seconds the training thread spent in :meth:`after_step` (the agreements, the layout
+        check, the capture of the replicated state): what the refreshes take from it, whatever the load."""
+        self.thread_cpu = 0.0
+        """CPU seconds the sending thread spent on refreshes (the copies, the sends and receives,
+        the bookkeeping; gloo's own transport threads not counted)."""
         self.peak_host_bytes = 0
         """The most host memory the buffers held at once (see :attr:`host_bytes`)."""
         self._thread: threading.Thread | None = None
@@ -346,7 +352,7 @@ class Redundancy:
                 return False
             # A rank whose refreshes ended still votes (2), so that every rank ends them with it.
             vote = torch.tensor([_ENDED if self.failure is not None else _BUSY if self._due is not None else 0])
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         try:
             dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._vote_group)
             if vote.item() == _ENDED:
@@ -374,6 +380,7 @@ class Redundancy:
                 self._cond.notify_all()
         finally:
             self.stalled += time.perf_counter() - started
+            self.training_cpu += time.thread_time() - cpu
         return True
 
     def _current_layout(self) -> _Layout:
@@ -498,6 +505,7 @@ class Redundancy:
                     return
             assert step is not None and copying is not None  # noqa: S101 - the wait's predicate, set together
             layout, kept, ready = copying
+            cpu = time.thread_time()
             try:
                 copied: _Events = {}
                 try:
@@ -515,6 +523,7 @@ class Redundancy:
                                "the state of step %s): %s", step, self._completed, exc)
                 with self._cond:
                     self.failure = exc
+                    self.thread_cpu += time.thread_time() - cpu
                     self._due = None
                     self._cond.notify_all()
                 if self._release and isinstance(exc, RedundancyError):
@@ -532,6 +541,7 @@ class Redundancy:
                     if not self._closing and self._completed == step:
                         self._release_previous()
             with self._cond:
+                self.thread_cpu += time.thread_time() - cpu
                 self._due = None
                 self._cond.notify_all()
 
