@@ -67,9 +67,20 @@ rank holds two shards; below it they stay allocated for reuse (the next refresh 
 steps away, and allocating them again would cost page faults each time): four.
 (:attr:`Redundancy.host_bytes` now, :attr:`Redundancy.peak_host_bytes` the most.)
 
-On the wire, per refresh and direction: a header (step, metadata length, payload length; int64),
-the metadata (JSON: each region's key, offsets, sizes, dtype and byte offset), and the payload
-(the regions' bytes). Nothing received is unpickled.
+On the wire, per refresh and direction, one message while the shards stay the same tensors: the
+buffer, a header (step, metadata length, length; int64) in its first 64 bytes, the regions' bytes
+after it. When the layout is not the one sent last (the first refresh, a restore that replaced a
+tensor), the first message has the length the holder expects (the last one's) for its header
+alone, then come the metadata (JSON: each region's key, offsets, sizes, dtype and byte offset)
+and the whole buffer. Nothing received is unpickled.
+
+What a refresh costs the host, per rank (``benchmarks/redundancy_cost.py`` reports it): one copy
+of the shard into the snapshot buffer (one ``foreach_copy`` call for all the tensors, into views
+of the buffer worked out once, the GIL released), the sends and receives over the gloo group (the
+socket's copies, mostly on gloo's transport thread), and on the training thread the agreement,
+the layout check and the capture of the replicated state (:attr:`Redundancy.training_cpu`; the
+sending thread's share is :attr:`Redundancy.thread_cpu`). No buffer is allocated per refresh
+while the layout stays the same.
 """
 
 from __future__ import annotations
@@ -109,8 +120,14 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 """The dtypes a copy carries, by their names in the metadata."""
 
-_HEADER, _META, _PAYLOAD = 1, 2, 3
-"""The p2p tags of a refresh's three messages."""
+_FIRST, _META, _PAYLOAD = 1, 2, 3
+"""The p2p tags of a refresh's messages: the first (the whole copy while the layout is the one
+sent last time; else as long as that one, for its header alone), then, when the layout changed,
+its metadata and the whole copy."""
+
+_HEADER_BYTES = 64
+"""Each buffer starts with the header of the copy it holds (step, metadata length, length; int64),
+its regions after it: a copy and its header travel as one message."""
 
 RELEASE_FROM = 10
 """A refresh interval (``every``) from which the buffers of the previous refresh are released once
@@ -150,8 +167,8 @@ class _Slot:
 
 
 def _layout(holdings: list[Holding]) -> tuple[list[_Slot], int]:
-    """Each holding's slot in a buffer, and the buffer's length."""
-    slots, end = [], 0
+    """Each holding's slot in a buffer (after its header), and the buffer's length."""
+    slots, end = [], _HEADER_BYTES
     for h in holdings:
         name = str(h.tensor.dtype).removeprefix("torch.")
         if name not in _DTYPES:
@@ -176,7 +193,7 @@ def _parse_slots(meta: bytes, length: int) -> list[_Slot]:
         raise RedundancyError(f"a redundant copy's metadata is malformed: {exc}") from exc
     for slot in slots:
         if (slot.dtype not in _DTYPES or len(slot.offsets) != len(slot.sizes) or min((*slot.sizes, 0)) < 0
-                or slot.at < 0 or slot.at % _ALIGN or slot.at + slot.nbytes > length):
+                or slot.at < _HEADER_BYTES or slot.at % _ALIGN or slot.at + slot.nbytes > length):
             raise RedundancyError(f"a redundant copy's region {slot.key!r} does not fit its {length}-byte payload")
     return slots
 
@@ -303,7 +320,7 @@ class Redundancy:
         self._held: list[Holding] = []
         self._previous: list[Holding] = []  # the copy the last swap replaced, while its buffer is kept
         self._their_layout: tuple[tuple[bytes, int], list[_Slot]] | None = None  # the source's metadata, parsed
-        self._sent_meta: torch.Tensor | None = None  # the metadata the holder has (it is sent again once changed)
+        self._sent: tuple[torch.Tensor, int] | None = None  # the metadata and length the holder has (it expects them)
         self._held_buffer = _Snapshot(False)  # the buffer of the held copy
         self._incoming = _Snapshot(False)
         self.started = 0
@@ -581,38 +598,57 @@ class Redundancy:
             torch's backend error: A peer is lost.
         """
         sending, incoming = self._sending, self._incoming
-        meta_out = sending.meta if sending.meta is not self._sent_meta else sending.meta[:0]  # 0: as last time
-        header = torch.tensor([step, meta_out.numel(), sending.length], dtype=torch.int64)
-        theirs = torch.empty(3, dtype=torch.int64)
-        self._both(header, theirs, _HEADER)
-        their_step, meta_length, length = (int(v) for v in theirs)
-        if their_step != step or meta_length < 0 or length < 0:
-            raise RedundancyError(f"a redundant copy's header is not step {step}'s: {theirs.tolist()}")
+        # Sent: the whole copy, its header in front, as one message while the layout is the one
+        # sent last (the holder expects that length); else a first message of that length for
+        # the header alone, then the metadata and the whole copy.
+        changed = self._sent is None or self._sent[0] is not sending.meta
+        sending.buffer[:_HEADER_BYTES].view(torch.int64)[:3] = torch.tensor(
+            [step, sending.meta.numel() if changed else 0, sending.length])
+        messages = [sending.buffer[:sending.length]]
+        if changed:
+            prior = _HEADER_BYTES if self._sent is None else self._sent[1]
+            first = sending.buffer if sending.buffer.numel() >= prior else torch.zeros(prior, dtype=torch.uint8)
+            first[:_HEADER_BYTES] = sending.buffer[:_HEADER_BYTES]
+            messages = [first[:prior], sending.meta, *messages]
+        sends = [self._send(message, tag) for message, tag in zip(messages, (_FIRST, _META, _PAYLOAD))]
+        # Received: the same, from the source.
         known = self._their_layout
-        if meta_length == 0 and known is None:
-            raise RedundancyError("a redundant copy came without the metadata that describes it")
-        meta = torch.empty(meta_length, dtype=torch.uint8)
-        incoming.reserve(length)
-        self._both(meta_out, meta, _META)  # none either way while both layouts stay the same
-        self._both(sending.buffer[:sending.length], incoming.buffer[:length], _PAYLOAD)
-        self._sent_meta = sending.meta
-        said = (bytes(meta.numpy()) if known is None or meta_length else known[0][0], length)
-        if self._their_layout is None or self._their_layout[0] != said:  # parsed once while it stays the same
+        expected = _HEADER_BYTES if known is None else known[0][1]
+        incoming.reserve(expected)
+        self._receive(incoming.buffer[:expected], _FIRST)
+        their_step, meta_length, length = (int(v) for v in incoming.buffer[:_HEADER_BYTES].view(torch.int64)[:3])
+        if their_step != step or meta_length < 0 or length < _HEADER_BYTES:
+            raise RedundancyError(f"a redundant copy's header is not step {step}'s: "
+                                  f"{[their_step, meta_length, length]}")
+        if meta_length:
+            meta = torch.empty(meta_length, dtype=torch.uint8)
+            self._receive(meta, _META)
+            incoming.reserve(length)
+            self._receive(incoming.buffer[:length], _PAYLOAD)
+            said = (bytes(meta.numpy()), length)
             self._their_layout = (said, _parse_slots(*said))
+        elif known is None or length != expected:
+            raise RedundancyError(f"a redundant copy of {length} bytes came without the metadata that describes it "
+                                  f"(the last one had {expected})")
+        for work in sends:
+            work.wait()
+        self._sent = (sending.meta, sending.length)
+        assert self._their_layout is not None  # noqa: S101 - known, or parsed above
         incoming.slots = self._their_layout[1]
         return [Holding(key=s.key, offsets=s.offsets, sizes=s.sizes, step=step, tensor=view)
                 for s, view in zip(incoming.slots, incoming.views(), strict=True)]
 
-    def _both(self, out: torch.Tensor, into: torch.Tensor, tag: int) -> None:
-        """Send ``out`` to the holder and receive ``into`` from the source, at once."""
-        works = []
-        if out.numel():  # the peer knows the length from the header, and posts no receive for nothing
-            works.append(dist.isend(out, group=self._group, group_dst=self.holder, tag=tag))
-        if into.numel():
-            works.append(dist.irecv(into, group=self._group, group_src=self.source, tag=tag))
-        for work in works:
-            if work is not None:
-                work.wait()
+    def _send(self, message: torch.Tensor, tag: int) -> dist.Work:
+        """Start sending ``message`` to the holder."""
+        work = dist.isend(message, group=self._group, group_dst=self.holder, tag=tag)
+        assert work is not None  # noqa: S101 - this rank is in the group
+        return work
+
+    def _receive(self, into: torch.Tensor, tag: int) -> None:
+        """Receive the source's message ``tag`` into ``into`` (its length)."""
+        work = dist.irecv(into, group=self._group, group_src=self.source, tag=tag)
+        assert work is not None  # noqa: S101 - this rank is in the group
+        work.wait()
 
 
 class _Snapshot:
