@@ -607,9 +607,11 @@ class Redundancy:
         messages = [sending.buffer[:sending.length]]
         if changed:
             prior = _HEADER_BYTES if self._sent is None else self._sent[1]
-            first = sending.buffer if sending.buffer.numel() >= prior else torch.zeros(prior, dtype=torch.uint8)
-            first[:_HEADER_BYTES] = sending.buffer[:_HEADER_BYTES]
-            messages = [first[:prior], sending.meta, *messages]
+            first = sending.buffer[:prior]  # the header, and whatever follows it
+            if first.numel() < prior:  # the layout shrank below the last one: pad the header
+                first = torch.zeros(prior, dtype=torch.uint8)
+                first[:_HEADER_BYTES] = sending.buffer[:_HEADER_BYTES]
+            messages = [first, sending.meta, *messages]
         sends = [self._send(message, tag) for message, tag in zip(messages, (_FIRST, _META, _PAYLOAD))]
         # Received: the same, from the source.
         known = self._their_layout
