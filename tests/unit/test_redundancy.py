@@ -129,7 +129,7 @@ def test_a_cpu_snapshot_is_copied_before_take_returns_and_is_of_its_step_once_co
     before = [h.tensor.clone() for h in sources]
     layout = _Layout.of((), sources)
     snapshot = _Snapshot(pin=False)
-    ready = _mark_streams(sources)
+    ready = _mark_streams(layout.by_device)
     copied = snapshot.take(layout, ready, SideStreams())
     assert ready == {} and copied == {} and snapshot.step is None and not snapshot.buffer.is_pinned()
     for h in sources:

@@ -91,7 +91,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -231,13 +231,12 @@ _Events = dict[torch.device, torch.cuda.Event]
 """A CUDA event per device (empty on the CPU)."""
 
 
-def _mark_streams(sources: list[Holding]) -> _Events:
-    """An event recorded now on the current stream of each CUDA device ``sources`` lie on (on the
-    training thread, after the optimizer step: its writes come before the event)."""
+def _mark_streams(devices: Iterable[torch.device]) -> _Events:
+    """An event recorded now on the current stream of each CUDA device of ``devices`` (those the
+    shards lie on; on the training thread, after the optimizer step: its writes come before the event)."""
     ready: _Events = {}
-    for holding in sources:
-        device = holding.tensor.device
-        if holding.tensor.is_cuda and device not in ready:
+    for device in devices:
+        if device.type == "cuda":
             ready[device] = torch.cuda.Event()
             ready[device].record(torch.cuda.current_stream(device))
     return ready
@@ -385,7 +384,7 @@ class Redundancy:
                 return False
             layout = self._current_layout()
             kept = Kept.capture(self._replicated(), self._model, step) if self._replicated is not None else None
-            ready = _mark_streams(layout.sources)  # CUDA: where the training streams stand after the step
+            ready = _mark_streams(layout.by_device)  # CUDA: where the training streams stand after the step
             with self._cond:
                 # The buffer that does not hold the last completed refresh's snapshot (it stays whole).
                 self._sending = next(s for s in self._own if s.step is None or s.step != self._completed)
