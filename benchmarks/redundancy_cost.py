@@ -12,8 +12,11 @@ In each repetition the configurations run one after another, in an order that ro
 repetition to the next so that a shared machine's load falls on all alike; each times its steps
 on rank 0's clock (the collectives keep the ranks in step) and reports the mean step time (what
 the refreshes cost, stalls included), its median over ``--reps`` (min-max), the overhead against
-no redundancy, the training thread's stall per refresh (the vote, handing the shards over, any
-wait of the next optimizer step for the copy), refreshes done and skipped, and each rank's host
+no redundancy, the process's CPU time per step (all its threads, gloo's included: what the copies
+take from a core, less sensitive to a shared machine's load than the step time), the training
+thread's stall per refresh (the vote, handing the shards over, any wait of the next optimizer step
+for the copy), the CPU time per refresh of the training thread (``Redundancy.training_cpu``) and
+of the sending thread (``Redundancy.thread_cpu``), refreshes done and skipped, and each rank's host
 memory for the copies, at the end (between refreshes) and at the peak, against its shard.
 
 Which world is fair on a 2-core machine: 2 ranks, one core each, as a GPU job has its cores per
@@ -76,26 +79,30 @@ def _run(every: int | None, options: dict[str, Any]) -> dict[str, Any]:
     dataset = TensorDataset(torch.randn(GLOBAL_BATCH * total, seq, width, generator=data),
                             torch.randn(GLOBAL_BATCH * total, seq, width, generator=data))
     context = dataclasses.replace(WorkerContext.from_env({}), local_world_size=options["world"] // 2)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     with elastictrain.Session(model, optimizer, dataset, global_batch_size=GLOBAL_BATCH, max_steps=total,
                               seed=0, log_every=None, process_group=dist.group.WORLD, context=context,
                               sharding="fsdp", redundancy_every=every) as session:
         for index, step in enumerate(session.steps()):
             if index == options["warmup"]:  # the warmup steps are applied once the loop asks for this one
-                started = time.perf_counter()
+                started, cpu = time.perf_counter(), time.process_time()
             for micro in step:
                 inputs, targets = micro.batch
                 micro.backward(torch.nn.functional.mse_loss(session.model(inputs), targets))
         elapsed = time.perf_counter() - started  # the last step is applied when the loop ends
+        cpu = time.process_time() - cpu
         redundancy = session._keeper.strategy.redundancy  # noqa: SLF001 - what the session's strategy keeps
         tensors = [*model.parameters(), *(t for s in optimizer.state.values() for t in s.values()
                                           if isinstance(t, torch.Tensor))]
         shard = sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors)
-    out: dict[str, Any] = {"step_s": elapsed / options["steps"], "shard_bytes": shard}
+    out: dict[str, Any] = {"step_s": elapsed / options["steps"], "cpu_s": cpu / options["steps"], "shard_bytes": shard}
     if redundancy is not None:
+        started_refreshes = max(redundancy.started, 1)
         out.update(refreshed=redundancy.refreshed, skipped=redundancy.skipped, host_bytes=redundancy.host_bytes,
                    peak_host_bytes=redundancy.peak_host_bytes,
-                   stall_s=redundancy.stalled / max(redundancy.started + redundancy.skipped, 1))
+                   stall_s=redundancy.stalled / max(redundancy.started + redundancy.skipped, 1),
+                   training_cpu_s=redundancy.training_cpu / max(redundancy.started + redundancy.skipped, 1),
+                   thread_cpu_s=redundancy.thread_cpu / started_refreshes)
     return out
 
 
@@ -151,10 +158,13 @@ def _results(everyone: list[Any], every: list[int]) -> dict[str, Any]:
     for name in ["None", *(str(e) for e in every)]:
         runs = everyone[0][name]
         step = summarize([r["step_s"] * 1e3 for r in runs])
-        entry: dict[str, Any] = {"step_ms": step, "overhead": step["median"] / (base * 1e3) - 1}
+        entry: dict[str, Any] = {"step_ms": step, "overhead": step["median"] / (base * 1e3) - 1,
+                                 "cpu_ms_per_step": [round(_median(rank[name], "cpu_s") * 1e3, 2) for rank in everyone]}
         if name != "None":
             shard = [_median(rank[name], "shard_bytes") for rank in everyone]
             entry.update(stall_ms_per_refresh=_median(runs, "stall_s") * 1e3,
+                         training_cpu_ms_per_refresh=_median(runs, "training_cpu_s") * 1e3,
+                         thread_cpu_ms_per_refresh=_median(runs, "thread_cpu_s") * 1e3,
                          refreshed=[r["refreshed"] for r in runs], skipped=[r["skipped"] for r in runs],
                          shard_mb_per_rank=[round(b / 1e6, 3) for b in shard],
                          host_mb_per_rank=[round(_median(rank[name], "host_bytes") / 1e6, 3) for rank in everyone],
@@ -171,18 +181,20 @@ def _table(world: int, entry: dict[str, Any]) -> str:
     calibrated = entry["calibrated"]
     lines = [f"world {world} (2 nodes x {world // 2}), width {entry['width']}"
              + (f" (calibrated: {calibrated['step_ms']:.1f} ms without copies)" if calibrated else ""),
-             "| redundancy | step ms, median (min-max) | overhead | stall ms/refresh | refreshed, skipped "
+             "| redundancy | step ms, median (min-max) | overhead | process CPU ms/step | stall ms/refresh "
+             "| CPU ms/refresh: training, sending thread | refreshed, skipped "
              "| host MB/rank at rest, peak (shard MB) | in shards, at rest / peak |",
-             "|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, r in entry["results"].items():
         s = r["step_ms"]
-        extra = "- | - | - | -"
+        extra = "- | - | - | - | -"
         if "refreshed" in r:
-            extra = (f"{r['stall_ms_per_refresh']:.2f} | {r['refreshed']}, {r['skipped']} | "
+            extra = (f"{r['stall_ms_per_refresh']:.2f} | {r['training_cpu_ms_per_refresh']:.2f}, "
+                     f"{r['thread_cpu_ms_per_refresh']:.2f} | {r['refreshed']}, {r['skipped']} | "
                      f"{max(r['host_mb_per_rank']):g}, {max(r['peak_host_mb_per_rank']):g} "
                      f"({max(r['shard_mb_per_rank']):g}) | {r['host_shards']:.2f} / {r['peak_host_shards']:.2f}")
         lines.append(f"| {name} | {s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f}) | {100 * r['overhead']:+.1f} % "
-                     f"| {extra} |")
+                     f"| {max(r['cpu_ms_per_step']):.1f} | {extra} |")
     return "\n".join(lines)
 
 

@@ -47,6 +47,7 @@ __all__ = [
     "COLLECTIVE_ERRORS",
     "clear_dtensor_caches",
     "event_log_handlers",
+    "foreach_copy",
     "import_ddp_modules",
     "is_collective_failure",
     "process_context",
@@ -198,6 +199,8 @@ def _check() -> None:
     for module in DDP_MODULES:
         if importlib.util.find_spec(module) is None:
             raise _fail(f"has no module {module}")
+    if not callable(getattr(torch, "_foreach_copy_", None)):
+        raise _fail("has no torch._foreach_copy_ (the redundancy's copy of many shards in one call)")
     _check_python_groups()
 
 
@@ -226,6 +229,13 @@ def python_group_name(group: dist.ProcessGroup) -> str:
         KeyError: ``group`` was not made by ``new_group`` (or was destroyed).
     """
     return str(_c10d._world.pg_names[group])  # noqa: SLF001 - checked above
+
+
+def foreach_copy(into: list[torch.Tensor], sources: list[torch.Tensor], *, non_blocking: bool = False) -> None:
+    """``into[i].copy_(sources[i])`` for every ``i``, in one call (``torch._foreach_copy_``): the
+    loop runs in C++ with the GIL released, not one Python call per tensor (the redundancy copies
+    a few hundred shards per refresh, :mod:`elastictrain.train.fsdp.redundancy`)."""
+    torch._foreach_copy_(into, sources, non_blocking=non_blocking)  # checked in _check
 
 
 def import_ddp_modules() -> None:

@@ -105,13 +105,14 @@ def test_a_received_copys_metadata_is_checked_against_its_payload() -> None:
 
     slots, length = _layout([_holding("model/w", (0, 0), (2, 3)), _holding("optimizer/w/step", (), ())])
     meta = json.dumps([s.to_json() for s in slots]).encode()
-    assert _parse_slots(meta, length) == slots and slots[1].at == 64 and length == 68
+    assert _parse_slots(meta, length) == slots and slots[1].at == 128 and length == 132  # after a 64-byte header
     good = json.loads(meta)
     for bad, words in [(b"{not json", "malformed"), (b'[{"key": "w"}]', "malformed"),
                        (json.dumps([{**good[0], "sizes": [2, 30]}]).encode(), "does not fit"),
                        (json.dumps([{**good[0], "dtype": "object"}]).encode(), "does not fit"),
                        (json.dumps([{**good[0], "sizes": [-2, 3]}]).encode(), "does not fit"),
-                       (json.dumps([{**good[0], "at": 3}]).encode(), "does not fit")]:
+                       (json.dumps([{**good[0], "at": 3}]).encode(), "does not fit"),
+                       (json.dumps([{**good[0], "at": 0}]).encode(), "does not fit")]:
         with pytest.raises(RedundancyError, match=words):
             _parse_slots(bad, length)
 
@@ -121,16 +122,14 @@ def test_a_cpu_snapshot_is_copied_before_take_returns_and_is_of_its_step_once_co
     step pre-hook, released once ``take`` returns, cannot overwrite a shard being copied), no event
     is left for the pre-hook, and the buffer is a snapshot of a step only once ``complete``."""
     from elastictrain.checkpoint import SideStreams
-    from elastictrain.train.fsdp.redundancy import _Layout, _layout, _mark_streams, _Snapshot
+    from elastictrain.train.fsdp.redundancy import _Layout, _mark_streams, _Snapshot
 
     sources = [Holding("model/w", (0, 0), (2, 3), 4, torch.randn(2, 3)),
                Holding("optimizer/w/exp_avg", (0, 0), (2, 3), 4, torch.randn(2, 3, dtype=torch.float64))]
     before = [h.tensor.clone() for h in sources]
-    slots, length = _layout(sources)
-    layout = _Layout(signature=(), sources=sources, slots=slots, length=length,  # type: ignore[arg-type]
-                     meta=torch.empty(0, dtype=torch.uint8))
+    layout = _Layout.of((), sources)
     snapshot = _Snapshot(pin=False)
-    ready = _mark_streams(sources)
+    ready = _mark_streams(layout.by_device)
     copied = snapshot.take(layout, ready, SideStreams())
     assert ready == {} and copied == {} and snapshot.step is None and not snapshot.buffer.is_pinned()
     for h in sources:
@@ -138,6 +137,72 @@ def test_a_cpu_snapshot_is_copied_before_take_returns_and_is_of_its_step_once_co
     snapshot.complete(copied, 4, None)
     assert [(h.key, h.step) for h in snapshot.holdings()] == [("model/w", 4), ("optimizer/w/exp_avg", 4)]
     assert all(torch.equal(h.tensor, b) for h, b in zip(snapshot.holdings(), before, strict=True))
+
+
+def test_a_refresh_is_one_message_while_its_layout_stays_and_its_metadata_goes_again_once_changed() -> None:
+    """The exchange of one refresh, looped back on one process (this rank its own holder and
+    source; each message lands in the receive posted with its tag, which must be its length):
+    the first refresh sends a header-long first message, the metadata and the copy; the next, of
+    the same tensors, the copy alone (its header in front), received into the views worked out
+    the first time; a tensor replaced by a larger one sends, first, a message of the length the
+    holder expects, then the metadata and the copy of the new layout. A header that says another
+    length with no metadata is refused."""
+    from elastictrain.checkpoint import SideStreams
+    from elastictrain.train.fsdp.redundancy import (
+        _FIRST, _HEADER_BYTES, _META, _PAYLOAD, Redundancy, RedundancyError, _Layout,
+    )
+
+    class Done:
+        def wait(self) -> bool:
+            return True
+
+    class Looped(Redundancy):
+        sent: list[tuple[int, int]] = []
+        queued: dict[int, torch.Tensor] = {}
+
+        tamper = False
+
+        def _send(self, message: torch.Tensor, tag: int) -> Any:
+            self.sent.append((tag, message.numel()))
+            self.queued[tag] = message.clone()
+            if self.tamper:
+                self.queued[tag][:_HEADER_BYTES].view(torch.int64)[2] += 64  # the length its header says
+            return Done()
+
+        def _receive(self, into: torch.Tensor, tag: int) -> None:
+            message = self.queued.pop(tag)
+            assert message.numel() == into.numel()  # gloo's receive takes its message's length alone
+            into.copy_(message)
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    redundancy = Looped(model, optimizer, None, None, every=1, holder=None, source=None)  # type: ignore[arg-type]
+    weight = torch.randn(2, 3)
+    sources = [Holding("model/w", (0, 0), (2, 3), 0, weight),
+               Holding("optimizer/w/step", (), (), 0, torch.tensor(4.0, dtype=torch.float64))]
+
+    def refresh(step: int, layout: _Layout) -> list[Holding]:
+        redundancy._sending.take(layout, {}, SideStreams())
+        Looped.sent.clear()
+        return redundancy._exchange(step)
+
+    layout = _Layout.of((), sources)
+    first = refresh(1, layout)
+    assert Looped.sent == [(_FIRST, _HEADER_BYTES), (_META, layout.meta.numel()), (_PAYLOAD, layout.length)]
+    assert [(h.key, h.step) for h in first] == [("model/w", 1), ("optimizer/w/step", 1)]
+    assert torch.equal(first[0].tensor, weight) and first[1].tensor.item() == 4.0
+    weight.add_(1)
+    second = refresh(2, layout)
+    assert Looped.sent == [(_FIRST, layout.length)] and torch.equal(second[0].tensor, weight)
+    assert second[0].tensor.data_ptr() == first[0].tensor.data_ptr()  # the same buffer and view, refilled
+    wider = torch.randn(2, 50)
+    changed = _Layout.of((), [Holding("model/w", (0, 0), (2, 50), 0, wider), sources[1]])
+    third = refresh(3, changed)
+    assert Looped.sent == [(_FIRST, layout.length), (_META, changed.meta.numel()), (_PAYLOAD, changed.length)]
+    assert third[0].sizes == (2, 50) and torch.equal(third[0].tensor, wider) and third[1].tensor.item() == 4.0
+    Looped.tamper = True
+    with pytest.raises(RedundancyError, match="without the metadata"):
+        refresh(4, changed)
 
 
 def test_the_next_optimizer_step_waits_for_the_copy_to_be_queued_then_its_stream_waits_on_the_copys_event(

@@ -39,9 +39,9 @@ class Region:
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
-    """``value``'s local tensor (itself for a plain tensor), without autograd."""
-    with torch.no_grad():
-        return value.to_local() if isinstance(value, DTensor) else value
+    """``value``'s local tensor (itself for a plain tensor); under ``torch.no_grad()`` (then
+    ``to_local`` returns it without autograd)."""
+    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def _holding(key: str, value: torch.Tensor, step: int, live: bool) -> Holding | None:
@@ -99,16 +99,31 @@ def own_holdings(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step:
     return [holding for holding in found if holding is not None]
 
 
-Signature = tuple[tuple[str, int, tuple[int, ...]], ...]
-"""Each state tensor's key, local storage address and local shape (:func:`shard_signature`)."""
+Signature = tuple[tuple[str, str, int, tuple[int, ...]], ...]
+"""Each state tensor's parameter name, state name (``""`` for the parameter), local storage
+address and local shape (:func:`shard_signature`)."""
 
 
 def shard_signature(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Signature:
-    """What :func:`own_holdings` would hold, cheaply: each tensor's key, the address of its local
-    storage and its local shape, with no region worked out. While it stays equal, so do the
-    holdings' keys, boxes and (with ``live``) storage: the optimizer updates the shards in place."""
-    return tuple((key, local.data_ptr(), tuple(local.shape))
-                 for key, local in ((key, _local(value)) for key, value in _state_tensors(model, optimizer)))
+    """What :func:`own_holdings` would hold, cheaply: each tensor's parameter and state name, the
+    address of its local storage and its local shape, with no region worked out. While it stays
+    equal, so do the holdings' keys, boxes and (with ``live``) storage: the optimizer updates the
+    shards in place. One pass over the parameters and the optimizer state, under one
+    ``torch.no_grad()`` (a refresh checks it every time, on the training thread)."""
+    found: list[tuple[str, str, int, tuple[int, ...]]] = []
+    fqns: dict[int, str] = {}
+    with torch.no_grad():
+        for fqn, param in model.named_parameters():
+            fqns[id(param)] = fqn
+            local = _local(param)
+            found.append((fqn, "", local.data_ptr(), local.shape))
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                for name, value in optimizer.state.get(param, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        local = _local(value)
+                        found.append((fqns[id(param)], name, local.data_ptr(), local.shape))
+    return tuple(found)
 
 
 def state_regions(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[Region]:

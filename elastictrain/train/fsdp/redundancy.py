@@ -67,9 +67,20 @@ rank holds two shards; below it they stay allocated for reuse (the next refresh 
 steps away, and allocating them again would cost page faults each time): four.
 (:attr:`Redundancy.host_bytes` now, :attr:`Redundancy.peak_host_bytes` the most.)
 
-On the wire, per refresh and direction: a header (step, metadata length, payload length; int64),
-the metadata (JSON: each region's key, offsets, sizes, dtype and byte offset), and the payload
-(the regions' bytes). Nothing received is unpickled.
+On the wire, per refresh and direction, one message while the shards stay the same tensors: the
+buffer, a header (step, metadata length, length; int64) in its first 64 bytes, the regions' bytes
+after it. When the layout is not the one sent last (the first refresh, a restore that replaced a
+tensor), the first message has the length the holder expects (the last one's) for its header
+alone, then come the metadata (JSON: each region's key, offsets, sizes, dtype and byte offset)
+and the whole buffer. Nothing received is unpickled.
+
+What a refresh costs the host, per rank (``benchmarks/redundancy_cost.py`` reports it): one copy
+of the shard into the snapshot buffer (one ``foreach_copy`` call for all the tensors, into views
+of the buffer worked out once, the GIL released), the sends and receives over the gloo group (the
+socket's copies, mostly on gloo's transport thread), and on the training thread the agreement,
+the layout check and the capture of the replicated state (:attr:`Redundancy.training_cpu`; the
+sending thread's share is :attr:`Redundancy.thread_cpu`). No buffer is allocated per refresh
+while the layout stays the same.
 """
 
 from __future__ import annotations
@@ -80,7 +91,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -88,6 +99,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastictrain._torch_compat import foreach_copy
 from elastictrain.checkpoint import SideStreams, capture_rng, load_state_into, restore_rng
 from elastictrain.errors import ConfigError
 from elastictrain.train import process_group as pg
@@ -108,8 +120,14 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 """The dtypes a copy carries, by their names in the metadata."""
 
-_HEADER, _META, _PAYLOAD = 1, 2, 3
-"""The p2p tags of a refresh's three messages."""
+_FIRST, _META, _PAYLOAD = 1, 2, 3
+"""The p2p tags of a refresh's messages: the first (the whole copy while the layout is the one
+sent last time; else as long as that one, for its header alone), then, when the layout changed,
+its metadata and the whole copy."""
+
+_HEADER_BYTES = 64
+"""Each buffer starts with the header of the copy it holds (step, metadata length, length; int64),
+its regions after it: a copy and its header travel as one message."""
 
 RELEASE_FROM = 10
 """A refresh interval (``every``) from which the buffers of the previous refresh are released once
@@ -149,8 +167,8 @@ class _Slot:
 
 
 def _layout(holdings: list[Holding]) -> tuple[list[_Slot], int]:
-    """Each holding's slot in a buffer, and the buffer's length."""
-    slots, end = [], 0
+    """Each holding's slot in a buffer (after its header), and the buffer's length."""
+    slots, end = [], _HEADER_BYTES
     for h in holdings:
         name = str(h.tensor.dtype).removeprefix("torch.")
         if name not in _DTYPES:
@@ -175,7 +193,7 @@ def _parse_slots(meta: bytes, length: int) -> list[_Slot]:
         raise RedundancyError(f"a redundant copy's metadata is malformed: {exc}") from exc
     for slot in slots:
         if (slot.dtype not in _DTYPES or len(slot.offsets) != len(slot.sizes) or min((*slot.sizes, 0)) < 0
-                or slot.at < 0 or slot.at % _ALIGN or slot.at + slot.nbytes > length):
+                or slot.at < _HEADER_BYTES or slot.at % _ALIGN or slot.at + slot.nbytes > length):
             raise RedundancyError(f"a redundant copy's region {slot.key!r} does not fit its {length}-byte payload")
     return slots
 
@@ -213,13 +231,12 @@ _Events = dict[torch.device, torch.cuda.Event]
 """A CUDA event per device (empty on the CPU)."""
 
 
-def _mark_streams(sources: list[Holding]) -> _Events:
-    """An event recorded now on the current stream of each CUDA device ``sources`` lie on (on the
-    training thread, after the optimizer step: its writes come before the event)."""
+def _mark_streams(devices: Iterable[torch.device]) -> _Events:
+    """An event recorded now on the current stream of each CUDA device of ``devices`` (those the
+    shards lie on; on the training thread, after the optimizer step: its writes come before the event)."""
     ready: _Events = {}
-    for holding in sources:
-        device = holding.tensor.device
-        if holding.tensor.is_cuda and device not in ready:
+    for device in devices:
+        if device.type == "cuda":
             ready[device] = torch.cuda.Event()
             ready[device].record(torch.cuda.current_stream(device))
     return ready
@@ -235,6 +252,20 @@ class _Layout:
     slots: list[_Slot]
     length: int
     meta: torch.Tensor
+    by_device: dict[torch.device, tuple[list[int], list[torch.Tensor]]]
+    """The sources by device: their indices in :attr:`slots` and their tensors (one copy call each)."""
+
+    @classmethod
+    def of(cls, signature: Signature, sources: list[Holding]) -> _Layout:
+        """The layout of ``sources`` (the live local shards, as :func:`own_holdings` gives them)."""
+        slots, length = _layout(sources)
+        meta = json.dumps([s.to_json() for s in slots]).encode()
+        by_device: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
+        for index, holding in enumerate(sources):
+            indices, tensors = by_device.setdefault(holding.tensor.device, ([], []))
+            indices.append(index)
+            tensors.append(holding.tensor)
+        return cls(signature, sources, slots, length, torch.frombuffer(bytearray(meta), dtype=torch.uint8), by_device)
 
 
 class Redundancy:
@@ -288,8 +319,9 @@ class Redundancy:
         self._held: list[Holding] = []
         self._previous: list[Holding] = []  # the copy the last swap replaced, while its buffer is kept
         self._their_layout: tuple[tuple[bytes, int], list[_Slot]] | None = None  # the source's metadata, parsed
-        self._held_buffer = _host_buffer(0, False)
-        self._incoming = _host_buffer(0, False)
+        self._sent: tuple[torch.Tensor, int] | None = None  # the metadata and length the holder has (it expects them)
+        self._held_buffer = _Snapshot(False)  # the buffer of the held copy
+        self._incoming = _Snapshot(False)
         self.started = 0
         """Refreshes started (the shards handed to the sending thread)."""
         self.refreshed = 0
@@ -301,6 +333,12 @@ class Redundancy:
         self.stalled = 0.0
         """Seconds the training thread spent on refreshes: the agreements, handing the shards over,
         and any wait of an optimizer step for a copy not finished yet."""
+        self.training_cpu = 0.0
+        """CPU seconds the training thread spent in :meth:`after_step` (the agreements, the layout
+        check, the capture of the replicated state): what the refreshes take from it, whatever the load."""
+        self.thread_cpu = 0.0
+        """CPU seconds the sending thread spent on refreshes (the copies, the sends and receives,
+        the bookkeeping; gloo's own transport threads not counted)."""
         self.peak_host_bytes = 0
         """The most host memory the buffers held at once (see :attr:`host_bytes`)."""
         self._thread: threading.Thread | None = None
@@ -330,7 +368,7 @@ class Redundancy:
                 return False
             # A rank whose refreshes ended still votes (2), so that every rank ends them with it.
             vote = torch.tensor([_ENDED if self.failure is not None else _BUSY if self._due is not None else 0])
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         try:
             dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._vote_group)
             if vote.item() == _ENDED:
@@ -346,7 +384,7 @@ class Redundancy:
                 return False
             layout = self._current_layout()
             kept = Kept.capture(self._replicated(), self._model, step) if self._replicated is not None else None
-            ready = _mark_streams(layout.sources)  # CUDA: where the training streams stand after the step
+            ready = _mark_streams(layout.by_device)  # CUDA: where the training streams stand after the step
             with self._cond:
                 # The buffer that does not hold the last completed refresh's snapshot (it stays whole).
                 self._sending = next(s for s in self._own if s.step is None or s.step != self._completed)
@@ -358,6 +396,7 @@ class Redundancy:
                 self._cond.notify_all()
         finally:
             self.stalled += time.perf_counter() - started
+            self.training_cpu += time.thread_time() - cpu
         return True
 
     def _current_layout(self) -> _Layout:
@@ -365,10 +404,7 @@ class Redundancy:
         same ones (the optimizer updates them in place), else worked out again."""
         signature = shard_signature(self._model, self._optimizer)
         if self._plan is None or self._plan.signature != signature:
-            own = own_holdings(self._model, self._optimizer, self._step, live=True)
-            slots, length = _layout(own)
-            meta = json.dumps([s.to_json() for s in slots]).encode()
-            self._plan = _Layout(signature, own, slots, length, torch.frombuffer(bytearray(meta), dtype=torch.uint8))
+            self._plan = _Layout.of(signature, own_holdings(self._model, self._optimizer, self._step, live=True))
         return self._plan
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -450,7 +486,7 @@ class Redundancy:
             return self._host_bytes()
 
     def _host_bytes(self) -> int:
-        return sum(s.buffer.numel() for s in self._own) + self._held_buffer.numel() + self._incoming.numel()
+        return sum(s.buffer.numel() for s in (*self._own, self._held_buffer, self._incoming))
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Wait until no refresh is in flight here; returns False if one still is after ``timeout``."""
@@ -485,6 +521,7 @@ class Redundancy:
                     return
             assert step is not None and copying is not None  # noqa: S101 - the wait's predicate, set together
             layout, kept, ready = copying
+            cpu = time.thread_time()
             try:
                 copied: _Events = {}
                 try:
@@ -502,6 +539,7 @@ class Redundancy:
                                "the state of step %s): %s", step, self._completed, exc)
                 with self._cond:
                     self.failure = exc
+                    self.thread_cpu += time.thread_time() - cpu
                     self._due = None
                     self._cond.notify_all()
                 if self._release and isinstance(exc, RedundancyError):
@@ -519,6 +557,7 @@ class Redundancy:
                     if not self._closing and self._completed == step:
                         self._release_previous()
             with self._cond:
+                self.thread_cpu += time.thread_time() - cpu
                 self._due = None
                 self._cond.notify_all()
 
@@ -547,7 +586,7 @@ class Redundancy:
         for snapshot in self._own:
             if snapshot is not self._sending:
                 snapshot.release()
-        self._incoming, self._previous = _host_buffer(0, False), []
+        self._incoming, self._previous = _Snapshot(False), []
 
     def _exchange(self, step: int) -> list[Holding]:
         """Send the snapshot of ``step`` to the holder, receive the source's into the incoming
@@ -557,40 +596,66 @@ class Redundancy:
             RedundancyError: The source's copy is malformed.
             torch's backend error: A peer is lost.
         """
-        sending = self._sending
-        header = torch.tensor([step, sending.meta.numel(), sending.length], dtype=torch.int64)
-        theirs = torch.empty(3, dtype=torch.int64)
-        self._both(header, theirs, _HEADER)
-        their_step, meta_length, length = (int(v) for v in theirs)
-        if their_step != step or meta_length < 0 or length < 0:
-            raise RedundancyError(f"a redundant copy's header is not step {step}'s: {theirs.tolist()}")
-        meta = torch.empty(meta_length, dtype=torch.uint8)
-        if self._incoming.numel() < length:
-            self._incoming = _host_buffer(length, False)
-        self._both(sending.meta, meta, _META)
-        self._both(sending.buffer[:sending.length], self._incoming[:length], _PAYLOAD)
-        said = (bytes(meta.numpy()), length)
-        if self._their_layout is None or self._their_layout[0] != said:  # parsed once while it stays the same
+        sending, incoming = self._sending, self._incoming
+        # Sent: the whole copy, its header in front, as one message while the layout is the one
+        # sent last (the holder expects that length); else a first message of that length for
+        # the header alone, then the metadata and the whole copy.
+        changed = self._sent is None or self._sent[0] is not sending.meta
+        sending.buffer[:_HEADER_BYTES].view(torch.int64)[:3] = torch.tensor(
+            [step, sending.meta.numel() if changed else 0, sending.length])
+        messages = [sending.buffer[:sending.length]]
+        if changed:
+            prior = _HEADER_BYTES if self._sent is None else self._sent[1]
+            first = sending.buffer[:prior]  # the header, and whatever follows it
+            if first.numel() < prior:  # the layout shrank below the last one: pad the header
+                first = torch.zeros(prior, dtype=torch.uint8)
+                first[:_HEADER_BYTES] = sending.buffer[:_HEADER_BYTES]
+            messages = [first, sending.meta, *messages]
+        sends = [self._send(message, tag) for message, tag in zip(messages, (_FIRST, _META, _PAYLOAD))]
+        # Received: the same, from the source.
+        known = self._their_layout
+        expected = _HEADER_BYTES if known is None else known[0][1]
+        incoming.reserve(expected)
+        self._receive(incoming.buffer[:expected], _FIRST)
+        their_step, meta_length, length = (int(v) for v in incoming.buffer[:_HEADER_BYTES].view(torch.int64)[:3])
+        if their_step != step or meta_length < 0 or length < _HEADER_BYTES:
+            raise RedundancyError(f"a redundant copy's header is not step {step}'s: "
+                                  f"{[their_step, meta_length, length]}")
+        if meta_length:
+            meta = torch.empty(meta_length, dtype=torch.uint8)
+            self._receive(meta, _META)
+            incoming.reserve(length)
+            self._receive(incoming.buffer[:length], _PAYLOAD)
+            said = (bytes(meta.numpy()), length)
             self._their_layout = (said, _parse_slots(*said))
-        slots = self._their_layout[1]
-        return [Holding(key=s.key, offsets=s.offsets, sizes=s.sizes, step=step, tensor=s.view(self._incoming))
-                for s in slots]
+        elif known is None or length != expected:
+            raise RedundancyError(f"a redundant copy of {length} bytes came without the metadata that describes it "
+                                  f"(the last one had {expected})")
+        for work in sends:
+            work.wait()
+        self._sent = (sending.meta, sending.length)
+        assert self._their_layout is not None  # noqa: S101 - known, or parsed above
+        incoming.slots = self._their_layout[1]
+        return [Holding(key=s.key, offsets=s.offsets, sizes=s.sizes, step=step, tensor=view)
+                for s, view in zip(incoming.slots, incoming.views(), strict=True)]
 
-    def _both(self, out: torch.Tensor, into: torch.Tensor, tag: int) -> None:
-        """Send ``out`` to the holder and receive ``into`` from the source, at once."""
-        works = []
-        if out.numel():  # the peer knows the length from the header, and posts no receive for nothing
-            works.append(dist.isend(out, group=self._group, group_dst=self.holder, tag=tag))
-        if into.numel():
-            works.append(dist.irecv(into, group=self._group, group_src=self.source, tag=tag))
-        for work in works:
-            if work is not None:
-                work.wait()
+    def _send(self, message: torch.Tensor, tag: int) -> dist.Work:
+        """Start sending ``message`` to the holder."""
+        work = dist.isend(message, group=self._group, group_dst=self.holder, tag=tag)
+        assert work is not None  # noqa: S101 - this rank is in the group
+        return work
+
+    def _receive(self, into: torch.Tensor, tag: int) -> None:
+        """Receive the source's message ``tag`` into ``into`` (its length)."""
+        work = dist.irecv(into, group=self._group, group_src=self.source, tag=tag)
+        assert work is not None  # noqa: S101 - this rank is in the group
+        work.wait()
 
 
 class _Snapshot:
-    """A reusable host buffer with this rank's shards of one step (reallocated only when their
-    layout grows, or after :meth:`release`)."""
+    """A reusable host buffer with a rank's shards of one step: this rank's snapshot of its own,
+    or a copy received from the source (reallocated only when their layout grows, or after
+    :meth:`release`)."""
 
     def __init__(self, pin: bool) -> None:
         self._pin = pin
@@ -601,6 +666,7 @@ class _Snapshot:
         self.step: int | None = None
         self.kept: Kept | None = None
         """The replicated state of :attr:`step`, when the redundancy keeps it."""
+        self._views: tuple[torch.Tensor, list[_Slot], list[torch.Tensor]] | None = None
 
     def clear(self) -> None:
         """Not a snapshot of any step (it is about to be written)."""
@@ -609,31 +675,42 @@ class _Snapshot:
     def release(self) -> None:
         """Give the buffer back (an empty one; the next :meth:`take` allocates again)."""
         self.clear()
-        self.buffer, self.slots, self.length = _host_buffer(0, self._pin), [], 0
+        self.buffer, self.slots, self.length, self._views = _host_buffer(0, self._pin), [], 0, None
+
+    def reserve(self, length: int) -> None:
+        """Make the buffer hold at least ``length`` bytes (a new one if it is shorter)."""
+        if length > self.buffer.numel():
+            self.buffer, self._views = _host_buffer(length, self._pin), None
+
+    def views(self) -> list[torch.Tensor]:
+        """Each slot's values in the buffer, worked out once while the buffer and the slots stay
+        the same ones (a refresh reuses both)."""
+        if self._views is None or self._views[0] is not self.buffer or self._views[1] is not self.slots:
+            self._views = (self.buffer, self.slots, [slot.view(self.buffer) for slot in self.slots])
+        return self._views[2]
 
     def take(self, layout: _Layout, ready: _Events, streams: SideStreams) -> _Events:
-        """Copy the live shards ``layout`` names in, one ``copy_`` each into its view of the
-        buffer: a CPU shard now; a CUDA shard queued on its device's side stream of ``streams``,
-        after the device's ``ready`` event, non-blocking into the pinned buffer. Returns, per
-        device, an event recorded after its copies (none on the CPU); :meth:`complete` once they are queued."""
+        """Copy the live shards ``layout`` names in, into their views of the buffer, one call per
+        device (:func:`~elastictrain._torch_compat.foreach_copy`): the CPU shards now; the CUDA
+        shards queued on their device's side stream of ``streams``, after the device's ``ready``
+        event, non-blocking into the pinned buffer. Returns, per device, an event recorded after
+        its copies (none on the CPU); :meth:`complete` once they are queued."""
         self.clear()
-        if layout.length > self.buffer.numel():
-            self.buffer = _host_buffer(layout.length, self._pin)
+        self.reserve(layout.length)
         self.slots, self.length, self.meta = layout.slots, layout.length, layout.meta
+        views = self.views()
         # The sources are not freed while a side stream reads them: ``layout`` holds them until
         # the refresh is complete (no other starts before), so no record_stream is needed.
         used: dict[torch.device, torch.cuda.Stream] = {}
-        for slot, holding in zip(layout.slots, layout.sources, strict=True):
-            source = holding.tensor
-            if not source.is_cuda:
-                slot.view(self.buffer).copy_(source)
+        for device, (indices, sources) in layout.by_device.items():
+            into = views if len(indices) == len(views) else [views[i] for i in indices]
+            if device.type != "cuda":
+                foreach_copy(into, sources)
                 continue
-            stream = used.get(source.device)
-            if stream is None:
-                stream = used[source.device] = streams.get(source.device)
-                stream.wait_event(ready[source.device])
+            stream = used[device] = streams.get(device)
+            stream.wait_event(ready[device])
             with torch.cuda.stream(stream):
-                slot.view(self.buffer).copy_(source, non_blocking=True)
+                foreach_copy(into, sources, non_blocking=True)
         copied: _Events = {}
         for device, stream in used.items():
             copied[device] = torch.cuda.Event()
@@ -650,8 +727,8 @@ class _Snapshot:
     def holdings(self) -> list[Holding]:
         """The snapshot's regions (views of the buffer)."""
         assert self.step is not None  # noqa: S101 - only asked of a taken snapshot
-        return [Holding(key=s.key, offsets=s.offsets, sizes=s.sizes, step=self.step, tensor=s.view(self.buffer))
-                for s in self.slots]
+        return [Holding(key=s.key, offsets=s.offsets, sizes=s.sizes, step=self.step, tensor=view)
+                for s, view in zip(self.slots, self.views(), strict=True)]
 
 
 def start_redundancy(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, every: int,
