@@ -6,6 +6,8 @@ state of :mod:`elastictrain.train`, ``elastictrain status``) are public here:
 - :func:`check_state`, :func:`validate_state`: check a ``state`` mapping, and that an object
   holds only what ``torch.load(weights_only=True)`` reads back;
 - :func:`map_tensors`: a copy of such an object with each tensor replaced;
+- :func:`storage_key`: which storage a tensor views (tied weights share one: each is written or
+  sent once);
 - :func:`load_state_into`: load a checkpoint's entries into live objects (all checked first);
 - :func:`capture_rng`, :func:`restore_rng`: this process's RNG states as a checkpoint keeps them,
   and back (fsdp's redundancy keeps them with each in-memory snapshot);
@@ -22,7 +24,8 @@ state of :mod:`elastictrain.train`, ``elastictrain status``) are public here:
 from ._manifest import find_checkpoint, step_dir
 from ._overlap import SideStreams
 from ._sharded import region
-from ._snapshot import capture_rng, check_state, load_state_into, map_tensors, restore_rng, validate_state
+from ._snapshot import (capture_rng, check_state, load_state_into, map_tensors, restore_rng, storage_key,
+                        validate_state)
 from .export import ExportInfo, export_safetensors
 from .coordinator import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
 from .manager import CheckpointManager, RestoreInfo, Stateful
@@ -48,5 +51,6 @@ __all__ = [
     "region",
     "restore_rng",
     "step_dir",
+    "storage_key",
     "validate_state",
 ]

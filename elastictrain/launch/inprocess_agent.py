@@ -298,9 +298,11 @@ class InProcessAgent(ElasticAgent):
             if cause is None:
                 waiting = handler.num_nodes_waiting()
                 if waiting > 0:
-                    cause, fault = self._peers_cause(
-                        f"membership change ({waiting} node(s) waiting, gone or re-joining)")
+                    # Said as plainly as a loss is: a join when the nodes waiting only join.
                     joins = handler.only_nodes_joining()
+                    cause, fault = self._peers_cause(
+                        f"membership change: {waiting} node(s) joining" if joins
+                        else f"membership change ({waiting} node(s) waiting, gone or re-joining)")
             held = self._held
             if held is not None and (cause is not None or self._joiners_ready(group, held, now)):
                 # Only nodes joined unless something else happened meanwhile (a peer may be gone).

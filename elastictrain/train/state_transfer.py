@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastictrain.checkpoint import load_state_into, map_tensors
+from elastictrain.checkpoint import load_state_into, map_tensors, storage_key
 from elastictrain.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -127,22 +127,36 @@ def _encode(state: Mapping[str, Any], step: int) -> tuple[torch.Tensor, list[tor
     state with every tensor replaced by a meta tensor of its shape and dtype, as
     ``torch.save`` bytes) and the bytes of each tensor under ``_DIRECT_BYTES``, aligned,
     in walk order. The larger ones follow it in walk order, each in a message of its
-    own from its own memory. No tensor is serialized.
+    own from its own memory. No tensor is serialized. A tensor that is the same view of
+    the same storage as an earlier one (a tied weight under its second name) travels
+    once: the skeleton's ``aliases`` name the earlier one, and it arrives as that object.
     """
     small: list[torch.Tensor] = []
     direct: list[torch.Tensor] = []
+    seen: dict[tuple[Any, ...], int] = {}
+    aliases: dict[int, int] = {}  # walk index -> the walk index of the same view, earlier
+    walked = 0
 
     def placeholder(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal walked
+        index, walked = walked, walked + 1
         if not _raw(tensor):
             return tensor
-        if _nbytes(tensor) >= _DIRECT_BYTES:
-            direct.append(tensor.contiguous() if tensor.device.type == "cpu" else tensor.cpu())
+        view = (storage_key(tensor), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        if view in seen:
+            aliases[index] = seen[view]
         else:
-            small.append(tensor)
+            seen[view] = index
+            if _nbytes(tensor) >= _DIRECT_BYTES:
+                direct.append(tensor.contiguous() if tensor.device.type == "cpu" else tensor.cpu())
+            else:
+                small.append(tensor)
         return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
 
+    content = map_tensors(_content(state, step), placeholder)
+    content["aliases"] = aliases
     skeleton = io.BytesIO()
-    torch.save(map_tensors(_content(state, step), placeholder), skeleton)
+    torch.save(content, skeleton)
     head = skeleton.getbuffer()
     offset = _aligned(16 + head.nbytes)
     spans = []
@@ -161,14 +175,20 @@ def _encode(state: Mapping[str, Any], step: int) -> tuple[torch.Tensor, list[tor
 def _decode(payload: torch.Tensor) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """The content :func:`_encode` put in ``payload``, and the tensors (empty, in walk order)
     that the messages after it fill. Every tensor has memory of its own (a later save must
-    not carry the buffer)."""
+    not carry the buffer); an alias is the very tensor it names."""
     head_bytes = int(payload[:16].view(torch.int64)[0])
     skeleton = torch.load(io.BytesIO(payload[16:16 + head_bytes].numpy().tobytes()), map_location="cpu",
                           weights_only=True)
+    aliases: dict[int, int] = skeleton.pop("aliases")
     offset = _aligned(16 + head_bytes)
     direct: list[torch.Tensor] = []
+    walked: list[torch.Tensor] = []
 
     def fill(placeholder: torch.Tensor) -> torch.Tensor:
+        walked.append(_fill(placeholder) if len(walked) not in aliases else walked[aliases[len(walked)]])
+        return walked[-1]
+
+    def _fill(placeholder: torch.Tensor) -> torch.Tensor:
         nonlocal offset
         if placeholder.device.type != "meta":
             return placeholder

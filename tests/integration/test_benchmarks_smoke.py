@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,16 +20,25 @@ from tests.conftest import REPO_ROOT, subprocess_env
 SUMMARY_KEYS = {"median", "min", "max", "n", "failed", "samples"}
 
 
+def _run_benchmark(script: str, *args: str, out: Path, timeout: int, env: dict[str, str] | None = None) -> Any:
+    """Runs one benchmark from the repository root and returns the JSON it wrote to ``out``.
+
+    ``script`` is a file (``benchmarks/x.py``) or, without ``.py``, a module run with ``-m``.
+    A failed run fails the test with the tail of its stderr.
+    """
+    command = [script] if script.endswith(".py") else ["-m", script]
+    done = subprocess.run([sys.executable, *command, *args], cwd=REPO_ROOT, env=env or subprocess_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
 # About a minute of the default suite's 10: `python -m pytest -m slow tests/integration/test_benchmarks_smoke.py`.
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_driver_smoke_mode_writes_every_section_with_expected_keys(tmp_path: Path) -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--mode", "smoke", "--out-dir", str(tmp_path), "--no-plots"],
-        cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=400,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = json.loads((tmp_path / "smoke.json").read_text())
+    results = _run_benchmark("benchmarks", "--mode", "smoke", "--out-dir", str(tmp_path), "--no-plots",
+                             out=tmp_path / "smoke.json", timeout=400)
 
     assert results["mode"] == "smoke"
     assert {"nproc", "cpu_model", "torch"} <= results["machine_at_start"].keys()
@@ -70,13 +80,11 @@ def test_driver_smoke_mode_writes_every_section_with_expected_keys(tmp_path: Pat
 @pytest.mark.timeout(180)
 def test_step_overhead_runs_the_three_loops_in_turns_and_reports_each(tmp_path: Path) -> None:
     out = tmp_path / "step_overhead.json"
-    done = subprocess.run(
-        [sys.executable, "benchmarks/step_overhead.py", "--reps", "2", "--steps", "4", "--warmup", "2", "--block", "3",
-         "--models", "tiny", "--out", str(out)],
-        cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=160,
+    record = _run_benchmark(
+        "benchmarks/step_overhead.py", "--reps", "2", "--steps", "4", "--warmup", "2", "--block", "3",
+        "--models", "tiny", "--out", str(out),
+        out=out, timeout=160,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    record = json.loads(out.read_text())
     # 4 steps are rounded up to whole blocks of 3: each loop times 6 (the data covers them).
     assert (record["steps"], record["block"], record["reps"]) == (6, 3, 2)
     tiny = record["results"]["tiny"]
@@ -99,13 +107,11 @@ def test_step_overhead_runs_the_three_loops_in_turns_and_reports_each(tmp_path: 
 @pytest.mark.timeout(180)
 def test_checkpoint_s3_saves_restores_and_uploads_to_a_local_s3_server_and_reports_each(tmp_path: Path) -> None:
     out = tmp_path / "checkpoint_s3.json"
-    done = subprocess.run(
-        [sys.executable, "benchmarks/checkpoint_s3.py", "--mb", "4", "--reps", "1", "--warmup", "0", "--part-mb", "5",
-         "--batch", "4", "--out", str(out)],
-        cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=160,
+    record = _run_benchmark(
+        "benchmarks/checkpoint_s3.py", "--mb", "4", "--reps", "1", "--warmup", "0", "--part-mb", "5",
+        "--batch", "4", "--out", str(out),
+        out=out, timeout=160,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    record = json.loads(out.read_text())
     assert record["configs"] == ["shared", "pinned"]
     for name in ("result", "result_pinned"):
         result = record[name]
@@ -129,13 +135,10 @@ def test_checkpoint_s3_saves_restores_and_uploads_to_a_local_s3_server_and_repor
 @pytest.mark.timeout(180)
 def test_sharded_step_times_three_shardings_and_reports_each_ranks_state(tmp_path: Path) -> None:
     out = tmp_path / "sharded_step.json"
-    done = subprocess.run(
-        [sys.executable, "benchmarks/sharded_step.py", "--mb", "1", "--reps", "2", "--steps", "2", "--warmup", "1",
-         "--out", str(out)],
-        cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=160,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(out.read_text())["results"]
+    results = _run_benchmark(
+        "benchmarks/sharded_step.py", "--mb", "1", "--reps", "2", "--steps", "2", "--warmup", "1", "--out", str(out),
+        out=out, timeout=160,
+    )["results"]
     held = {mode: results[mode]["state_mb_per_rank"] for mode in ("ddp", "fsdp", "hsdp")}
     for mode, row in results.items():
         assert row["steps_per_s"]["n"] == 2 and all(rate > 0 for rate in row["steps_per_s"]["samples"]), mode
@@ -149,13 +152,11 @@ def test_sharded_step_times_three_shardings_and_reports_each_ranks_state(tmp_pat
 @pytest.mark.timeout(180)
 def test_sharded_forward_reports_what_each_mode_holds_unsharded_at_once(tmp_path: Path) -> None:
     out = tmp_path / "sharded_forward.json"
-    done = subprocess.run(
-        [sys.executable, "benchmarks/sharded_forward.py", "--mb", "1", "--layers", "4", "--reps", "1", "--steps", "2",
-         "--warmup", "1", "--out", str(out)],
-        cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=160,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(out.read_text())["results"]
+    results = _run_benchmark(
+        "benchmarks/sharded_forward.py", "--mb", "1", "--layers", "4", "--reps", "1", "--steps", "2",
+        "--warmup", "1", "--out", str(out),
+        out=out, timeout=160,
+    )["results"]
     share = {mode: results[mode]["unsharded_share_of_model"] for mode in ("plain", "gather", "failsafe")}
     # The full gather holds the whole model; plain FSDP2 and the failsafe groups a block (and the head).
     assert share["gather"] == 1.0 and share["failsafe"] == share["plain"] < 0.5, share
@@ -166,13 +167,11 @@ def test_sharded_forward_reports_what_each_mode_holds_unsharded_at_once(tmp_path
 @pytest.mark.timeout(300)
 def test_redundancy_cost_times_each_refresh_interval_and_reports_the_host_memory(tmp_path: Path) -> None:
     out = tmp_path / "redundancy_cost.json"
-    done = subprocess.run(
-        [sys.executable, "benchmarks/redundancy_cost.py", "--width", "64", "--layers", "1", "--seq", "4",
-         "--steps", "11", "--warmup", "1", "--reps", "1", "--every", "1,10", "--worlds", "2,4", "--out", str(out)],
-        cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=280,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    worlds = json.loads(out.read_text())["worlds"]
+    worlds = _run_benchmark(
+        "benchmarks/redundancy_cost.py", "--width", "64", "--layers", "1", "--seq", "4",
+        "--steps", "11", "--warmup", "1", "--reps", "1", "--every", "1,10", "--worlds", "2,4", "--out", str(out),
+        out=out, timeout=280,
+    )["worlds"]
     assert set(worlds) == {"2", "4"}
     for world, entry in worlds.items():
         results = entry["results"]
@@ -192,13 +191,11 @@ def test_redundancy_cost_times_each_refresh_interval_and_reports_the_host_memory
 @pytest.mark.timeout(900)
 def test_sharded_recovery_times_every_launcher_or_reports_it_unsupported(tmp_path: Path) -> None:
     out = tmp_path / "sharded_recovery.json"
-    done = subprocess.run(
-        [sys.executable, "benchmarks/sharded_recovery.py", "--width", "32", "--layers", "1", "--reps", "1",
-         "--action-step", "4", "--ckpt-every", "2", "--out", str(out)],
-        cwd=REPO_ROOT, env=subprocess_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=870,
+    record = _run_benchmark(
+        "benchmarks/sharded_recovery.py", "--width", "32", "--layers", "1", "--reps", "1",
+        "--action-step", "4", "--ckpt-every", "2", "--out", str(out),
+        out=out, timeout=870, env=subprocess_env(OMP_NUM_THREADS="1"),
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    record = json.loads(out.read_text())
     assert set(record["scenarios"]) == {"fsdp_worker_kill", "hsdp_node_loss"}
     for name, entry in record["scenarios"].items():
         # The restart-based launchers recover; a launcher the job refuses is named unsupported, with

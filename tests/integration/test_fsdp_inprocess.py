@@ -43,6 +43,7 @@ def _reformations(out: Path) -> list[dict[str, Any]]:
 
 
 def _say(out: Path) -> None:
+    print()  # under -s, pytest's own line (the file's name) is not yet ended: the first line stands apart
     for event in _reformations(out):
         print(f"recovery: world {event['old_world_size']} -> {event['world_size']} at step {event['step']}, "
               f"{event['steps_redone']} committed step(s) redone, {event['seconds']} s ({event['cause'][:80]})")
@@ -185,6 +186,7 @@ def test_an_fsdp_job_resized_2_3_2_in_place_ends_equal_to_an_uninterrupted_run(
     grown, shrunk = ([e for e in _reformations(out) if (e["old_world_size"], e["world_size"]) == pair]
                      for pair in ((2, 3), (3, 2)))
     assert len(grown) == 1 and grown[0]["steps_redone"] == 0, grown
+    assert grown[0]["cause"].startswith("membership change: 1 node(s) joining"), grown  # said as a loss is
     # The join read no checkpoint; the loss restored the newest one, and redid the steps since.
     restores = events(out, "restore")
     assert len(restores) == 1 and len(shrunk) == 1 and restores[0]["step"] == shrunk[0]["step"], (restores, shrunk)

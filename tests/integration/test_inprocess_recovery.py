@@ -411,6 +411,10 @@ def test_a_joining_node_enters_at_a_step_boundary_without_restarting_anyone(etcd
     outputs = finish(nodes)
     at_three = assert_joined_at_one_boundary(out, before, nodes, outputs)
     assert min(r["step"] for r in at_three) == 10, "the join did not take effect at the first agreed boundary"
+    # The join says what happened, as a loss does: the agents' recovery and rank 0's.
+    grown = [e for e in events(out, "recovery") if e.get("old_world_size") == 2 and e.get("world_size") == 3]
+    assert [e["cause"].split(" (at the boundary")[0] for e in grown] == ["membership change: 1 node(s) joining"], grown
+    assert [e["cause"] for e in events(out, "recovery") if "duration_s" in e] == ["membership change: 1 node(s) joining"] * 2
 
 
 @pytest.mark.timeout(300)

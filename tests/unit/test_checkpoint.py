@@ -349,6 +349,47 @@ def test_async_save_writes_the_same_bytes_as_a_sync_save(tmp_path: Path) -> None
         assert sync == (tmp_path / "async" / "step_00000002" / name).read_bytes(), name
 
 
+class TiedLM(torch.nn.Module):
+    """An LM whose output projection is its embedding's weight (tied), 256 KiB of it."""
+
+    def __init__(self, tied: bool = True) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(1024, 64)
+        self.out = torch.nn.Linear(64, 1024, bias=False)
+        if tied:
+            self.out.weight = self.emb.weight
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "overlap"])
+def test_a_tied_weight_is_written_once_and_restored_tied(tmp_path: Path, mode: str) -> None:
+    written, saved = {}, {}
+    for tied in (True, False):
+        torch.manual_seed(0)
+        model = TiedLM(tied)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        model.out(model.emb(torch.arange(8))).square().mean().backward()
+        opt.step()
+        saved[tied] = {k: v.clone() for k, v in model.state_dict().items()}
+        with CheckpointManager(tmp_path / str(tied), async_save=mode != "sync", overlap=mode == "overlap") as mgr:
+            mgr.save(1, {"model": model, "opt": opt})
+            with torch.no_grad():
+                mgr.wait_snapshot()
+                model.emb.weight.add_(1.0)  # training on at once: the save holds the values of step 1
+            mgr.wait()
+        written[tied] = (tmp_path / str(tied) / "step_00000001" / "replicated.pt").stat().st_size
+    # Tied: the weight and its two Adam moments once; untied, the projection's three again.
+    weight_bytes = 1024 * 64 * 4
+    assert written[True] < written[False] - 2.5 * weight_bytes, written
+    fresh = TiedLM()
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.01)
+    with CheckpointManager(tmp_path / "True") as mgr:
+        mgr.restore({"model": fresh, "opt": fresh_opt})
+    assert fresh.out.weight is fresh.emb.weight
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, saved[True][key]), key
+    assert len(fresh_opt.state) == 1 and torch.equal(fresh_opt.state[fresh.emb.weight]["step"], torch.tensor(1.0))
+
+
 def test_async_save_is_unaffected_by_training_right_after_save_returns(tmp_path: Path) -> None:
     trainer = Trainer()
     trainer.train(2)

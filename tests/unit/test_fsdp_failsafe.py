@@ -293,3 +293,72 @@ def test_each_wait_for_a_collective_inside_the_window_enters_the_step_loops_mark
     out = tmp_path / "entered.json"
     fork_ranks(_waiting_worker, 2, lambda rank: (rank, str(tmp_path / "store"), str(out)), timeout=60)
     assert json.loads(out.read_text()) == ["in", "out", "in", "out"]
+
+
+def _late_peer_worker(rank: int, store: str, control_dir: str, out: str) -> None:
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from elastictrain._control import Assignment, ProgressTable, Section, WorkerState, now, write_assignment
+    from elastictrain.launch.hang_detector import HangDetector
+    from elastictrain.train.control import WorkerControl
+    from elastictrain.train.fsdp.failsafe_group import SwallowedFailure, failsafe_group
+    from elastictrain.train.hang_bounds import HangBounds
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    failures = SwallowedFailure()
+    group = failsafe_group(dist.group.WORLD, failures)
+    late = 2.0  # rank 1 reaches each collective this much later than rank 0 (slow, but alive)
+    if rank == 1:
+        dist.barrier()
+        for _ in range(2):
+            time.sleep(late)
+            dist.all_reduce(torch.ones(3), group=group)
+        dist.barrier()
+        return
+    ProgressTable(control_dir, 1, create=True).close()
+    write_assignment(control_dir, Assignment(generation=1, round=0, world_size=2, master_addr="127.0.0.1",
+                                             master_port=1234, ranks={"0": 0}))
+    # Its step may last 0.5 s until it waits for its peers; rank 1 is 2 s late in each collective.
+    control = WorkerControl(control_dir, 0, 1, hang_bounds=HangBounds(first_step=timedelta(seconds=0.5)))
+    control.set_state(WorkerState.TRAINING)
+    agent = ProgressTable(control_dir, 1)
+    detector = HangDetector(floor_s=0.5, confirm_s=0.2)
+    verdicts: list[str] = []
+    done = threading.Event()
+
+    def judge() -> None:  # what the agent does, every 100 ms
+        while not done.wait(0.1):
+            if detector.hung([agent.read(0)], now(), {0: os.getpid()}):
+                verdicts.append(detector.reason(0))
+
+    judging = threading.Thread(target=judge)
+    judging.start()
+    dist.barrier()
+    control.enter(Section.STEP)
+    with failures.swallowing(control.collective):
+        work = dist.all_reduce(torch.ones(3), group=group, async_op=True)
+        assert work is not None
+        work.get_future().wait()
+        works = [dist.all_reduce(torch.ones(3), group=group, async_op=True)]
+        torch.futures.wait_all([w.get_future() for w in works if w is not None])
+    done.set()
+    judging.join()
+    Path(out).write_text(json.dumps(verdicts))
+    control.close()
+    agent.close()
+    dist.barrier()
+
+
+def test_a_wait_on_a_collectives_future_for_a_late_peer_is_not_taken_for_a_hang(tmp_path: Path) -> None:
+    # Work.get_future().wait() and torch.futures.wait_all wait in C++, past the failsafe group's
+    # marked Work.wait: rank 0, waiting 2 s for a slow but live peer in its step (bound 0.5 s),
+    # was judged hung by its agent's detector.
+    out = tmp_path / "verdicts.json"
+    control = tmp_path / "control"
+    control.mkdir()
+    fork_ranks(_late_peer_worker, 2, lambda rank: (rank, str(tmp_path / "store"), str(control), str(out)),
+               timeout=60)
+    assert json.loads(out.read_text()) == []

@@ -23,6 +23,7 @@ from elastictrain._control import (
     Assignment, AssignmentWatch, Doorbell, Progress, ProgressTable, WorkerState, write_assignment,
 )
 from elastictrain._process import proc_stat
+from elastictrain.checkpoint import load_state_into
 from elastictrain.train.control import JobEnded, WorkerControl
 from elastictrain.errors import SessionError
 from elastictrain.train.recovery import describe
@@ -565,6 +566,41 @@ def test_the_transferred_state_comes_back_equal_in_tensors_of_its_own() -> None:
     assert torch.equal(got["sparse"].to_dense(), torch.eye(3))
     assert got["nested"][0][:2] == (1, "a") and torch.equal(got["nested"][0][2], torch.ones(2, 2, dtype=torch.uint8))
     assert got["nested"][1] == {"x": None}
+
+
+class _TiedLM(torch.nn.Module):
+    """An embedding whose output projection is the embedding's own weight (a tied LM head)."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, 64)
+        self.out = torch.nn.Linear(64, vocab, bias=False)
+        self.out.weight = self.emb.weight
+
+
+@pytest.mark.parametrize("vocab", [16, 8192], ids=["in_the_buffer", "sent_on_its_own"])
+def test_a_tied_weight_is_sent_once_and_arrives_tied(vocab: int) -> None:
+    from elastictrain.train.state_transfer import _decode, _encode
+
+    def sent(model: torch.nn.Module) -> tuple[int, torch.Tensor, list[torch.Tensor]]:
+        payload, direct = _encode({"model": model}, 3)
+        return payload.numel() + sum(t.numel() * t.element_size() for t in direct), payload, direct
+
+    torch.manual_seed(0)
+    sender, receiver, untied = _TiedLM(vocab), _TiedLM(vocab), _TiedLM(vocab)
+    untied.out.weight = torch.nn.Parameter(sender.emb.weight.detach().clone())
+    tied_bytes, payload, direct = sent(sender)
+    # The same values under two weights of their own cost one weight more: tied, one copy travels.
+    weight_bytes = vocab * 64 * 4
+    assert tied_bytes <= sent(untied)[0] - weight_bytes + 512, (tied_bytes, sent(untied)[0], weight_bytes)
+    content, slots = _decode(payload)
+    for slot, tensor in zip(slots, direct, strict=True):
+        slot.copy_(tensor)
+    got = content["stateful"]["model"]
+    assert got["emb.weight"] is got["out.weight"]
+    load_state_into({"model": receiver}, content["stateful"], content["extras"], 3)
+    assert receiver.out.weight is receiver.emb.weight
+    assert torch.equal(receiver.emb.weight, sender.emb.weight)
 
 
 def test_nobody_holding_state_means_every_rank_reads_the_checkpoint(tmp_path: Path) -> None:

@@ -155,15 +155,15 @@ class _SwallowingWork(dist.Work):
         return bool(self._work.is_completed())
 
     def get_future(self) -> torch.futures.Future[Any]:
-        def settle(future: torch.futures.Future[Any]) -> Any:
-            try:
-                return future.value()
-            except Exception as exc:
-                if not is_collective_failure(exc):
-                    raise
-                self._failures.record(exc)
-                return self._result
-        return self._work.get_future().then(settle)
+        # A future is waited on in C++ (Future.wait, torch.futures.wait_all), where no marker can be
+        # entered: a rank blocked there for a late peer would pass for hung in its step. So the wait
+        # happens here, marked as in wait(), and the future handed back is complete (on gloo, code
+        # between get_future() and the future's wait no longer overlaps the collective; on NCCL,
+        # wait() only orders the current stream after it, as the future's wait would).
+        self.wait()
+        if self._failures.failure is None:
+            return self._work.get_future()
+        return _DoneWork(self._result).get_future()
 
 
 class FailsafeGroup(dist.ProcessGroup):
