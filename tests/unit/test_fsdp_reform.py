@@ -65,6 +65,51 @@ def test_an_hsdp_rank_that_leaves_in_place_fails_a_peer_blocked_on_it_in_a_sub_g
     assert waited["error"] and waited["seconds"] < 10, waited
 
 
+def test_an_fsdp_rank_that_leaves_in_place_fails_a_peer_blocked_on_it_in_the_redundancys_vote_at_once(
+        tmp_path: Path) -> None:
+    # sharded_recovery.py's fsdp worker kill (rank 3 of 2 nodes x 2 SIGKILLed as step 12 ended):
+    # in one trial of three the job trained again only after 79 s. A survivor waited out the
+    # collective timeout (60 s) in the redundancy's vote on a peer that had seen the kill first and
+    # left to re-form: leaving severed the default group's connections, not the redundancy's two
+    # groups. 2 ranks; rank 1 votes on the next refresh while rank 0 leaves instead (timeout 30 s).
+    fork_ranks(_fsdp_leave, 2, lambda rank: (rank, tmp_path), timeout=80)
+    waited = json.loads((tmp_path / "waited.json").read_text())
+    assert waited["error"] and waited["seconds"] < 10, waited
+
+
+def _fsdp_leave(rank: int, out: Path) -> None:
+    import datetime
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from elastictrain.train.fsdp.strategy import FsdpStrategy
+
+    dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    model = _model()
+    strategy = FsdpStrategy(redundancy_every=1)
+    strategy.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), _view(rank, 2), identical=False)
+    strategy.after_step(1)  # a refresh, completed on both ranks
+    assert strategy.redundancy is not None and strategy.redundancy.wait(datetime.timedelta(seconds=20))
+    if rank == 0:
+        time.sleep(1.0)
+        strategy.leave()  # re-forms in place: no collective, its groups left behind
+        deadline = time.monotonic() + 40
+        while not (out / "waited.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)  # lives on (as a survivor does) until its peer is done waiting
+    else:
+        began = time.monotonic()
+        error = ""
+        try:
+            strategy.after_step(2)  # the vote on step 2's refresh waits for rank 0
+        except RuntimeError as exc:
+            error = str(exc)[:200]
+        (out / "waited.json").write_text(json.dumps({"seconds": time.monotonic() - began, "error": error}))
+    os._exit(0)  # the groups are in no state for torch's teardown
+
+
 def _hsdp_leave(rank: int, out: Path) -> None:
     import datetime
     import time

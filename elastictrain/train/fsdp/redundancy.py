@@ -102,7 +102,7 @@ import torch.distributed as dist
 from elastictrain._torch_compat import foreach_copy
 from elastictrain.checkpoint import SideStreams, capture_rng, load_state_into, restore_rng
 from elastictrain.errors import ConfigError
-from elastictrain.train import process_group as pg
+from elastictrain.train import peer_connections, process_group as pg
 from elastictrain.train.fsdp.buddies import buddies
 from elastictrain.train.fsdp.holdings import Holding, Signature, own_holdings, shard_signature
 
@@ -497,16 +497,24 @@ class Redundancy:
     def close(self, timeout: timedelta = timedelta(seconds=5)) -> None:
         """Stop refreshing, without a collective (peers may be dead), and remove the optimizer
         hook. A refresh in flight is given ``timeout`` to end; if it does not, its thread is left
-        (a daemon) and its copy never swapped in. What this rank holds stays (:meth:`holdings`)."""
+        (a daemon) and its copy never swapped in. What this rank holds stays (:meth:`holdings`).
+
+        The connections of the two groups are severed
+        (:func:`~elastictrain.train.peer_connections.sever`): a peer blocked on this rank in a vote
+        (this rank left to re-form instead) or in a refresh fails at once, not after the groups'
+        timeout. The vote group's first; the sending thread's once the refresh in flight ended (a
+        peer's copy of it completes where it can)."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
         if self._hook is not None:
             self._hook.remove()
+        peer_connections.sever(self._vote_group)
         if self._thread is not None:
             self._thread.join(timeout.total_seconds())
             if self._thread.is_alive():
                 logger.warning("redundancy: a refresh is still in flight after %s; left behind", timeout)
+        peer_connections.sever(self._group)
 
     # --- the sending thread ---------------------------------------------------------------------
 
