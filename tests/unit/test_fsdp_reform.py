@@ -77,6 +77,61 @@ def test_an_fsdp_rank_that_leaves_in_place_fails_a_peer_blocked_on_it_in_the_red
     assert waited["error"] and waited["seconds"] < 10, waited
 
 
+def test_an_fsdp_group_reformed_in_place_refreshes_its_copies_into_the_last_generations_buffers(
+        tmp_path: Path) -> None:
+    # sharded_recovery.py's worker kill: right after the re-formation, each rank's first two
+    # refreshes allocated fresh host buffers (a snapshot, the incoming copy: a shard each, ~80 MB a
+    # rank there), every page faulting in beside the redone steps. 2 ranks re-form in place over
+    # the same group, the state from their memory: the new redundancy starts with the last one's
+    # buffers, its refresh allocates none, and the step after equals an unsharded model's.
+    fork_ranks(_reform_with_copies, 2, lambda rank: (rank, tmp_path), timeout=80)
+    said = json.loads((tmp_path / "adopted.json").read_text())
+    assert said["before"] > 0 and said["adopted"] == said["before"] == said["after_refresh"], said
+    assert said["refreshed"] == 1 and said["step_error"] == 0.0, said
+
+
+def _reform_with_copies(rank: int, out: Path) -> None:
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from elastictrain.train.fsdp.state import full_state_dict
+    from elastictrain.train.fsdp.strategy import FsdpStrategy
+    from elastictrain.train.state_transfer import agree
+
+    dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    wait = datetime.timedelta(seconds=20)
+    batches, model, optimizer, reference = _job(seed=3)
+    strategy = FsdpStrategy(redundancy_every=1)
+    module = strategy.wrap(model, optimizer, _view(rank, 2), identical=False)
+    _step(module, optimizer, batches[0], slice(2 * rank, 2 * rank + 2), 2)
+    strategy.after_step(1)
+    assert strategy.redundancy is not None and strategy.redundancy.wait(wait)
+    before = strategy.redundancy.host_bytes
+    strategy.leave()
+    group = dist.group.WORLD
+    agreement = agree(group, holds=True, step=1)
+    assert strategy.covers(group, agreement, module, optimizer, step=1, local_world_size=1)
+    fresh = strategy.unwrapped(module, optimizer)
+    strategy.transfer_state(group, agreement, {"model": fresh, "optimizer": optimizer}, step=1)
+    module = strategy.wrap(fresh, optimizer, _view(rank, 2), identical=True)
+    adopted = strategy.redundancy.host_bytes
+    _step(module, optimizer, batches[1], slice(2 * rank, 2 * rank + 2), 2)
+    strategy.after_step(2)
+    assert strategy.redundancy.wait(wait)
+    after = full_state_dict(module)  # on rank 0 only
+    if rank == 0:
+        error = max((after[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+        (out / "adopted.json").write_text(json.dumps({
+            "before": before, "adopted": adopted, "after_refresh": strategy.redundancy.host_bytes,
+            "refreshed": strategy.redundancy.refreshed, "step_error": round(error, 12)}))
+    dist.barrier()
+    strategy.leave()
+    os._exit(0)  # the redundancy's groups are severed: no teardown
+
+
 def _fsdp_leave(rank: int, out: Path) -> None:
     import datetime
     import os

@@ -223,10 +223,13 @@ class FsdpStrategy(ParallelStrategy):
         if received is not None:
             _fill(module, optimizer, received)
         if self._redundancy_every is not None:
+            previous = self.redundancy  # closed, its copies consumed by the rebuild above
             self.redundancy = start_redundancy(module, optimizer, every=self._redundancy_every,
                                                nproc_per_node=view.local_world_size,
                                                timeout=view.placement.timeout, group=view.group,
                                                replicated=self._replicated if self._objects is not None else None)
+            if previous is not None:
+                self.redundancy.adopt_buffers(previous)
         return module
 
     def covers(self, group: Any, agreement: Agreement, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
