@@ -135,7 +135,6 @@ def _reform_with_copies(rank: int, out: Path) -> None:
 def _fsdp_leave(rank: int, out: Path) -> None:
     import datetime
     import os
-    import time
 
     import torch.distributed as dist
 
@@ -149,19 +148,9 @@ def _fsdp_leave(rank: int, out: Path) -> None:
     strategy.after_step(1)  # a refresh, completed on both ranks
     assert strategy.redundancy is not None and strategy.redundancy.wait(datetime.timedelta(seconds=20))
     if rank == 0:
-        time.sleep(1.0)
-        strategy.leave()  # re-forms in place: no collective, its groups left behind
-        deadline = time.monotonic() + 40
-        while not (out / "waited.json").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)  # lives on (as a survivor does) until its peer is done waiting
+        _leave_and_live_on(strategy, out)
     else:
-        began = time.monotonic()
-        error = ""
-        try:
-            strategy.after_step(2)  # the vote on step 2's refresh waits for rank 0
-        except RuntimeError as exc:
-            error = str(exc)[:200]
-        (out / "waited.json").write_text(json.dumps({"seconds": time.monotonic() - began, "error": error}))
+        _time_blocked(lambda: strategy.after_step(2), out)  # the vote on step 2's refresh waits for rank 0
     os._exit(0)  # the groups are in no state for torch's teardown
 
 
@@ -183,24 +172,40 @@ def _hsdp_leave(rank: int, out: Path) -> None:
     shard_group = next(iter(module.parameters())).device_mesh.get_group("shard")
     dist.barrier()
     if rank == 2:
-        time.sleep(1.0)
-        strategy.leave()  # re-forms in place: no collective, its groups left behind
-        deadline = time.monotonic() + 40
-        while not (out / "waited.json").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)  # lives on (as a survivor does) until its peer is done waiting
+        _leave_and_live_on(strategy, out)
     elif rank == 3:
-        began = time.monotonic()
-        error = ""
-        try:
-            dist.all_reduce(torch.ones(1), group=shard_group)
-        except RuntimeError as exc:
-            error = str(exc)[:200]
-        (out / "waited.json").write_text(json.dumps({"seconds": time.monotonic() - began, "error": error}))
+        _time_blocked(lambda: dist.all_reduce(torch.ones(1), group=shard_group), out)
     if rank < 2:
         time.sleep(2.0)
     import os
 
     os._exit(0)  # the groups are in no state for torch's teardown
+
+
+def _leave_and_live_on(strategy: Any, out: Path) -> None:
+    """Leave the group in place (no collective, its groups left behind), then live on as a survivor
+    does until the peer blocked on this rank is done waiting (it writes ``waited.json``)."""
+    import time
+
+    time.sleep(1.0)
+    strategy.leave()
+    deadline = time.monotonic() + 40
+    while not (out / "waited.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _time_blocked(call: Any, out: Path) -> None:
+    """Run ``call``, a collective that waits for the peer that leaves, and write how long it waited
+    and what it raised to ``waited.json``."""
+    import time
+
+    began = time.monotonic()
+    error = ""
+    try:
+        call()
+    except RuntimeError as exc:
+        error = str(exc)[:200]
+    (out / "waited.json").write_text(json.dumps({"seconds": time.monotonic() - began, "error": error}))
 
 
 def _model() -> torch.nn.Module:
