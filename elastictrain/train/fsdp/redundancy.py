@@ -411,21 +411,19 @@ class Redundancy:
         thread = previous._thread
         if (thread is not None and thread.is_alive()) or previous._pin != self._pin:
             return
+        # This one holds no copy yet: the buffer of previous's copy (whole-sized once it completed
+        # a refresh) receives the first refresh; its spare, swapped in after it, the second.
+        olds = (*previous._own, previous._held_buffer, previous._incoming)
         with previous._cond:
-            snapshots = [s.buffer for s in previous._own]
-            held, incoming = previous._held_buffer, previous._incoming
-            for snapshot in previous._own:
-                snapshot.release()
+            buffers = [old.buffer for old in olds]
+            for old in olds:
+                old.release()
             previous._held, previous._previous = [], []
-            previous._held_buffer, previous._incoming = _host_buffer(0, False), _host_buffer(0, False)
         with self._cond:
             if self.started:
                 return
-            for snapshot, buffer in zip(self._own, snapshots, strict=True):
+            for snapshot, buffer in zip((*self._own, self._incoming, self._held_buffer), buffers, strict=True):
                 snapshot.buffer = buffer
-            # This one holds no copy yet: the buffer of previous's copy (whole-sized once it completed
-            # a refresh) receives the first refresh; its spare, swapped in after it, the second.
-            self._held_buffer, self._incoming = incoming, held
 
     def _current_layout(self) -> _Layout:
         """This rank's shards as a refresh copies them: the last layout while the tensors are the
