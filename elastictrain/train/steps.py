@@ -110,8 +110,12 @@ class MicroStep:
         if self.is_last:
             loop.reach_collective()
         try:
-            with loop.collective():  # the gradients' all-reduce
-                loop.precision.backward(scaled)
+            # A collective of its forward failed (a sharded unit's all-gather): the loss is garbage and
+            # the step is discarded below; its backward would cost a step's compute for nothing, on the
+            # recovery's path (the peers wait for this rank to re-form) and on cores a replacement shares.
+            if loop.swallowed() is None:
+                with loop.collective():  # the gradients' all-reduce
+                    loop.precision.backward(scaled)
         except Exception as exc:
             if loop.recovers_in_process and is_collective_failure(exc):
                 self._step.fail(exc)  # discarded; the session re-forms the group and plans it again

@@ -18,6 +18,7 @@ a random moment out of 3 with copies every step and every 3 steps (slow).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -249,4 +250,8 @@ def test_a_rank_killed_while_its_peer_is_inside_the_forward_is_recovered_in_plac
     assert discarded >= 12 and not [r for r in _world_steps(out, 2) if r["step"] == discarded], "applied at world 2"
     survivors = {r["pid"] for r in _world_steps(out, 1) if r["step"] >= discarded}
     assert len(survivors) == 1 and survivors <= pids, "the survivor was restarted"
+    # Its forward's all-gather failed: no backward ran on garbage (a whole step's compute, on the
+    # path of the recovery, while a replacement starts on the same cores).
+    ran = [json.loads(line) for line in (out / "discarded.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["backwards"]) for r in ran if r["pid"] in survivors] == [(discarded, 0)], ran
     assert_same_parameters(reference(tmp_path), __import__("torch").load(out / "final-0.pt", weights_only=True))

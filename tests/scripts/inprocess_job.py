@@ -15,7 +15,9 @@ checkpoint write at world size 2 stall for good, writing its pid to ``FILE`` (a 
 its node while its peers wait for its files); ``--async-save`` saves asynchronously.
 ``--api elastic`` trains through ``run_elastic`` instead of a Session; ``--sharding fsdp|hsdp`` shards it,
 ``--redundancy-every N`` keeps fsdp's in-memory copies, ``--no-checkpoint`` configures no checkpoint.
-Each step's line also has the epoch and this rank's sample indices (``indices``).
+Each step's line also has the epoch and this rank's sample indices (``indices``); a step the
+session discarded (a peer died during it) is a line of ``OUT_DIR/discarded.jsonl`` instead, with how
+many of its micro-batches began a backward (``backwards``).
 ``--hold-in-forward STEP:FILE`` makes every rank wait inside the forward of the first step from STEP
 on at a world of 2 or more, between the model's first and last layers (each its own unit when
 sharded: the last one's parameters are not gathered yet), until FILE exists, writing ``FILE.held-RANK``
@@ -119,13 +121,18 @@ def with_session(args: argparse.Namespace, out: Path) -> None:
             if args.fast_at_world is None or s.world_size < args.fast_at_world:
                 time.sleep(args.step_sleep)
             indices: list[int] = []
+            backwards: list[int] = []
             for micro in step:
                 inputs, targets = micro.batch
                 indices += micro.indices
-                micro.backward(torch.nn.functional.mse_loss(s.model(inputs), targets))
+                loss = torch.nn.functional.mse_loss(s.model(inputs), targets)
+                loss.register_hook(_counter(backwards))  # its backward began
+                micro.backward(loss)
             if hold is not None:
                 hold.remove()
             if step.discarded:  # a peer died during it: it runs again in the re-formed group
+                _append(out / "discarded.jsonl", {"rank": s.rank, "pid": os.getpid(), "step": step.number,
+                                                  "world": s.world_size, "backwards": len(backwards)})
                 continue
             _append(out / "steps.jsonl", {"rank": s.rank, "pid": os.getpid(), "step": step.number,
                                           "world": s.world_size, "t": time.time(), "epoch": step.epoch,
@@ -138,6 +145,14 @@ def with_session(args: argparse.Namespace, out: Path) -> None:
         weights = s.full_state_dict() if args.sharding != "ddp" else model.state_dict()
     if weights:
         torch.save(weights, out / f"final-{session.rank}.pt")
+
+
+def _counter(calls: list[int]) -> Any:
+    """A tensor hook that counts its calls into ``calls`` (a backward through the tensor began)."""
+    def count(grad: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return grad
+    return count
 
 
 def _holder(path: str, rank: int) -> Any:

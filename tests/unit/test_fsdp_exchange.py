@@ -27,6 +27,23 @@ WORLD = 3
 pytestmark = pytest.mark.timeout(120)
 
 
+@pytest.mark.parametrize("keys, flat", [
+    (["w"], [7, 1, 1, 0, 4]),            # key 1 of 1
+    (["w"], [7, 0, 2, 0, 0, 4]),         # cut short: 2 dimensions need 4 integers
+    (["w"], [7, 0]),                     # cut short before its rank
+    (["w"], [7, 0, 1, 0, "4"]),          # not an integer
+    ([3], [7, 0, 1, 0, 4]),              # a key that is not a string
+])
+def test_an_announced_region_list_that_does_not_spell_regions_is_refused(keys: list[Any], flat: list[Any]) -> None:
+    from elastictrain.train.fsdp.exchange import _regions
+    from elastictrain.train.fsdp.regions import Region
+
+    assert _regions(2, ["v", "w"], [7, 1, 2, 0, 0, 4, 3, 5, 0, 0]) == [
+        (7, Region(2, "w", (0, 0), (4, 3))), (5, Region(2, "v", (), ()))]
+    with pytest.raises(ValueError):
+        _regions(2, keys, flat)
+
+
 def test_shards_held_in_memory_reshape_to_a_new_layout_and_a_strategy_grows_in_place(tmp_path: Path) -> None:
     fork_ranks(_worker, WORLD, lambda rank: (rank, tmp_path), timeout=100)
     checks = json.loads((tmp_path / "rank0.json").read_text())

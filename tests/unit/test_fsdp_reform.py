@@ -65,6 +65,95 @@ def test_an_hsdp_rank_that_leaves_in_place_fails_a_peer_blocked_on_it_in_a_sub_g
     assert waited["error"] and waited["seconds"] < 10, waited
 
 
+def test_an_fsdp_rank_that_leaves_in_place_fails_a_peer_blocked_on_it_in_the_redundancys_vote_at_once(
+        tmp_path: Path) -> None:
+    # sharded_recovery.py's fsdp worker kill (rank 3 of 2 nodes x 2 SIGKILLed as step 12 ended):
+    # in one trial of three the job trained again only after 79 s. A survivor waited out the
+    # collective timeout (60 s) in the redundancy's vote on a peer that had seen the kill first and
+    # left to re-form: leaving severed the default group's connections, not the redundancy's two
+    # groups. 2 ranks; rank 1 votes on the next refresh while rank 0 leaves instead (timeout 30 s).
+    fork_ranks(_fsdp_leave, 2, lambda rank: (rank, tmp_path), timeout=80)
+    waited = json.loads((tmp_path / "waited.json").read_text())
+    assert waited["error"] and waited["seconds"] < 10, waited
+
+
+def test_an_fsdp_group_reformed_in_place_refreshes_its_copies_into_the_last_generations_buffers(
+        tmp_path: Path) -> None:
+    # sharded_recovery.py's worker kill: right after the re-formation, each rank's first two
+    # refreshes allocated fresh host buffers (a snapshot, the incoming copy: a shard each, ~80 MB a
+    # rank there), every page faulting in beside the redone steps. 2 ranks re-form in place over
+    # the same group, the state from their memory: the new redundancy starts with the last one's
+    # buffers, its refresh allocates none, and the step after equals an unsharded model's.
+    fork_ranks(_reform_with_copies, 2, lambda rank: (rank, tmp_path), timeout=80)
+    said = json.loads((tmp_path / "adopted.json").read_text())
+    assert said["before"] > 0 and said["adopted"] == said["before"] == said["after_refresh"], said
+    assert said["refreshed"] == 1 and said["step_error"] == 0.0, said
+
+
+def _reform_with_copies(rank: int, out: Path) -> None:
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from elastictrain.train.fsdp.state import full_state_dict
+    from elastictrain.train.fsdp.strategy import FsdpStrategy
+    from elastictrain.train.state_transfer import agree
+
+    dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    wait = datetime.timedelta(seconds=20)
+    batches, model, optimizer, reference = _job(seed=3)
+    strategy = FsdpStrategy(redundancy_every=1)
+    module = strategy.wrap(model, optimizer, _view(rank, 2), identical=False)
+    _step(module, optimizer, batches[0], slice(2 * rank, 2 * rank + 2), 2)
+    strategy.after_step(1)
+    assert strategy.redundancy is not None and strategy.redundancy.wait(wait)
+    before = strategy.redundancy.host_bytes
+    strategy.leave()
+    group = dist.group.WORLD
+    agreement = agree(group, holds=True, step=1)
+    assert strategy.covers(group, agreement, module, optimizer, step=1, local_world_size=1)
+    fresh = strategy.unwrapped(module, optimizer)
+    strategy.transfer_state(group, agreement, {"model": fresh, "optimizer": optimizer}, step=1)
+    module = strategy.wrap(fresh, optimizer, _view(rank, 2), identical=True)
+    adopted = strategy.redundancy.host_bytes
+    _step(module, optimizer, batches[1], slice(2 * rank, 2 * rank + 2), 2)
+    strategy.after_step(2)
+    assert strategy.redundancy.wait(wait)
+    after = full_state_dict(module)  # on rank 0 only
+    if rank == 0:
+        error = max((after[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+        (out / "adopted.json").write_text(json.dumps({
+            "before": before, "adopted": adopted, "after_refresh": strategy.redundancy.host_bytes,
+            "refreshed": strategy.redundancy.refreshed, "step_error": round(error, 12)}))
+    dist.barrier()
+    strategy.leave()
+    os._exit(0)  # the redundancy's groups are severed: no teardown
+
+
+def _fsdp_leave(rank: int, out: Path) -> None:
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from elastictrain.train.fsdp.strategy import FsdpStrategy
+
+    dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    model = _model()
+    strategy = FsdpStrategy(redundancy_every=1)
+    strategy.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), _view(rank, 2), identical=False)
+    strategy.after_step(1)  # a refresh, completed on both ranks
+    assert strategy.redundancy is not None and strategy.redundancy.wait(datetime.timedelta(seconds=20))
+    if rank == 0:
+        _leave_and_live_on(strategy, out)
+    else:
+        _time_blocked(lambda: strategy.after_step(2), out)  # the vote on step 2's refresh waits for rank 0
+    os._exit(0)  # the groups are in no state for torch's teardown
+
+
 def _hsdp_leave(rank: int, out: Path) -> None:
     import datetime
     import time
@@ -83,24 +172,40 @@ def _hsdp_leave(rank: int, out: Path) -> None:
     shard_group = next(iter(module.parameters())).device_mesh.get_group("shard")
     dist.barrier()
     if rank == 2:
-        time.sleep(1.0)
-        strategy.leave()  # re-forms in place: no collective, its groups left behind
-        deadline = time.monotonic() + 40
-        while not (out / "waited.json").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)  # lives on (as a survivor does) until its peer is done waiting
+        _leave_and_live_on(strategy, out)
     elif rank == 3:
-        began = time.monotonic()
-        error = ""
-        try:
-            dist.all_reduce(torch.ones(1), group=shard_group)
-        except RuntimeError as exc:
-            error = str(exc)[:200]
-        (out / "waited.json").write_text(json.dumps({"seconds": time.monotonic() - began, "error": error}))
+        _time_blocked(lambda: dist.all_reduce(torch.ones(1), group=shard_group), out)
     if rank < 2:
         time.sleep(2.0)
     import os
 
     os._exit(0)  # the groups are in no state for torch's teardown
+
+
+def _leave_and_live_on(strategy: Any, out: Path) -> None:
+    """Leave the group in place (no collective, its groups left behind), then live on as a survivor
+    does until the peer blocked on this rank is done waiting (it writes ``waited.json``)."""
+    import time
+
+    time.sleep(1.0)
+    strategy.leave()
+    deadline = time.monotonic() + 40
+    while not (out / "waited.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _time_blocked(call: Any, out: Path) -> None:
+    """Run ``call``, a collective that waits for the peer that leaves, and write how long it waited
+    and what it raised to ``waited.json``."""
+    import time
+
+    began = time.monotonic()
+    error = ""
+    try:
+        call()
+    except RuntimeError as exc:
+        error = str(exc)[:200]
+    (out / "waited.json").write_text(json.dumps({"seconds": time.monotonic() - began, "error": error}))
 
 
 def _model() -> torch.nn.Module:

@@ -35,7 +35,11 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Exchange", "announce", "buffer_holdings", "state_specs"]
 
-_VERSION = 2
+_VERSION = 3
+"""Of the announcement's JSON: each region as a run of integers (a re-formation announces thousands:
+~400 tensors of an LM's parameters and AdamW state, each held at a few steps), its key by index
+into the rank's key list; a list or a string per region made the parse slow (and wake the garbage
+collector) in a process that holds a model."""
 
 
 def state_specs(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, tuple[TensorSpec, torch.dtype]]:
@@ -81,7 +85,30 @@ def _gather_json(group: Any, mine: dict[str, Any]) -> list[dict[str, Any]]:
     padded[:data.numel()] = data
     everyone = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
     dist.all_gather(everyone, padded, group=group)
-    return [json.loads(bytes(t[:int(s.item())].tolist()).decode()) for t, s in zip(everyone, sizes, strict=True)]
+    return [json.loads(t[:int(s.item())].numpy().tobytes().decode()) for t, s in zip(everyone, sizes, strict=True)]
+
+
+def _regions(peer: int, keys: Any, flat: Any) -> list[tuple[int, Region]]:
+    """The regions a rank announced (see :data:`_VERSION`), each with its step.
+
+    Raises:
+        ValueError: Not a list of string keys and a list of integers that spell regions of them.
+    """
+    if not (isinstance(keys, list) and isinstance(flat, list) and all(type(k) is str for k in keys)
+            and all(type(v) is int for v in flat)):
+        raise ValueError("keys are not strings, or the regions not integers")
+    out, at, end = [], 0, len(flat)
+    while at < end:
+        if at + 3 > end:
+            raise ValueError(f"a region cut short at {at}")
+        step, index, dims = flat[at:at + 3]
+        stop = at + 3 + 2 * dims
+        if not 0 <= index < len(keys) or dims < 0 or stop > end:
+            raise ValueError(f"a region at {at} names key {index} of {len(keys)}, {dims} dimension(s)")
+        out.append((step, Region(peer, keys[index], tuple(flat[at + 3:at + 3 + dims]),
+                                 tuple(flat[at + 3 + dims:stop]))))
+        at = stop
+    return out
 
 
 def _global_rank(group: Any, rank: int) -> int:
@@ -192,8 +219,11 @@ def announce(group: Any, *, held: Sequence[Holding], specs: dict[str, tuple[Tens
         RuntimeError: The collective failed (a peer died).
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    mine = {"version": _VERSION, "replicated": sorted(set(replicated)),
-            "regions": [[h.step, h.key, list(h.offsets), list(h.sizes)] for h in held],
+    keys: dict[str, int] = {}
+    flat: list[int] = []
+    for h in held:  # each region as integers: step, key index, rank of the box, offsets, sizes
+        flat += (h.step, keys.setdefault(h.key, len(keys)), len(h.sizes), *h.offsets, *h.sizes)
+    mine = {"version": _VERSION, "replicated": sorted(set(replicated)), "keys": list(keys), "regions": flat,
             "specs": [[s.key, list(s.shape), s.sharded, str(d)] for s, d in specs.values()]}
     everyone = _gather_json(group, mine)
     regions: dict[int, list[Region]] = {}
@@ -204,9 +234,8 @@ def announce(group: Any, *, held: Sequence[Holding], specs: dict[str, tuple[Tens
             raise SessionError(f"rank {peer} announced its holdings in another version ({said.get('version')!r}, "
                                f"this rank speaks {_VERSION})")
         try:
-            for step, key, offsets, sizes in said["regions"]:
-                regions.setdefault(int(step), []).append(
-                    Region(peer, str(key), tuple(map(int, offsets)), tuple(map(int, sizes))))
+            for step, region in _regions(peer, said["keys"], said["regions"]):
+                regions.setdefault(step, []).append(region)
             for step in said["replicated"]:
                 holding.setdefault(int(step), []).append(peer)
             for key, shape, sharded, dtype in said["specs"]:

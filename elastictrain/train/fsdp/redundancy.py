@@ -102,7 +102,7 @@ import torch.distributed as dist
 from elastictrain._torch_compat import foreach_copy
 from elastictrain.checkpoint import SideStreams, capture_rng, load_state_into, restore_rng
 from elastictrain.errors import ConfigError
-from elastictrain.train import process_group as pg
+from elastictrain.train import peer_connections, process_group as pg
 from elastictrain.train.fsdp.buddies import buddies
 from elastictrain.train.fsdp.holdings import Holding, Signature, own_holdings, shard_signature
 
@@ -399,6 +399,32 @@ class Redundancy:
             self.training_cpu += time.thread_time() - cpu
         return True
 
+    def adopt_buffers(self, previous: Redundancy) -> None:
+        """Take the host buffers of ``previous`` (the redundancy of the group this one's re-formed
+        from, closed, its copies consumed by the rebuild) for this one's refreshes, before the
+        first: its first two refreshes then write into memory already mapped, not into fresh
+        buffers whose every page faults in (at ~80 MB a shard, ~0.1 s of CPU a rank, right after a
+        re-formation). A buffer too small for a refresh is replaced then, as always. Nothing is
+        taken while ``previous``'s sending thread lives on (left behind by :meth:`close`, it may
+        still write), once this one has started a refresh, or across pinned and pageable memory.
+        ``previous`` holds nothing after (:meth:`holdings`: its live shards only)."""
+        thread = previous._thread
+        if (thread is not None and thread.is_alive()) or previous._pin != self._pin:
+            return
+        # This one holds no copy yet: the buffer of previous's copy (whole-sized once it completed
+        # a refresh) receives the first refresh; its spare, swapped in after it, the second.
+        olds = (*previous._own, previous._held_buffer, previous._incoming)
+        with previous._cond:
+            buffers = [old.buffer for old in olds]
+            for old in olds:
+                old.release()
+            previous._held, previous._previous = [], []
+        with self._cond:
+            if self.started:
+                return
+            for snapshot, buffer in zip((*self._own, self._incoming, self._held_buffer), buffers, strict=True):
+                snapshot.buffer = buffer
+
     def _current_layout(self) -> _Layout:
         """This rank's shards as a refresh copies them: the last layout while the tensors are the
         same ones (the optimizer updates them in place), else worked out again."""
@@ -497,16 +523,24 @@ class Redundancy:
     def close(self, timeout: timedelta = timedelta(seconds=5)) -> None:
         """Stop refreshing, without a collective (peers may be dead), and remove the optimizer
         hook. A refresh in flight is given ``timeout`` to end; if it does not, its thread is left
-        (a daemon) and its copy never swapped in. What this rank holds stays (:meth:`holdings`)."""
+        (a daemon) and its copy never swapped in. What this rank holds stays (:meth:`holdings`).
+
+        The connections of the two groups are severed
+        (:func:`~elastictrain.train.peer_connections.sever`): a peer blocked on this rank in a vote
+        (this rank left to re-form instead) or in a refresh fails at once, not after the groups'
+        timeout. The vote group's first; the sending thread's once the refresh in flight ended (a
+        peer's copy of it completes where it can)."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
         if self._hook is not None:
             self._hook.remove()
+        peer_connections.sever(self._vote_group)
         if self._thread is not None:
             self._thread.join(timeout.total_seconds())
             if self._thread.is_alive():
                 logger.warning("redundancy: a refresh is still in flight after %s; left behind", timeout)
+        peer_connections.sever(self._group)
 
     # --- the sending thread ---------------------------------------------------------------------
 

@@ -127,23 +127,29 @@ def plan_exchange(held: Sequence[Region], needs: Sequence[Region]) -> Plan:
         held: The regions each rank holds at the agreed step.
         needs: The regions each rank needs (:func:`needed_regions`).
     """
-    by_key: dict[str, list[Region]] = {}
-    for region in sorted(held):
-        by_key.setdefault(region.key, []).append(region)
+    # Each key's holders with their row ranges, worked out once (a re-formation plans thousands
+    # of regions: ~400 tensors of an LM's parameters and AdamW state, times the ranks).
+    by_key: dict[str, list[tuple[int, int, tuple[tuple[int, ...], tuple[int, ...]], Region]]] = {}
+    for region in sorted(held, key=_order):
+        by_key.setdefault(region.key, []).append((*region.rows, _tail(region), region))
     sent: dict[int, int] = {}
     moves: list[Move] = []
     uncovered: list[Region] = []
-    for need in sorted(needs):
+    for need in sorted(needs, key=_order):
         start, stop = need.rows
         if start == stop:
             continue  # an empty chunk (more ranks than rows)
         per_row = math.prod(need.sizes[1:])
-        holders = [h for h in by_key.get(need.key, ()) if h.spans(need)
-                   and h.rows[0] < stop and h.rows[1] > start]
-        cuts = sorted({start, stop, *(max(start, min(stop, edge)) for h in holders for edge in h.rows)})
+        tail = _tail(need)
+        holders = [(low, high, h.rank) for low, high, other, h in by_key.get(need.key, ())
+                   if low < stop and high > start and (other == tail or h.spans(need))]
+        if any(rank == need.rank and low <= start and high >= stop for low, high, rank in holders):
+            moves.append(Move(need.rank, need.rank, need.key, (start, stop)))  # it holds it all: a copy within
+            continue
+        cuts = sorted({start, stop, *(max(start, min(stop, edge)) for low, high, _ in holders for edge in (low, high))})
         pieces: list[tuple[int | None, int, int]] = []
         for low, high in zip(cuts, cuts[1:], strict=False):
-            able = sorted({h.rank for h in holders if h.rows[0] <= low and h.rows[1] >= high})
+            able = sorted({rank for first, last, rank in holders if first <= low and last >= high})
             if not able:
                 src = None
             elif need.rank in able:
@@ -163,3 +169,13 @@ def plan_exchange(held: Sequence[Region], needs: Sequence[Region]) -> Plan:
             else:
                 moves.append(Move(src, need.rank, need.key, (low, high)))
     return Plan(tuple(moves), tuple(uncovered))
+
+
+def _tail(region: Region) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Its box in every dimension but the first (equal tails: each spans the other)."""
+    return region.offsets[1:], region.sizes[1:]
+
+
+def _order(region: Region) -> tuple[int, str, tuple[int, ...], tuple[int, ...]]:
+    """:class:`Region`'s own order, as a key (a tuple compares in C; the dataclass's ``<`` in Python)."""
+    return region.rank, region.key, region.offsets, region.sizes

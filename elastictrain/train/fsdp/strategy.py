@@ -47,6 +47,7 @@ raised there, and the step loop discards the step at its end.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -223,10 +224,13 @@ class FsdpStrategy(ParallelStrategy):
         if received is not None:
             _fill(module, optimizer, received)
         if self._redundancy_every is not None:
+            previous = self.redundancy  # closed, its copies consumed by the rebuild above
             self.redundancy = start_redundancy(module, optimizer, every=self._redundancy_every,
                                                nproc_per_node=view.local_world_size,
                                                timeout=view.placement.timeout, group=view.group,
                                                replicated=self._replicated if self._objects is not None else None)
+            if previous is not None:
+                self.redundancy.adopt_buffers(previous)
         return module
 
     def covers(self, group: Any, agreement: Agreement, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -317,12 +321,19 @@ class FsdpStrategy(ParallelStrategy):
         docstring); the redundancy's refreshes stop, its copies stay (:attr:`redundancy`). The
         mesh's sub-groups (hsdp's, under their failsafe wrappers) are severed: a peer blocked on
         this rank in one of their collectives fails at once (the default group's are the
-        generation's to sever)."""
+        generation's to sever).
+
+        Then a full garbage collection, now: a rank that leaves waits for its agent's next
+        generation (a replacement starting, the rendezvous), while the next formation allocates
+        thousands of objects (the holdings announced and planned, a module and its shards built
+        afresh) and woke a full collection of the whole process in it (0.1-0.5 s at the
+        benchmark's LM, on 2 loaded cores), with every rank waiting for the slowest."""
         self._failures = None
         if self._sharded is not None:
             peer_connections.sever(*(getattr(g, "inner", g) for g in self._sharded.mesh.get_all_groups()))
         if self.redundancy is not None:
             self.redundancy.close()
+        gc.collect()
 
     def no_sync(self) -> contextlib.AbstractContextManager[Any]:
         """See base class: ``set_requires_gradient_sync(False)`` over the backward passes inside."""
