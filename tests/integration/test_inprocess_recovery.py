@@ -229,10 +229,13 @@ def test_a_lost_node_leaves_the_survivors_training_in_their_processes(etcd_serve
 def start_two_nodes_and_a_spare(endpoint: str, run_id: str,
                                 out: Path) -> tuple[list[subprocess.Popen[str]], subprocess.Popen[str]]:
     """Two nodes of a job of at most 2 that train, and a third that says it waits as a spare (event
-    ``spare``), two steps after it said so and not before step 12."""
-    nodes = [start_node(endpoint, run_id, out, "--step-sleep", "0.1") for _ in range(2)]
+    ``spare``). The two ranks hold inside step 13 until the spare said so, and the caller releases
+    them (:func:`release_and_train_two_steps`): on busy cores the spare's start took longer than
+    the whole job, which then ended before the spare had waited at all."""
+    hold = ("--hold-before", f"{SPARE_HOLD}:{out / 'release'}")
+    nodes = [start_node(endpoint, run_id, out, "--step-sleep", "0.1", *hold) for _ in range(2)]
     wait_until(lambda: len({r["rank"] for r in records(out) if r["step"] >= 3}) == 2, "step 3", nodes)
-    spare = start_node(endpoint, run_id, out, "--step-sleep", "0.1")
+    spare = start_node(endpoint, run_id, out, "--step-sleep", "0.1", *hold)
 
     def spare_events() -> list[dict[str, Any]]:
         path = out / "events.jsonl"
@@ -241,9 +244,21 @@ def start_two_nodes_and_a_spare(endpoint: str, run_id: str,
 
     wait_until(lambda: bool(spare_events()), "the third node says it waits as a spare", nodes + [spare])
     assert spare_events()[0]["nodes"] == 2
-    seen = max(r["step"] for r in records(out))
-    wait_until(lambda: max(r["step"] for r in records(out)) >= max(12, seen + 2), "two more steps", nodes + [spare])
     return nodes, spare
+
+
+SPARE_HOLD = 13
+"""The step inside which :func:`start_two_nodes_and_a_spare`'s ranks hold (step 10 is committed)."""
+
+
+def release_and_train_two_steps(out: Path, nodes: list[subprocess.Popen[str]]) -> None:
+    """Release the ranks held by :func:`start_two_nodes_and_a_spare` once both hold, and wait
+    until both trained the held step and the next, with the spare waiting."""
+    wait_until(lambda: all((out / f"release.held-{rank}").exists() for rank in (0, 1)),
+               f"both ranks hold in step {SPARE_HOLD}", nodes)
+    (out / "release").touch()
+    wait_until(lambda: len({r["rank"] for r in records(out) if r["step"] >= SPARE_HOLD + 1}) == 2,
+               "two more steps", nodes)
 
 
 @pytest.mark.timeout(300)
@@ -255,6 +270,7 @@ def test_a_hot_spare_takes_a_lost_nodes_place_and_the_survivor_keeps_its_process
     status = subprocess.run([sys.executable, "-m", "elastictrain", "status", "--etcd", etcd_server.endpoint,
                              "--run-id", run_id], capture_output=True, text=True, timeout=60)
     assert "waiting to join: 1 (1 hot spare(s))" in status.stdout, status.stdout + status.stderr
+    release_and_train_two_steps(out, nodes + [spare])
     survivor_pid = latest_pid(out, 0)
     victim = next(n for n in nodes if survivor_pid not in descendants(n.pid))
     os.killpg(victim.pid, signal.SIGKILL)
@@ -277,6 +293,7 @@ def test_with_a_spare_waiting_a_killed_worker_is_replaced_in_place_and_no_health
     # healthy node was left out as a spare, and with no live state left the job restored its checkpoint.
     out = tmp_path / "job"
     nodes, spare = start_two_nodes_and_a_spare(etcd_server.endpoint, run_id, out)
+    release_and_train_two_steps(out, nodes + [spare])
     healthy_pid = latest_pid(out, 0)
     os.kill(latest_pid(out, 1), signal.SIGKILL)
     seen = len(records(out))

@@ -9,10 +9,11 @@ step, world size, time, torch's environment variables as the step saw them) and,
 ``--fail-at RANK:STEP`` makes RANK raise before STEP in every process that reaches
 it (a crash loop). ``--hold-before STEP:FILE`` makes every rank wait inside STEP until FILE
 exists, writing ``FILE.held-RANK`` as it starts to wait (a test then changes the membership at
-a known step). ``--wait-before-session FILE`` makes the worker wait for FILE after building its
-model (a slow model build or data load). ``--stall-save RANK:FILE`` makes RANK's first
-checkpoint write at world size 2 stall for good, writing its pid to ``FILE`` (a test then kills
-its node while its peers wait for its files); ``--async-save`` saves asynchronously.
+a known step; the wait is a ``Session.long_call``, not a hang). ``--wait-before-session FILE``
+makes the worker wait for FILE after building its model (a slow model build or data load).
+``--stall-save RANK:FILE`` makes RANK's first checkpoint write at world size 2 stall for good,
+writing its pid to ``FILE`` (a test then kills its node while its peers wait for its files);
+``--async-save`` saves asynchronously.
 ``--api elastic`` trains through ``run_elastic`` instead of a Session; ``--sharding fsdp|hsdp`` shards it,
 ``--redundancy-every N`` keeps fsdp's in-memory copies, ``--no-checkpoint`` configures no checkpoint.
 Each step's line also has the epoch and this rank's sample indices (``indices``); a step the
@@ -115,9 +116,12 @@ def with_session(args: argparse.Namespace, out: Path) -> None:
             if args.fail_at and (s.rank, step.number) == args.fail_at:
                 raise RuntimeError(f"injected failure on rank {s.rank} before step {step.number}")
             if args.hold_before and step.number == args.hold_before[0]:
-                Path(f"{args.hold_before[1]}.held-{s.rank}").touch()
-                while not os.path.exists(args.hold_before[1]):
-                    time.sleep(0.05)
+                # Said as a long call: held past the step's hang bound (5 s), the rank was taken
+                # for hung and killed while the test waited on a slow start of another node.
+                with s.long_call(timedelta(minutes=5)):
+                    Path(f"{args.hold_before[1]}.held-{s.rank}").touch()
+                    while not os.path.exists(args.hold_before[1]):
+                        time.sleep(0.05)
             if args.fast_at_world is None or s.world_size < args.fast_at_world:
                 time.sleep(args.step_sleep)
             indices: list[int] = []
