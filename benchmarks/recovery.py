@@ -206,6 +206,10 @@ class TrialSetup:
     start_timeout: float
     join_flag: bool
     state_mb: float | None = None
+    kill_at: float = 0.0
+    """Where in a step a kill lands, as a fraction of the step time before it: 0 (the default) at
+    once when the action step's event is seen, just after that step (an in-memory copy of it may
+    still be in flight: the worst instant for one); 0.5 half-way through the next step."""
     torchrun_script: str = "ddp"
     sharding: str = "ddp"
     trial: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
@@ -488,6 +492,13 @@ def run_trial(setup: TrialSetup, etcd_window: float = 0.0) -> dict[str, Any]:
         training_nodes = sorted({w["node"] for w in workers.values()})
         pids_before = {node: {w["pid"] for w in workers.values() if w["node"] == node} for node in training_nodes}
 
+        if setup.kill_at > 0 and s.name in ("worker_crash", "node_loss"):
+            # A crash lands anywhere in a step: wait the fraction of a step past the latest one.
+            interval = _step_interval(steps, first_step_at + 0.5, time.time()) or 0.0
+            latest = max(e["t"] for e in steps if e["world_size"] == world)
+            time.sleep(max(0.0, latest + setup.kill_at * interval - time.time()))
+            steps = job.events.steps()
+            workers = _latest_by_rank(steps, world)
         metrics_before = scrape_metrics(str(setup.etcd)) if measure_etcd else None
         killed_node: str | None = None
         spare: str | None = None

@@ -10,10 +10,12 @@ reaches ``--action-step``, then:
   1 whole (agent, workers). Recovered at the first step past the last pre-kill step, at world
   size 2 (one replica).
 
-Each trial reports the time from the kill to that step and the committed steps redone (step
-numbers some rank completed twice), with the milestones of the recovery (failure noticed,
-rendezvous, workers started, imports, the loop ready, first step): :func:`benchmarks.recovery.run_trial`,
-the issue-14 driver's trial, measures both.
+``--kill-at F`` moves the kill F of a step later (a crash lands anywhere in a step; at once, the
+default, is the worst instant for ``elastictrain_redundancy``: its copy of the step just done is
+still in flight, so one step is redone). Each trial reports the time from the kill to that step
+and the committed steps redone (step numbers some rank completed twice), with the milestones
+of the recovery (failure noticed, rendezvous, workers started, imports, the loop ready, first
+step): :func:`benchmarks.recovery.run_trial`, the issue-14 driver's trial, measures both.
 
 Launchers (``--launchers``, interleaved trial by trial, the order rotating each repetition):
 
@@ -144,13 +146,13 @@ def refusal(workdir: Path) -> str | None:
 
 
 def run(scenarios: list[str], launchers: list[str], reps: int, *, action_step: int, width: int, layers: int,
-        ckpt_every: int, recovery_timeout: float, start_timeout: float, keep: bool = False,
+        ckpt_every: int, recovery_timeout: float, start_timeout: float, kill_at: float = 0.0, keep: bool = False,
         log: Any = print) -> dict[str, Any]:
     """Every trial, interleaved; a combination the job refuses is tried once and reported ``unsupported``."""
     join_flag = _elastictrain_has_join()
     root = Path(tempfile.mkdtemp(prefix="bench-sharded-"))
     results: dict[str, Any] = {"scenarios": {}, "action_step": action_step, "width": width, "layers": layers,
-                               "ckpt_every": ckpt_every}
+                               "ckpt_every": ckpt_every, "kill_at": kill_at}
     try:
         with private_etcd() as etcd:
             for name in scenarios:
@@ -166,7 +168,7 @@ def run(scenarios: list[str], launchers: list[str], reps: int, *, action_step: i
                         workdir.mkdir(parents=True)
                         setup = ShardedTrial(launcher, scenario, workdir, etcd.endpoint, action_step,
                                              recovery_timeout, start_timeout, join_flag, sharding=sharding,
-                                             width=width, layers=layers, ckpt_every=ckpt_every)
+                                             width=width, layers=layers, ckpt_every=ckpt_every, kill_at=kill_at)
                         trial = run_trial(setup)
                         trial["rep"] = rep
                         trial["state_from"] = sorted({str(e["state_from"]) for e in trial.get("run_events", [])
@@ -239,7 +241,8 @@ def markdown_table(record: dict[str, Any], launchers: list[str]) -> str:
     lines.append("")
     lines.append(f"Median (min–max) over {record['reps']} repetition(s), seconds from the SIGKILL; 2 nodes x 2 "
                  f"workers, width {record['width']}, {record['layers']} layers, a checkpoint every "
-                 f"{record['ckpt_every']} steps, the kill after step {record['action_step']}.")
+                 f"{record['ckpt_every']} steps, the kill after step {record['action_step']}"
+                 + (f", {record['kill_at']:g} of a step later." if record.get("kill_at") else " (at once)."))
     return "\n".join(lines)
 
 
@@ -254,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ckpt-every", type=int, default=5)
     parser.add_argument("--recovery-timeout", type=float, default=300.0)
     parser.add_argument("--start-timeout", type=float, default=600.0)
+    parser.add_argument("--kill-at", type=float, default=0.0,
+                        help="where in the next step the kill lands, as a fraction of a step (0: just after "
+                             "--action-step, the redundancy's copy of it in flight; 0.5: half-way through)")
     parser.add_argument("--no-checkpoint", action="store_true", help="skip (c), checkpoint_sharded.py")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--keep", action="store_true", help="keep every trial's logs and events")
@@ -266,13 +272,16 @@ def main(argv: list[str] | None = None) -> int:
     for name in launchers:
         if name not in LAUNCHERS:
             parser.error(f"unknown launcher {name!r}; choose from {', '.join(LAUNCHERS)}")
+    if not 0 <= args.kill_at < 1:
+        parser.error(f"--kill-at is a fraction of a step in [0, 1), got {args.kill_at:g}")
     if args.ckpt_every < 1 or args.action_step <= args.ckpt_every:
         parser.error(f"need 1 <= --ckpt-every < --action-step, got {args.ckpt_every} and {args.action_step}")
     record: dict[str, Any] = {"benchmark": "sharded_recovery", "machine": machine(), "reps": args.reps,
                               **run(scenarios, launchers, args.reps, action_step=args.action_step, width=args.width,
                                     layers=args.layers, ckpt_every=args.ckpt_every,
                                     recovery_timeout=args.recovery_timeout, start_timeout=args.start_timeout,
-                                    keep=args.keep, log=lambda m: print(m, file=sys.stderr, flush=True))}
+                                    kill_at=args.kill_at, keep=args.keep,
+                                    log=lambda m: print(m, file=sys.stderr, flush=True))}
     if not args.no_checkpoint:
         record["checkpoint"] = checkpoint_stall(args.width, args.layers, args.reps, args.start_timeout)
     record["machine_after"] = machine()["loadavg_1_5_15"]
