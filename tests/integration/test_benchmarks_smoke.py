@@ -23,11 +23,12 @@ SUMMARY_KEYS = {"median", "min", "max", "n", "failed", "samples"}
 def _run_benchmark(script: str, *args: str, out: Path, timeout: int, env: dict[str, str] | None = None) -> Any:
     """Runs one benchmark from the repository root and returns the JSON it wrote to ``out``.
 
-    ``script`` is a file (``benchmarks/x.py``) or, without ``.py``, a module run with ``-m``.
+    ``script`` is a file (``benchmarks/x.py``), given ``--out`` ``out``, or, without ``.py``, a
+    module run with ``-m`` (whose ``args`` say where it writes ``out``).
     A failed run fails the test with the tail of its stderr.
     """
-    command = [script] if script.endswith(".py") else ["-m", script]
-    done = subprocess.run([sys.executable, *command, *args], cwd=REPO_ROOT, env=env or subprocess_env(),
+    command = [script, *args, "--out", str(out)] if script.endswith(".py") else ["-m", script, *args]
+    done = subprocess.run([sys.executable, *command], cwd=REPO_ROOT, env=env or subprocess_env(),
                           capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())
@@ -82,7 +83,7 @@ def test_step_overhead_runs_the_three_loops_in_turns_and_reports_each(tmp_path: 
     out = tmp_path / "step_overhead.json"
     record = _run_benchmark(
         "benchmarks/step_overhead.py", "--reps", "2", "--steps", "4", "--warmup", "2", "--block", "3",
-        "--models", "tiny", "--out", str(out),
+        "--models", "tiny",
         out=out, timeout=160,
     )
     # 4 steps are rounded up to whole blocks of 3: each loop times 6 (the data covers them).
@@ -109,7 +110,7 @@ def test_checkpoint_s3_saves_restores_and_uploads_to_a_local_s3_server_and_repor
     out = tmp_path / "checkpoint_s3.json"
     record = _run_benchmark(
         "benchmarks/checkpoint_s3.py", "--mb", "4", "--reps", "1", "--warmup", "0", "--part-mb", "5",
-        "--batch", "4", "--out", str(out),
+        "--batch", "4",
         out=out, timeout=160,
     )
     assert record["configs"] == ["shared", "pinned"]
@@ -136,7 +137,7 @@ def test_checkpoint_s3_saves_restores_and_uploads_to_a_local_s3_server_and_repor
 def test_sharded_step_times_three_shardings_and_reports_each_ranks_state(tmp_path: Path) -> None:
     out = tmp_path / "sharded_step.json"
     results = _run_benchmark(
-        "benchmarks/sharded_step.py", "--mb", "1", "--reps", "2", "--steps", "2", "--warmup", "1", "--out", str(out),
+        "benchmarks/sharded_step.py", "--mb", "1", "--reps", "2", "--steps", "2", "--warmup", "1",
         out=out, timeout=160,
     )["results"]
     held = {mode: results[mode]["state_mb_per_rank"] for mode in ("ddp", "fsdp", "hsdp")}
@@ -154,7 +155,7 @@ def test_sharded_forward_reports_what_each_mode_holds_unsharded_at_once(tmp_path
     out = tmp_path / "sharded_forward.json"
     results = _run_benchmark(
         "benchmarks/sharded_forward.py", "--mb", "1", "--layers", "4", "--reps", "1", "--steps", "2",
-        "--warmup", "1", "--out", str(out),
+        "--warmup", "1",
         out=out, timeout=160,
     )["results"]
     share = {mode: results[mode]["unsharded_share_of_model"] for mode in ("plain", "gather", "failsafe")}
@@ -169,7 +170,7 @@ def test_redundancy_cost_times_each_refresh_interval_and_reports_the_host_memory
     out = tmp_path / "redundancy_cost.json"
     worlds = _run_benchmark(
         "benchmarks/redundancy_cost.py", "--width", "64", "--layers", "1", "--seq", "4",
-        "--steps", "11", "--warmup", "1", "--reps", "1", "--every", "1,10", "--worlds", "2,4", "--out", str(out),
+        "--steps", "11", "--warmup", "1", "--reps", "1", "--every", "1,10", "--worlds", "2,4",
         out=out, timeout=280,
     )["worlds"]
     assert set(worlds) == {"2", "4"}
@@ -193,7 +194,7 @@ def test_sharded_recovery_times_every_launcher_or_reports_it_unsupported(tmp_pat
     out = tmp_path / "sharded_recovery.json"
     record = _run_benchmark(
         "benchmarks/sharded_recovery.py", "--width", "32", "--layers", "1", "--reps", "1",
-        "--action-step", "4", "--ckpt-every", "2", "--out", str(out),
+        "--action-step", "4", "--ckpt-every", "2",
         out=out, timeout=870, env=subprocess_env(OMP_NUM_THREADS="1"),
     )
     assert set(record["scenarios"]) == {"fsdp_worker_kill", "hsdp_node_loss"}
