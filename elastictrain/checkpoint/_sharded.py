@@ -162,6 +162,18 @@ class ChunkPlanner:
         return list(infos), _chunks(leaves, planned)
 
 
+_Meshes = dict[int, tuple[tuple[int, ...], tuple[int, ...] | None]]
+"""A save's meshes by ``id``: each one's shape and this rank's coordinate in it (asked once a mesh)."""
+
+
+def _place(meshes: _Meshes, mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """``mesh``'s shape and this rank's coordinate there (``None``: it holds no part), kept in ``meshes``."""
+    seen = meshes.get(id(mesh))
+    if seen is None:
+        seen = meshes[id(mesh)] = (tuple(mesh.shape), mesh.get_coordinate())
+    return seen
+
+
 def _signature(leaves: list[tuple[tuple[Any, ...], DTensor]]) -> list[tuple[Any, ...]]:
     """What the plan of ``leaves`` depends on, leaf by leaf: its key and path, dtype, global shape,
     placements, its mesh's shape and this rank's coordinate there, and the first leaf that is the
@@ -170,15 +182,12 @@ def _signature(leaves: list[tuple[tuple[Any, ...], DTensor]]) -> list[tuple[Any,
     By value: nothing refers to a tensor or mesh after the save (a weak reference to a parameter
     makes ``torch.utils.swap_tensors``, which ``Module._apply`` uses on DTensors, refuse it; a
     strong one would keep a resharded state's old shards in memory)."""
-    meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...] | None]] = {}  # id(mesh) -> (shape, coordinate)
+    meshes: _Meshes = {}
     first: dict[int, int] = {}  # id(DTensor) -> the first leaf that is it
     signature = []
     for leaf, (path, tensor) in enumerate(leaves):
-        mesh = tensor.device_mesh
-        seen = meshes.get(id(mesh))
-        if seen is None:
-            seen = meshes[id(mesh)] = (tuple(mesh.shape), mesh.get_coordinate())
-        signature.append((index.key_of(path), path, tensor.dtype, tensor.shape, tensor.placements, seen,
+        signature.append((index.key_of(path), path, tensor.dtype, tensor.shape, tensor.placements,
+                          _place(meshes, tensor.device_mesh),
                           first.setdefault(id(tensor), leaf)))
     return signature
 
@@ -205,7 +214,7 @@ def _plan(leaves: list[tuple[tuple[Any, ...], DTensor]]) -> tuple[list[TensorInf
     planned: list[_Planned] = []
     loads: dict[int, list[int]] = {}  # bytes assigned to each replica, by the number of replicas
     first: dict[int, str] = {}  # id(DTensor) -> the key it was first found under
-    meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...] | None]] = {}  # id(mesh) -> (shape, coordinate)
+    meshes: _Meshes = {}
     ordered = sorted(((index.key_of(path), i) for i, (path, _) in enumerate(leaves)))
     previous = None
     for key, leaf in ordered:
@@ -223,11 +232,8 @@ def _plan(leaves: list[tuple[tuple[Any, ...], DTensor]]) -> tuple[list[TensorInf
             continue
         first[id(tensor)] = key
         infos.append(TensorInfo(key=key, path=path, dtype=tensor.dtype, shape=shape))
-        mesh, placements = tensor.device_mesh, tensor.placements
-        seen = meshes.get(id(mesh))
-        if seen is None:
-            seen = meshes[id(mesh)] = (tuple(mesh.shape), mesh.get_coordinate())
-        mesh_shape, coordinate = seen
+        placements = tensor.placements
+        mesh_shape, coordinate = _place(meshes, tensor.device_mesh)
         # Every rank counts every tensor (from global shapes only), so that all agree on the writers.
         replicated = [d for d, p in enumerate(placements) if type(p) is Replicate]
         replicas = math.prod(mesh_shape[d] for d in replicated)
