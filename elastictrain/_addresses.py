@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import ipaddress
+import random
 import socket
 
-__all__ = ["is_loopback", "source_address_towards"]
+__all__ = ["free_port", "is_loopback", "source_address_towards"]
 
 
 def _literal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
@@ -51,3 +52,37 @@ def source_address_towards(host: str, port: int) -> str | None:
         except OSError:
             continue
     return None
+
+
+_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+_LOWEST_SERVER_PORT = 10000
+
+
+def _ephemeral_low() -> int | None:
+    try:
+        with open(_EPHEMERAL_RANGE) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host`` (an IPv4 or IPv6 address; "" for all of
+    this host's IPv4 addresses), for a server to listen on.
+
+    The port lies below the kernel's ephemeral range, where ``bind(0)`` would pick it: a port
+    from that range can be taken by any outgoing connection's local end while its server is
+    down, and a server restarted on it (an etcd brought back on its ports) then cannot bind.
+    """
+    low = _ephemeral_low()
+    below = range(_LOWEST_SERVER_PORT, low) if low is not None and low > _LOWEST_SERVER_PORT else range(0)
+    for port in [*random.sample(below, k=min(64, len(below))), 0]:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                if port == 0:
+                    raise
+                continue
+            return int(sock.getsockname()[1])
+    raise AssertionError("unreachable: port 0 binds or raises")

@@ -27,7 +27,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from elastictrain._addresses import is_loopback
+from elastictrain._addresses import free_port, is_loopback
 from elastictrain._process import dying_with_us
 from elastictrain.errors import EtcdServerError
 from elastictrain.etcd.conf import Endpoint
@@ -70,13 +70,6 @@ def find_etcd_binary() -> str:
 
 def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host`` (an IPv4 or IPv6 address)."""
-    with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def _check_port_free(host: str, port: int, what: str) -> None:

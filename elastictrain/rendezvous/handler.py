@@ -45,6 +45,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
+from elastictrain._addresses import free_port
 from elastictrain._fault import MAX_HOW, Fault, node_name_of
 from elastictrain.etcd.conf import etcd_settings_from
 from elastictrain.events import NODE_ENV
@@ -83,12 +84,6 @@ had each waited out the retry deadline (92 s with the default 30 s), and later a
 waited 5 s (17 s)."""
 LOCAL_WORLD_SIZE_KEY = "local_world_size"
 """``RendezvousParameters`` key: workers this node starts (``elastictrain run`` passes it)."""
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
 
 
 class Etcd3RendezvousHandler(RendezvousHandler):
@@ -534,7 +529,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         keys = self.keys
         fault, self._fault = self._fault, None
         record = MemberRecord(node=self.node_id, addr=self._addr, host=socket.gethostname(), pid=os.getpid(),
-                              nproc=self._nproc, port=_free_port(), after=after, for_joiners=for_joiners,
+                              nproc=self._nproc, port=free_port(""), after=after, for_joiners=for_joiners,
                               probe_port=self._probe.port if self._probe is not None else 0,
                               fault_rank=fault[0] if fault is not None else -1,
                               fault_how=fault[1] if fault is not None else "")

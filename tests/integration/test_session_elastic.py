@@ -15,7 +15,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 
+from elastictrain._addresses import free_port
 from tests.conftest import REPO_ROOT, subprocess_env
 
 JOB = str(REPO_ROOT / "tests" / "scripts" / "session_job.py")
@@ -40,12 +40,6 @@ TOTAL_STEPS = 24  # 2 epochs of 384 samples at a global batch of 32
 # still ~100x below one step's update, so a lost, repeated or mis-weighted step
 # (or a wrong learning-rate schedule after restore) fails it.
 ATOL, RTOL = 1e-5, 1e-4
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _wait_for(predicate: Callable[[], bool], what: str, procs: list[subprocess.Popen[str]], timeout: float) -> None:
@@ -79,7 +73,7 @@ def _lines(path: Path) -> list[dict[str, Any]]:
 
 def run_reference(out: Path) -> dict[str, torch.Tensor]:
     """World size 2, uninterrupted, started the way torchrun would (plain env, no agent)."""
-    port = str(_free_port())
+    port = str(free_port())
     procs = [
         subprocess.Popen(
             [sys.executable, JOB, str(out)],

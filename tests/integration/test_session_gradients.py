@@ -12,7 +12,6 @@ Run as a script, this module is the worker the test spawns.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+from elastictrain._addresses import free_port
 from tests.conftest import REPO_ROOT, subprocess_env
 from tests.support.leave import leave_together
 
@@ -37,14 +37,8 @@ WORLD_SIZES = (1, 2, 3)
 TOLERANCE = 1e-12
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_accumulated_uneven_micro_batches_match_the_full_batch_gradient_on_1_to_3_ranks(tmp_path: Path) -> None:
-    port = str(_free_port())
+    port = str(free_port())
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, str(tmp_path)],

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import elastictrain
+from elastictrain._addresses import free_port
 from elastictrain._control import (
     Assignment, AssignmentWatch, Doorbell, Progress, ProgressTable, WorkerState, write_assignment,
 )
@@ -326,12 +327,6 @@ def test_only_a_crash_loop_backs_off_a_worker_that_trained_is_replaced_at_once()
     assert budget.used(7.0) == 8  # every failure spends the budget all the same
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _file_init(tmp_path: Path) -> str:
     """An ``init_method`` of this test's own: a free port, released and passed to the ranks, can be
     taken by another test before rank 0 binds it (rank 0 then dies and its peers wait)."""
@@ -346,7 +341,7 @@ def _run_ranks(world: int, target: Any, args_of: Any, port: int | None = None, *
     rank; fails as soon as a rank exits without reporting."""
     ctx = rank_context()
     results = ctx.Queue()
-    where = init_method if init_method is not None else port if port is not None else _free_port()
+    where = init_method if init_method is not None else port if port is not None else free_port()
     procs = [ctx.Process(target=target, args=(rank, where, *args_of(rank), results), name=f"rank {rank}")
              for rank in range(world)]
     for p in procs:
@@ -678,7 +673,7 @@ def _buffers_worker(rank: int, port: int, control: str, ddp_kwargs: dict, result
 def test_in_process_training_synchronizes_buffers_as_the_user_asked_ddp(tmp_path: Path, ddp_kwargs: dict) -> None:
     # DDP's buffer broadcast (inside the forward) is replaced by one at each step boundary;
     # a user who turned it off keeps rank-local buffers.
-    port = _free_port()
+    port = free_port()
     controls = _control_dirs(tmp_path, port)
     out = _run_ranks(2, _buffers_worker, lambda rank: (controls[rank], ddp_kwargs), port=port)
     means = {rank: report[0] for rank, report in out.items()}
@@ -731,7 +726,7 @@ def test_a_peer_lost_after_a_groups_first_step_discards_the_next_step_and_does_n
     # session rebuilds the buckets at the step boundary instead, where a failure is a recovery.
     ctx = rank_context()
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     controls = _control_dirs(tmp_path, port)
     procs = [ctx.Process(target=_peer_lost_worker, args=(rank, port, controls[rank], results)) for rank in range(2)]
     for p in procs:
@@ -812,7 +807,7 @@ def test_the_ranks_train_on_while_a_checkpoint_save_is_in_flight_before_re_formi
     # Re-forming closes the checkpoint manager, which waits for the save in flight to be
     # written: the ranks and a joining node's workers would all wait for it. The ranks vote to
     # re-form only once it is written (here: once rank 0 trains step 7), training on meanwhile.
-    port, port2 = _free_port(), _free_port()
+    port, port2 = free_port(), free_port()
     controls = _control_dirs(tmp_path, port)
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -1015,7 +1010,7 @@ def test_a_new_worker_whose_first_group_fails_to_form_joins_the_next_generation(
     # round, before this worker's agent has said anything. That is no failure of this worker:
     # it waits for the next generation (chaos, stop 28: it exited with code 1, which spent
     # its node's budget and backed off its replacement by up to 30 s).
-    port, next_port = _free_port(), _free_port()
+    port, next_port = free_port(), free_port()
     control = Path(_control_dirs(tmp_path, port)[1])  # rank 1's node, at generation 1
     ctx = rank_context()
     results = ctx.Queue()
@@ -1051,7 +1046,7 @@ def test_a_worker_whose_groups_keep_failing_to_form_fails_after_a_few(tmp_path: 
     # FORMATION_ATTEMPTS failures in a row the worker fails (and spends its node's budget).
     from elastictrain.train.recovery import FORMATION_ATTEMPTS
 
-    port = _free_port()
+    port = free_port()
     control = Path(_control_dirs(tmp_path, port)[1])  # rank 1's node, at generation 1
     ckpt = tmp_path / "ckpt"
     ctx = rank_context()
@@ -1064,7 +1059,7 @@ def test_a_worker_whose_groups_keep_failing_to_form_fails_after_a_few(tmp_path: 
             if generation == FORMATION_ATTEMPTS:
                 break
             _wait_until_recovering(control, generation, proc, deadline)
-            port = _free_port()
+            port = free_port()
             write_assignment(control, Assignment(generation=generation + 1, round=generation, world_size=2,
                                                  master_addr="127.0.0.1", master_port=port, ranks={"0": 1}))
         outcome = next_report(results, [proc], timeout=60)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import elastictrain
+from elastictrain._addresses import free_port
 from elastictrain._control import Assignment, ProgressTable, WorkerState, write_assignment
 from elastictrain.errors import ConfigError, SessionError
 from elastictrain.train import strategy as strategy_module
@@ -22,7 +23,7 @@ from elastictrain.train.ddp import DDPStrategy
 from elastictrain.train.session_config import SessionConfig
 from elastictrain.train.strategy import GroupView, create_strategy, register_strategy
 from tests.support.leave import leave_together
-from tests.unit.test_inprocess_parts import _control_dirs, _free_port, _launched_as, _run_ranks
+from tests.unit.test_inprocess_parts import _control_dirs, _launched_as, _run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -222,7 +223,7 @@ def _explicit_session_worker(rank: int, port: int, control: str, port2: int, res
 def test_a_session_whose_strategy_takes_the_vote_apart_stops_every_rank_after_the_same_step(tmp_path: Path) -> None:
     # Only rank 0's agent announces the next generation: rank 1 stops at that boundary because the
     # vote told it so (not because a collective failed once rank 0 had left).
-    port, port2 = _free_port(), _free_port()
+    port, port2 = free_port(), free_port()
     controls = _control_dirs(tmp_path, port)
     out = _run_ranks(2, _explicit_session_worker, lambda rank: (controls[rank], port2), port=port)
     seen = {rank: report[0] for rank, report in out.items()}
