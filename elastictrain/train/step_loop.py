@@ -139,6 +139,14 @@ class StepLoop:
         # for a hung peer is not hung itself (WorkerControl.collective).
         return self._keeper.strategy.swallowing(self.collective)
 
+    def abandoning(self) -> contextlib.AbstractContextManager[Any]:
+        """Around a micro-batch's backward, inside :meth:`swallowing`: the strategy may stop a
+        backward whose step a collective failure has doomed, raising a collective failure
+        (:meth:`~elastictrain.train.strategy.ParallelStrategy.abandoning`)."""
+        if not (self.wrapped and self.recovers_in_process):
+            return contextlib.nullcontext()
+        return self._keeper.strategy.abandoning()
+
     def swallowed(self) -> BaseException | None:
         """The collective failure the strategy recorded inside :meth:`swallowing`, if one was: the
         step is discarded."""

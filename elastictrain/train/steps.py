@@ -7,7 +7,9 @@ not raise into the training loop: the step is marked failed, its remaining
 micro-batches are not handed out, and the session re-forms the group and plans the
 step again at the new world size. So does a collective of the forward that the strategy
 swallowed (a sharded model's all-gather, see ``ParallelStrategy.swallowing``): the
-micro-batch runs to its end on garbage, and the step is discarded after it.
+micro-batch's forward runs to its end on garbage, no backward runs, and the step is discarded
+after it; one that fails inside :meth:`MicroStep.backward` stops that backward there
+(``ParallelStrategy.abandoning``).
 """
 
 from __future__ import annotations
@@ -113,12 +115,16 @@ class MicroStep:
             # A collective of its forward failed (a sharded unit's all-gather): the loss is garbage and
             # the step is discarded below; its backward would cost a step's compute for nothing, on the
             # recovery's path (the peers wait for this rank to re-form) and on cores a replacement shares.
+            # One that fails in the backward stops it there (the strategy's abandoning(), raising a
+            # collective failure): the rest of it would be as wasted.
             if loop.swallowed() is None:
-                with loop.collective():  # the gradients' all-reduce
+                with loop.collective(), loop.abandoning():  # the gradients' all-reduce
                     loop.precision.backward(scaled)
         except Exception as exc:
             if loop.recovers_in_process and is_collective_failure(exc):
-                self._step.fail(exc)  # discarded; the session re-forms the group and plans it again
+                # Discarded; the session re-forms the group and plans it again. The failure the
+                # strategy recorded is the cause (an abandoned backward raised after it).
+                self._step.fail(loop.swallowed() or exc)
                 return
             raise
         finally:

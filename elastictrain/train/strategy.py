@@ -206,6 +206,13 @@ class ParallelStrategy(ABC):
         the step is then discarded and the group re-forms. Default: None."""
         return None
 
+    def abandoning(self) -> contextlib.AbstractContextManager[Any]:
+        """Entered by the session around a micro-batch's backward, inside :meth:`swallowing`: a
+        strategy that swallows may stop the backward at its next collective once one failed,
+        raising a collective failure (which the session catches: the step is discarded), with its
+        own state reset for the re-formation. Default: nothing is stopped."""
+        return contextlib.nullcontext()
+
     @abstractmethod
     def after_step(self, step: int) -> None:
         """What the group does after the optimizer step of ``step`` (before :meth:`votes`): e.g.

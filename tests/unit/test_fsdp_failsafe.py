@@ -9,6 +9,9 @@ on real gloo processes.
   and later collectives return at once; outside the window the group raises a typed collective
   failure. An error of the user's code, or a collective's bad argument (whose message names gloo),
   still raises inside the window.
+- A peer SIGKILLed while a rank is inside the backward that the step loop runs (the strategy's
+  ``abandoning()``): the next collective raises ``AbandonedStep`` out of it (the units after it run
+  no backward), and FSDP2's state is reset: every unit resharded, the holdings the shards unchanged.
 - Memory: a sharded session's strategy under in-process recovery holds no more units' parameters
   unsharded at once in the forward than plain FSDP2 does (fewer than all of them).
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -362,3 +366,79 @@ def test_a_wait_on_a_collectives_future_for_a_late_peer_is_not_taken_for_a_hang(
     fork_ranks(_late_peer_worker, 2, lambda rank: (rank, str(tmp_path / "store"), str(control), str(out)),
                timeout=60)
     assert json.loads(out.read_text()) == []
+
+
+def _abandon_worker(rank: int, store: str, out: str) -> None:
+    import signal
+
+    if rank == 1:  # the victim runs in a child it lets SIGKILL itself: the rank's process exits 0 if it did
+        child = os.fork()
+        if child:
+            _, status = os.waitpid(child, 0)
+            os._exit(0 if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL else 1)
+    try:
+        _abandon(rank, store, out)
+    except BaseException:  # noqa: BLE001 - shown in the rank's output, then exit 1
+        traceback.print_exc()
+    finally:
+        os._exit(1)  # neither rank returns into the forked server's code (rank 0 exits 0 in it)
+
+
+def _abandon(rank: int, store: str, out: str) -> None:
+    import signal
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from elastictrain._torch_compat import is_collective_failure
+    from elastictrain.train import process_group as pg
+    from elastictrain.train.fsdp import FsdpStrategy
+    from elastictrain.train.fsdp.failsafe_group import AbandonedStep
+    from elastictrain.train.fsdp.holdings import own_holdings
+    from elastictrain.train.strategy import GroupView
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    placement = pg.Placement(torch.device("cpu"), "gloo", pg.resolve_timeout(30), rank, 2, owned=False)
+    strategy = FsdpStrategy(units={Block})
+    model = _net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    view = GroupView(placement=placement, group=None, in_process=True, local_world_size=1)
+    sharded = strategy.wrap(model, optimizer, view, identical=False)
+    with strategy.swallowing(), strategy.abandoning():  # a step that fails nowhere
+        sharded(_batch(rank, 0)).sum().backward()
+    optimizer.step()
+    before = {name: p.to_local().clone() for name, p in sharded.named_parameters()}  # type: ignore[attr-defined]
+    blocks = sharded.blocks  # type: ignore[attr-defined]
+
+    def die(*_: Any) -> None:  # SIGKILLed as the backward reaches block 2, the head and block 3 done
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    ran: list[int] = []
+    if rank == 1:
+        blocks[2].register_full_backward_pre_hook(die)
+    else:
+        for index in (0, 1):  # after block 2 in the backward: nothing of them runs once it fails
+            blocks[index].register_full_backward_hook(lambda *_, index=index: ran.append(index))
+    loss = sharded(_batch(rank, 1)).sum()
+    with strategy.swallowing():
+        with pytest.raises(AbandonedStep) as raised, strategy.abandoning():
+            loss.backward()
+    assert ran == [], f"blocks {ran} ran their backward after the failure"
+    failure = strategy.swallowed()
+    assert failure is not None and raised.value.__cause__ is failure and is_collective_failure(raised.value)
+    assert "gloo" in str(failure).lower(), failure
+    # FSDP2's state reset: every unit resharded, so the holdings read this rank's shards, unchanged.
+    assert _held(sharded) == 0
+    assert all(isinstance(p, DTensor) for p in sharded.parameters())
+    held = {h.key: h.tensor for h in own_holdings(sharded, optimizer, 1)}
+    for name, value in before.items():
+        assert torch.equal(held[f"model/{name}"], value), name
+    Path(out).write_text("ok")
+    os._exit(0)
+
+
+def test_a_peer_killed_inside_the_backward_stops_it_at_the_next_collective_with_fsdp2_resharded(
+        tmp_path: Path) -> None:
+    out = tmp_path / "abandoned"
+    fork_ranks(_abandon_worker, 2, lambda rank: (rank, str(tmp_path / "store"), str(out)), timeout=90)
+    assert out.read_text() == "ok"

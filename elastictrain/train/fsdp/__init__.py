@@ -6,7 +6,7 @@ Importing it registers ``sharding="fsdp"`` and ``"hsdp"`` for ``Session``
 """
 
 from elastictrain.train.fsdp.buddies import buddies, missing
-from elastictrain.train.fsdp.failsafe_group import FailsafeGroup, SwallowedFailure
+from elastictrain.train.fsdp.failsafe_group import AbandonedStep, FailsafeGroup, SwallowedFailure
 from elastictrain.train.fsdp.gradients import clip_grad_norm_, no_sync
 from elastictrain.train.fsdp.holdings import Holding, Region, own_holdings, state_regions
 from elastictrain.train.fsdp.mesh import FSDP_DIMS, HSDP_DIMS, SHARDED_MODES, build_mesh, mesh_shape
@@ -23,7 +23,8 @@ from elastictrain.train.fsdp.units import UnitSpec, shard_model, sharding_units
 
 __all__ = [
     "FSDP_DIMS", "HSDP_DIMS", "REDUCE_DTYPE", "SHARDED_MODES",
-    "FailsafeGroup", "FsdpStrategy", "Holding", "HsdpStrategy", "ModelState", "OptimizerSpec", "OptimizerState",
+    "AbandonedStep", "FailsafeGroup", "FsdpStrategy", "Holding", "HsdpStrategy", "ModelState", "OptimizerSpec",
+    "OptimizerState",
     "Redundancy", "RedundancyError", "Region", "Sharded", "ShardingConfig", "SwallowedFailure", "UnitSpec",
     "buddies", "build_mesh", "clip_grad_norm_", "full_optimizer_state_dict", "full_state_dict", "mesh_shape",
     "missing", "mixed_precision_policy", "no_sync", "optimizer_order", "optimizer_state_by_fqn",

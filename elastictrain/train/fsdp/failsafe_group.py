@@ -11,7 +11,10 @@ recorded in the :class:`SwallowedFailure` every group of the mesh shares, and it
 collective of those groups return completed work without communicating: their output buffers hold
 whatever they held. The forward and backward run to the end on that garbage, and the step loop,
 at the step's end, finds the failure recorded, discards the step and re-forms the group, as for
-a failed gradient reduction.
+a failed gradient reduction. Inside the backward the step loop runs (:meth:`SwallowedFailure.abandoning`,
+whose caller catches what leaves it) a collective that fails, or comes after a failure, raises
+:class:`AbandonedStep` instead: the rest of a doomed backward, a step's compute on garbage, is not run
+while the group waits to re-form (and a replacement shares the cores).
 
 Not swallowed: an error raised as a collective is issued that is not typed as a failed collective
 (torch's ``DistError`` family): a bad argument (``ProcessGroupGloo::allgather: invalid tensor
@@ -40,7 +43,7 @@ import torch.distributed as dist
 from elastictrain._torch_compat import COLLECTIVE_ERRORS, is_collective_failure, python_group_name
 from elastictrain.errors import ConfigError
 
-__all__ = ["BACKEND", "FailsafeGroup", "SwallowedFailure", "failsafe_group"]
+__all__ = ["BACKEND", "AbandonedStep", "FailsafeGroup", "SwallowedFailure", "failsafe_group"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +60,11 @@ _COLLECTIVES = (
 """torch 2.13's ``ProcessGroup`` operations that communicate: each goes through :meth:`FailsafeGroup._run`."""
 
 
+class AbandonedStep(dist.DistError):
+    """Raised by a collective inside :meth:`SwallowedFailure.abandoning` once a collective failure
+    is recorded (caused by it): a failed collective, the step is discarded."""
+
+
 class SwallowedFailure:
     """The collective failure the groups of one mesh recorded instead of raising, and whether they
     swallow one now. One per generation of the group; the step loop reads it at each step's end."""
@@ -64,6 +72,7 @@ class SwallowedFailure:
     def __init__(self) -> None:
         self._failure: BaseException | None = None
         self._active = False
+        self._abandon = False
         self._waiting: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
         self._lock = threading.Lock()
 
@@ -92,6 +101,26 @@ class SwallowedFailure:
             yield
         finally:
             self._active, self._waiting = before, outer
+
+    @contextlib.contextmanager
+    def abandoning(self) -> Iterator[None]:
+        """Inside :meth:`swallowing`, around code whose caller catches :class:`AbandonedStep` (the
+        step loop's backward): a collective that fails there, or comes after a recorded failure,
+        raises it instead of returning completed work, so the rest of that code is not run.
+        What it leaves half done (FSDP2's unsharded units) is for the caller to reset."""
+        before, self._abandon = self._abandon, True
+        try:
+            yield
+        finally:
+            self._abandon = before
+
+    def skipped(self, operation: str, result: list[Any]) -> dist.Work:
+        """A collective not run after the recorded failure: completed work holding ``result``, or
+        :class:`AbandonedStep` raised inside :meth:`abandoning`."""
+        if self._abandon:
+            raise AbandonedStep(f"{operation} abandoned: an earlier collective of the step failed ({self._failure})"
+                                ) from self._failure
+        return _DoneWork(result)
 
     def waiting(self) -> contextlib.AbstractContextManager[Any]:
         """What :meth:`swallowing` was given to enter around a wait for a collective."""
@@ -149,6 +178,7 @@ class _SwallowingWork(dist.Work):
             if not is_collective_failure(exc):
                 raise
             self._failures.record(exc)
+            self._failures.skipped("wait", self._result)  # raises inside abandoning()
         return True
 
     def is_completed(self) -> bool:
@@ -200,7 +230,7 @@ class FailsafeGroup(dist.ProcessGroup):
         result = _outputs(args)
         if failed is not None:
             if failures.active:
-                return _DoneWork(result)
+                return failures.skipped(operation, result)
             raise dist.DistError(f"{operation} skipped: an earlier collective of this group failed ({failed})") \
                 from failed
         try:
@@ -209,7 +239,7 @@ class FailsafeGroup(dist.ProcessGroup):
             if not failures.active:
                 raise
             failures.record(exc)
-            return _DoneWork(result)
+            return failures.skipped(operation, result)
         if not failures.active:
             return work
         return _SwallowingWork(work, failures, result)

@@ -59,7 +59,7 @@ from torch.distributed.tensor import DTensor
 from elastictrain._torch_compat import clear_dtensor_caches
 from elastictrain.errors import SessionError
 from elastictrain.train.fsdp.exchange import Exchange, announce, buffer_holdings, state_specs
-from elastictrain.train.fsdp.failsafe_group import SwallowedFailure
+from elastictrain.train.fsdp.failsafe_group import AbandonedStep, SwallowedFailure
 from elastictrain.train.fsdp.gradients import clip_grad_norm_, no_sync
 from elastictrain.train.fsdp.holdings import Holding, own_holdings
 from elastictrain.train.fsdp.mesh import mesh_shape
@@ -76,7 +76,7 @@ from elastictrain.train.state_transfer import Agreement, transfer
 from elastictrain.train.strategy import GroupView, ParallelStrategy, register_strategy
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Mapping, Sequence
+    from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
     from elastictrain.train.session_config import SessionConfig
 
@@ -374,6 +374,27 @@ class FsdpStrategy(ParallelStrategy):
     def swallowed(self) -> BaseException | None:
         """See base class."""
         return self._failures.failure if self._failures is not None else None
+
+    @contextlib.contextmanager
+    def abandoning(self) -> Iterator[None]:
+        """See base class: inside, a collective of the mesh that fails, or comes after a failure,
+        raises :class:`~elastictrain.train.fsdp.failsafe_group.AbandonedStep` out of the backward
+        (the rest of it would compute on garbage while the peers wait to re-form, on the cores a
+        replacement shares), and FSDP2's state is reset (``reset_iter_state``: its in-flight
+        collectives waited for, every unit resharded), so that :meth:`covers` reads this rank's
+        shards from the module as after a whole backward."""
+        failures = self._failures
+        if failures is None:
+            yield
+            return
+        try:
+            with failures.abandoning():
+                yield
+        except AbandonedStep as abandoned:
+            assert self._sharded is not None  # noqa: S101 - failures only with a wrapped model
+            logger.info("the backward stopped at a collective after the failure (%s); FSDP2's state reset", abandoned)
+            self._sharded.module.reset_iter_state()  # outside abandoning(): its waits record, not raise
+            raise
 
     def clip_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
         """See base class: the norm over every shard (a collective over the mesh)."""
