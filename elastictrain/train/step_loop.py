@@ -70,6 +70,7 @@ class StepLoop:
         self._clock = time.perf_counter()
         self._stragglers = StragglerWatch()
         self._step_at: float | None = None
+        self._waited = 0.0  # in the step's collectives before its gradient collective (a sharded forward's)
         self._injector = FaultInjector.from_env()
 
     # --- what a step uses ----------------------------------------------------------------------
@@ -136,8 +137,19 @@ class StepLoop:
         if not (self.wrapped and self.recovers_in_process):
             return contextlib.nullcontext()
         # A wait for the forward's all-gather is a step's own collective: a rank waiting there
-        # for a hung peer is not hung itself (WorkerControl.collective).
-        return self._keeper.strategy.swallowing(self.collective)
+        # for a hung peer is not hung itself (WorkerControl.collective), nor computing.
+        return self._keeper.strategy.swallowing(self._waiting_for_peers)
+
+    @contextlib.contextmanager
+    def _waiting_for_peers(self) -> Iterator[None]:
+        """Around a wait for a collective inside the step (a sharded unit's all-gather): marked as
+        the step's own collective, and its time is no compute (:meth:`reach_collective`)."""
+        started = time.perf_counter()
+        try:
+            with self.collective():
+                yield
+        finally:
+            self._waited += time.perf_counter() - started
 
     def abandoning(self) -> contextlib.AbstractContextManager[Any]:
         """Around a micro-batch's backward, inside :meth:`swallowing`: the strategy may stop a
@@ -178,14 +190,15 @@ class StepLoop:
         if control is not None:
             control.enter(section)
         if section == Section.STEP:
-            self._step_at = time.perf_counter()
+            self._step_at, self._waited = time.perf_counter(), 0.0
 
     def reach_collective(self) -> None:
         """This rank reached the step's gradient collective: the step's compute (from its start,
-        data loading included) counts for the straggler watch."""
+        data loading included, less its waits for peers in the forward's collectives: a straggler's
+        peers wait for it in a sharded forward) counts for the straggler watch."""
         self.enter(Section.NONE)
         if self._step_at is not None:
-            self._stragglers.record(time.perf_counter() - self._step_at)
+            self._stragglers.record(time.perf_counter() - self._step_at - self._waited)
             self._step_at = None
 
     def to_device(self, obj: Any) -> Any:

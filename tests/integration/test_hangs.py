@@ -88,3 +88,20 @@ def test_slow_work_a_straggler_and_a_long_call_are_never_taken_for_a_hang_and_th
     assert stragglers[0]["factor"] >= 2 and stragglers[0]["node"], stragglers
     assert [(e["rank"], e["step"]) for e in events(out, "straggler_recovered")] == [(1, 40)]
     assert re.search(r"rank 1 on \S+ \(node rank \d\) is a straggler", "\n".join(outputs))
+
+
+@pytest.mark.timeout(300)
+def test_an_fsdp_straggler_is_named_though_its_peer_waits_for_it_inside_the_forward(
+        etcd_server: Any, run_id: str, tmp_path: Path) -> None:
+    # FSDP2's forward gathers each unit's parameters: the straggler's peer waits for it there, before
+    # the step's gradient collective, and that wait counted as the peer's compute. Both ranks then
+    # looked as slow, and the straggler was never named (the sharded soak stalled on it).
+    out = tmp_path / "job"
+    env = {"ELASTICTRAIN_INJECT": "slow@1:11x12+0.3"}
+    nodes = [start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.05", "--sharding", "fsdp", env=env)
+             for _ in range(2)]
+    outputs = finish(nodes, timeout=150)
+    assert [n.returncode for n in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    stragglers = events(out, "straggler")
+    assert [(e["rank"], e["step"]) for e in stragglers] == [(1, 20)], stragglers
+    assert [(e["rank"], e["step"]) for e in events(out, "straggler_recovered")] == [(1, 40)]
