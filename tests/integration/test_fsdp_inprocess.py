@@ -32,6 +32,8 @@ from tests.integration.test_inprocess_recovery import (
 
 SAMPLES = 384
 """The job's dataset (``inprocess_job.py --samples``): 12 steps of 32 an epoch."""
+SLOW_ALONE = ("--step-sleep", "0.25", "--fast-at-world", "2")
+"""Job arguments: 0.25 s a step at world size 1, none at 2 (a peer can join before the job ends)."""
 
 
 def _world_steps(out: Path, world: int) -> list[dict[str, Any]]:
@@ -232,8 +234,10 @@ def test_a_rank_killed_while_its_peer_is_inside_the_forward_is_recovered_in_plac
     step is discarded at its end; the survivor keeps its process, re-forms alone, and ends equal to
     an uninterrupted run."""
     out, gate = tmp_path / "job", tmp_path / "gate"
+    # Slow steps while a node trains alone: with min_nodes=1 one node can start alone (its peer late on
+    # a loaded machine) and, at full speed, finish all 40 steps before its peer's workers are ready.
     nodes = [start_node(etcd_server.endpoint, run_id, out, "--sharding", "fsdp", "--hold-in-forward", f"12:{gate}",
-                        "--hang-floor", "30", min_nodes=1, max_nodes=2) for _ in range(2)]
+                        "--hang-floor", "30", *SLOW_ALONE, min_nodes=1, max_nodes=2) for _ in range(2)]
     held = [Path(f"{gate}.held-{rank}") for rank in range(2)]
     wait_until(lambda: all(path.exists() for path in held), "both ranks inside a forward at world 2", nodes)
     pids = {int(path.read_text()) for path in held}
