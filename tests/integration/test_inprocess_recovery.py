@@ -700,8 +700,8 @@ def test_a_checkpoint_abandoned_because_a_peer_died_during_its_save_says_so_once
 @pytest.mark.timeout(120)
 def test_an_async_save_abandoned_by_a_re_formation_says_so_once_with_its_step_and_the_next_one_due(
         etcd_server: Any, run_id: str, tmp_path: Path) -> None:
-    """Issue 43, under ``async_save``: the save of step 5 (stalled_step) runs in the background while the ranks train
-    on; its writer's node is killed while the write is in flight. The survivor abandons the save as
+    """Issue 43, under ``async_save``: the first save at world size 2 (step 5; see stalled_step) runs in
+    the background while the ranks train on; its writer's node is killed while the write is in flight. The survivor abandons the save as
     the group re-forms: one line and one ``checkpoint_abandoned`` event with the step, the reason and
     the next step due (the steps after it trained on, so that is the next multiple of 5 after the
     step it recovered at)."""
