@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.etcd.server import free_port
+from elastictrain._addresses import free_port
 
 _RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
