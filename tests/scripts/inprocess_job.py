@@ -27,7 +27,9 @@ sharded: the last one's parameters are not gathered yet), until FILE exists, wri
 for a hang: ``--first-step-sleep S`` (every rank's first step takes S seconds more, as a
 compilation would), ``--between-sleep RANK:STEP:S`` (RANK runs S seconds of its own code after
 STEP's micro-batches, as an evaluation would), ``--long-call RANK:STEP:S`` (RANK sleeps S seconds
-inside STEP, wrapped in ``session.long_call``). Faults placed in the loop come from
+inside STEP, wrapped in ``session.long_call``). ``--slow-forward RANK:STEP:S`` makes RANK a straggler
+inside its forward: each micro-batch's forward takes S seconds more, between the model's first and
+last layers (each its own unit when sharded), in the 12 steps from STEP. Faults placed in the loop come from
 ``ELASTICTRAIN_INJECT`` (see ``elastictrain.train.injector``).
 """
 
@@ -61,6 +63,9 @@ def _step_and_path(text: str) -> tuple[int, str]:
     step, _, path = text.partition(":")
     return int(step), path
 
+
+SLOW_FORWARD_STEPS = 12
+"""Steps ``--slow-forward`` slows down: a whole window of the straggler watch (10), whatever its phase."""
 
 TORCH_ENV = ("RANK", "WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
              "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -101,7 +106,10 @@ def with_session(args: argparse.Namespace, out: Path) -> None:
     held = False
     with session as s:
         for step in s.steps():
-            hold = None
+            hold = slow = None
+            if args.slow_forward and s.rank == args.slow_forward[0] and \
+                    0 <= step.number - args.slow_forward[1] < SLOW_FORWARD_STEPS:
+                slow = s.model[1].register_forward_pre_hook(lambda *_, t=args.slow_forward[2]: time.sleep(t))
             if args.hold_in_forward and not held and step.number >= args.hold_in_forward[0] and s.world_size >= 2:
                 held = True
                 hold = s.model[1].register_forward_pre_hook(_holder(args.hold_in_forward[1], s.rank))
@@ -132,6 +140,8 @@ def with_session(args: argparse.Namespace, out: Path) -> None:
                 loss = torch.nn.functional.mse_loss(s.model(inputs), targets)
                 loss.register_hook(_counter(backwards))  # its backward began
                 micro.backward(loss)
+            if slow is not None:
+                slow.remove()
             if hold is not None:
                 hold.remove()
             if step.discarded:  # a peer died during it: it runs again in the re-formed group
@@ -221,6 +231,7 @@ def main() -> None:
     parser.add_argument("--first-step-sleep", type=float, default=0.0)
     parser.add_argument("--between-sleep", type=_triple, default=None)
     parser.add_argument("--long-call", type=_triple, default=None)
+    parser.add_argument("--slow-forward", type=_triple, default=None)
     parser.add_argument("--sharding", choices=("ddp", "fsdp", "hsdp"), default="ddp")
     parser.add_argument("--redundancy-every", type=int, default=None)
     parser.add_argument("--no-checkpoint", action="store_true")
