@@ -6,7 +6,7 @@ import ipaddress
 import random
 import socket
 
-__all__ = ["free_port", "is_loopback", "source_address_towards"]
+__all__ = ["address_family", "free_port", "is_loopback", "source_address_towards"]
 
 
 def _literal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
@@ -58,6 +58,11 @@ _EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 _LOWEST_SERVER_PORT = 10000
 
 
+def address_family(host: str) -> socket.AddressFamily:
+    """The socket family of an address literal (IPv6 when it has a colon); "" is IPv4's any."""
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def _ephemeral_low() -> int | None:
     try:
         with open(_EPHEMERAL_RANGE) as f:
@@ -77,7 +82,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     low = _ephemeral_low()
     below = range(_LOWEST_SERVER_PORT, low) if low is not None and low > _LOWEST_SERVER_PORT else range(0)
     for port in [*random.sample(below, k=min(64, len(below))), 0]:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        with socket.socket(address_family(host), socket.SOCK_STREAM) as sock:
             try:
                 sock.bind((host, port))
             except OSError:

@@ -27,7 +27,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from elastictrain._addresses import free_port, is_loopback
+from elastictrain._addresses import address_family, free_port, is_loopback
 from elastictrain._process import dying_with_us
 from elastictrain.errors import EtcdServerError
 from elastictrain.etcd.conf import Endpoint
@@ -68,14 +68,10 @@ def find_etcd_binary() -> str:
     raise EtcdServerError(f"no etcd server binary found; {_INSTALL_HINT}")
 
 
-def _family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
-
-
 def _check_port_free(host: str, port: int, what: str) -> None:
     """Raise if something listens on ``host:port`` (etcd would exit, and a client of ours
     would talk to whatever answers there)."""
-    with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
+    with socket.socket(address_family(host), socket.SOCK_STREAM) as sock:
         # As etcd binds: a port in TIME_WAIT is free, one with a listener is not.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
