@@ -290,6 +290,10 @@ class StepLoop:
     def _apply(self, step: Step) -> None:
         step._check_complete()
         config, state, keeper = self._config, self._state, self._keeper
+        generation = keeper.generation
+        assert generation is not None  # noqa: S101 - private invariant
+        if generation.model is not None:
+            keeper.strategy.before_apply(step.number)
         applied = state.precision.step(state.optimizer, state.module.parameters(), max_norm=config.grad_clip_norm,
                                        clip=keeper.clip_grad_norm)
         if state.scheduler is not None:
@@ -300,8 +304,6 @@ class StepLoop:
         self._say_if_skipped(applied.skipped)
         if keeper.control is not None:
             keeper.control.step_done(state.step)
-        generation = keeper.generation
-        assert generation is not None  # noqa: S101 - private invariant
         if generation.model is not None:
             with keeper.collective():  # e.g. DDP's bucket order, the buffers' broadcast
                 keeper.strategy.after_step(state.step)

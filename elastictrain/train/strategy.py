@@ -213,6 +213,13 @@ class ParallelStrategy(ABC):
         own state reset for the re-formation. Default: nothing is stopped."""
         return contextlib.nullcontext()
 
+    def before_apply(self, step: int) -> None:
+        """What the group starts before the optimizer step of ``step``, every rank, each step
+        (e.g. fsdp's redundancy starts its vote on a refresh due after it, so that the optimizer
+        step overlaps the round trip). Default: nothing. Raises a backend error if a collective
+        cannot start."""
+        return
+
     @abstractmethod
     def after_step(self, step: int) -> None:
         """What the group does after the optimizer step of ``step`` (before :meth:`votes`): e.g.

@@ -17,6 +17,7 @@ their own. One spawn of four processes, two per "node" (ranks 0-1 and 2-3), then
   snapshot holds the refreshed step's values; refreshes every ``RELEASE_FROM`` steps leave two
   shards per rank between refreshes (four at the peak), and the ranks' kept holdings cover the
   last refresh's step;
+- a vote started before the optimizer step (``prepare``) is the one the refresh after it goes by;
 - fails a refresh on one rank: the next due one ends the refreshes on every rank;
 - kills rank 3 while its next refresh is held back (its holder, rank 1, sees the refresh fail).
 
@@ -342,6 +343,8 @@ def test_copies_follow_their_buddies_do_not_block_the_step_and_rebuild_a_killed_
     kept = {r: _as_holdings(dumps[r]["slow"]["kept_second"]) for r in range(WORLD)}
     needed = [Region(k, tuple(o), tuple(s)) for k, o, s in dumps[0]["regions"]]
     assert missing(kept, needed, 2 * RELEASE_FROM) == []
+    prepared = {"skipped": True, "started": True, "completed": True}
+    assert [dumps[r]["prepared"] for r in range(WORLD)] == [prepared] * WORLD
     assert [dumps[r]["ended"] for r in range(WORLD)] == [
         {"next_started": False, "failed": True, "refreshed": 0 if r == 2 else 1} for r in range(WORLD)]
     # Rank 3 died during the refresh of step 8: its holder (rank 1) kept the copy of step 7.
@@ -612,6 +615,25 @@ def _worker(rank: int, out: Path) -> None:
                      "kept_second": _rows(slow.kept_holdings()), "held_second": _rows(slow.held()),
                      "host_bytes_second": slow.host_bytes, "peak_host_bytes": slow.peak_host_bytes}
     slow.close()
+
+    # The vote started before the optimizer step (prepare) is the one after_step goes by: a refresh
+    # in flight when it was cast skips the next due refresh, though it ended before after_step (a
+    # vote of after_step's own would start it); with none in flight then, the refresh starts.
+    prepared = Gated(model2, optimizer2, pg.new_gloo_group(timeout), pg.new_gloo_group(timeout), every=2,
+                     holder=holders[rank], source=holders.index(rank))
+    Gated.gate.clear()
+    train2(second_due + 1)
+    assert prepared.after_step(second_due + 2)  # the refresh of this step is held back at the gate
+    prepared.prepare(second_due + 4)  # cast while it is in flight
+    Gated.gate.set()
+    assert prepared.wait(timeout)
+    train2(second_due + 4)
+    skipped_after_prepare = not prepared.after_step(second_due + 4) and prepared.skipped == 1
+    prepared.prepare(second_due + 6)
+    train2(second_due + 6)
+    dump["prepared"] = {"skipped": skipped_after_prepare, "started": prepared.after_step(second_due + 6),
+                        "completed": prepared.wait(timeout) and prepared.held()[0].step == second_due + 6}
+    prepared.close()
 
     # A refresh that fails on one rank (rank 2: its copy is refused once received) ends the
     # refreshes on every rank at the next due step, none left waiting in the vote.

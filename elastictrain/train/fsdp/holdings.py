@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
+from elastictrain._torch_compat import local_tensor
 from elastictrain.checkpoint import region
 
 __all__ = ["Holding", "Region", "Signature", "own_holdings", "shard_signature", "state_regions"]
@@ -39,9 +40,9 @@ class Region:
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
-    """``value``'s local tensor (itself for a plain tensor); under ``torch.no_grad()`` (then
-    ``to_local`` returns it without autograd)."""
-    return value.to_local() if isinstance(value, DTensor) else value
+    """``value``'s local tensor (itself for a plain tensor), read from the DTensor's slot: the
+    storage and shape ``to_local`` gives (:func:`~elastictrain._torch_compat.local_tensor`)."""
+    return local_tensor(value) if isinstance(value, DTensor) else value
 
 
 def _holding(key: str, value: torch.Tensor, step: int, live: bool) -> Holding | None:
@@ -108,21 +109,21 @@ def shard_signature(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     """What :func:`own_holdings` would hold, cheaply: each tensor's parameter and state name, the
     address of its local storage and its local shape, with no region worked out. While it stays
     equal, so do the holdings' keys, boxes and (with ``live``) storage: the optimizer updates the
-    shards in place. One pass over the parameters and the optimizer state, under one
-    ``torch.no_grad()`` (a refresh checks it every time, on the training thread)."""
+    shards in place. One pass over the parameters and the optimizer state, each DTensor's local
+    tensor read from its slot (:func:`~elastictrain._torch_compat.local_tensor`: the storage and
+    shape ``to_local`` would give; a refresh checks this every time, on the training thread)."""
     found: list[tuple[str, str, int, tuple[int, ...]]] = []
     fqns: dict[int, str] = {}
-    with torch.no_grad():
-        for fqn, param in model.named_parameters():
-            fqns[id(param)] = fqn
-            local = _local(param)
-            found.append((fqn, "", local.data_ptr(), local.shape))
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                for name, value in optimizer.state.get(param, {}).items():
-                    if isinstance(value, torch.Tensor):
-                        local = _local(value)
-                        found.append((fqns[id(param)], name, local.data_ptr(), local.shape))
+    for fqn, param in model.named_parameters():
+        fqns[id(param)] = fqn
+        local = _local(param)
+        found.append((fqn, "", local.data_ptr(), local.shape))
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for name, value in optimizer.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor):
+                    local = _local(value)
+                    found.append((fqns[id(param)], name, local.data_ptr(), local.shape))
     return tuple(found)
 
 

@@ -341,6 +341,11 @@ class FsdpStrategy(ParallelStrategy):
         assert self._sharded is not None  # noqa: S101 - set with the view
         return no_sync(self._sharded.module)
 
+    def before_apply(self, step: int) -> None:
+        """See base class: the redundancy's vote on a refresh due after ``step`` starts."""
+        if self.redundancy is not None:
+            self.redundancy.prepare(step)
+
     def after_step(self, step: int) -> None:
         """See base class: the buffers broadcast from rank 0 (FSDP2 leaves them to each rank), then
         the redundancy's refresh when one is due (its snapshot; the copy is sent in the background)."""
