@@ -133,8 +133,9 @@ class StepLoop:
     def swallowing(self) -> contextlib.AbstractContextManager[Any]:
         """Around a micro-batch's forward and backward: under in-process recovery the strategy
         records a collective failure inside instead of raising it in the user's code
-        (:meth:`~elastictrain.train.strategy.ParallelStrategy.swallowing`)."""
-        if not (self.wrapped and self.recovers_in_process):
+        (:meth:`~elastictrain.train.strategy.ParallelStrategy.swallowing`); in either mode it
+        marks the waits for its forward's collectives."""
+        if not self.wrapped:
             return contextlib.nullcontext()
         # A wait for the forward's all-gather is a step's own collective: a rank waiting there
         # for a hung peer is not hung itself (WorkerControl.collective), nor computing.

@@ -195,10 +195,11 @@ class ParallelStrategy(ABC):
     def swallowing(self, waiting: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
                    ) -> contextlib.AbstractContextManager[Any]:
         """Entered by the session around each micro-batch of a step (the user's forward and
-        backward) under in-process recovery: a strategy whose forward runs collectives (FSDP2's
+        backward): under in-process recovery a strategy whose forward runs collectives (FSDP2's
         all-gathers) records their failure inside instead of raising it in the user's code
-        (:meth:`swallowed`), and enters ``waiting`` around each wait for one (the session's marker
-        of a step's own collectives). Default: nothing is swallowed."""
+        (:meth:`swallowed`); in either recovery mode it enters ``waiting`` around each wait for
+        one (the session's marker of a step's own collectives, whose time is no compute).
+        Default: nothing is swallowed or marked."""
         return contextlib.nullcontext()
 
     def swallowed(self) -> BaseException | None:

@@ -91,19 +91,23 @@ def test_slow_work_a_straggler_and_a_long_call_are_never_taken_for_a_hang_and_th
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("where", ["before_its_forward", "inside_its_forward"])
+@pytest.mark.parametrize(("where", "recovery"), [("before_its_forward", "in-process"),
+                                                 ("inside_its_forward", "in-process"),
+                                                 ("inside_its_forward", "restart")])
 def test_an_fsdp_straggler_is_named_though_its_peer_waits_for_it_inside_the_forward(
-        etcd_server: Any, run_id: str, tmp_path: Path, where: str) -> None:
+        etcd_server: Any, run_id: str, tmp_path: Path, where: str, recovery: str) -> None:
     # FSDP2's forward gathers each unit's parameters: the straggler's peer waits for it there, before
     # the step's gradient collective, and that wait counted as the peer's compute. Both ranks then
     # looked as slow, and the straggler was never named (the sharded soak stalled on it). Rank 1 is
     # slow for 12 steps from step 11: before its forward (data loading, the injector's slow@), or
     # inside it, between two units (a slow device: the peer waits in the next unit's all-gather).
+    # Under --recovery restart the mesh's groups are torch's own: the waits are timed around each
+    # unit's gathering of its parameters instead.
     out = tmp_path / "job"
     env = {"ELASTICTRAIN_INJECT": "slow@1:11x12+0.3"} if where == "before_its_forward" else {}
     slow = ("--slow-forward", "1:11:0.1") if where == "inside_its_forward" else ()  # 4 micro-batches a step
     nodes = [start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.05", "--sharding", "fsdp", *slow,
-                        env=env) for _ in range(2)]
+                        env=env, extra=("--recovery", recovery)) for _ in range(2)]
     outputs = finish(nodes, timeout=150)
     assert [n.returncode for n in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     stragglers = events(out, "straggler")

@@ -60,6 +60,7 @@ from elastictrain._torch_compat import clear_dtensor_caches
 from elastictrain.errors import SessionError
 from elastictrain.train.fsdp.exchange import Exchange, announce, buffer_holdings, state_specs
 from elastictrain.train.fsdp.failsafe_group import AbandonedStep, SwallowedFailure
+from elastictrain.train.fsdp.forward_waits import ForwardWaits
 from elastictrain.train.fsdp.gradients import clip_grad_norm_, no_sync
 from elastictrain.train.fsdp.holdings import Holding, own_holdings
 from elastictrain.train.fsdp.mesh import mesh_shape
@@ -170,6 +171,7 @@ class FsdpStrategy(ParallelStrategy):
         self.redundancy: Redundancy | None = None
         """The copies of the last generation (kept after it is left: they outlive the group)."""
         self._failures: SwallowedFailure | None = None
+        self._forward_waits: ForwardWaits | None = None  # without failsafe groups (--recovery restart)
 
     def add_holdings_source(self, source: HoldingsSource) -> None:
         """Offer ``source``'s regions to the region exchange of each later re-formation."""
@@ -218,6 +220,8 @@ class FsdpStrategy(ParallelStrategy):
         self._sharded = shard(module, optimizer, config, precision=precision, group=view.group,
                               broadcast=not identical and received is None, failures=self._failures,
                               device=view.placement.device)
+        if self._failures is None:
+            self._forward_waits = ForwardWaits(module)
         if self._unit_fqns is None:
             self._unit_fqns = frozenset(fqn for fqn, unit in module.named_modules()
                                         if fqn and isinstance(unit, FSDPModule))
@@ -329,6 +333,9 @@ class FsdpStrategy(ParallelStrategy):
         afresh) and woke a full collection of the whole process in it (0.1-0.5 s at the
         benchmark's LM, on 2 loaded cores), with every rank waiting for the slowest."""
         self._failures = None
+        if self._forward_waits is not None:
+            self._forward_waits.remove()
+            self._forward_waits = None
         if self._sharded is not None:
             peer_connections.sever(*(getattr(g, "inner", g) for g in self._sharded.mesh.get_all_groups()))
         if self.redundancy is not None:
@@ -370,11 +377,16 @@ class FsdpStrategy(ParallelStrategy):
                    ) -> contextlib.AbstractContextManager[Any]:
         """See base class: under in-process recovery the mesh is made of failsafe groups
         (:mod:`~elastictrain.train.fsdp.failsafe_group`): inside, a failed all-gather or
-        reduce-scatter is recorded, and it and the later collectives of the mesh return at once."""
+        reduce-scatter is recorded, and it and the later collectives of the mesh return at once.
+        Without them (``--recovery restart``) nothing is swallowed, and ``waiting`` is entered
+        around each unit's gathering of its parameters in the forward
+        (:mod:`~elastictrain.train.fsdp.forward_waits`)."""
         _ = self.view
-        if self._failures is None:
+        if self._failures is not None:
+            return self._failures.swallowing(waiting)
+        if self._forward_waits is None or waiting is None:
             return contextlib.nullcontext()
-        return self._failures.swallowing(waiting)
+        return self._forward_waits.marking(waiting)
 
     def swallowed(self) -> BaseException | None:
         """See base class."""
