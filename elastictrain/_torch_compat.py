@@ -30,11 +30,11 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.events import handlers as _event_handlers
 from torch.distributed import distributed_c10d as _c10d
 from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
-from torch.distributed.tensor import DTensor
 
 from elastictrain.errors import TorchCompatError
 
 if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
     from torch.nn.parallel import DistributedDataParallel
 
 _Reducer = torch._C._distributed_c10d.Reducer  # noqa: SLF001 - checked in _check
@@ -50,6 +50,7 @@ __all__ = [
     "event_log_handlers",
     "foreach_copy",
     "import_ddp_modules",
+    "check_dtensor",
     "is_collective_failure",
     "local_tensor",
     "process_context",
@@ -203,8 +204,6 @@ def _check() -> None:
             raise _fail(f"has no module {module}")
     if not callable(getattr(torch, "_foreach_copy_", None)):
         raise _fail("has no torch._foreach_copy_ (the redundancy's copy of many shards in one call)")
-    if "_local_tensor" not in getattr(DTensor, "__slots__", ()):
-        raise _fail("has no DTensor._local_tensor slot (a shard's local tensor, read without to_local's dispatch)")
     _check_python_groups()
 
 
@@ -242,11 +241,21 @@ def foreach_copy(into: list[torch.Tensor], sources: list[torch.Tensor], *, non_b
     torch._foreach_copy_(into, sources, non_blocking=non_blocking)  # checked in _check
 
 
+def check_dtensor() -> None:
+    """Check the DTensor private names used here; called when the sharded path is imported
+    (``elastictrain.train.fsdp``), not at this module's import: ``torch.distributed.tensor`` takes
+    ~0.5 s to import, which the agent and DDP jobs do not pay."""
+    from torch.distributed.tensor import DTensor
+
+    if "_local_tensor" not in getattr(DTensor, "__slots__", ()):
+        raise _fail("has no DTensor._local_tensor slot (a shard's local tensor, read without to_local's dispatch)")
+
+
 def local_tensor(value: DTensor) -> torch.Tensor:
     """``value``'s local tensor, as ``value.to_local()`` gives it outside autograd, read from its
     slot: without ``to_local``'s autograd function, a tenth of the time (the redundancy's check
     of its shards, every refresh on the training thread, reads a few hundred)."""
-    return value._local_tensor  # noqa: SLF001 - checked in _check
+    return value._local_tensor  # noqa: SLF001 - checked by check_dtensor
 
 
 def import_ddp_modules() -> None:

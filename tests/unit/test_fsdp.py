@@ -83,6 +83,25 @@ def test_default_units_are_the_children_with_parameters_and_a_block_class_select
         sharding_units(model, "Block")  # type: ignore[arg-type]
 
 
+def test_the_dtensor_slot_read_for_local_shards_is_checked_and_the_agent_does_not_import_dtensor(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+    import sys
+
+    from torch.distributed.tensor import DTensor
+
+    from elastictrain._torch_compat import check_dtensor
+    from elastictrain.errors import TorchCompatError
+
+    check_dtensor()
+    monkeypatch.setattr(DTensor, "__slots__", ["_spec"])
+    with pytest.raises(TorchCompatError, match="DTensor._local_tensor"):
+        check_dtensor()
+    # torch.distributed.tensor takes ~0.5 s to import: the agent (and a DDP job) must not pay it.
+    code = "import sys, elastictrain.launch.agent; print('torch.distributed.tensor' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
 def test_the_mesh_shape_is_checked_against_the_world() -> None:
     assert mesh_shape("fsdp", 3) == (3,)
     assert mesh_shape("hsdp", 6, 3) == (2, 3)

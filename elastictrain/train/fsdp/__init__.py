@@ -5,6 +5,7 @@ Importing it registers ``sharding="fsdp"`` and ``"hsdp"`` for ``Session``
 (:mod:`~elastictrain.train.fsdp.strategy`).
 """
 
+from elastictrain._torch_compat import check_dtensor
 from elastictrain.train.fsdp.buddies import buddies, missing
 from elastictrain.train.fsdp.failsafe_group import AbandonedStep, FailsafeGroup, SwallowedFailure
 from elastictrain.train.fsdp.gradients import clip_grad_norm_, no_sync
@@ -20,6 +21,8 @@ from elastictrain.train.fsdp.state import (
 )
 from elastictrain.train.fsdp.strategy import FsdpStrategy, HsdpStrategy
 from elastictrain.train.fsdp.units import UnitSpec, shard_model, sharding_units
+
+check_dtensor()  # the DTensor private names the sharded path reads, checked once it is imported
 
 __all__ = [
     "FSDP_DIMS", "HSDP_DIMS", "REDUCE_DTYPE", "SHARDED_MODES",
