@@ -12,7 +12,10 @@ In each repetition the configurations run one after another, in an order that ro
 repetition to the next so that a shared machine's load falls on all alike; each times its steps
 on rank 0's clock (the collectives keep the ranks in step) and reports the mean step time (what
 the refreshes cost, stalls included), its median over ``--reps`` (min-max), the overhead against
-no redundancy, the process's CPU time per step (all its threads, gloo's included: what the copies
+no redundancy (the ratio of the medians, and the median (min-max) of each repetition's ratio to its
+own run without copies: on 2 busy cores one 200-step run differs from the next by up to +-20 %,
+so a few per cent of overhead is not resolved by a handful of repetitions; the stall and the CPU
+per refresh below are), the process's CPU time per step (all its threads, gloo's included: what the copies
 take from a core, less sensitive to a shared machine's load than the step time), the training
 thread's stall per refresh (the vote, handing the shards over, any wait of the next optimizer step
 for the copy), the CPU time per refresh of the training thread (``Redundancy.training_cpu``) and
@@ -158,7 +161,11 @@ def _results(everyone: list[Any], every: list[int]) -> dict[str, Any]:
     for name in ["None", *(str(e) for e in every)]:
         runs = everyone[0][name]
         step = summarize([r["step_s"] * 1e3 for r in runs])
+        # Each repetition ran the configurations one after another: its ratio to that repetition's
+        # run without copies cancels the machine's drift between repetitions.
+        paired = [r["step_s"] / b["step_s"] - 1 for r, b in zip(runs, everyone[0]["None"], strict=True)]
         entry: dict[str, Any] = {"step_ms": step, "overhead": step["median"] / (base * 1e3) - 1,
+                                 "overhead_paired": summarize(paired),
                                  "cpu_ms_per_step": [round(_median(rank[name], "cpu_s") * 1e3, 2) for rank in everyone]}
         if name != "None":
             shard = [_median(rank[name], "shard_bytes") for rank in everyone]
@@ -181,10 +188,11 @@ def _table(world: int, entry: dict[str, Any]) -> str:
     calibrated = entry["calibrated"]
     lines = [f"world {world} (2 nodes x {world // 2}), width {entry['width']}"
              + (f" (calibrated: {calibrated['step_ms']:.1f} ms without copies)" if calibrated else ""),
-             "| redundancy | step ms, median (min-max) | overhead | process CPU ms/step | stall ms/refresh "
+             "| redundancy | step ms, median (min-max) | overhead | overhead in each repetition, median (min-max) "
+             "| process CPU ms/step | stall ms/refresh "
              "| CPU ms/refresh: training, sending thread | refreshed, skipped "
              "| host MB/rank at rest, peak (shard MB) | in shards, at rest / peak |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in entry["results"].items():
         s = r["step_ms"]
         extra = "- | - | - | - | -"
@@ -193,7 +201,9 @@ def _table(world: int, entry: dict[str, Any]) -> str:
                      f"{r['thread_cpu_ms_per_refresh']:.2f} | {r['refreshed']}, {r['skipped']} | "
                      f"{max(r['host_mb_per_rank']):g}, {max(r['peak_host_mb_per_rank']):g} "
                      f"({max(r['shard_mb_per_rank']):g}) | {r['host_shards']:.2f} / {r['peak_host_shards']:.2f}")
+        p = r["overhead_paired"]
         lines.append(f"| {name} | {s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f}) | {100 * r['overhead']:+.1f} % "
+                     f"| {100 * p['median']:+.1f} % ({100 * p['min']:+.1f} to {100 * p['max']:+.1f} %) "
                      f"| {max(r['cpu_ms_per_step']):.1f} | {extra} |")
     return "\n".join(lines)
 
