@@ -90,13 +90,14 @@ while the layout stays the same.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -373,11 +374,18 @@ class Redundancy:
             if self._closing:
                 return
             vote = self._ballot()
-        started, cpu = time.perf_counter(), time.thread_time()
-        try:
+        with self._on_training_thread():
             work = dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._vote_group, async_op=True)
             assert work is not None  # noqa: S101 - async_op, and this rank is in the group
             self._vote = (vote, work)
+
+    @contextlib.contextmanager
+    def _on_training_thread(self) -> Iterator[None]:
+        """Counts the time inside as the training thread's stall (:attr:`stalled`) and its CPU
+        (:attr:`training_cpu`)."""
+        started, cpu = time.perf_counter(), time.thread_time()
+        try:
+            yield
         finally:
             self.stalled += time.perf_counter() - started
             self.training_cpu += time.thread_time() - cpu
@@ -405,8 +413,7 @@ class Redundancy:
             if self._closing:
                 return False
             vote = self._ballot() if pending is None else pending[0]
-        started, cpu = time.perf_counter(), time.thread_time()
-        try:
+        with self._on_training_thread():
             if pending is None:
                 dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._vote_group)
             else:
@@ -436,9 +443,6 @@ class Redundancy:
                 self._due = step
                 self.started += 1
                 self._cond.notify_all()
-        finally:
-            self.stalled += time.perf_counter() - started
-            self.training_cpu += time.thread_time() - cpu
         return True
 
     def adopt_buffers(self, previous: Redundancy) -> None:
