@@ -64,8 +64,9 @@ def _step_and_path(text: str) -> tuple[int, str]:
     return int(step), path
 
 
-SLOW_FORWARD_STEPS = 12
-"""Steps ``--slow-forward`` slows down: a whole window of the straggler watch (10), whatever its phase."""
+SLOW_FORWARD_STEPS = 10
+"""Steps ``--slow-forward`` slows down: one window of the straggler watch (10), so that the next window is
+all at the peer's pace and the recovery falls at its end, however fast the normal steps run."""
 
 TORCH_ENV = ("RANK", "WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
              "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
