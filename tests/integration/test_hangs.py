@@ -107,8 +107,10 @@ def test_an_fsdp_straggler_is_named_though_its_peer_waits_for_it_inside_the_forw
     # Under --recovery restart the mesh's groups are torch's own: the waits are timed around each
     # unit's gathering of its parameters instead.
     out = tmp_path / "job"
-    env = {"ELASTICTRAIN_INJECT": "slow@1:11x10+0.3"} if where == "before_its_forward" else {}
-    slow = ("--slow-forward", "1:11:0.1") if where == "inside_its_forward" else ()  # 2 micro-batches a step
+    # 0.5 s slower a step: its every step must read 2x its peer's, and a peer's step took up to 0.2 s
+    # here under the suite's load (+0.2 s failed to name it in a loaded run).
+    env = {"ELASTICTRAIN_INJECT": "slow@1:11x10+0.5"} if where == "before_its_forward" else {}
+    slow = ("--slow-forward", "1:11:0.25") if where == "inside_its_forward" else ()  # 2 micro-batches a step
     nodes = [start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.05", "--sharding", "fsdp", *slow,
                         env=env, extra=("--recovery", recovery)) for _ in range(2)]
     outputs = finish(nodes, timeout=150)

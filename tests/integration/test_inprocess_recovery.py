@@ -576,8 +576,10 @@ def test_survivors_of_a_node_gone_silent_cut_their_stuck_collective_instead_of_w
         os.killpg(gone.pid, signal.SIGSTOP)
         stopped_at = time.time()
         survivors = nodes[:2]
-        wait_until(lambda: any(r["world"] == 2 and r["t"] > stopped_at for r in records(out)),
-                   "a step at world size 2", survivors, timeout=90)
+        # Both survivors' records, not the first one's: each rank writes its own after the step,
+        # and the SIGTERM below once came between the two (the slower rank's record missing).
+        wait_until(lambda: len({r["rank"] for r in records(out) if r["world"] == 2 and r["t"] > stopped_at}) == 2,
+                   "a step of each survivor at world size 2", survivors, timeout=90)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(nodes[2].pid, signal.SIGKILL)
