@@ -106,14 +106,20 @@ def events(out: Path, kind: str) -> list[dict[str, Any]]:
     return [e for e in lines if e["kind"] == kind]
 
 
+_REFERENCE: dict[str, torch.Tensor] = {}
+"""The reference's parameters, once per test process: the same run for every test (4-5 s of CPU)."""
+
+
 def reference(tmp_path: Path) -> dict[str, torch.Tensor]:
     """The parameters of an uninterrupted run of the job: one plain process (world 1, no launcher),
     whose global batches are those of any world size."""
-    out = tmp_path / "reference"
-    done = subprocess.run([sys.executable, JOB, str(out), "--steps", str(STEPS)], env=hang_reporting_env(),
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=90, check=False)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    return torch.load(out / "final-0.pt", weights_only=True)
+    if not _REFERENCE:
+        out = tmp_path / "reference"
+        done = subprocess.run([sys.executable, JOB, str(out), "--steps", str(STEPS)], env=hang_reporting_env(),
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=90, check=False)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+        _REFERENCE.update(torch.load(out / "final-0.pt", weights_only=True))
+    return {name: tensor.clone() for name, tensor in _REFERENCE.items()}
 
 
 def assert_same_parameters(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
