@@ -29,7 +29,7 @@ compilation would), ``--between-sleep RANK:STEP:S`` (RANK runs S seconds of its 
 STEP's micro-batches, as an evaluation would), ``--long-call RANK:STEP:S`` (RANK sleeps S seconds
 inside STEP, wrapped in ``session.long_call``). ``--slow-forward RANK:STEP:S`` makes RANK a straggler
 inside its forward: each micro-batch's forward takes S seconds more, between the model's first and
-last layers (each its own unit when sharded), in the 12 steps from STEP. Faults placed in the loop come from
+last layers (each its own unit when sharded), in the 10 steps from STEP. Faults placed in the loop come from
 ``ELASTICTRAIN_INJECT`` (see ``elastictrain.train.injector``).
 """
 
