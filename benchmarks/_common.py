@@ -14,7 +14,6 @@ import os
 import platform
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,8 @@ import urllib.request
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NoReturn
+
+from elastictrain.etcd.server import free_port  # noqa: F401 - the benchmarks' servers take their ports here
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = ROOT / "benchmarks"
@@ -137,12 +138,6 @@ def worker_or_main(worker: Callable[[int, str, dict[str, Any]], None], main: Cal
         worker(int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]))
     else:
         main()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, poll: float = 0.02) -> Any:
