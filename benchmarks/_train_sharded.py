@@ -16,6 +16,14 @@ The job of ``sharded_recovery.py``: the same model, data and event file under tw
   marker written by rank 0 after the save returns; at start, the newest committed one is
   loaded (resharded to the new world by DCP).
 
+Both build the model on the meta device (no storage), as torchtitan does and as a model that
+does not fit one device must be built, and give it values only when no state comes from
+elsewhere: the session through ``init_weights`` (:func:`init_weights`, unit by unit, from its
+seed); the DCP loop shards the storage-less model, allocates its shards (``to_empty``) and,
+with no checkpoint to load, applies :func:`init_weights` to the shards (each rank draws its own
+shards' values: DTensor's random ops on CPU). A worker that restarts or replaces one thus
+neither initialises nor broadcasts a full model it then overwrites.
+
 The model: an embedding, ``--layers`` pre-norm transformer blocks of width ``--width`` (4x MLP)
 in an ``nn.Sequential``, a final norm and an untied output layer; parameters and AdamW state
 total about ``12 * (12 * width**2 * layers + 2 * vocab * width)`` bytes (``--width 512
@@ -89,6 +97,14 @@ class Tokens(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return self.data[i, :-1], self.data[i, 1:]
 
 
+def init_weights(module: nn.Module) -> None:
+    """A ``Module.apply`` function: each module's own parameters as its constructor sets them."""
+    if isinstance(module, nn.MultiheadAttention):
+        module._reset_parameters()  # noqa: SLF001 - the constructor's own init (no public name)
+    elif hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+
+
 def _loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
 
@@ -100,6 +116,7 @@ def _session_loop(args: argparse.Namespace, log: _Log, model: nn.Module, optimiz
         model, optimizer, data, global_batch_size=args.global_batch, epochs=1_000_000, max_steps=args.steps,
         seed=7, log_every=None, backend="gloo", sharding=args.sharding, checkpoint_dir=args.ckpt_dir,
         checkpoint_every=args.ckpt_every, keep_last=2, hooks=[recorder], redundancy_every=args.redundancy_every,
+        init_weights=init_weights,
     )
     with session as s:
         recorder.session = s
@@ -133,13 +150,11 @@ def _dcp_loop(args: argparse.Namespace, log: _Log, model: nn.Module, optimizer: 
         mesh = init_device_mesh("cpu", (world // local, local), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
-    # Rank 0's initial weights everywhere (as DDP and the session do), then shard.
-    for tensor in [*model.parameters(), *model.buffers()]:
-        dist.broadcast(tensor.data, src=0)
     for child in model.children():
         if any(True for _ in child.parameters()):
             fully_shard(child, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")  # this rank's shards, no values yet
     sharded_optimizer = torch.optim.AdamW(model.parameters(), **{
         k: v for k, v in optimizer.defaults.items() if k in ("lr", "betas", "eps", "weight_decay")})
     root = Path(args.ckpt_dir)
@@ -153,6 +168,9 @@ def _dcp_loop(args: argparse.Namespace, log: _Log, model: nn.Module, optimizer: 
         set_state_dict(model, sharded_optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         step = newest
         log("restored", step=newest)
+    else:
+        with torch.no_grad():
+            model.apply(init_weights)
     log("ready", step=step, restored=newest, in_process=False)
     share = args.global_batch // world
     while step < args.steps:
@@ -195,7 +213,8 @@ def main() -> None:
     log("boot", proc_start=_PROC_START, script_start=_SCRIPT_START, imports_done=_IMPORTS_DONE)
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = LM(args.width, args.layers, args.length)
+    with torch.device("meta"):
+        model = LM(args.width, args.layers, args.length)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     params = sum(p.numel() for p in model.parameters())
     log("model", width=args.width, layers=args.layers, params=params,

@@ -48,7 +48,7 @@ from elastictrain.train.recovery_decisions import Due, StateSource, boundary_cau
 from elastictrain.train.session_config import SessionConfig
 from elastictrain.train.state_transfer import agree
 from elastictrain.train.strategy import ParallelStrategy, create_strategy
-from elastictrain.train.training_state import TrainingState, rank_seed, seed_everything
+from elastictrain.train.training_state import TrainingState, on_meta_device, rank_seed, seed_everything
 from elastictrain.train.worker import WorkerContext
 
 __all__ = ["RECOVERY_PHASES", "GroupKeeper"]
@@ -249,6 +249,10 @@ class GroupKeeper:
                                         step=state.step, local_world_size=self.context.local_world_size)
         source = state_source(holds=holds_state, someone_holds=someone_holds, live_transfer=live)
         kept = state.module
+        # The user's model built on the meta device: the strategy gives it values (initialize())
+        # unless the state comes from a peer or a checkpoint; as every rank gives it the same
+        # values, nothing is broadcast.
+        on_meta = config.init_weights is not None and on_meta_device(kept)
         state.module = self.strategy.unwrapped(state.module, state.optimizer)
         received = False
         if source is StateSource.PEERS:
@@ -282,8 +286,10 @@ class GroupKeeper:
             seed_everything(rank_seed(config.seed, self.context.rank))
         wrapping = time.perf_counter()
         # A rebuilt module restored after the wrap needs no broadcast: the restore sets every value.
-        identical = source is StateSource.PEERS or (after_wrap and rebuilt)
+        identical = source is StateSource.PEERS or (after_wrap and rebuilt) or on_meta
         generation.wrap(state.module, state.optimizer, identical=identical, control=self.control)
+        if on_meta and source is not StateSource.PEERS:
+            self.strategy.initialize(state.module, seed=config.seed)  # a restore then sets what it holds
         wrapped = time.perf_counter()
         if after_wrap and not self._restore_newest() and rebuilt:
             raise _unheld(state.step)

@@ -58,7 +58,7 @@ from elastictrain.train.group_keeper import GroupKeeper
 from elastictrain.train.session_config import SessionConfig
 from elastictrain.train.step_loop import StepLoop
 from elastictrain.train.steps import MicroStep, Step
-from elastictrain.train.training_state import TrainingState
+from elastictrain.train.training_state import TrainingState, on_meta_device
 from elastictrain.train.worker import WorkerContext
 
 __all__ = ["MicroStep", "Session", "SessionConfig", "Step"]
@@ -67,6 +67,25 @@ _STALL_TO_SKIP = 2.0
 """Seconds the storage of an async save still in flight may go without answering (on any rank)
 before a save due is skipped rather than waited for: training must not wait out
 ``checkpoint_timeout`` for a hung NFS server. A save that makes progress is waited for."""
+
+def _check_meta(model: torch.nn.Module, config: SessionConfig) -> None:
+    """Refuse a model built on the meta device that the session could not give values to (one line).
+
+    Raises:
+        ConfigError: It is under DDP (which holds the whole model: build it for real), without
+            ``init_weights``, or only partly on the meta device.
+    """
+    if config.sharding == "ddp":
+        if on_meta_device(model):
+            raise ConfigError("the model is on the meta device: DDP trains a model with values; build it on a "
+                              "real device, or shard it (sharding='fsdp' or 'hsdp', with init_weights)")
+        return
+    from elastictrain.train.fsdp.initialize import on_meta  # FSDP's imports only for a sharded session
+
+    if on_meta(model) and config.init_weights is None:
+        raise ConfigError(f"the model is on the meta device: sharding={config.sharding!r} needs init_weights "
+                          "(a Module.apply function that sets each module's parameters) to give it values")
+
 
 class Session:
     """Train a model elastically: a context manager yielding optimizer steps.
@@ -132,6 +151,7 @@ class Session:
             raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if isinstance(model, DistributedDataParallel):
             raise ConfigError("pass the unwrapped model; the session wraps it in DDP itself")
+        _check_meta(model, config)
         self._state = TrainingState(model, optimizer, scheduler, extra_state)
         if process_group is not None and config.async_save and config.checkpoint_dir:
             raise ConfigError("async_save with an explicit process_group is not supported")
@@ -325,7 +345,8 @@ class Session:
                             restart_count=self.context.restart_count)
 
         device = self.device
-        self.module.to(device)
+        if not on_meta_device(self.module):  # else the strategy allocates the shards on the device
+            self.module.to(device)
         state.precision = MixedPrecision(config.precision, device)
         state.sampler = ElasticSampler(
             self.dataset, global_batch_size=config.global_batch_size, micro_batch_size=config.micro_batch_size,

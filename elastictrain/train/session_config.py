@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -16,6 +16,8 @@ from elastictrain.train.precision import PRECISIONS
 from elastictrain.train.strategy import SHARDINGS
 
 if TYPE_CHECKING:
+    import torch
+
     from elastictrain.train.fsdp.units import UnitSpec
 
 __all__ = ["SessionConfig"]
@@ -127,6 +129,15 @@ class SessionConfig:
     shared (tied) parameter is never split across units: it stays with a unit that holds every
     module sharing it (the root at the latest). See ``docs/sharding.md``."""
 
+    init_weights: Callable[[torch.nn.Module], object] | None = None
+    """``sharding="fsdp"`` or ``"hsdp"`` with a model built on the meta device (no storage, as for a
+    model that does not fit one device: ``with torch.device("meta"): model = Net()``): a
+    ``Module.apply`` function that sets a module's own parameters and buffers
+    (``lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None``). On a fresh
+    start (no checkpoint, no live peer) the session applies it unit by unit, no rank holding the
+    whole model, with torch's RNG seeded from ``seed``: the values equal ``torch.manual_seed(seed);
+    model.apply(init_weights)`` on the full model. See ``docs/sharding.md``."""
+
     ddp_kwargs: Mapping[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of ``DistributedDataParallel`` (e.g. ``find_unused_parameters``)."""
 
@@ -189,6 +200,12 @@ class SessionConfig:
             from elastictrain.train.fsdp.units import check_units  # FSDP's imports only for a sharded session
 
             check_units(self.shard_units, name="shard_units")
+        if self.init_weights is not None:
+            if self.sharding not in ("fsdp", "hsdp"):
+                raise ConfigError(f"init_weights needs sharding='fsdp' or 'hsdp', got sharding={self.sharding!r}")
+            if not callable(self.init_weights):
+                raise ConfigError("init_weights must be a function of a module, got "
+                                  f"{type(self.init_weights).__name__}")
         if self.recovery not in RECOVERY_MODES:
             raise ConfigError(f"recovery must be one of {RECOVERY_MODES}, got {self.recovery!r}")
         if not isinstance(self.checkpoint_timeout, timedelta):

@@ -125,6 +125,21 @@ class ParallelStrategy(ABC):
         self._view = view
         return wrapped
 
+    def initialize(self, module: torch.nn.Module, *, seed: int) -> None:
+        """Set the values of ``module``, built on the meta device (no storage) and wrapped, when no
+        peer and no checkpoint brings them: ``SessionConfig.init_weights`` over the model, torch's
+        RNG seeded from ``seed`` for it; no collective (every rank sets the same values).
+
+        Raises:
+            SessionError: Not wrapped, or the strategy trains no model built on the meta device.
+            ConfigError: ``init_weights`` failed or left a tensor unset (one line).
+        """
+        _ = self.view
+        self._initialize(module, seed=seed)
+
+    def _initialize(self, module: torch.nn.Module, *, seed: int) -> None:
+        raise SessionError(f"sharding={self.name!r} trains no model built on the meta device")
+
     def leave(self) -> None:
         """Drop what :meth:`wrap` built, without a collective (peers may be dead); a no-op when not
         wrapped."""

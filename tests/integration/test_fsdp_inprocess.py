@@ -112,7 +112,10 @@ def test_an_fsdp_worker_lost_with_its_shards_rolls_the_survivor_back_to_the_copi
     # rank 0 had committed step 8, and the copies are of step 6: the survivor rolls back to step 6
     # from its memory (its snapshot, the copy of rank 1's shards, the sampler cursor and the
     # optimizer of step 6), the newcomer receives its shards from it, and steps 7-8 are redone.
-    out = _fail_rank_1_in_step_9(etcd_server, run_id, tmp_path, "--redundancy-every", "3", "--no-checkpoint")
+    # The model is built on the meta device (init_weights gives it the real one's values): the
+    # newcomer's never holds values but those it receives.
+    out = _fail_rank_1_in_step_9(etcd_server, run_id, tmp_path, "--redundancy-every", "3", "--no-checkpoint",
+                                 "--meta")
     event = _assert_rolled_back_in_memory(out, 3, (2, 2))
     assert (event["step"], event["steps_redone"]) == (6, 2), event
     assert len({r["pid"] for r in records(out) if r["rank"] == 0}) == 1, "the survivor was restarted"

@@ -84,15 +84,25 @@ def _data(samples: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.sin(x @ torch.randn(16, 1, generator=generator))
 
 
-def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _model(meta: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    with torch.device("meta" if meta else "cpu"):
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def _init_weights(module: torch.nn.Module) -> None:
+    """``--meta``'s ``init_weights``: the values ``_model()`` builds (it seeds 0 before the first Linear,
+    whose constructor draws first, as ``Module.apply`` calls this on it first)."""
+    if isinstance(module, torch.nn.Linear):
+        if module.in_features == 16:
+            torch.manual_seed(0)
+        module.reset_parameters()
 
 
 def with_session(args: argparse.Namespace, out: Path) -> None:
     x, y = _data(args.samples)
-    model, optimizer = _model()
+    model, optimizer = _model(args.meta)
     if args.wait_before_session:
         while not os.path.exists(args.wait_before_session):
             time.sleep(0.05)
@@ -102,6 +112,7 @@ def with_session(args: argparse.Namespace, out: Path) -> None:
                                    checkpoint_every=None if args.no_checkpoint else args.ckpt_every,
                                    async_save=args.async_save, sharding=args.sharding,
                                    redundancy_every=args.redundancy_every,
+                                   init_weights=_init_weights if args.meta else None,
                                    hang_bounds=elastictrain.HangBounds(step_floor=timedelta(seconds=args.hang_floor)))
     first = True
     held = False
@@ -236,6 +247,7 @@ def main() -> None:
     parser.add_argument("--sharding", choices=("ddp", "fsdp", "hsdp"), default="ddp")
     parser.add_argument("--redundancy-every", type=int, default=None)
     parser.add_argument("--no-checkpoint", action="store_true")
+    parser.add_argument("--meta", action="store_true", help="build the model on the meta device (sharded only)")
     args = parser.parse_args()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -63,6 +63,7 @@ from elastictrain.train.fsdp.failsafe_group import AbandonedStep, SwallowedFailu
 from elastictrain.train.fsdp.forward_waits import ForwardWaits
 from elastictrain.train.fsdp.gradients import clip_grad_norm_, no_sync
 from elastictrain.train.fsdp.holdings import Holding, own_holdings
+from elastictrain.train.fsdp.initialize import InitWeights, initialize, on_meta
 from elastictrain.train.fsdp.mesh import mesh_shape
 from elastictrain.train.fsdp.optimizer import parameter_fqns, shard_optimizer
 from elastictrain.train.fsdp.redundancy import Redundancy, start_redundancy
@@ -149,15 +150,18 @@ class FsdpStrategy(ParallelStrategy):
         redundancy_every: See ``SessionConfig.redundancy_every``.
         units: The FSDP units (``SessionConfig.shard_units``). A module a later generation builds
             from the skeleton is sharded into the units of the same FQNs as the first generation's.
+        init_weights: ``SessionConfig.init_weights``: sets a model built on the meta device
+            (:meth:`initialize`).
     """
 
     name = "fsdp"
 
     def __init__(self, precision: str = "fp32", redundancy_every: int | None = None, *,
-                 units: UnitSpec | None = None) -> None:
+                 units: UnitSpec | None = None, init_weights: InitWeights | None = None) -> None:
         super().__init__()
         self._precision = precision
         self._units = units
+        self._init_weights = init_weights
         self._unit_fqns: frozenset[str] | None = None
         self._sharded: Sharded | None = None
         self._skeleton: Skeleton | None = None
@@ -204,8 +208,9 @@ class FsdpStrategy(ParallelStrategy):
         if isinstance(module, FSDPModule):
             raise SessionError(f"the model is already sharded by an earlier group: sharding={self.name!r} shards "
                                "the module unwrapped() gives")
-        if view.in_process and self._skeleton is None:
-            self._skeleton = Skeleton(module)  # before fully_shard: a later generation builds from it
+        if self._skeleton is None and (view.in_process or on_meta(module)):
+            # Before fully_shard: a later generation builds from it, and so does initialize().
+            self._skeleton = Skeleton(module)
         config = self._config(view)
         shape = mesh_shape(config.sharding, view.placement.world_size, config.nproc_per_node)
         if shape in _MESH_SHAPES:
@@ -306,6 +311,15 @@ class FsdpStrategy(ParallelStrategy):
         self._received = exchange.run(group)
         self._exchange, self._rebuilt = None, target
         return received
+
+    def _initialize(self, module: torch.nn.Module, *, seed: int) -> None:
+        """See base class: :func:`~elastictrain.train.fsdp.initialize.initialize`, over a storage-less
+        copy of the model built from the skeleton."""
+        if self._init_weights is None or self._skeleton is None or self._unit_fqns is None:
+            raise SessionError(f"sharding={self.name!r}: a model on the meta device needs init_weights")
+        device = self.view.placement.device
+        initialize(module, self._skeleton.build(device, allocate=False), self._init_weights,
+                   units=self._unit_fqns, seed=seed, device=device)
 
     def rebuild_step(self, agreement: Agreement) -> int | None:
         """See base class: the step :meth:`covers` picked, once :meth:`transfer_state` brought every rank to it."""
@@ -505,11 +519,12 @@ def _fill(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def _fsdp(config: SessionConfig) -> FsdpStrategy:
-    return FsdpStrategy(config.precision, config.redundancy_every, units=config.shard_units)
+    return FsdpStrategy(config.precision, config.redundancy_every, units=config.shard_units,
+                        init_weights=config.init_weights)
 
 
 def _hsdp(config: SessionConfig) -> HsdpStrategy:
-    return HsdpStrategy(config.precision, units=config.shard_units)
+    return HsdpStrategy(config.precision, units=config.shard_units, init_weights=config.init_weights)
 
 
 register_strategy("fsdp", _fsdp)
