@@ -100,7 +100,9 @@ class Tokens(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 def init_weights(module: nn.Module) -> None:
     """A ``Module.apply`` function: each module's own parameters as its constructor sets them."""
     if isinstance(module, nn.MultiheadAttention):
-        module._reset_parameters()  # noqa: SLF001 - the constructor's own init (no public name)
+        nn.init.xavier_uniform_(module.in_proj_weight)  # as its constructor: in-projection, then
+        nn.init.zeros_(module.in_proj_bias)  # the biases (its child out_proj's too)
+        nn.init.zeros_(module.out_proj.bias)
     elif hasattr(module, "reset_parameters"):
         module.reset_parameters()
 

@@ -17,14 +17,17 @@ Run it on two local nodes that may grow to three::
 
 ``--sharding fsdp`` shards the model, its gradients and the optimizer state across the ranks
 (FSDP2), ``--sharding hsdp`` within each node (replicated across nodes); checkpoints are then
-sharded too and restore at any world size. A sharded session recovers by restart from the newest
-checkpoint (see docs/sharding.md), so run it with ``--recovery restart``::
+sharded too and restore at any world size, and the job recovers in place as a DDP one does
+(see docs/sharding.md)::
 
-    elastictrain run --local-nodes 2 --nproc-per-node 2 --recovery restart examples/transformer_lm.py --sharding hsdp
+    elastictrain run --local-nodes 2 --nproc-per-node 2 examples/transformer_lm.py --sharding hsdp
 
-Sharded, each transformer block is an FSDP unit of its own (``shard_units``: gathered for its
-forward and backward only, as torchtitan wraps each block); the embedding and the output layer
-share one weight (tied, GPT-2 style), so they stay together in the root's unit.
+Sharded, the model is built on the meta device (no storage, as a model that does not fit one
+device must be) and the session gives it values through ``init_weights`` (``TinyLM.init_weights``,
+unit by unit: no rank holds the whole model). Each transformer block is an FSDP unit of its own
+(``shard_units``: gathered for its forward and backward only, as torchtitan wraps each block); the
+embedding and the output layer share one weight (tied, GPT-2 style), so they stay together in the
+root's unit.
 
 Checkpoints go to ``--checkpoint-dir`` (default: under the temp dir, named
 after the run id) and are removed when the job finishes, unless
@@ -112,6 +115,21 @@ class TinyLM(nn.Module):
         self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(length), persistent=False)
         nn.init.normal_(self.position, std=0.02)
 
+    @staticmethod
+    def init_weights(module: nn.Module) -> None:
+        """``Session(init_weights=...)`` for a model built on the meta device: a ``Module.apply``
+        function setting each module's own parameters and buffers as the constructor does."""
+        if isinstance(module, TinyLM):
+            nn.init.normal_(module.position, std=0.02)
+            nn.init.normal_(module.embed.weight)  # tied: the embedding's init stands, as in the constructor
+            module.mask.copy_(nn.Transformer.generate_square_subsequent_mask(module.mask.shape[0]))
+        elif isinstance(module, nn.MultiheadAttention):
+            nn.init.xavier_uniform_(module.in_proj_weight)  # as its constructor: in-projection, then
+            nn.init.zeros_(module.in_proj_bias)  # the biases (its child out_proj's too)
+            nn.init.zeros_(module.out_proj.bias)
+        elif hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         n = ids.shape[1]
         h = self.embed(ids) + self.position[:n]
@@ -194,7 +212,9 @@ def main() -> None:
 
     data = CharWindows(generate_corpus(400_000), args.length)
     torch.manual_seed(0)  # identical initial weights on every rank and every restart
-    model = TinyLM(len(data.vocab), args.length, args.width, args.layers, args.heads)
+    sharded = args.sharding != "ddp"
+    with torch.device("meta" if sharded else "cpu"):  # sharded: no storage; init_weights gives it values
+        model = TinyLM(len(data.vocab), args.length, args.width, args.layers, args.heads)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and n != "position"]
     rest = [p for n, p in model.named_parameters() if p.dim() < 2 or n == "position"]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
@@ -209,7 +229,8 @@ def main() -> None:
         scheduler=scheduler, grad_clip_norm=1.0, precision=args.precision,
         checkpoint_dir=checkpoint_dir, checkpoint_every=args.checkpoint_every, sharding=args.sharding,
         # Sharded: one unit per transformer block (then the root: embedding, tied head, norm).
-        shard_units=None if args.sharding == "ddp" else {nn.TransformerEncoderLayer},
+        shard_units={nn.TransformerEncoderLayer} if sharded else None,
+        init_weights=TinyLM.init_weights if sharded else None,
         hooks=[Throughput(args.length, every=25), BestLoss(best)], extra_state={"best": best},
         sync_loss=True, log_every=None,
     ) as session:

@@ -18,7 +18,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -39,6 +39,7 @@ def test_a_meta_built_model_starts_as_init_weights_makes_it_and_trains_as_the_re
         assert checks[f"{case}/start"] == 0.0, checks  # bit for bit: the same draws in the same order
         assert checks[f"{case}/trained"] <= TOLERANCE, checks
     assert checks["restored"] <= TOLERANCE, checks
+    assert checks["rebuilt_scale"] == [0.5] * 16, checks["rebuilt_scale"]
     assert checks["refused"] == [
         "init_weights left block.linear1.weight unset: it must set each module's own parameters and buffers "
         "(as a Module.apply function does; reset_parameters() where a module has one)",
@@ -67,7 +68,9 @@ class Net(nn.Module):
 
 def init_weights(module: nn.Module) -> None:
     if isinstance(module, nn.MultiheadAttention):
-        module._reset_parameters()  # sets its in-projection and its child out_proj's bias
+        nn.init.xavier_uniform_(module.in_proj_weight)  # as its constructor: in-projection, then
+        nn.init.zeros_(module.in_proj_bias)  # the biases (its child out_proj's too)
+        nn.init.zeros_(module.out_proj.bias)
     elif isinstance(module, Net):
         module.scale.fill_(0.5)
     elif hasattr(module, "reset_parameters"):
@@ -126,6 +129,28 @@ def _error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a.values(), b.values(), strict=True))
 
 
+def _rebuilt_buffer(rank: int, groups: tuple[Any, Any]) -> list[float]:
+    """A meta-built model initialised in one generation, then left and rebuilt from the skeleton, as a
+    survivor's module is before it restores a checkpoint in place (which holds no non-persistent
+    buffer): its non-persistent buffer once the next generation has wrapped it."""
+    from elastictrain.train import process_group as pg
+    from elastictrain.train.fsdp.strategy import FsdpStrategy
+    from elastictrain.train.strategy import GroupView
+
+    placement = pg.Placement(torch.device("cpu"), "gloo", pg.resolve_timeout(30), rank, WORLD, owned=False)
+    strategy = FsdpStrategy(init_weights=init_weights)
+    model = _model(meta=True)
+    optimizer = torch.optim.AdamW(model.parameters())
+    module = model
+    for group in groups:  # a generation each
+        view = GroupView(placement=placement, group=group, in_process=True, local_world_size=2)
+        module = strategy.wrap(strategy.unwrapped(module, optimizer), optimizer, view, identical=True)
+        if module is model:
+            strategy.initialize(module, seed=SEED)
+        strategy.leave()
+    return cast(torch.Tensor, module.scale).tolist()
+
+
 def _refusal(call: Any) -> str:
     from elastictrain.errors import ConfigError
 
@@ -143,6 +168,7 @@ def _worker(rank: int, out: Path) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=WORLD)
     three = dist.new_group([0, 1, 2])
+    generations = (dist.new_group(list(range(WORLD))), dist.new_group(list(range(WORLD))))
     checks: dict[str, Any] = {}
     if rank < 3:
         meta, real = (_train(m, "fsdp", three, steps=3) for m in (True, False))
@@ -166,6 +192,9 @@ def _worker(rank: int, out: Path) -> None:
         refused.append(_refusal(lambda: _train(True, "ddp", None, steps=1, init=None)))
         refused.append(_refusal(lambda: _train(True, "fsdp", None, steps=1, init=None)))
         checks["refused"] = refused
+    scale = _rebuilt_buffer(rank, generations)
+    if rank == 0:
+        checks["rebuilt_scale"] = scale
         (out / "rank0.json").write_text(json.dumps(checks))
     leave_together()
 

@@ -35,6 +35,21 @@ class Skeleton:
                 memo[id(tensor)] = torch.empty_like(tensor, device="meta")
         self._model = copy.deepcopy(model, memo)
 
+    def keep_buffers(self, module: torch.nn.Module) -> None:
+        """Take ``module``'s values of the non-persistent buffers the skeleton holds on the meta device
+        (a model built there: its first generation's ``init_weights`` or live peers set them, and no
+        checkpoint holds them), so that every module built later has them as well.
+
+        Args:
+            module: A generation's module of this model (the FQNs of its buffers are the model's).
+        """
+        live = dict(module.named_buffers())
+        for prefix, owner in self._model.named_modules():
+            for name in owner._non_persistent_buffers_set:  # noqa: SLF001 - no public name for the set
+                buffer = owner._buffers.get(name)  # noqa: SLF001
+                if buffer is not None and buffer.is_meta:
+                    owner._buffers[name] = live[f"{prefix}.{name}" if prefix else name].detach().clone()  # noqa: SLF001
+
     def build(self, device: torch.device, *, allocate: bool = True) -> torch.nn.Module:
         """A fresh module of the model's structure on ``device``: parameters and persistent buffers
         allocated but not initialised (the caller fills them), non-persistent buffers as they were

@@ -232,6 +232,8 @@ class FsdpStrategy(ParallelStrategy):
                                         if fqn and isinstance(unit, FSDPModule))
         if received is not None:
             _fill(module, optimizer, received)
+            if self._skeleton is not None:
+                self._skeleton.keep_buffers(module)  # a meta-built model's: from its peers
         if self._redundancy_every is not None:
             previous = self.redundancy  # closed, its copies consumed by the rebuild above
             self.redundancy = start_redundancy(module, optimizer, every=self._redundancy_every,
@@ -320,6 +322,7 @@ class FsdpStrategy(ParallelStrategy):
         device = self.view.placement.device
         initialize(module, self._skeleton.build(device, allocate=False), self._init_weights,
                    units=self._unit_fqns, seed=seed, device=device)
+        self._skeleton.keep_buffers(module)  # for the generations rebuilt from it: no checkpoint holds them
 
     def rebuild_step(self, agreement: Agreement) -> int | None:
         """See base class: the step :meth:`covers` picked, once :meth:`transfer_state` brought every rank to it."""
