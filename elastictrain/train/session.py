@@ -68,6 +68,7 @@ _STALL_TO_SKIP = 2.0
 before a save due is skipped rather than waited for: training must not wait out
 ``checkpoint_timeout`` for a hung NFS server. A save that makes progress is waited for."""
 
+
 def _check_meta(model: torch.nn.Module, config: SessionConfig) -> None:
     """Refuse a model built on the meta device that the session could not give values to (one line).
 

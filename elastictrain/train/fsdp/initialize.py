@@ -92,7 +92,8 @@ class _Whole:
 
     value: torch.Tensor | None = None
 
-    def materialize(self, device: torch.device) -> torch.Tensor:
+    def materialize(self, device: torch.device) -> None:
+        """Make the whole tensor (NaN, or 0 for integers) if it is not yet, and put it on every holder."""
         if self.value is None:
             meta = self.meta
             fill = float("nan") if meta.dtype.is_floating_point or meta.dtype.is_complex else 0
@@ -101,9 +102,9 @@ class _Whole:
                           if isinstance(meta, torch.nn.Parameter) else value)
         for slots, name in self.holders:
             slots[name] = self.value
-        return self.value
 
     def drop(self) -> None:
+        """Put the storage-less original back on every holder: the whole tensor is freed."""
         for slots, name in self.holders:
             slots[name] = self.meta
         self.value = None
