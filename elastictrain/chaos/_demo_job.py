@@ -10,8 +10,9 @@ from the plan shows in the evidence too. ``--step-time`` paces the job (a sleep
 per step) so that faults land mid-run instead of after a job that took a second.
 ``--ballast-mb`` adds that many MB of state the job checkpoints (and a new worker receives)
 without training it: saves take long enough for a fault to land inside one.
-``--sharding fsdp|hsdp`` trains the model sharded (FSDP2; hsdp shards within a node): its
-checkpoints are sharded, and it recovers in place; ``--redundancy-every N`` (fsdp) keeps a copy of
+``--sharding fsdp|hsdp`` trains the model sharded (FSDP2; hsdp shards within a node), built on
+the meta device and given its values by ``init_weights`` (:func:`init_weights`: those the DDP job
+builds): its checkpoints are sharded, and it recovers in place; ``--redundancy-every N`` (fsdp) keeps a copy of
 each rank's shards on its buddy, refreshed every N steps (``elastictrain chaos --sharding fsdp``
 passes 1 under in-process recovery). At the end every rank gathers
 the full parameters (``session.full_state_dict()``) and rank 0 writes them for the
@@ -31,6 +32,16 @@ from torch.utils.data import TensorDataset
 import elastictrain
 from elastictrain.chaos.recorder import Recorder
 from elastictrain.train.strategy import SHARDINGS
+
+
+def init_weights(module: torch.nn.Module) -> None:
+    """``Session(init_weights=...)`` of the sharded job, built on the meta device: the values the DDP
+    job's model is built with (torch seeded 0 before its first layer, whose constructor draws first,
+    as ``Module.apply`` calls this on it first)."""
+    if isinstance(module, torch.nn.Linear):
+        if module.in_features == 16:
+            torch.manual_seed(0)
+        module.reset_parameters()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -55,7 +66,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     y = torch.sin(x @ torch.randn(16, 1, generator=data))
     dataset = TensorDataset(x, y, torch.arange(args.samples))
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    sharded = args.sharding != "ddp"
+    with torch.device("meta" if sharded else "cpu"):  # sharded: no rank holds the whole model
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1.0 + 0.02 * step))
 
@@ -63,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     with elastictrain.Session(
         model, optimizer, dataset, global_batch_size=args.global_batch, micro_batch_size=args.micro_batch,
         epochs=args.epochs, seed=11, scheduler=scheduler, checkpoint_dir=args.ckpt, sharding=args.sharding,
-        redundancy_every=args.redundancy_every,
+        redundancy_every=args.redundancy_every, init_weights=init_weights if sharded else None,
         # Every checkpoint is kept, so the invariants can verify each one a restore loaded.
         checkpoint_every=args.ckpt_every, keep_last=10_000, sync_loss=True, log_every=None,
         hooks=[recorder],

@@ -48,7 +48,8 @@ from elastictrain.train.recovery_decisions import Due, StateSource, boundary_cau
 from elastictrain.train.session_config import SessionConfig
 from elastictrain.train.state_transfer import agree
 from elastictrain.train.strategy import ParallelStrategy, create_strategy
-from elastictrain.train.training_state import TrainingState, on_meta_device, rank_seed, seed_everything
+from elastictrain.train.meta_init import materialize, on_meta_device
+from elastictrain.train.training_state import TrainingState, rank_seed, seed_everything
 from elastictrain.train.worker import WorkerContext
 
 __all__ = ["RECOVERY_PHASES", "GroupKeeper"]
@@ -253,6 +254,12 @@ class GroupKeeper:
         # unless the state comes from a peer or a checkpoint; as every rank gives it the same
         # values, nothing is broadcast.
         on_meta = config.init_weights is not None and on_meta_device(kept)
+        if on_meta and not generation.placement.distributed:
+            # One process trains the whole model (no group shards it): allocated and set here,
+            # before a restore reads into it, the values the shards would hold together.
+            assert config.init_weights is not None  # noqa: S101 - on_meta says so
+            materialize(kept, config.init_weights, seed=config.seed, device=generation.placement.device)
+            on_meta = False
         state.module = self.strategy.unwrapped(state.module, state.optimizer)
         received = False
         if source is StateSource.PEERS:

@@ -58,7 +58,8 @@ from elastictrain.train.group_keeper import GroupKeeper
 from elastictrain.train.session_config import SessionConfig
 from elastictrain.train.step_loop import StepLoop
 from elastictrain.train.steps import MicroStep, Step
-from elastictrain.train.training_state import TrainingState, on_meta_device
+from elastictrain.train.meta_init import on_meta_device
+from elastictrain.train.training_state import TrainingState
 from elastictrain.train.worker import WorkerContext
 
 __all__ = ["MicroStep", "Session", "SessionConfig", "Step"]

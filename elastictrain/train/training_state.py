@@ -25,18 +25,12 @@ from elastictrain.train.sampler import ElasticSampler
 if TYPE_CHECKING:
     from elastictrain.train.strategy import ParallelStrategy
 
-__all__ = ["TrainingState", "on_meta_device", "rank_seed", "seed_everything"]
+__all__ = ["TrainingState", "rank_seed", "seed_everything"]
 
 RESERVED = ("model", "optimizer", "scheduler", "scaler", "sampler", "session")
 """The names of the state the session saves itself; ``extra_state`` may not use them."""
 
 _PROGRESS_VERSION = 1
-
-
-def on_meta_device(module: torch.nn.Module) -> bool:
-    """Whether ``module`` was built on the meta device (its parameters hold no storage), as a model
-    that does not fit one device is for a sharded session's ``init_weights``."""
-    return any(p.is_meta for p in module.parameters())
 
 
 def rank_seed(seed: int, rank: int) -> int:

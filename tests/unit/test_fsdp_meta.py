@@ -50,6 +50,13 @@ def test_a_meta_built_model_starts_as_init_weights_makes_it_and_trains_as_the_re
     ], checks["refused"]
 
 
+def test_a_meta_built_model_alone_in_its_world_is_allocated_whole_and_set_as_its_shards_would_be() -> None:
+    # A world of one (no process group: a chaos run's reference) trains the whole model, unsharded.
+    alone, real = (_train(meta, "fsdp", None, steps=3) for meta in (True, False))
+    assert _error(alone["start"], real["start"]) == 0.0
+    assert _error(alone["end"], real["end"]) <= TOLERANCE
+
+
 class Net(nn.Module):
     """A tied embedding and head (one parameter, held by the root's unit), a transformer block (a unit
     of its own), and a non-persistent buffer no checkpoint holds."""

@@ -25,7 +25,7 @@ its unit is dropped).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,11 +33,9 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from elastictrain.errors import ConfigError
+from elastictrain.train.meta_init import InitWeights, empty_whole, failed_error, seeded, unset_error
 
-__all__ = ["InitWeights", "initialize", "on_meta"]
-
-InitWeights = Callable[[torch.nn.Module], object]
-"""``fn(module)``: sets ``module``'s own parameters and buffers, as a ``Module.apply`` function does."""
+__all__ = ["initialize", "on_meta"]
 
 
 def on_meta(model: torch.nn.Module) -> bool:
@@ -95,11 +93,7 @@ class _Whole:
     def materialize(self, device: torch.device) -> None:
         """Make the whole tensor (NaN, or 0 for integers) if it is not yet, and put it on every holder."""
         if self.value is None:
-            meta = self.meta
-            fill = float("nan") if meta.dtype.is_floating_point or meta.dtype.is_complex else 0
-            value = torch.full(meta.shape, fill, dtype=meta.dtype, device=device)
-            self.value = (torch.nn.Parameter(value, requires_grad=meta.requires_grad)
-                          if isinstance(meta, torch.nn.Parameter) else value)
+            self.value = empty_whole(self.meta, device)
         for slots, name in self.holders:
             slots[name] = self.value
 
@@ -151,17 +145,14 @@ def initialize(model: torch.nn.Module, structure: torch.nn.Module, init_weights:
     dropping: dict[int, list[_Whole]] = {}
     for whole in wholes.values():
         dropping.setdefault(drop_at[id(whole)], []).append(whole)
-    devices = [device.index or 0] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices, device_type="cuda"), torch.no_grad():
-        torch.manual_seed(seed)
+    with seeded(seed, device), torch.no_grad():
         for i, (fqn, module) in enumerate(order):
             for whole, _slots, _name in owned[i]:
                 whole.materialize(device)
             try:
                 init_weights(module)
             except Exception as exc:  # noqa: BLE001 - the user's function: its failure in one line
-                raise ConfigError(f"init_weights failed on {fqn or 'the root module'} "
-                                  f"({type(module).__name__}): {type(exc).__name__}: {exc}") from None
+                raise failed_error(f"{fqn or 'the root module'} ({type(module).__name__})", exc) from None
             for whole, slots, name in owned[i]:  # the function may have replaced a tensor rather than set it
                 whole.value = slots[name]
             for whole in dropping.get(i, ()):
@@ -174,8 +165,7 @@ def _copy_shard(whole: _Whole, target: torch.Tensor) -> None:
     value = whole.value
     assert value is not None  # noqa: S101 - materialized before its unit is dropped
     if value.dtype.is_floating_point and bool(torch.isnan(value).any()):
-        raise ConfigError(f"init_weights left {whole.fqn} unset: it must set each module's own parameters and "
-                          "buffers (as a Module.apply function does; reset_parameters() where a module has one)")
+        raise unset_error(whole.fqn)
     if isinstance(target, DTensor):
         part = distribute_tensor(value.detach(), target.device_mesh, target.placements, src_data_rank=None)
         target.to_local().copy_(part.to_local())

@@ -1,0 +1,89 @@
+"""A model built on the meta device (no storage) and given its values by ``init_weights``.
+
+``Session(..., sharding="fsdp" | "hsdp", init_weights=fn)`` trains a model built with
+``torch.device("meta")``: a model that does not fit one device. ``fn`` is a ``Module.apply``
+function; the values are those of ``torch.manual_seed(seed); model.apply(fn)`` on the whole model,
+whoever computes them: the sharded strategy, shard by shard, unit by unit
+(:mod:`~elastictrain.train.fsdp.initialize`), or one process that trains the whole model
+(:func:`materialize`: a world of one, where no group shards it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from elastictrain.errors import ConfigError
+
+__all__ = ["InitWeights", "empty_whole", "failed_error", "materialize", "on_meta_device", "seeded", "unset_error"]
+
+InitWeights = Callable[[torch.nn.Module], object]
+"""``fn(module)``: sets ``module``'s own parameters and buffers, as a ``Module.apply`` function does."""
+
+
+def on_meta_device(module: torch.nn.Module) -> bool:
+    """Whether ``module`` was built on the meta device (its parameters hold no storage)."""
+    return any(p.is_meta for p in module.parameters())
+
+
+@contextlib.contextmanager
+def seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """Inside, torch's RNG (the CPU's, and ``device``'s when it is a GPU) seeded from ``seed``;
+    restored after."""
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type="cuda"):
+        torch.manual_seed(seed)
+        yield
+
+
+def unset_error(fqn: str) -> ConfigError:
+    """The one line for a tensor ``init_weights`` left unset (still NaN)."""
+    return ConfigError(f"init_weights left {fqn} unset: it must set each module's own parameters and buffers "
+                       "(as a Module.apply function does; reset_parameters() where a module has one)")
+
+
+def failed_error(where: str, exc: Exception) -> ConfigError:
+    """The one line for ``init_weights`` raising ``exc`` on ``where``."""
+    return ConfigError(f"init_weights failed on {where}: {type(exc).__name__}: {exc}")
+
+
+def empty_whole(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor of ``meta``'s shape and dtype on ``device``, NaN (0 for integers) until set; a
+    ``Parameter`` for a parameter."""
+    fill = float("nan") if meta.dtype.is_floating_point or meta.dtype.is_complex else 0
+    value = torch.full(meta.shape, fill, dtype=meta.dtype, device=device)
+    if isinstance(meta, torch.nn.Parameter):
+        return torch.nn.Parameter(value, requires_grad=meta.requires_grad)
+    return value
+
+
+def materialize(module: torch.nn.Module, init_weights: InitWeights, *, seed: int, device: torch.device) -> None:
+    """Allocate a model built on the meta device whole on ``device`` and set it: ``module.apply(init_weights)``
+    with torch's RNG seeded from ``seed``. Its tensors stay the same objects (their storage is
+    swapped in, ``torch.utils.swap_tensors``): an optimizer built on the model keeps them.
+
+    Raises:
+        ConfigError: ``init_weights`` raised, or left a tensor unset (one line).
+    """
+    done: set[int] = set()
+    for owner in module.modules():
+        own: tuple[dict[str, Any], dict[str, Any]] = (owner._parameters, owner._buffers)  # noqa: SLF001 - by slot
+        for slots in own:
+            for tensor in slots.values():
+                if tensor is not None and tensor.is_meta and id(tensor) not in done:
+                    done.add(id(tensor))
+                    torch.utils.swap_tensors(tensor, empty_whole(tensor, device))
+    def call(each: torch.nn.Module) -> None:
+        init_weights(each)
+
+    with seeded(seed, device), torch.no_grad():
+        try:
+            module.apply(call)
+        except Exception as exc:  # noqa: BLE001 - the user's function: its failure in one line
+            raise failed_error("the model", exc) from None
+    for fqn, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if tensor.dtype.is_floating_point and bool(torch.isnan(tensor).any()):
+            raise unset_error(fqn)
