@@ -167,12 +167,16 @@ def test_an_fsdp_node_killed_at_random_rebuilds_from_the_copies_with_at_most_red
 
 @pytest.mark.slow  # about 55 s on 2 idle cores: the default suite keeps tests/unit/test_fsdp_exchange.py
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("built", ["for_real", "on_meta"])
 def test_an_fsdp_job_resized_2_3_2_in_place_ends_equal_to_an_uninterrupted_run(
-        etcd_server: Any, run_id: str, tmp_path: Path) -> None:
+        etcd_server: Any, run_id: str, tmp_path: Path, built: str) -> None:
+    # on_meta: the model built on the meta device (init_weights gives it the real one's values): the
+    # joining node's workers hold only what the survivors send them.
     out = tmp_path / "job"
+    meta = ("--meta",) if built == "on_meta" else ()
 
     def node() -> Any:
-        return start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.5", "--sharding", "fsdp",
+        return start_node(etcd_server.endpoint, run_id, out, "--step-sleep", "0.5", "--sharding", "fsdp", *meta,
                           min_nodes=2, max_nodes=3)
 
     nodes = [node(), node()]
