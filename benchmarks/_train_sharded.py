@@ -18,11 +18,12 @@ The job of ``sharded_recovery.py``: the same model, data and event file under tw
 
 Both build the model on the meta device (no storage), as torchtitan does and as a model that
 does not fit one device must be built, and give it values only when no state comes from
-elsewhere: the session through ``init_weights`` (:func:`init_weights`, unit by unit, from its
-seed); the DCP loop shards the storage-less model, allocates its shards (``to_empty``) and,
-with no checkpoint to load, applies :func:`init_weights` to the shards (each rank draws its own
-shards' values: DTensor's random ops on CPU). A worker that restarts or replaces one thus
-neither initialises nor broadcasts a full model it then overwrites.
+elsewhere, with ``elastictrain.reset_parameters`` (each module as torch's constructors set it):
+the session through ``init_weights`` (unit by unit, from its seed); the DCP loop shards the
+storage-less model, allocates its shards (``to_empty``) and, with no checkpoint to load, applies
+it to the shards (each rank draws its own shards' values: DTensor's random ops on CPU). A worker
+that restarts or replaces one thus neither initialises nor broadcasts a full model it then
+overwrites.
 
 The model: an embedding, ``--layers`` pre-norm transformer blocks of width ``--width`` (4x MLP)
 in an ``nn.Sequential``, a final norm and an untied output layer; parameters and AdamW state
@@ -97,16 +98,6 @@ class Tokens(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return self.data[i, :-1], self.data[i, 1:]
 
 
-def init_weights(module: nn.Module) -> None:
-    """A ``Module.apply`` function: each module's own parameters as its constructor sets them."""
-    if isinstance(module, nn.MultiheadAttention):
-        nn.init.xavier_uniform_(module.in_proj_weight)  # as its constructor: in-projection, then
-        nn.init.zeros_(module.in_proj_bias)  # the biases (its child out_proj's too)
-        nn.init.zeros_(module.out_proj.bias)
-    elif hasattr(module, "reset_parameters"):
-        module.reset_parameters()
-
-
 def _loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
 
@@ -118,7 +109,7 @@ def _session_loop(args: argparse.Namespace, log: _Log, model: nn.Module, optimiz
         model, optimizer, data, global_batch_size=args.global_batch, epochs=1_000_000, max_steps=args.steps,
         seed=7, log_every=None, backend="gloo", sharding=args.sharding, checkpoint_dir=args.ckpt_dir,
         checkpoint_every=args.ckpt_every, keep_last=2, hooks=[recorder], redundancy_every=args.redundancy_every,
-        init_weights=init_weights,
+        init_weights=elastictrain.reset_parameters,
     )
     with session as s:
         recorder.session = s
@@ -172,7 +163,7 @@ def _dcp_loop(args: argparse.Namespace, log: _Log, model: nn.Module, optimizer: 
         log("restored", step=newest)
     else:
         with torch.no_grad():
-            model.apply(init_weights)
+            model.apply(elastictrain.reset_parameters)
     log("ready", step=step, restored=newest, in_process=False)
     share = args.global_batch // world
     while step < args.steps:

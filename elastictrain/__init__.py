@@ -38,6 +38,7 @@ _EXPORTS = {
     "SessionConfig": "elastictrain.train.session",
     "Step": "elastictrain.train.session",
     "WorkerContext": "elastictrain.train.worker",
+    "reset_parameters": "elastictrain.train.meta_init",
 }
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
     from elastictrain.train.elastic import ElasticState, run_elastic
     from elastictrain.train.session import MicroStep, Session, SessionConfig, Step
     from elastictrain.train.worker import WorkerContext
+    from elastictrain.train.meta_init import reset_parameters
 
 
 def __getattr__(name: str) -> object:
@@ -100,6 +102,7 @@ __all__ = [
     "init_process_group",
     "no_sync",
     "process_group_scope",
+    "reset_parameters",
     "run_elastic",
     "setup_logging",
 ]

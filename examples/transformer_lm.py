@@ -123,12 +123,8 @@ class TinyLM(nn.Module):
             nn.init.normal_(module.position, std=0.02)
             nn.init.normal_(module.embed.weight)  # tied: the embedding's init stands, as in the constructor
             module.mask.copy_(nn.Transformer.generate_square_subsequent_mask(module.mask.shape[0]))
-        elif isinstance(module, nn.MultiheadAttention):
-            nn.init.xavier_uniform_(module.in_proj_weight)  # as its constructor: in-projection, then
-            nn.init.zeros_(module.in_proj_bias)  # the biases (its child out_proj's too)
-            nn.init.zeros_(module.out_proj.bias)
-        elif hasattr(module, "reset_parameters"):
-            module.reset_parameters()
+        else:
+            elastictrain.reset_parameters(module)  # as torch's constructors set each module
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         n = ids.shape[1]

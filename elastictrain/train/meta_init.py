@@ -18,15 +18,61 @@ import torch
 
 from elastictrain.errors import ConfigError
 
-__all__ = ["InitWeights", "empty_whole", "failed_error", "materialize", "on_meta_device", "seeded", "unset_error"]
+__all__ = [
+    "InitWeights", "built_on_meta", "empty_whole", "failed_error", "materialize", "on_meta_device",
+    "reset_parameters", "seeded", "unset_error",
+]
 
 InitWeights = Callable[[torch.nn.Module], object]
 """``fn(module)``: sets ``module``'s own parameters and buffers, as a ``Module.apply`` function does."""
 
 
+def reset_parameters(module: torch.nn.Module) -> None:
+    """An ``init_weights`` that sets each module's own tensors as torch's constructors do:
+    ``reset_parameters()`` where a module has one, and ``nn.MultiheadAttention``'s in-projection and
+    biases (its reset has no public name). With the seed the model was built under, a model whose
+    modules set their own tensors at the end of their constructors (torch's do, in ``Module.apply``'s
+    order) gets the values it would have been built with. A tied weight gets the init of the last
+    module holding it, as ``model.apply`` gives it, not the first's, as the constructors do."""
+    if isinstance(module, torch.nn.MultiheadAttention):
+        if module.in_proj_weight is not None:
+            torch.nn.init.xavier_uniform_(module.in_proj_weight)
+        else:
+            for weight in (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight):
+                torch.nn.init.xavier_uniform_(weight)
+        if module.in_proj_bias is not None:
+            torch.nn.init.zeros_(module.in_proj_bias)
+            torch.nn.init.zeros_(module.out_proj.bias)  # its child's, which the child's reset drew
+        for bias in (module.bias_k, module.bias_v):
+            if bias is not None:
+                torch.nn.init.xavier_normal_(bias)
+    elif callable(reset := getattr(module, "reset_parameters", None)):
+        reset()
+
+
 def on_meta_device(module: torch.nn.Module) -> bool:
     """Whether ``module`` was built on the meta device (its parameters hold no storage)."""
     return any(p.is_meta for p in module.parameters())
+
+
+def built_on_meta(model: torch.nn.Module) -> bool:
+    """Whether ``model`` was built on the meta device, checked whole (the session's check at start):
+    its parameters hold no storage.
+
+    Raises:
+        ConfigError: Some are and some are not, or a persistent buffer is on the meta device while
+            the parameters are not.
+    """
+    params = [p.is_meta for p in model.parameters()]
+    buffers = [b.is_meta for b in model.state_dict(keep_vars=True).values() if isinstance(b, torch.Tensor)]
+    meta = bool(params) and all(params)
+    if any(params) and not meta:
+        raise ConfigError("the model has parameters on the meta device and others not: build all of them on it "
+                          "(with torch.device('meta')) or none")
+    if any(buffers) and not meta:
+        raise ConfigError("the model has buffers on the meta device and its parameters are not: build the whole "
+                          "model on it (with torch.device('meta')) or none of it")
+    return meta
 
 
 @contextlib.contextmanager
@@ -76,6 +122,7 @@ def materialize(module: torch.nn.Module, init_weights: InitWeights, *, seed: int
                 if tensor is not None and tensor.is_meta and id(tensor) not in done:
                     done.add(id(tensor))
                     torch.utils.swap_tensors(tensor, empty_whole(tensor, device))
+
     def call(each: torch.nn.Module) -> None:
         init_weights(each)
 

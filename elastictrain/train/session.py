@@ -58,7 +58,7 @@ from elastictrain.train.group_keeper import GroupKeeper
 from elastictrain.train.session_config import SessionConfig
 from elastictrain.train.step_loop import StepLoop
 from elastictrain.train.steps import MicroStep, Step
-from elastictrain.train.meta_init import on_meta_device
+from elastictrain.train.meta_init import built_on_meta, on_meta_device
 from elastictrain.train.training_state import TrainingState
 from elastictrain.train.worker import WorkerContext
 
@@ -82,9 +82,7 @@ def _check_meta(model: torch.nn.Module, config: SessionConfig) -> None:
             raise ConfigError("the model is on the meta device: DDP trains a model with values; build it on a "
                               "real device, or shard it (sharding='fsdp' or 'hsdp', with init_weights)")
         return
-    from elastictrain.train.fsdp.initialize import on_meta  # FSDP's imports only for a sharded session
-
-    if on_meta(model) and config.init_weights is None:
+    if built_on_meta(model) and config.init_weights is None:
         raise ConfigError(f"the model is on the meta device: sharding={config.sharding!r} needs init_weights "
                           "(a Module.apply function that sets each module's parameters) to give it values")
 

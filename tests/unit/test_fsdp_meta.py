@@ -57,6 +57,23 @@ def test_a_meta_built_model_alone_in_its_world_is_allocated_whole_and_set_as_its
     assert _error(alone["end"], real["end"]) <= TOLERANCE
 
 
+def test_reset_parameters_gives_a_meta_built_model_the_values_its_constructors_would() -> None:
+    import elastictrain
+    from elastictrain.train.meta_init import materialize
+
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Embedding(10, 16), nn.TransformerEncoderLayer(16, 2, 32, batch_first=True),
+                             nn.MultiheadAttention(16, 2, kdim=6, vdim=6, add_bias_kv=True), nn.LayerNorm(16),
+                             nn.Conv1d(16, 4, 3), nn.Linear(4, 3))
+
+    torch.manual_seed(SEED)
+    real = build()
+    with torch.device("meta"):
+        meta = build()
+    materialize(meta, elastictrain.reset_parameters, seed=SEED, device=torch.device("cpu"))
+    assert _error(meta.state_dict(), real.state_dict()) == 0.0
+
+
 class Net(nn.Module):
     """A tied embedding and head (one parameter, held by the root's unit), a transformer block (a unit
     of its own), and a non-persistent buffer no checkpoint holds."""
@@ -74,14 +91,12 @@ class Net(nn.Module):
 
 
 def init_weights(module: nn.Module) -> None:
-    if isinstance(module, nn.MultiheadAttention):
-        nn.init.xavier_uniform_(module.in_proj_weight)  # as its constructor: in-projection, then
-        nn.init.zeros_(module.in_proj_bias)  # the biases (its child out_proj's too)
-        nn.init.zeros_(module.out_proj.bias)
-    elif isinstance(module, Net):
+    import elastictrain
+
+    if isinstance(module, Net):
         module.scale.fill_(0.5)
-    elif hasattr(module, "reset_parameters"):
-        module.reset_parameters()
+    else:  # nn.MultiheadAttention's sets its child out_proj's bias too
+        elastictrain.reset_parameters(module)
 
 
 def leaves_linear1_unset(module: nn.Module) -> None:

@@ -32,29 +32,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from elastictrain.errors import ConfigError
 from elastictrain.train.meta_init import InitWeights, empty_whole, failed_error, seeded, unset_error
 
-__all__ = ["initialize", "on_meta"]
-
-
-def on_meta(model: torch.nn.Module) -> bool:
-    """Whether ``model``'s parameters are on the meta device (no storage).
-
-    Raises:
-        ConfigError: Some are and some are not, or a persistent buffer is on the meta device while
-            the parameters are not.
-    """
-    params = [p.is_meta for p in model.parameters()]
-    buffers = [b.is_meta for b in model.state_dict(keep_vars=True).values() if isinstance(b, torch.Tensor)]
-    meta = bool(params) and all(params)
-    if any(params) and not meta:
-        raise ConfigError("the model has parameters on the meta device and others not: build all of them on it "
-                          "(with torch.device('meta')) or none")
-    if any(buffers) and not meta:
-        raise ConfigError("the model has buffers on the meta device and its parameters are not: build the whole "
-                          "model on it (with torch.device('meta')) or none of it")
-    return meta
+__all__ = ["initialize"]
 
 
 def _apply_order(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.nn.Module]]:

@@ -63,7 +63,7 @@ from elastictrain.train.fsdp.failsafe_group import AbandonedStep, SwallowedFailu
 from elastictrain.train.fsdp.forward_waits import ForwardWaits
 from elastictrain.train.fsdp.gradients import clip_grad_norm_, no_sync
 from elastictrain.train.fsdp.holdings import Holding, own_holdings
-from elastictrain.train.fsdp.initialize import initialize, on_meta
+from elastictrain.train.fsdp.initialize import initialize
 from elastictrain.train.fsdp.mesh import mesh_shape
 from elastictrain.train.fsdp.optimizer import parameter_fqns, shard_optimizer
 from elastictrain.train.fsdp.redundancy import Redundancy, start_redundancy
@@ -73,7 +73,7 @@ from elastictrain.train.fsdp.skeleton import Skeleton
 from elastictrain.train.fsdp.state import ModelState, OptimizerState, full_state_dict
 from elastictrain.train import peer_connections
 from elastictrain.train.fsdp.units import UnitSpec
-from elastictrain.train.meta_init import InitWeights
+from elastictrain.train.meta_init import InitWeights, on_meta_device
 from elastictrain.train.precision import MixedPrecision
 from elastictrain.train.state_transfer import Agreement, transfer
 from elastictrain.train.strategy import GroupView, ParallelStrategy, register_strategy
@@ -209,7 +209,7 @@ class FsdpStrategy(ParallelStrategy):
         if isinstance(module, FSDPModule):
             raise SessionError(f"the model is already sharded by an earlier group: sharding={self.name!r} shards "
                                "the module unwrapped() gives")
-        if self._skeleton is None and (view.in_process or on_meta(module)):
+        if self._skeleton is None and (view.in_process or on_meta_device(module)):
             # Before fully_shard: a later generation builds from it, and so does initialize().
             self._skeleton = Skeleton(module)
         config = self._config(view)
