@@ -19,8 +19,8 @@ import torch
 from elastictrain.errors import ConfigError
 
 __all__ = [
-    "InitWeights", "built_on_meta", "empty_whole", "failed_error", "materialize", "on_meta_device",
-    "reset_parameters", "seeded", "unset_error",
+    "InitWeights", "built_on_meta", "check_set", "empty_whole", "failed_error", "materialize", "on_meta_device",
+    "reset_parameters", "seeded",
 ]
 
 InitWeights = Callable[[torch.nn.Module], object]
@@ -85,10 +85,15 @@ def seeded(seed: int, device: torch.device) -> Iterator[None]:
         yield
 
 
-def unset_error(fqn: str) -> ConfigError:
-    """The one line for a tensor ``init_weights`` left unset (still NaN)."""
-    return ConfigError(f"init_weights left {fqn} unset: it must set each module's own parameters and buffers "
-                       "(as a Module.apply function does; reset_parameters() where a module has one)")
+def check_set(fqn: str, tensor: torch.Tensor) -> None:
+    """Refuse a float tensor ``init_weights`` left unset (still NaN, as :func:`empty_whole` made it).
+
+    Raises:
+        ConfigError: It is (one line naming ``fqn``).
+    """
+    if tensor.dtype.is_floating_point and bool(torch.isnan(tensor).any()):
+        raise ConfigError(f"init_weights left {fqn} unset: it must set each module's own parameters and buffers "
+                          "(as a Module.apply function does; reset_parameters() where a module has one)")
 
 
 def failed_error(where: str, exc: Exception) -> ConfigError:
@@ -132,5 +137,4 @@ def materialize(module: torch.nn.Module, init_weights: InitWeights, *, seed: int
         except Exception as exc:  # noqa: BLE001 - the user's function: its failure in one line
             raise failed_error("the model", exc) from None
     for fqn, tensor in [*module.named_parameters(), *module.named_buffers()]:
-        if tensor.dtype.is_floating_point and bool(torch.isnan(tensor).any()):
-            raise unset_error(fqn)
+        check_set(fqn, tensor)

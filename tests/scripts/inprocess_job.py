@@ -47,6 +47,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import elastictrain
+from elastictrain.chaos._demo_job import init_weights as demo_init_weights
 
 
 def _pair(text: str) -> tuple[int, int]:
@@ -91,15 +92,6 @@ def _model(meta: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
-def _init_weights(module: torch.nn.Module) -> None:
-    """``--meta``'s ``init_weights``: the values ``_model()`` builds (it seeds 0 before the first Linear,
-    whose constructor draws first, as ``Module.apply`` calls this on it first)."""
-    if isinstance(module, torch.nn.Linear):
-        if module.in_features == 16:
-            torch.manual_seed(0)
-        module.reset_parameters()
-
-
 def with_session(args: argparse.Namespace, out: Path) -> None:
     x, y = _data(args.samples)
     model, optimizer = _model(args.meta)
@@ -112,7 +104,8 @@ def with_session(args: argparse.Namespace, out: Path) -> None:
                                    checkpoint_every=None if args.no_checkpoint else args.ckpt_every,
                                    async_save=args.async_save, sharding=args.sharding,
                                    redundancy_every=args.redundancy_every,
-                                   init_weights=_init_weights if args.meta else None,
+                                   # The chaos demo job's model is this one: its init gives _model()'s values.
+                                   init_weights=demo_init_weights if args.meta else None,
                                    hang_bounds=elastictrain.HangBounds(step_floor=timedelta(seconds=args.hang_floor)))
     first = True
     held = False

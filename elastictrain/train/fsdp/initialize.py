@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from elastictrain.train.meta_init import InitWeights, empty_whole, failed_error, seeded, unset_error
+from elastictrain.train.meta_init import InitWeights, check_set, empty_whole, failed_error, seeded
 
 __all__ = ["initialize"]
 
@@ -144,8 +144,7 @@ def _copy_shard(whole: _Whole, target: torch.Tensor) -> None:
     """Copy this rank's part of ``whole``'s value into ``target`` (a DTensor's local shard, or a whole buffer)."""
     value = whole.value
     assert value is not None  # noqa: S101 - materialized before its unit is dropped
-    if value.dtype.is_floating_point and bool(torch.isnan(value).any()):
-        raise unset_error(whole.fqn)
+    check_set(whole.fqn, value)
     if isinstance(target, DTensor):
         part = distribute_tensor(value.detach(), target.device_mesh, target.placements, src_data_rank=None)
         target.to_local().copy_(part.to_local())
