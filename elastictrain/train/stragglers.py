@@ -5,9 +5,11 @@ every rank's step takes as long. What tells the straggler apart is its *compute*
 from the step being handed out to the rank reaching the step's gradient collective (its
 data loading, forward and backward). Every ``window`` steps the ranks exchange their
 compute times (one small all-gather on the CPU group, at the same step on every rank), and
-each rank compares its own with its peers' median: a rank at ``factor`` times or more over
-the whole window (and slower by more than ``min_excess_s`` a step, so that noise at tiny
-steps is no straggler) says so once, with an event, and once more when it is back under
+each rank compares its own with its peers' median, step by step: a rank at ``factor`` times
+or more in most of the window (the median of its steps' ratios: one slow step of its own, a
+long call, makes no straggler, and a few slow steps of its peers, a host's CPU taken by
+another process, do not hide one), and slower by more than ``min_excess_s`` a step (noise at
+tiny steps is no straggler), says so once, with an event, and once more when it is back under
 ``recover_factor``. Its factor is a gauge of its agent's metrics.
 
 Nothing here imports torch: the exchange is the caller's (:class:`~elastictrain.train.step_loop.StepLoop`).
@@ -41,7 +43,7 @@ class StragglerWatch:
     """One rank's compute times, and whether it straggles.
 
     Args:
-        window: Steps between two exchanges (and that a straggler must be slow for).
+        window: Steps between two exchanges (a straggler is slow in most of them).
         factor: Times its peers' median that makes a rank a straggler.
         recover_factor: Under this, a straggler is one no more.
         min_excess_s: The least a straggler's step is slower than its peers', in seconds.
@@ -88,9 +90,9 @@ class StragglerWatch:
             return None
         compute_s, peers_s = statistics.fmean(own), statistics.fmean(theirs)
         factor = compute_s / peers_s if peers_s > 0 else math.inf
-        slow_throughout = all(r >= self.factor for r in ratios) and compute_s - peers_s >= self.min_excess_s
+        slow = statistics.median(ratios) >= self.factor and compute_s - peers_s >= self.min_excess_s
         change = None
-        if not self.straggling and slow_throughout and len(ratios) == self.window:
+        if not self.straggling and slow and len(ratios) == self.window:
             self.straggling, change = True, "started"
         elif self.straggling and factor < self.recover_factor:
             self.straggling, change = False, "ended"

@@ -234,6 +234,18 @@ def test_no_straggler_from_one_slow_step_a_tiny_difference_or_no_peer() -> None:
     assert watch.judge(1, [_times(0.05), joined]).change is None  # type: ignore[union-attr]
 
 
+def test_a_straggler_is_named_though_a_few_of_its_peers_steps_were_slow_too() -> None:
+    # A loaded host: a straggler 0.5 s slower a step, while its peer's step met a CPU hog twice in the
+    # window (0.4 s, not 2x under the straggler's). It was never named while every step had to read
+    # 2x (the sharded hang test failed so, under the suite's load).
+    peer = _times(0.1)
+    peer[2] = peer[7] = 0.4
+    assert StragglerWatch(window=10).judge(1, [peer, _times(0.6)]).change == "started"  # type: ignore[union-attr]
+    # Slow in only 4 steps of 10 (a burst, not a slow rank): no straggler.
+    burst = [0.6] * 4 + [0.1] * 6
+    assert StragglerWatch(window=10).judge(1, [_times(0.1), burst]).change is None  # type: ignore[union-attr]
+
+
 def test_the_three_ranks_median_makes_the_one_slow_rank_the_straggler_not_its_peers() -> None:
     gathered = [_times(0.05), _times(0.06), _times(0.3)]
     assert StragglerWatch().judge(2, gathered).change == "started"  # type: ignore[union-attr]
