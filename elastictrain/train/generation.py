@@ -157,9 +157,12 @@ class Generation:
             elif backend == "gloo":
                 # This group's connections: the callback runs on another thread, maybe once
                 # this rank has formed the next group (which it must not touch).
-                # The checkpoint group's too: a save in flight waits there for a peer that is gone.
-                connections = peer_connections.on_record(None) + (
-                    peer_connections.on_record(self._checkpoint_group) if self._checkpoint_group is not None else ())
+                # The checkpoint group's too: a save in flight waits there for a peer that is gone;
+                # and the strategy's own groups' (hsdp's gradient all-reduce across replicas).
+                groups = (self._checkpoint_group, *self.strategy.own_groups())
+                connections = peer_connections.on_record(None) + tuple(
+                    connection for group in groups if group is not None
+                    for connection in peer_connections.on_record(group))
                 control.on_stuck(functools.partial(_shut_down_stuck, connections), in_collective_only=True)
 
     def _count_forward(self, *_: Any) -> None:

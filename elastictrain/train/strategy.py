@@ -152,6 +152,13 @@ class ParallelStrategy(ABC):
         """Drop what :meth:`wrap` built at the end of the run (see :meth:`leave`)."""
         self.leave()
 
+    def own_groups(self) -> tuple[dist.ProcessGroup, ...]:
+        """The process groups this strategy made over the wrapped group whose collectives the
+        training waits in (their connections on record, :mod:`~elastictrain.train.peer_connections`):
+        when one waits for a peer that is gone without closing its connections, the generation
+        shuts theirs down with its own group's. None by default (DDP trains on the group itself)."""
+        return ()
+
     @property
     def view(self) -> GroupView:
         """The group wrapped over now.

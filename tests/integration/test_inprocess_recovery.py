@@ -562,15 +562,19 @@ def test_a_worker_stopped_while_its_group_forms_is_killed_and_replaced_and_the_j
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("sharding", ["ddp", "hsdp"])
 def test_survivors_of_a_node_gone_silent_cut_their_stuck_collective_instead_of_waiting_out_its_timeout(
-        etcd_server: Any, run_id: str, tmp_path: Path) -> None:
+        etcd_server: Any, run_id: str, tmp_path: Path, sharding: str) -> None:
     # A node stopped whole (agent and worker): its connections stay open, as a host that lost
     # power or a network cut leaves them, so the survivors' gradient all-reduce waits for it
     # with no error. Its lease runs out (5 s) and the agents form a round without it; the
     # survivors must then end the wait themselves (gloo cannot abort a collective), not wait
     # out the group's 300 s collective timeout.
+    # hsdp (a node of one worker: a replica of one shard) all-reduces the gradients across the
+    # replicas in a sub-group of its mesh: the survivors shut down only the default group's
+    # connections, and waited there for the timeout (the sharded soak's link_cut, 21 s at 20 s).
     out = tmp_path / "job"
-    args = ("--steps", "2000", "--step-sleep", "0.05")
+    args = ("--steps", "2000", "--step-sleep", "0.05", "--sharding", sharding)
     env = {"ELASTICTRAIN_PG_TIMEOUT": "300"}
     nodes = [start_node(etcd_server.endpoint, run_id, out, *args, min_nodes=2, max_nodes=3, env=env)
              for _ in range(3)]

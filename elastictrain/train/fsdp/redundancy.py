@@ -589,6 +589,10 @@ class Redundancy:
                 logger.warning("redundancy: a refresh is still in flight after %s; left behind", timeout)
         peer_connections.sever(self._group)
 
+    def groups(self) -> tuple[dist.ProcessGroup, ...]:
+        """Its two gloo groups: the sending thread's and the vote's."""
+        return self._group, self._vote_group
+
     # --- the sending thread ---------------------------------------------------------------------
 
     def _run(self) -> None:

@@ -334,6 +334,17 @@ class FsdpStrategy(ParallelStrategy):
         optimizer, which its snapshots hold shard by shard) with each snapshot."""
         self._objects = objects
 
+    def own_groups(self) -> tuple[dist.ProcessGroup, ...]:
+        """See base class: the mesh's groups (hsdp's sub-groups: a gradient all-reduce across
+        replicas waits there) and the redundancy's two (its vote waits on the training thread)."""
+        mesh = self._mesh_groups(self._sharded) if self._sharded is not None else ()
+        return mesh + (self.redundancy.groups() if self.redundancy is not None else ())
+
+    @staticmethod
+    def _mesh_groups(sharded: Sharded) -> tuple[dist.ProcessGroup, ...]:
+        """The groups that communicate under the mesh's (failsafe wrappers' inner groups)."""
+        return tuple(getattr(g, "inner", g) for g in sharded.mesh.get_all_groups())
+
     def _replicated(self) -> dict[str, Any]:
         assert self._objects is not None  # noqa: S101 - only given to the redundancy with objects
         return _replicated_objects(self._objects())
@@ -355,7 +366,7 @@ class FsdpStrategy(ParallelStrategy):
             self._forward_waits.remove()
             self._forward_waits = None
         if self._sharded is not None:
-            peer_connections.sever(*(getattr(g, "inner", g) for g in self._sharded.mesh.get_all_groups()))
+            peer_connections.sever(*self._mesh_groups(self._sharded))
         if self.redundancy is not None:
             self.redundancy.close()
         gc.collect()
