@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pytest
 from elastictrain.chaos import ChaosConfig, ChaosResult, parse_schedule, run_chaos
 from elastictrain.chaos.config import demo_sharding_args
 from tests.conftest import REPO_ROOT
+from tests.support.netns import netns_works
 
 JOB = str(REPO_ROOT / "tests" / "scripts" / "chaos_job.py")
 JOB_ARGS = ("--ckpt", "{run_dir}/ckpt", "--samples", "192", "--epochs", "2", "--ckpt-every", "2")
@@ -195,16 +195,6 @@ def test_hot_spares_take_the_place_of_lost_nodes_and_never_the_seat_of_a_healthy
     assert report["final_world_size"] == 2 and report["steps_redone"] == 0
 
 
-def _netns_works() -> bool:
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        return False
-    probe = "elastictrain-probe"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, check=False).returncode == 0
-    if made:
-        subprocess.run(["ip", "netns", "delete", probe], capture_output=True, check=False)
-    return made
-
-
 def _chaos_namespaces() -> set[str]:
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
     return {line.split()[0] for line in listing.splitlines() if line.startswith("etch")}
@@ -221,7 +211,7 @@ def test_a_node_cut_off_the_network_is_left_behind_then_rejoins_after_the_heal(t
     # heal the cut node finds the rendezvous moved on and rejoins (world size 3),
     # before a worker is killed for good measure.
     # Probed here, not in a skipif: that would make and delete a namespace at every collection.
-    if not _netns_works():
+    if not netns_works():
         pytest.skip("needs root and working `ip netns` (network namespaces)")
     namespaces_before = _chaos_namespaces()  # another run's, if one is going on
     result = run_chaos(ChaosConfig(
@@ -252,7 +242,7 @@ def test_a_node_cut_off_its_peers_but_not_etcd_leaves_within_seconds_and_rejoins
     # node that reaches fewer than half of its peers must leave the round within seconds (not
     # after the 30 s collective timeout, again at each re-formation that takes it back), the
     # others train on without it, and it rejoins after the heal.
-    if not _netns_works():
+    if not netns_works():
         pytest.skip("needs root and working `ip netns` (network namespaces)")
     namespaces_before = _chaos_namespaces()
     result = run_chaos(ChaosConfig(
@@ -287,7 +277,7 @@ def test_a_sharded_job_trains_on_in_place_through_a_link_cut_and_a_partition_wel
     # cuts of a sharded soak, 21 s at a 20 s timeout; this run's two cuts passed without the fix
     # (where a cut lands in the step decides). The integration test of a node stopped whole,
     # test_survivors_of_a_node_gone_silent_..., meets it every time.
-    if not _netns_works():
+    if not netns_works():
         pytest.skip("needs root and working `ip netns` (network namespaces)")
     namespaces_before = _chaos_namespaces()
     result = run_chaos(ChaosConfig(
@@ -316,7 +306,7 @@ def test_a_node_cut_off_while_a_spare_waits_is_replaced_and_waits_as_the_spare_a
     # 3 nodes of a job of 2, each in its own namespace: the spare takes the cut node's seat
     # once its lease expires; healed, the cut node finds the round full and waits as the next
     # spare, past the join timeout (15 s), until the job ends (it trains about 20 s more: 1 s a step).
-    if not _netns_works():
+    if not netns_works():
         pytest.skip("needs root and working `ip netns` (network namespaces)")
     result = run_chaos(ChaosConfig(
         script=JOB, script_args=(*JOB_ARGS, "--step-time", "1.0"), run_dir=str(tmp_path / "run"), nodes=3,
