@@ -86,12 +86,13 @@ def seeded(seed: int, device: torch.device) -> Iterator[None]:
 
 
 def check_set(fqn: str, tensor: torch.Tensor) -> None:
-    """Refuse a float tensor ``init_weights`` left unset (still NaN, as :func:`empty_whole` made it).
+    """Refuse a floating-point or complex tensor ``init_weights`` left unset (still NaN, as
+    :func:`empty_whole` made it).
 
     Raises:
         ConfigError: It is (one line naming ``fqn``).
     """
-    if tensor.dtype.is_floating_point and bool(torch.isnan(tensor).any()):
+    if (tensor.dtype.is_floating_point or tensor.dtype.is_complex) and bool(torch.isnan(tensor).any()):
         raise ConfigError(f"init_weights left {fqn} unset: it must set each module's own parameters and buffers "
                           "(as a Module.apply function does; reset_parameters() where a module has one)")
 

@@ -7,7 +7,8 @@ full model (a tied weight, a ``nn.MultiheadAttention`` whose init sets its child
 non-persistent buffer), and trains to the same parameters as a session of that model built for
 real; a meta-built session restores a checkpoint (its non-persistent buffer from ``init_weights``,
 the rest from the checkpoint) and trains on as the real one does. An ``init_weights`` that leaves a
-parameter unset, a meta model under DDP and one without ``init_weights`` are refused in one line.
+parameter unset (or a complex buffer), a meta model under DDP and one without
+``init_weights`` are refused in one line.
 
 Run as a script, this module is the worker the test spawns.
 """
@@ -72,6 +73,22 @@ def test_reset_parameters_gives_a_meta_built_model_the_values_its_constructors_w
         meta = build()
     materialize(meta, elastictrain.reset_parameters, seed=SEED, device=torch.device("cpu"))
     assert _error(meta.state_dict(), real.state_dict()) == 0.0
+
+
+def test_a_complex_tensor_init_weights_leaves_unset_is_refused_as_a_real_one_is() -> None:
+    from elastictrain.errors import ConfigError
+    from elastictrain.train.meta_init import materialize
+
+    class Rotary(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+            self.register_buffer("freqs", torch.empty(4, dtype=torch.complex64))
+
+    with torch.device("meta"):
+        model = Rotary()
+    with pytest.raises(ConfigError, match="^init_weights left freqs unset"):
+        materialize(model, leaves_linear1_unset, seed=SEED, device=torch.device("cpu"))
 
 
 class Net(nn.Module):
