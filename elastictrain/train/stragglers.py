@@ -9,8 +9,9 @@ each rank compares its own with its peers' median, step by step: a rank at ``fac
 or more in most of the window (the median of its steps' ratios: one slow step of its own, a
 long call, makes no straggler, and a few slow steps of its peers, a host's CPU taken by
 another process, do not hide one), and slower by more than ``min_excess_s`` a step (noise at
-tiny steps is no straggler), says so once, with an event, and once more when it is back under
-``recover_factor``. Its factor is a gauge of its agent's metrics.
+tiny steps is no straggler), says so once, with an event, and once more when most of a window is
+back under ``recover_factor`` (the same median: one slow step keeps no rank a straggler). Its
+factor (the window's mean) is a gauge of its agent's metrics.
 
 Nothing here imports torch: the exchange is the caller's (:class:`~elastictrain.train.step_loop.StepLoop`).
 """
@@ -45,7 +46,7 @@ class StragglerWatch:
     Args:
         window: Steps between two exchanges (a straggler is slow in most of them).
         factor: Times its peers' median that makes a rank a straggler.
-        recover_factor: Under this, a straggler is one no more.
+        recover_factor: Under this in most of a window (the median of its ratios), a straggler is one no more.
         min_excess_s: The least a straggler's step is slower than its peers', in seconds.
     """
 
@@ -90,10 +91,11 @@ class StragglerWatch:
             return None
         compute_s, peers_s = statistics.fmean(own), statistics.fmean(theirs)
         factor = compute_s / peers_s if peers_s > 0 else math.inf
-        slow = statistics.median(ratios) >= self.factor and compute_s - peers_s >= self.min_excess_s
+        typical = statistics.median(ratios)
+        slow = typical >= self.factor and compute_s - peers_s >= self.min_excess_s
         change = None
         if not self.straggling and slow and len(ratios) == self.window:
             self.straggling, change = True, "started"
-        elif self.straggling and factor < self.recover_factor:
+        elif self.straggling and typical < self.recover_factor:
             self.straggling, change = False, "ended"
         return StragglerVerdict(factor=factor, compute_s=compute_s, peers_s=peers_s, change=change)
