@@ -158,12 +158,14 @@ class Generation:
                 # This group's connections: the callback runs on another thread, maybe once
                 # this rank has formed the next group (which it must not touch).
                 # The checkpoint group's too: a save in flight waits there for a peer that is gone;
-                # and the strategy's own groups' (hsdp's gradient all-reduce across replicas).
+                # and the strategy's own groups' (hsdp's gradient all-reduce across replicas). Then the
+                # strategy ends the waits gloo does not (fsdp's: a send half written to a peer that is gone).
                 groups = (self._checkpoint_group, *self.strategy.own_groups())
                 connections = peer_connections.on_record(None) + tuple(
                     connection for group in groups if group is not None
                     for connection in peer_connections.on_record(group))
-                control.on_stuck(functools.partial(_shut_down_stuck, connections), in_collective_only=True)
+                control.on_stuck(functools.partial(_shut_down_stuck, connections, self.strategy.on_cut()),
+                                 in_collective_only=True)
 
     def _count_forward(self, *_: Any) -> None:
         self.forwards += 1
@@ -211,9 +213,11 @@ class Generation:
                 logger.warning("could not destroy a gloo group of the session: %s", exc)
 
 
-def _shut_down_stuck(connections: tuple[tuple[int, int], ...]) -> None:
+def _shut_down_stuck(connections: tuple[tuple[int, int], ...], cut: Callable[[], None] | None) -> None:
     if peer_connections.shut_down(connections):
         logger.warning("a collective is stuck on a peer that is gone: shut down this group's connections")
+        if cut is not None:
+            cut()
 
 
 def _replaced_or_peer_lost(control: WorkerControl | None, group: dist.ProcessGroup) -> Callable[[], bool]:

@@ -159,6 +159,13 @@ class ParallelStrategy(ABC):
         shuts theirs down with its own group's. None by default (DDP trains on the group itself)."""
         return ()
 
+    def on_cut(self) -> Callable[[], None] | None:
+        """What ends this generation's waits for its collectives once the generation shut their
+        connections down under one stuck on a peer that is gone, a wait gloo may not end itself
+        (a send half written to that peer); called on another thread. None by default: DDP's
+        wait is in C++, where its gradient all-reduce fails as the connections are shut down."""
+        return None
+
     @property
     def view(self) -> GroupView:
         """The group wrapped over now.

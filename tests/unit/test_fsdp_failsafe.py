@@ -12,6 +12,9 @@ on real gloo processes.
 - A peer SIGKILLed while a rank is inside the backward that the step loop runs (the strategy's
   ``abandoning()``): the next collective raises ``AbandonedStep`` out of it (the units after it run
   no backward), and FSDP2's state is reset: every unit resharded, the holdings the shards unchanged.
+- A wait gloo does not end as the connections are shut down (the root of a broadcast sending to a
+  peer stopped inside it: a send half written) ends when the group is cut, as the generation's
+  stuck callback does, and the group is then destroyed at once.
 - Memory: a sharded session's strategy under in-process recovery holds no more units' parameters
   unsharded at once in the forward than plain FSDP2 does (fewer than all of them).
 """
@@ -442,3 +445,76 @@ def test_a_peer_killed_inside_the_backward_stops_it_at_the_next_collective_with_
     out = tmp_path / "abandoned"
     fork_ranks(_abandon_worker, 2, lambda rank: (rank, str(tmp_path / "store"), str(out)), timeout=90)
     assert out.read_text() == "ok"
+
+
+def _cut_worker(rank: int, store: str, flag: str, out: str) -> None:
+    import gc
+    import signal
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from elastictrain._torch_compat import is_collective_failure
+    from elastictrain.train import peer_connections
+    from elastictrain.train.fsdp.failsafe_group import SwallowedFailure, failsafe_group
+
+    with peer_connections.recording(1) as connections:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                                timeout=timedelta(seconds=CUT_GROUP_TIMEOUT_S))
+    failures = SwallowedFailure()
+    group = failsafe_group(dist.group.WORLD, failures)
+    data = torch.ones(64 * 2**20)  # 256 MB: far more than the sockets between them buffer
+    if rank == 1:  # asks for the root's data, then stops: its end stays open, unread
+        dist.broadcast(torch.empty_like(data), src=0, async_op=True)
+        Path(f"{flag}.tmp").write_text(str(os.getpid()))
+        os.replace(f"{flag}.tmp", flag)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        os._exit(0)  # once continued
+    with failures.swallowing():
+        work = dist.broadcast(data, src=0, group=group, async_op=True)
+        assert work is not None
+        while not Path(flag).exists():
+            time.sleep(0.01)
+        peer = int(Path(flag).read_text())
+        while "(stopped)" not in _state(peer):
+            time.sleep(0.01)
+
+        def stuck() -> None:  # what the generation's stuck callback does (its connections, then the cut)
+            assert peer_connections.shut_down(tuple(connections)) == len(connections) > 0
+            failures.cut()
+
+        threading.Timer(1.0, stuck).start()
+        started = time.monotonic()
+        work.wait()
+        waited = time.monotonic() - started
+    failure = failures.failure
+    assert failure is not None and is_collective_failure(failure) and "stuck" in str(failure), failure
+    # Leaving the generation: the group is destroyed at once, its collective still in gloo's thread.
+    del work, group
+    gc.collect()
+    started = time.monotonic()
+    dist.destroy_process_group()
+    gc.collect()
+    destroyed = time.monotonic() - started
+    os.kill(peer, signal.SIGCONT)
+    Path(out).write_text(f"{waited:.2f} {destroyed:.2f}")
+    os._exit(0)
+
+
+CUT_GROUP_TIMEOUT_S = 40
+
+
+def test_a_wait_gloo_does_not_end_as_the_connections_are_shut_down_ends_when_the_group_is_cut(
+        tmp_path: Path) -> None:
+    # A survivor whose send was half written to a peer killed mid-transfer waited out the 60 s timeout
+    # in the benchmark: gloo fails a closed connection's receives, not a send in flight. Here the
+    # root of a broadcast sends to a peer stopped inside it; its connections are shut down after 1 s,
+    # as the stuck callback does. Without the cut the wait lasted the whole group timeout (40.03 s);
+    # with it, but the group not held by the waiting thread, destroying the group did (39 s, 3 runs of 4).
+    out = tmp_path / "waited"
+    fork_ranks(_cut_worker, 2, lambda rank: (rank, str(tmp_path / "store"), str(tmp_path / "flag"), str(out)),
+               timeout=CUT_GROUP_TIMEOUT_S + 30)
+    waited, destroyed = (float(n) for n in out.read_text().split())
+    assert waited < CUT_GROUP_TIMEOUT_S / 2, f"the wait lasted {waited} s: the group's timeout, not the cut"
+    assert destroyed < CUT_GROUP_TIMEOUT_S / 2, f"destroying the group took {destroyed} s: it joined gloo's thread"

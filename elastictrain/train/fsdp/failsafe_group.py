@@ -22,6 +22,17 @@ size``, which names gloo); any error outside the window (the step's boundary: cl
 optimizer step, checkpoints, the gathering of full weights), which raises as on the group
 underneath. Errors of the user's own code are never seen here.
 
+A wait gloo does not end: once a rank's connections are shut down under a collective stuck on a
+peer that is gone (the generation's stuck callback), gloo fails the collective's pending receives
+but not a send it had half written to that peer (its transport signals no error to a send in
+flight), which waits out the group's timeout (a worker SIGKILLed mid-transfer held a survivor 60 s).
+So a step's wait for a collective on the CPU (gloo) happens on a thread of its own, and the step
+waits for that thread or for :meth:`SwallowedFailure.cut` (the stuck callback's last act): the
+failure is recorded and the wait returns as for any failure, while gloo's thread stays in the send
+until its timeout. The waiting thread holds the group till then: a group dropped while gloo's
+thread runs one of its collectives joins that thread as it is destroyed, which would hold up the
+rank leaving the generation for the rest of the timeout (seen: 39 s of 40).
+
 Each group wraps a group that exists (the default group for fsdp, hsdp's sub-groups) and shares
 its connections: leaving the generation severs them as before. It is made by ``new_group`` with
 a backend registered here (``DeviceMesh.from_group`` needs a group torch registered by name), and
@@ -32,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import threading
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -75,6 +87,9 @@ class SwallowedFailure:
         self._abandon = False
         self._waiting: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
         self._lock = threading.Lock()
+        self._cut = False
+        self._wakes: set[threading.Event] = set()
+        self._waiter: queue.SimpleQueue[_Waited] | None = None
 
     @property
     def failure(self) -> BaseException | None:
@@ -134,6 +149,60 @@ class SwallowedFailure:
                 logger.warning("a collective of the sharded model failed inside the step (%s): its collectives "
                                "return at once from now on, and the step is discarded at its end", error)
 
+    def cut(self) -> None:
+        """This rank's connections under the groups were shut down, a collective stuck on a peer that
+        is gone (the generation's stuck callback, on another thread): record the failure and end the
+        waits for collectives on the CPU now, those in progress and those to come, which gloo may
+        not end (see the module docstring)."""
+        self.record(dist.DistNetworkError("a collective is stuck on a peer that is gone: this rank shut down its "
+                                          "connections"))
+        with self._lock:
+            self._cut = True
+            wakes = list(self._wakes)
+        for woken in wakes:
+            woken.set()
+
+    def wait_done_or_cut(self, work: dist.Work, group: dist.ProcessGroup) -> bool:
+        """Wait until ``work`` (a collective of ``group`` on the CPU) completes, failed or not: True;
+        or until :meth:`cut`: False. Its wait in C++ runs on a thread of this object's (gloo's works
+        do not all complete a future), which a cut leaves behind, blocked until gloo's timeout and
+        holding ``group`` till then (see the module docstring)."""
+        woken, done = threading.Event(), threading.Event()
+        with self._lock:
+            if self._cut:
+                return False
+            self._wakes.add(woken)
+            if self._waiter is None:
+                self._waiter = queue.SimpleQueue()
+                threading.Thread(target=_wait_each, args=(self._waiter,), name="elastictrain-collective-wait",
+                                 daemon=True).start()
+        self._waiter.put((work, group, done, woken))
+        try:
+            woken.wait()
+        finally:
+            with self._lock:
+                self._wakes.discard(woken)
+        return done.is_set()
+
+
+_Waited = tuple[dist.Work, dist.ProcessGroup, threading.Event, threading.Event]
+"""A work to wait for on the waiting thread, its group, and the events it sets once done."""
+
+
+def _wait_each(works: queue.SimpleQueue[_Waited]) -> None:
+    """A waiting thread's loop: wait for each work put on ``works`` (its failure is the waiter's to
+    raise), its group held meanwhile, then set its two events (done, then the waiter's wake-up)."""
+    while True:
+        work, group, done, woken = works.get()
+        try:
+            work.wait()
+        except Exception:  # noqa: BLE001, S110 - raised again by the waiter's own wait, on its thread
+            pass
+        del work, group
+        done.set()
+        woken.set()
+
+
 
 class _DoneWork(dist.Work):
     """Work that is complete: a collective skipped, or one whose failure was swallowed."""
@@ -161,24 +230,39 @@ class _DoneWork(dist.Work):
 
 
 class _SwallowingWork(dist.Work):
-    """A collective's work whose failure, when it waits, is recorded (a failed collective) instead of raised."""
+    """A collective's work whose failure, when it waits, is recorded (a failed collective) instead of
+    raised; on the CPU its wait ends when the group is cut (:meth:`SwallowedFailure.cut`)."""
 
-    def __init__(self, work: dist.Work, failures: SwallowedFailure, result: list[Any]) -> None:
+    def __init__(self, work: dist.Work, failures: SwallowedFailure, result: list[Any],
+                 group: FailsafeGroup | None) -> None:
         super().__init__()
         self._work, self._failures, self._result = work, failures, result
+        self._group = group
+        """The group where a cut ends the wait (a collective on the CPU), else None."""
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         try:
             with self._failures.waiting():
-                if timeout is None:
-                    self._work.wait()
-                else:
-                    self._work.wait(timeout)
+                completed = self._wait(timeout)
         except Exception as exc:
             if not is_collective_failure(exc):
                 raise
             self._failures.record(exc)
+            completed = False
+        if not completed:
             self._failures.skipped("wait", self._result)  # raises inside abandoning()
+        return True
+
+    def _wait(self, timeout: timedelta | None) -> bool:
+        """Wait for the work (raising its failure): True, or False when a cut ended the wait first."""
+        if timeout is not None:
+            self._work.wait(timeout)
+        elif self._group is None:
+            self._work.wait()
+        elif self._failures.wait_done_or_cut(self._work, self._group):
+            self._work.wait()  # done: raises its failure, if any
+        else:
+            return False
         return True
 
     def is_completed(self) -> bool:
@@ -242,7 +326,7 @@ class FailsafeGroup(dist.ProcessGroup):
             return failures.skipped(operation, result)
         if not failures.active:
             return work
-        return _SwallowingWork(work, failures, result)
+        return _SwallowingWork(work, failures, result, self if _on_cpu(result) else None)
 
 
 def _operation(name: str) -> Callable[..., dist.Work]:
@@ -263,6 +347,13 @@ def _outputs(args: tuple[Any, ...]) -> list[Any]:
     if isinstance(first, list):
         return first
     return [first] if isinstance(first, torch.Tensor) else []
+
+
+def _on_cpu(result: list[Any]) -> bool:
+    """Whether a collective with outputs ``result`` runs on the CPU (gloo's), where a cut ends its
+    wait. NCCL's wait is left as it is: it only orders the stream, and an abort ends it."""
+    tensors = [t for item in result for t in (item if isinstance(item, list) else [item])]
+    return bool(tensors) and all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in tensors)
 
 
 _pending = threading.local()

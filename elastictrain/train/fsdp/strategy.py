@@ -340,6 +340,11 @@ class FsdpStrategy(ParallelStrategy):
         mesh = self._mesh_groups(self._sharded) if self._sharded is not None else ()
         return mesh + (self.redundancy.groups() if self.redundancy is not None else ())
 
+    def on_cut(self) -> Callable[[], None] | None:
+        """See base class: the mesh's failure is recorded and its waits end
+        (:meth:`~elastictrain.train.fsdp.failsafe_group.SwallowedFailure.cut`), under in-process recovery."""
+        return self._failures.cut if self._failures is not None else None
+
     @staticmethod
     def _mesh_groups(sharded: Sharded) -> tuple[dist.ProcessGroup, ...]:
         """The groups that communicate under the mesh's (failsafe wrappers' inner groups)."""
