@@ -76,6 +76,7 @@ class WorkerControl:
         current = self._assignments.current()
         self.generation = current.generation if current is not None else 0
         self._on_stuck: Callable[[], None] | None = None
+        self._stuck_lost: Callable[[], bool] | None = None
         self._stuck_after = 1.0
         self._in_collective = False
         self._collective_at = 0.0
@@ -176,7 +177,10 @@ class WorkerControl:
         stalled = now() - since > max(self._stuck_after, _STUCK_STEPS * self.step_s)
         # A generation that only adds nodes keeps every peer: none is gone, whatever the wait.
         joined = current is not None and current.joined and current.generation == self.generation + 1
-        if current is not None and current.generation > self.generation and stalled and not joined:
+        if current is None or current.generation <= self.generation or joined:
+            return
+        # A peer's connection closed (it died): the wait is doomed, however short so far.
+        if stalled or (self._stuck_lost is not None and self._stuck_lost()):
             self._on_stuck = None  # once per generation; set again when training resumes
             try:
                 callback()
@@ -184,7 +188,7 @@ class WorkerControl:
                 logger.exception("the stuck-collective callback failed")
 
     def on_stuck(self, callback: Callable[[], None] | None, *, after: float = 1.0,
-                 in_collective_only: bool = False) -> None:
+                 in_collective_only: bool = False, lost: Callable[[], bool] | None = None) -> None:
         """Call ``callback`` (on the liveness thread) if this worker trains, its agent already
         published a newer generation (not one that only adds nodes), and no step finished for
         ``after`` seconds (and :data:`_STUCK_STEPS` of its typical steps; with
@@ -193,10 +197,13 @@ class WorkerControl:
         The callback makes it fail now (NCCL's abort, gloo's connections shut down). With
         ``in_collective_only``, only while the worker waits in a step's own collectives (see
         :meth:`collective`): gloo's block the calling thread there, where NCCL's are
-        asynchronous and block it at the next synchronization, wherever that is."""
+        asynchronous and block it at the next synchronization, wherever that is. With ``lost``
+        (whether a peer closed one of the group's connections: it died), at once when it says so,
+        the newer generation published: a survivor's send to a peer killed mid-transfer fails
+        nothing in gloo until its connections are shut down."""
         with self._lock:
             self._on_stuck, self._stuck_after = callback, after
-            self._stuck_in_collective_only = in_collective_only
+            self._stuck_in_collective_only, self._stuck_lost = in_collective_only, lost
 
     @contextlib.contextmanager
     def collective(self) -> Iterator[None]:

@@ -165,7 +165,7 @@ class Generation:
                     connection for group in groups if group is not None
                     for connection in peer_connections.on_record(group))
                 control.on_stuck(functools.partial(_shut_down_stuck, connections, self.strategy.on_cut()),
-                                 in_collective_only=True)
+                                 in_collective_only=True, lost=functools.partial(peer_connections.closed, connections))
 
     def _count_forward(self, *_: Any) -> None:
         self.forwards += 1

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from elastictrain._process import fd_targets
 
-__all__ = ["Connections", "forget_all", "keep", "lost_peer", "on_record", "recording", "sever", "shut_down"]
+__all__ = ["Connections", "closed", "forget_all", "keep", "lost_peer", "on_record", "recording", "sever", "shut_down"]
 
 logger = logging.getLogger(__name__)
 
@@ -122,10 +122,16 @@ def lost_peer(group: dist.ProcessGroup | None) -> bool:
     For a rank that waits on its peers outside a collective (for their checkpoint files):
     a collective would fail at once on a dead peer, a wait on files would not.
     """
+    return closed(on_record(group))
+
+
+def closed(recorded: Connections) -> bool:
+    """Whether a peer closed one of the ``recorded`` connections (see :func:`on_record`), or gloo
+    did as it broke: :func:`lost_peer` of connections read earlier, from another thread."""
     held: list[int] = []
     try:
         poller = select.poll()
-        for fd, inode in on_record(group):
+        for fd, inode in recorded:
             duplicate = _held(fd, inode)
             if duplicate is None:
                 return True  # gloo closed it: the connection broke

@@ -315,3 +315,36 @@ def test_a_save_stuck_on_a_peer_that_is_gone_is_cut_like_a_stuck_collective(
         assert stuck == ([True] if fires else [])
     finally:
         control.close()
+
+
+@pytest.mark.parametrize("lost", [True, False])
+def test_a_collective_whose_peer_closed_its_connection_is_cut_at_once_once_the_next_generation_is_out(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lost: bool) -> None:
+    # An fsdp survivor's send, half written to a rank SIGKILLed mid-transfer, fails nothing in gloo: it
+    # was cut 6 s later, at 3 of its 2 s steps. A connection the dead peer closed says so at once.
+    from elastictrain._control import Assignment, write_assignment
+    from elastictrain.train import control as control_module
+
+    ProgressTable(tmp_path, 1, create=True).close()
+    write_assignment(tmp_path, Assignment(generation=1, round=0, world_size=2, master_addr="127.0.0.1",
+                                          master_port=1, ranks={"0": 0}))
+    clock = [100.0]
+    monkeypatch.setattr(control_module, "now", lambda: clock[0])
+    control = WorkerControl(str(tmp_path), 0, 1, hang_bounds=BOUNDS)
+    stuck: list[bool] = []
+    try:
+        control.on_stuck(lambda: stuck.append(True), after=1.0, in_collective_only=True, lost=lambda: lost)
+        control.set_state(WorkerState.TRAINING)
+        for step in range(1, 4):  # steps of 2 s
+            control.step_done(step)
+            clock[0] += 2.0
+        with control.collective():
+            clock[0] += 0.3
+            control._check_stuck()
+            assert stuck == []  # the generation it trains in is the newest: nothing is gone
+            write_assignment(tmp_path, Assignment(generation=2, round=1, world_size=1, master_addr="127.0.0.1",
+                                                  master_port=1, ranks={"0": 0}))
+            control._check_stuck()
+            assert stuck == ([True] if lost else [])
+    finally:
+        control.close()
