@@ -267,6 +267,7 @@ def test_in_process_recovery_holds_no_more_units_unsharded_in_the_forward_than_p
 
 def _waiting_worker(rank: int, store: str, out: str) -> None:
     import contextlib
+    import threading
 
     import torch.distributed as dist
 
@@ -289,6 +290,12 @@ def _waiting_worker(rank: int, store: str, out: str) -> None:
         assert work is not None
         work.wait()
     dist.all_reduce(torch.ones(3), group=group)  # outside the window: no marker
+    # The thread the waits ran on ends with the generation (one per generation would pile up).
+    waiting = [t for t in threading.enumerate() if t.name == "elastictrain-collective-wait"]
+    assert len(waiting) == 1, waiting
+    failures.close()
+    waiting[0].join(timeout=10)
+    assert not waiting[0].is_alive()
     if rank == 0:
         Path(out).write_text(json.dumps(entered))
     dist.barrier()

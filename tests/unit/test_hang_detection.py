@@ -291,16 +291,7 @@ def test_a_save_stuck_on_a_peer_that_is_gone_is_cut_like_a_stuck_collective(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, section: int, fires: bool) -> None:
     # A link cut while the ranks saved: the survivors waited in the save's broadcast until the
     # link came back (20 s), as the stuck-collective callback only counted a step's collectives.
-    from elastictrain._control import Assignment, write_assignment
-    from elastictrain.train import control as control_module
-
-    ProgressTable(tmp_path, 1, create=True).close()
-    assignment = Assignment(generation=1, round=0, world_size=2, master_addr="127.0.0.1", master_port=1,
-                            ranks={"0": 0})
-    write_assignment(tmp_path, assignment)
-    clock = [100.0]
-    monkeypatch.setattr(control_module, "now", lambda: clock[0])
-    control = WorkerControl(str(tmp_path), 0, 1, hang_bounds=BOUNDS)
+    control, clock = _training_in_generation_1(tmp_path, monkeypatch)
     stuck: list[bool] = []
     try:
         control.on_stuck(lambda: stuck.append(True), after=1.0, in_collective_only=True)
@@ -309,8 +300,7 @@ def test_a_save_stuck_on_a_peer_that_is_gone_is_cut_like_a_stuck_collective(
         control.enter(section)
         clock[0] += 5.0
         # The agent published the next generation (a node left): the peer this rank waits for is gone.
-        write_assignment(tmp_path, Assignment(generation=2, round=1, world_size=1, master_addr="127.0.0.1",
-                                              master_port=1, ranks={"0": 0}))
+        _publish_generation_2(tmp_path)
         control._check_stuck()
         assert stuck == ([True] if fires else [])
     finally:
@@ -322,15 +312,7 @@ def test_a_collective_whose_peer_closed_its_connection_is_cut_at_once_once_the_n
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lost: bool) -> None:
     # An fsdp survivor's send, half written to a rank SIGKILLed mid-transfer, fails nothing in gloo: it
     # was cut 6 s later, at 3 of its 2 s steps. A connection the dead peer closed says so at once.
-    from elastictrain._control import Assignment, write_assignment
-    from elastictrain.train import control as control_module
-
-    ProgressTable(tmp_path, 1, create=True).close()
-    write_assignment(tmp_path, Assignment(generation=1, round=0, world_size=2, master_addr="127.0.0.1",
-                                          master_port=1, ranks={"0": 0}))
-    clock = [100.0]
-    monkeypatch.setattr(control_module, "now", lambda: clock[0])
-    control = WorkerControl(str(tmp_path), 0, 1, hang_bounds=BOUNDS)
+    control, clock = _training_in_generation_1(tmp_path, monkeypatch)
     stuck: list[bool] = []
     try:
         control.on_stuck(lambda: stuck.append(True), after=1.0, in_collective_only=True, lost=lambda: lost)
@@ -342,9 +324,29 @@ def test_a_collective_whose_peer_closed_its_connection_is_cut_at_once_once_the_n
             clock[0] += 0.3
             control._check_stuck()
             assert stuck == []  # the generation it trains in is the newest: nothing is gone
-            write_assignment(tmp_path, Assignment(generation=2, round=1, world_size=1, master_addr="127.0.0.1",
-                                                  master_port=1, ranks={"0": 0}))
+            _publish_generation_2(tmp_path)
             control._check_stuck()
             assert stuck == ([True] if lost else [])
     finally:
         control.close()
+
+
+def _training_in_generation_1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[WorkerControl, list[float]]:
+    """A rank's control in generation 1 of a world of 2, and the clock its liveness reads."""
+    from elastictrain._control import Assignment, write_assignment
+    from elastictrain.train import control as control_module
+
+    ProgressTable(tmp_path, 1, create=True).close()
+    write_assignment(tmp_path, Assignment(generation=1, round=0, world_size=2, master_addr="127.0.0.1",
+                                          master_port=1, ranks={"0": 0}))
+    clock = [100.0]
+    monkeypatch.setattr(control_module, "now", lambda: clock[0])
+    return WorkerControl(str(tmp_path), 0, 1, hang_bounds=BOUNDS), clock
+
+
+def _publish_generation_2(tmp_path: Path) -> None:
+    """The agent's next generation, without the peer."""
+    from elastictrain._control import Assignment, write_assignment
+
+    write_assignment(tmp_path, Assignment(generation=2, round=1, world_size=1, master_addr="127.0.0.1",
+                                          master_port=1, ranks={"0": 0}))

@@ -89,7 +89,7 @@ class SwallowedFailure:
         self._lock = threading.Lock()
         self._cut = False
         self._wakes: set[threading.Event] = set()
-        self._waiter: queue.SimpleQueue[_Waited] | None = None
+        self._waiter: queue.SimpleQueue[_Waited | None] | None = None
 
     @property
     def failure(self) -> BaseException | None:
@@ -162,6 +162,13 @@ class SwallowedFailure:
         for woken in wakes:
             woken.set()
 
+    def close(self) -> None:
+        """The generation is left: the waiting thread ends (once gloo ends a wait a cut left it in)."""
+        with self._lock:
+            if self._waiter is not None:
+                self._waiter.put(None)
+                self._waiter = None
+
     def wait_done_or_cut(self, work: dist.Work, group: dist.ProcessGroup) -> bool:
         """Wait until ``work`` (a collective of ``group`` on the CPU) completes, failed or not: True;
         or until :meth:`cut`: False. Its wait in C++ runs on a thread of this object's (gloo's works
@@ -189,11 +196,13 @@ _Waited = tuple[dist.Work, dist.ProcessGroup, threading.Event, threading.Event]
 """A work to wait for on the waiting thread, its group, and the events it sets once done."""
 
 
-def _wait_each(works: queue.SimpleQueue[_Waited]) -> None:
+def _wait_each(works: queue.SimpleQueue[_Waited | None]) -> None:
     """A waiting thread's loop: wait for each work put on ``works`` (its failure is the waiter's to
-    raise), its group held meanwhile, then set its two events (done, then the waiter's wake-up)."""
-    while True:
-        work, group, done, woken = works.get()
+    raise), its group held meanwhile, then set its two events (done, then the waiter's wake-up);
+    until None comes."""
+    while (waited := works.get()) is not None:
+        work, group, done, woken = waited
+        del waited
         try:
             work.wait()
         except Exception:  # noqa: BLE001, S110 - raised again by the waiter's own wait, on its thread
@@ -201,7 +210,6 @@ def _wait_each(works: queue.SimpleQueue[_Waited]) -> None:
         del work, group
         done.set()
         woken.set()
-
 
 
 class _DoneWork(dist.Work):

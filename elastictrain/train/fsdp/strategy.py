@@ -366,6 +366,8 @@ class FsdpStrategy(ParallelStrategy):
         thousands of objects (the holdings announced and planned, a module and its shards built
         afresh) and woke a full collection of the whole process in it (0.1-0.5 s at the
         benchmark's LM, on 2 loaded cores), with every rank waiting for the slowest."""
+        if self._failures is not None:
+            self._failures.close()
         self._failures = None
         if self._forward_waits is not None:
             self._forward_waits.remove()
