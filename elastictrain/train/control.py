@@ -170,15 +170,15 @@ class WorkerControl:
                                                                       and not (self._in_collective or saving)):
             return
         current = self._assignments.current()
+        # A generation that only adds nodes keeps every peer: none is gone, whatever the wait.
+        if (current is None or current.generation <= self.generation
+                or (current.joined and current.generation == self.generation + 1)):
+            return
         # In flight for several typical steps, not a slow step: since the last step ended, or
         # since the collective (or the save) began (the first step after a re-formation or a save).
         began = self._collective_at if self._in_collective else self._section_at
         since = max(self.step_at, began if self._stuck_in_collective_only else 0.0) or now()
         stalled = now() - since > max(self._stuck_after, _STUCK_STEPS * self.step_s)
-        # A generation that only adds nodes keeps every peer: none is gone, whatever the wait.
-        joined = current is not None and current.joined and current.generation == self.generation + 1
-        if current is None or current.generation <= self.generation or joined:
-            return
         # A peer's connection closed (it died): the wait is doomed, however short so far.
         if stalled or (self._stuck_lost is not None and self._stuck_lost()):
             self._on_stuck = None  # once per generation; set again when training resumes

@@ -171,19 +171,22 @@ class SwallowedFailure:
 
     def wait_done_or_cut(self, work: dist.Work, group: dist.ProcessGroup) -> bool:
         """Wait until ``work`` (a collective of ``group`` on the CPU) completes, failed or not: True;
-        or until :meth:`cut`: False. Its wait in C++ runs on a thread of this object's (gloo's works
-        do not all complete a future), which a cut leaves behind, blocked until gloo's timeout and
-        holding ``group`` till then (see the module docstring)."""
+        or until :meth:`cut`: False, at once for a work waited for after the cut. Its wait in C++
+        runs on a thread of this object's (gloo's works do not all complete a future), which a cut
+        leaves behind, blocked until gloo's timeout and holding ``group`` till then (see the module
+        docstring), a work waited for after the cut included."""
         woken, done = threading.Event(), threading.Event()
         with self._lock:
-            if self._cut:
-                return False
-            self._wakes.add(woken)
+            cut = self._cut
+            if not cut:
+                self._wakes.add(woken)
             if self._waiter is None:
                 self._waiter = queue.SimpleQueue()
                 threading.Thread(target=_wait_each, args=(self._waiter,), name="elastictrain-collective-wait",
                                  daemon=True).start()
-        self._waiter.put((work, group, done, woken))
+            self._waiter.put((work, group, done, woken))
+        if cut:
+            return False
         try:
             woken.wait()
         finally:
